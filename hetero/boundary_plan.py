@@ -1,0 +1,295 @@
+"""Boundary plans: which rank sends which rows of the encoder output to whom. Pure functions, no torch.
+
+An encoder module produces embeddings for its media tokens; the LLM ("language") consumes them at given
+positions of its fused sequence. Both sides shard the same elements differently:
+
+* element g = (sample i, media token j); samples are split over DP, media tokens of one sample over CP.
+* source (encoder, last PP stage): DP rank d holds samples [d*N/dp, (d+1)*N/dp); within a sample its
+  media tokens are cut into cp contiguous parts as evenly as possible (encoders attend bidirectionally, so
+  contiguous parts are already balanced). Every TP rank of a (dp, cp) shard holds the same rows.
+* destination (language, first PP stage): DP as above with its own dp; the LLM sequence of S positions is
+  cut into 2*cp chunks and CP rank r keeps chunks r and 2cp-1-r (zigzag, balances causal attention); a
+  media token belongs to the CP rank whose chunk holds its position. Every TP rank needs the rows.
+
+A rank's tensor holds its elements in (sample, token) order: as [rows, hidden] ("tokens"), or for the
+destination also "dense" [local samples, S/cp, hidden] with each media row at its local sequence slot.
+
+Forward: every destination rank receives each element it needs exactly once, from a source rank that
+holds it; if the rank itself holds it in the source layout the row is copied locally and never sent.
+Backward: every source rank (each TP replica needs the full gradient) receives each of its elements'
+gradient exactly once from one destination TP replica (they all hold the same gradient after TP's
+backward all-reduce, so it is counted once). At the granularity of (dp, cp) shards the backward plan
+moves every element along the forward edge reversed: it is the forward plan's transpose.
+Shapes follow from the metadata every rank has, so no shape handshake is ever sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from hetero.layout import ModuleLayout
+
+
+class BoundaryError(ValueError):
+    """Metadata that does not fit the layouts; the message names what and how to fix it."""
+
+
+@dataclass(frozen=True)
+class BoundaryBatch:
+    """Per-microbatch metadata every rank of every module has (it comes with the batch).
+
+    seq_length: the LLM sequence length S (per sample, packed).
+    positions: one sorted int array per sample: where this encoder's media tokens sit in that sample's
+        LLM sequence. Its length is the number of media tokens the encoder produces for the sample.
+    """
+
+    seq_length: int
+    positions: tuple[np.ndarray, ...]
+
+    @classmethod
+    def from_lists(cls, seq_length: int, positions: Sequence[Sequence[int]]) -> "BoundaryBatch":
+        return cls(seq_length, tuple(np.asarray(p, dtype=np.int64) for p in positions))
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.positions)
+
+    @property
+    def tokens_per_sample(self) -> np.ndarray:
+        return np.array([len(p) for p in self.positions], dtype=np.int64)
+
+    def validate(self) -> None:
+        for i, p in enumerate(self.positions):
+            if p.ndim != 1:
+                raise BoundaryError(f"sample {i}: media positions must be a 1-D array, got shape {p.shape}")
+            if len(p) and (p[0] < 0 or p[-1] >= self.seq_length):
+                raise BoundaryError(f"sample {i}: media positions must lie in [0, {self.seq_length}); "
+                                    f"got {p[0]}..{p[-1]}: the sample does not fit the sequence length")
+            if np.any(np.diff(p) <= 0):
+                raise BoundaryError(f"sample {i}: media positions must be strictly increasing (one token per "
+                                    f"position, in sequence order)")
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Rows src_index of src_rank's input go to rows dst_index of dst_rank's output (same order)."""
+
+    src_rank: int
+    dst_rank: int
+    src_index: np.ndarray
+    dst_index: np.ndarray
+
+    @property
+    def local(self) -> bool:
+        return self.src_rank == self.dst_rank
+
+
+@dataclass(frozen=True)
+class DirectionPlan:
+    """One direction of a boundary: every rank's input rows, output rows and the transfers between them."""
+
+    in_rows: dict[int, int]   # ranks holding an input tensor -> its number of rows
+    out_rows: dict[int, int]  # ranks producing an output tensor -> its number of rows
+    transfers: tuple[Transfer, ...]
+
+    def sends(self, rank: int) -> list[Transfer]:
+        return [t for t in self.transfers if t.src_rank == rank and not t.local]
+
+    def recvs(self, rank: int) -> list[Transfer]:
+        return [t for t in self.transfers if t.dst_rank == rank and not t.local]
+
+    def locals(self, rank: int) -> list[Transfer]:
+        return [t for t in self.transfers if t.src_rank == rank and t.local]
+
+    def rows_moved(self) -> int:
+        return sum(len(t.src_index) for t in self.transfers if not t.local)
+
+
+@dataclass(frozen=True)
+class BoundaryPlan:
+    forward: DirectionPlan
+    backward: DirectionPlan
+    dst_format: str
+    dst_shape: dict[int, tuple[int, ...]]  # destination rank -> output shape without the hidden dim
+
+
+@dataclass(frozen=True)
+class _Elements:
+    """Per-element shard coordinates and local row indices on both sides (arrays over all elements g)."""
+
+    sample: np.ndarray
+    src_dp: np.ndarray
+    src_cp: np.ndarray
+    src_row: np.ndarray
+    dst_dp: np.ndarray
+    dst_cp: np.ndarray
+    dst_row: np.ndarray
+
+
+def _contiguous_part(token: np.ndarray, count: np.ndarray, parts: int) -> np.ndarray:
+    """Index of the part holding `token` when `count` tokens are cut into `parts` near-equal contiguous
+    parts (the first count % parts parts get one extra token, like numpy.array_split)."""
+    base, extra = count // parts, count % parts
+    head = extra * (base + 1)  # tokens in the larger leading parts
+    in_tail = (token - head) // np.maximum(base, 1)
+    return np.where(token < head, token // (base + 1), extra + in_tail)
+
+
+def _rank_in_group(keys: np.ndarray) -> np.ndarray:
+    """For each element, how many elements with the same key come before it (elements are in g order)."""
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    starts = np.r_[0, np.flatnonzero(np.diff(sorted_keys)) + 1]
+    first_of_group = np.repeat(starts, np.diff(np.r_[starts, len(keys)]))
+    rank = np.empty_like(keys)
+    rank[order] = np.arange(len(keys)) - first_of_group
+    return rank
+
+
+def _sample_and_token(batch: BoundaryBatch) -> tuple[np.ndarray, np.ndarray]:
+    """Per element g: its sample i and its media-token index j within the sample."""
+    counts = batch.tokens_per_sample
+    sample = np.repeat(np.arange(batch.num_samples, dtype=np.int64), counts)
+    token = np.arange(len(sample), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return sample, token
+
+
+def _elements(src: ModuleLayout, dst: ModuleLayout, batch: BoundaryBatch, dst_format: str) -> _Elements:
+    n, seq = batch.num_samples, batch.seq_length
+    for side, layout in (("source", src), ("destination", dst)):
+        if n % layout.dp_size:
+            raise BoundaryError(f"{side} dp={layout.dp_size} does not divide the {n} samples of the microbatch; "
+                                f"use a multiple of {layout.dp_size} samples")
+    if seq % (2 * dst.cp):
+        raise BoundaryError(f"seq_length={seq} is not divisible by 2*cp={2 * dst.cp} of the destination; pad it")
+    batch.validate()
+    sample, token = _sample_and_token(batch)
+    pos = np.concatenate(batch.positions) if n else np.zeros(0, np.int64)
+
+    src_dp = sample // (n // src.dp_size)
+    src_cp = _contiguous_part(token, batch.tokens_per_sample[sample], src.cp)
+    src_row = _rank_in_group(src_dp * src.cp + src_cp)
+
+    dst_dp = sample // (n // dst.dp_size)
+    chunk_len = seq // (2 * dst.cp)
+    chunk = pos // chunk_len
+    dst_cp = np.where(chunk < dst.cp, chunk, 2 * dst.cp - 1 - chunk)
+    if dst_format == "tokens":
+        dst_row = _rank_in_group(dst_dp * dst.cp + dst_cp)
+    elif dst_format == "dense":
+        # local slot: the rank's first chunk then its mirrored chunk, each chunk_len long
+        slot = np.where(chunk < dst.cp, pos - chunk * chunk_len, chunk_len + pos - chunk * chunk_len)
+        local_sample = sample - dst_dp * (n // dst.dp_size)
+        dst_row = local_sample * (seq // dst.cp) + slot
+    else:
+        raise BoundaryError(f"dst_format={dst_format!r}: use 'tokens' ([rows, hidden]) or 'dense' "
+                            f"([samples, seq/cp, hidden])")
+    return _Elements(sample, src_dp, src_cp, src_row, dst_dp, dst_cp, dst_row)
+
+
+def _route(receivers: list[tuple[int, np.ndarray, np.ndarray]], recv_rows: np.ndarray,
+           send_rows: np.ndarray) -> list[Transfer]:
+    """Group each receiver's needed elements by the rank that will send them into one Transfer per pair.
+
+    receivers: (rank, element ids it needs, sender rank per needed element); rows index both sides.
+    """
+    transfers = []
+    for rank, elems, senders in receivers:
+        for sender in np.unique(senders):
+            pick = elems[senders == sender]
+            transfers.append(Transfer(int(sender), rank, send_rows[pick], recv_rows[pick]))
+    return transfers
+
+
+def plan_boundary(src: ModuleLayout, dst: ModuleLayout, batch: BoundaryBatch,
+                  dst_format: str = "tokens") -> BoundaryPlan:
+    """The forward and backward transfers of one encoder -> language boundary for one microbatch."""
+    e = _elements(src, dst, batch, dst_format)
+    src_last, n = src.pp - 1, batch.num_samples
+
+    def src_rank(tp, cp, dp):
+        return src.first + tp + src.tp * (cp + src.cp * (dp + src.dp_size * src_last))
+
+    def dst_rank(tp, cp, dp):
+        return dst.first + tp + dst.tp * (cp + dst.cp * dp)
+
+    fwd_receivers, fwd_out, dst_shape = [], {}, {}
+    for dp in range(dst.dp_size):
+        for cp in range(dst.cp):
+            elems = np.flatnonzero((e.dst_dp == dp) & (e.dst_cp == cp))
+            for tp in range(dst.tp):
+                rank = dst_rank(tp, cp, dp)
+                # prefer the rank itself (colocated: no send); else spread over the source TP replicas
+                mine = src.coord(rank)
+                own_tp = mine.tp if (mine is not None and mine.pp == src_last) else None
+                sender_tp = np.full(len(elems), tp % src.tp)
+                if own_tp is not None:
+                    held = (e.src_dp[elems] == mine.dp) & (e.src_cp[elems] == mine.cp)
+                    sender_tp[held] = own_tp
+                senders = src_rank(sender_tp, e.src_cp[elems], e.src_dp[elems])
+                fwd_receivers.append((rank, elems, senders))
+                if dst_format == "tokens":
+                    dst_shape[rank] = (len(elems),)
+                else:
+                    dst_shape[rank] = (n // dst.dp_size, batch.seq_length // dst.cp)
+                fwd_out[rank] = int(np.prod(dst_shape[rank]))
+
+    bwd_receivers, src_rows = [], {}
+    for dp in range(src.dp_size):
+        for cp in range(src.cp):
+            elems = np.flatnonzero((e.src_dp == dp) & (e.src_cp == cp))
+            for tp in range(src.tp):
+                rank = src_rank(tp, cp, dp)
+                mine = dst.coord(rank)
+                own_tp = mine.tp if (mine is not None and mine.pp == 0) else None
+                sender_tp = np.full(len(elems), tp % dst.tp)
+                if own_tp is not None:
+                    held = (e.dst_dp[elems] == mine.dp) & (e.dst_cp[elems] == mine.cp)
+                    sender_tp[held] = own_tp
+                senders = dst_rank(sender_tp, e.dst_cp[elems], e.dst_dp[elems])
+                bwd_receivers.append((rank, elems, senders))
+                src_rows[rank] = len(elems)
+
+    forward = DirectionPlan(src_rows, fwd_out, tuple(_route(fwd_receivers, e.dst_row, e.src_row)))
+    backward = DirectionPlan(fwd_out, src_rows, tuple(_route(bwd_receivers, e.src_row, e.dst_row)))
+    return BoundaryPlan(forward, backward, dst_format, dst_shape)
+
+
+def minimum_rows(src: ModuleLayout, dst: ModuleLayout, batch: BoundaryBatch) -> tuple[int, int]:
+    """Lower bound on rows moved (forward, backward), counted from element sets, independently of any plan.
+
+    Forward: every first-stage destination rank must receive each element it needs, except those it
+    already holds as a last-stage source rank. Backward: mirrored.
+    """
+    e = _elements(src, dst, batch, "tokens")
+    fwd = bwd = 0
+    for rank in dst.ranks:
+        c = dst.coord(rank)
+        if c.pp:
+            continue
+        need = (e.dst_dp == c.dp) & (e.dst_cp == c.cp)
+        s = src.coord(rank)
+        if s is not None and s.pp == src.pp - 1:
+            need &= ~((e.src_dp == s.dp) & (e.src_cp == s.cp))
+        fwd += int(need.sum())
+    for rank in src.ranks:
+        c = src.coord(rank)
+        if c.pp != src.pp - 1:
+            continue
+        need = (e.src_dp == c.dp) & (e.src_cp == c.cp)
+        d = dst.coord(rank)
+        if d is not None and d.pp == 0:
+            need &= ~((e.dst_dp == d.dp) & (e.dst_cp == d.cp))
+        bwd += int(need.sum())
+    return fwd, bwd
+
+
+def source_shard(src: ModuleLayout, batch: BoundaryBatch, dp: int, cp: int) -> np.ndarray:
+    """Global element ids held by the source (dp, cp) shard, in its row order."""
+    sample, token = _sample_and_token(batch)
+    src_dp = sample // (batch.num_samples // src.dp_size)
+    src_cp = _contiguous_part(token, batch.tokens_per_sample[sample], src.cp)
+    return np.flatnonzero((src_dp == dp) & (src_cp == cp))

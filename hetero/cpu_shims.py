@@ -1,0 +1,81 @@
+"""The few patches megatron-core 0.16.1 needs to run on CPU with gloo. Applied only when no GPU exists.
+
+Each shim names the upstream line it works around (megatron-core==0.16.1, pinned in pyproject.toml).
+tests/test_cpu_shims.py fails when a shim stops being needed (upstream fixed it: delete the shim) or stops
+working (upstream moved the code: update it). Nothing here changes behaviour on a machine with CUDA.
+
+1. torch.cuda.current_device() -> "cpu". ~175 call sites build tensors on
+   `torch.cuda.current_device()` (e.g. megatron/core/utils.py:631 GlobalMemoryBuffer,
+   tensor_parallel/layers.py weight allocation); on CPU torch raises "Torch not compiled with CUDA".
+2. The RNG tracker (tensor_parallel/random.py:235-238 CudaRNGStatesTracker.add, :422
+   model_parallel_cuda_manual_seed, :55/:66 _get_cuda_rng_state, :102 _set_cuda_rng_state) reads and
+   writes CUDA generator states. On CPU the device generator *is* the CPU generator, so these map onto it:
+   tracker states are real CPU generator states and `fork()` really switches them (dropout differs per TP
+   rank as on GPU, instead of being silently identical).
+3. Without Transformer Engine, transformer/moe/moe_utils.py:22-39 leaves TE helper names undefined, yet
+   router_gating_linear tests `te_general_gemm is not None` (moe_utils.py:1192, 1225) -> NameError.
+   Defining the missing names as None takes the torch path. Needed on any machine without TE.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_applied = False
+_TE_MOE_NAMES = (
+    "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+    "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+    "fused_topk_with_score_function", "fused_unpermute", "te_general_gemm",
+)
+
+
+def _define_missing_te_names() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE:
+        for name in _TE_MOE_NAMES:
+            if not hasattr(moe_utils, name):
+                setattr(moe_utils, name, None)  # shim 3
+
+
+def _cpu_get_rng_state(device="cuda", *args, **kwargs):
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state, device=-1, *args, **kwargs):
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed):
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _cpu_current_device():
+    return "cpu"
+
+
+def apply_cpu_shims() -> bool:
+    """Patch megatron-core for CPU if there is no GPU (shim 3: whenever TE is missing). Idempotent.
+    Returns True if the CPU shims are active."""
+    global _applied
+    _define_missing_te_names()
+    if torch.cuda.is_available():
+        return False
+    if _applied:
+        return True
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    torch.cuda.current_device = _cpu_current_device  # shim 1
+    torch.cuda.get_rng_state = _cpu_get_rng_state  # shim 2
+    torch.cuda.set_rng_state = _cpu_set_rng_state
+    torch.cuda.manual_seed = _cpu_manual_seed
+    mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = _cpu_set_rng_state
+    _applied = True
+    return True
+
+
+def default_backend() -> str:
+    """The process-group backend of this run: NCCL with a GPU, gloo without. Used only to initialise the
+    default group; every subgroup inherits it (never hard-coded elsewhere)."""
+    return "nccl" if torch.cuda.is_available() else "gloo"

@@ -1,0 +1,63 @@
+"""Run a function on N local processes (torch.multiprocessing, spawn) and collect what each returns.
+
+For tests and benchmarks on one machine: file-based rendezvous (a fresh temp file per run), so no ports
+to race for. Each worker uses one thread, applies the megatron-core CPU shims and initialises the default
+group with the run's backend (gloo without GPU). Real jobs use torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _worker(rank, world, store, fn, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    from hetero.cpu_shims import apply_cpu_shims, default_backend
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    apply_cpu_shims()
+    try:
+        dist.init_process_group(default_backend(), init_method=f"file://{store}", rank=rank, world_size=world)
+        result = fn(*args)
+        dist.barrier()
+        dist.destroy_process_group()
+        queue.put((rank, "ok", result))
+    except BaseException:  # report, never hang the parent
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_on_ranks(world: int, fn, *args, timeout: float = 240.0) -> list:
+    """fn(*args) on `world` gloo ranks; returns the per-rank results; raises with the first traceback."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    fd, store = tempfile.mkstemp(prefix="tessera_pg_")
+    os.close(fd)
+    os.unlink(store)  # the file store must not exist yet
+    procs = [ctx.Process(target=_worker, args=(r, world, store, fn, args, queue), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world):
+            rank, status, payload = queue.get(timeout=timeout)
+            (results.__setitem__(rank, payload) if status == "ok" else errors.append((rank, payload)))
+            if errors:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.terminate()
+        if os.path.exists(store):
+            os.unlink(store)
+    if errors:
+        rank, tb = errors[0]
+        raise AssertionError(f"rank {rank} failed:\n{tb}")
+    return [results[r] for r in range(world)]

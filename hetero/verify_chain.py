@@ -1,0 +1,236 @@
+"""The small encoders -> projector -> boundary -> LLM chain that `hetero.verify` runs two ways.
+
+`reference_forward` is the single-device model: plain tensors, full weights. `ParallelEncoder` and
+`ParallelLanguage` build one rank's part of the same model in its module's layout from megatron-core
+tensor-parallel layers (weights sliced from the same full tensors) and the CP attention kernel, so any
+difference between the two is a bug in the layouts, the boundary or the kernels.
+
+Every encoder block: bidirectional attention within each sample (CP: keys gathered over the CP group)
+and an MLP; the projector maps to the LLM width. Every LLM layer: causal attention within each sample
+(zigzag CP) and an MLP. Loss: squared error to a fixed target, summed, over (samples*seq*hidden).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+from hetero.boundary_plan import BoundaryBatch
+from hetero.cp_attention import context_parallel_attention, masked_attention
+from hetero.layout import LANGUAGE, HeteroLayout
+
+
+@dataclass(frozen=True)
+class ChainDims:
+    d_in: int = 12          # encoder input features per media token
+    enc_hidden: int = 24
+    enc_heads: int = 4
+    llm_hidden: int = 32
+    llm_heads: int = 8
+    llm_kv_heads: int = 4
+    ffn_mult: int = 2
+
+
+def depth(pp: int) -> int:
+    return max(2, pp)
+
+
+def stage_layers(n_layers: int, pp: int, stage: int) -> list[int]:
+    return [int(i) for i in np.array_split(np.arange(n_layers), pp)[stage]]
+
+
+def make_weights(layout: HeteroLayout, dims: ChainDims, seed: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Full (unsharded) weights of the whole chain, identical on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    w = {}
+
+    def lin(name, out_f, in_f, bias=True):
+        w[name + ".weight"] = (torch.randn(out_f, in_f, generator=g) * in_f ** -0.5).to(dtype)
+        if bias:
+            w[name + ".bias"] = (torch.randn(out_f, generator=g) * 0.02).to(dtype)
+
+    def block(prefix, d, heads, kv_heads):
+        hd = d // heads
+        # no q/k/v bias (as in the Nemotron LLMs); a key bias would also get an identically-zero gradient
+        # (softmax ignores a per-query constant), which no relative error can compare
+        lin(prefix + ".q", heads * hd, d, bias=False)
+        lin(prefix + ".k", kv_heads * hd, d, bias=False)
+        lin(prefix + ".v", kv_heads * hd, d, bias=False)
+        lin(prefix + ".o", d, heads * hd)
+        lin(prefix + ".fc1", d * dims.ffn_mult, d)
+        lin(prefix + ".fc2", d, d * dims.ffn_mult)
+
+    for key in sorted(layout.encoders):
+        lin(f"{key}.embed", dims.enc_hidden, dims.d_in)
+        for i in range(depth(layout[key].pp)):
+            block(f"{key}.blocks.{i}", dims.enc_hidden, dims.enc_heads, dims.enc_heads)
+        lin(f"{key}.proj1", dims.llm_hidden * dims.ffn_mult, dims.enc_hidden)
+        lin(f"{key}.proj2", dims.llm_hidden, dims.llm_hidden * dims.ffn_mult)
+    for i in range(depth(layout[LANGUAGE].pp)):
+        block(f"{LANGUAGE}.layers.{i}", dims.llm_hidden, dims.llm_heads, dims.llm_kv_heads)
+    return w
+
+
+# ---------------------------------------------------------------------------------------- reference
+def _ref_lin(w, name, x):
+    return F.linear(x, w[name + ".weight"], w.get(name + ".bias"))
+
+
+def _ref_block(w, prefix, x, pos, seg, heads, kv_heads, causal):
+    hd = x.shape[-1] // heads
+    q = _ref_lin(w, prefix + ".q", x).view(-1, heads, hd)
+    k = _ref_lin(w, prefix + ".k", x).view(-1, kv_heads, hd)
+    v = _ref_lin(w, prefix + ".v", x).view(-1, kv_heads, hd)
+    a = masked_attention(q, k, v, pos, pos, seg, seg, causal).reshape(x.shape[0], -1)
+    x = x + _ref_lin(w, prefix + ".o", a)
+    return x + _ref_lin(w, prefix + ".fc2", F.gelu(_ref_lin(w, prefix + ".fc1", x)))
+
+
+def encoder_token_meta(batch: BoundaryBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per media token of an encoder: (index within its sample, sample id) — attention positions/segments."""
+    counts = batch.tokens_per_sample
+    seg = np.repeat(np.arange(len(counts)), counts)
+    pos = np.arange(len(seg)) - np.repeat(np.cumsum(counts) - counts, counts)
+    return torch.as_tensor(pos), torch.as_tensor(seg)
+
+
+def reference_forward(w, layout: HeteroLayout, dims: ChainDims, inputs: dict, batches: dict[str, BoundaryBatch],
+                      text: torch.Tensor, target: torch.Tensor):
+    """Single-device forward: returns (LLM output [N, S, H], loss)."""
+    n, seq, hidden = text.shape
+    fused = text.clone()
+    for key in sorted(layout.encoders):
+        pos, seg = encoder_token_meta(batches[key])
+        h = _ref_lin(w, f"{key}.embed", inputs[key])
+        for i in range(depth(layout[key].pp)):
+            h = _ref_block(w, f"{key}.blocks.{i}", h, pos, seg, dims.enc_heads, dims.enc_heads, causal=False)
+        e = _ref_lin(w, f"{key}.proj2", F.gelu(_ref_lin(w, f"{key}.proj1", h)))
+        rows = torch.as_tensor(seg.numpy() * seq + np.concatenate(batches[key].positions))
+        fused = fused.reshape(n * seq, hidden).index_copy(0, rows, e).view(n, seq, hidden)
+    x = fused.reshape(n * seq, hidden)
+    pos = torch.arange(seq).repeat(n)
+    seg = torch.arange(n).repeat_interleave(seq)
+    for i in range(depth(layout[LANGUAGE].pp)):
+        x = _ref_block(w, f"{LANGUAGE}.layers.{i}", x, pos, seg, dims.llm_heads, dims.llm_kv_heads, causal=True)
+    y = x.view(n, seq, hidden)
+    return y, ((y - target) ** 2).sum() / y.numel()
+
+
+# ----------------------------------------------------------------------------------------- parallel
+class ParallelBlock(torch.nn.Module):
+    """One attention + MLP block in a module's TP/CP layout, weights sliced from the full tensors."""
+
+    def __init__(self, w, prefix, d, heads, kv_heads, config, pgs, causal: bool):
+        super().__init__()
+        self.tp, self.cp_group, self.causal = pgs.tp.size(), pgs.cp, causal
+        self.hd, self.heads, self.kv_heads = d // heads, heads // self.tp, kv_heads // self.tp
+        self.prefix, t = prefix, pgs.tp.rank()
+
+        def col(name, out_f, in_f, bias=True):
+            m = ColumnParallelLinear(in_f, out_f, config=config, init_method=lambda x: x, bias=bias,
+                                     gather_output=False, tp_group=pgs.tp)
+            _load(m, w, prefix + name, t, self.tp, dim=0)
+            return m
+
+        def row(name, out_f, in_f):
+            m = RowParallelLinear(in_f, out_f, config=config, init_method=lambda x: x, bias=True,
+                                  input_is_parallel=True, skip_bias_add=False, tp_group=pgs.tp)
+            _load(m, w, prefix + name, t, self.tp, dim=1)
+            return m
+
+        self.q = col(".q", heads * self.hd, d, bias=False)
+        self.k = col(".k", kv_heads * self.hd, d, bias=False)
+        self.v = col(".v", kv_heads * self.hd, d, bias=False)
+        self.o = row(".o", d, heads * self.hd)
+        self.fc1 = col(".fc1", w[prefix + ".fc1.weight"].shape[0], d)
+        self.fc2 = row(".fc2", d, w[prefix + ".fc2.weight"].shape[1])
+
+    def forward(self, x, pos, seg, counts=None):
+        q = self.q(x)[0].view(x.shape[0], self.heads, self.hd)
+        k = self.k(x)[0].view(x.shape[0], self.kv_heads, self.hd)
+        v = self.v(x)[0].view(x.shape[0], self.kv_heads, self.hd)
+        a = context_parallel_attention(q, k, v, pos, seg, self.causal, self.cp_group, counts)
+        x = x + self.o(a.reshape(x.shape[0], -1))[0]
+        return x + self.fc2(F.gelu(self.fc1(x)[0]))[0]
+
+
+def _load(module, w, name, tp_rank, tp, dim):
+    """Copy this TP rank's slice of full weight `name` into a megatron parallel linear."""
+    weight, bias = w[name + ".weight"], w.get(name + ".bias")
+    with torch.no_grad():
+        module.weight.copy_(weight.chunk(tp, dim=dim)[tp_rank])
+        if bias is not None:
+            module.bias.copy_(bias.chunk(tp, dim=0)[tp_rank] if dim == 0 else bias)
+    module.full_names = (name + ".weight", name + ".bias")
+    module.shard = (tp_rank, tp, dim)
+
+
+def mp_config(tp: int, dtype) -> ModelParallelConfig:
+    return ModelParallelConfig(tensor_model_parallel_size=tp, params_dtype=dtype, use_cpu_initialization=True,
+                               perform_initialization=False)
+
+
+class ParallelEncoder(torch.nn.Module):
+    """One rank's pipeline stage of an encoder (+ the projector on its last stage)."""
+
+    def __init__(self, w, key, layout: HeteroLayout, dims: ChainDims, pgs, stage: int, dtype=torch.float32):
+        super().__init__()
+        m = layout[key]
+        cfg, t, tp = mp_config(m.tp, dtype), pgs.tp.rank(), m.tp
+        self.first, self.last = stage == 0, stage == m.pp - 1
+        if self.first:
+            self.embed = ColumnParallelLinear(dims.d_in, dims.enc_hidden, config=cfg, init_method=lambda x: x,
+                                              bias=True, gather_output=True, tp_group=pgs.tp)
+            _load(self.embed, w, f"{key}.embed", t, tp, dim=0)
+        self.blocks = torch.nn.ModuleList(
+            ParallelBlock(w, f"{key}.blocks.{i}", dims.enc_hidden, dims.enc_heads, dims.enc_heads, cfg, pgs, False)
+            for i in stage_layers(depth(m.pp), m.pp, stage))
+        if self.last:
+            self.proj1 = ColumnParallelLinear(dims.enc_hidden, dims.llm_hidden * dims.ffn_mult, config=cfg,
+                                              init_method=lambda x: x, bias=True, gather_output=False,
+                                              tp_group=pgs.tp)
+            self.proj2 = RowParallelLinear(dims.llm_hidden * dims.ffn_mult, dims.llm_hidden, config=cfg,
+                                           init_method=lambda x: x, bias=True, input_is_parallel=True,
+                                           skip_bias_add=False, tp_group=pgs.tp)
+            _load(self.proj1, w, f"{key}.proj1", t, tp, dim=0)
+            _load(self.proj2, w, f"{key}.proj2", t, tp, dim=1)
+
+    def forward(self, x, pos, seg, counts):
+        h = self.embed(x)[0] if self.first else x
+        for b in self.blocks:
+            h = b(h, pos, seg, counts)
+        if self.last:
+            h = self.proj2(F.gelu(self.proj1(h)[0]))[0]
+        return h
+
+
+class ParallelLanguage(torch.nn.Module):
+    """One rank's pipeline stage of the LLM; input and output are [local samples * seq/cp, hidden]."""
+
+    def __init__(self, w, layout: HeteroLayout, dims: ChainDims, pgs, stage: int, dtype=torch.float32):
+        super().__init__()
+        m = layout[LANGUAGE]
+        cfg = mp_config(m.tp, dtype)
+        self.layers = torch.nn.ModuleList(
+            ParallelBlock(w, f"{LANGUAGE}.layers.{i}", dims.llm_hidden, dims.llm_heads, dims.llm_kv_heads, cfg,
+                          pgs, True)
+            for i in stage_layers(depth(m.pp), m.pp, stage))
+
+    def forward(self, x, pos, seg):
+        for layer in self.layers:
+            x = layer(x, pos, seg)
+        return x
+
+
+def sharded_reference_grad(module, param_name: str, ref_grads: dict) -> torch.Tensor:
+    """The reference gradient of a parallel linear's parameter, sliced as this rank holds it."""
+    weight_name, bias_name = module.full_names
+    tp_rank, tp, dim = module.shard
+    if param_name == "weight":
+        return ref_grads[weight_name].chunk(tp, dim=dim)[tp_rank]
+    return ref_grads[bias_name].chunk(tp, dim=0)[tp_rank] if dim == 0 else ref_grads[bias_name]

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Tessera's test suite on a fresh machine (sets up .venv first). Extra arguments go to pytest.
+#   bash scripts/test.sh            # everything (~ a few minutes on 2 cores)
+#   bash scripts/test.sh -k plan    # a subset
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$root/scripts/setup_venv.sh"
+cd "$root"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec .venv/bin/python -m pytest -q "$@"

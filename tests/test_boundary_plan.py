@@ -1,0 +1,184 @@
+"""Boundary plans over hundreds of generated layouts, checked against a brute-force oracle (pure, fast).
+
+For every layout: simulating the forward plan delivers to every first-stage destination rank exactly the
+elements it holds in its own layout (each row written once, by a rank that holds the element); bytes
+equal the minimum; the backward plan gives every last-stage source rank each of its elements' gradient
+exactly once; and at the (dp, cp) shard level the backward plan is the forward plan transposed.
+"""
+
+import itertools
+import math
+import time
+
+import numpy as np
+import pytest
+
+from hetero.boundary_plan import BoundaryBatch, BoundaryError, minimum_rows, plan_boundary
+from hetero.layout import HeteroLayout, ModuleLayout
+
+
+# ------------------------------------------------------------------------------------------- oracle
+def oracle_source_rows(src: ModuleLayout, batch: BoundaryBatch) -> dict[int, list[int]]:
+    """Last-stage source rank -> element ids in its row order (np.array_split of each sample's tokens)."""
+    n, offsets = batch.num_samples, np.r_[0, np.cumsum(batch.tokens_per_sample)]
+    out = {}
+    for rank in src.ranks:
+        c = src.coord(rank)
+        if c.pp != src.pp - 1:
+            continue
+        per = n // src.dp_size
+        out[rank] = [int(g) for i in range(c.dp * per, (c.dp + 1) * per)
+                     for g in np.array_split(np.arange(offsets[i], offsets[i + 1]), src.cp)[c.cp]]
+    return out
+
+
+def oracle_dest_rows(dst: ModuleLayout, batch: BoundaryBatch, fmt: str) -> dict[int, dict[int, int]]:
+    """First-stage destination rank -> {row: element id} (zigzag chunks r and 2cp-1-r)."""
+    n, seq, offsets = batch.num_samples, batch.seq_length, np.r_[0, np.cumsum(batch.tokens_per_sample)]
+    chunk = seq // (2 * dst.cp)
+    out = {}
+    for rank in dst.ranks:
+        c = dst.coord(rank)
+        if c.pp != 0:
+            continue
+        mine = [p for p in range(seq) if p // chunk in (c.cp, 2 * dst.cp - 1 - c.cp)]
+        per, rows, row = n // dst.dp_size, {}, 0
+        for local, i in enumerate(range(c.dp * per, (c.dp + 1) * per)):
+            for j, p in enumerate(batch.positions[i]):
+                if p in mine:
+                    key = row if fmt == "tokens" else local * len(mine) + mine.index(p)
+                    rows[key] = int(offsets[i] + j)
+                    row += 1
+        out[rank] = rows
+    return out
+
+
+def shard_of(layout: ModuleLayout, rank: int) -> tuple[int, int]:
+    c = layout.coord(rank)
+    return c.dp, c.cp
+
+
+# ----------------------------------------------------------------------------------------- generator
+def random_layouts(count: int, seed: int = 0):
+    """(src, dst) layout pairs: colocated and non-colocated, every parallel size 1-4, worlds up to 32."""
+    rng = np.random.default_rng(seed)
+    made = 0
+    while made < count:
+        sizes = [rng.choice([1, 1, 2, 2, 3, 4], size=4) for _ in range(2)]  # tp, cp, pp, dp per side
+        src_sz, dst_sz = (int(np.prod(s)) for s in sizes)
+        colocated = rng.random() < 0.5
+        if colocated and src_sz != dst_sz:
+            # make the destination fit the same ranks by re-deriving its dp
+            mp = int(np.prod(sizes[1][:3]))
+            if src_sz % mp:
+                continue
+            sizes[1][3] = src_sz // mp
+            dst_sz = src_sz
+        if max(src_sz, dst_sz) > 32 or (not colocated and src_sz + dst_sz > 32):
+            continue
+        tp, cp, pp, dp = (int(v) for v in sizes[0])
+        src = ModuleLayout(first=0, last=src_sz - 1, tp=tp, cp=cp, pp=pp, dp=dp)
+        tp, cp, pp, dp = (int(v) for v in sizes[1])
+        first = 0 if colocated else src_sz
+        dst = ModuleLayout(first=first, last=first + dst_sz - 1, tp=tp, cp=cp, pp=pp, dp=dp)
+        yield src, dst, rng
+        made += 1
+
+
+def random_batch(src, dst, rng, uniform=False) -> BoundaryBatch:
+    n = math.lcm(src.dp_size, dst.dp_size) * int(rng.integers(1, 3))
+    seq = 2 * dst.cp * int(rng.integers(1, 6))
+    fixed = int(rng.integers(0, seq + 1))
+    counts = [fixed if uniform else int(rng.integers(0, seq + 1)) for _ in range(n)]
+    return BoundaryBatch.from_lists(seq, [np.sort(rng.choice(seq, c, replace=False)) for c in counts])
+
+
+# -------------------------------------------------------------------------------------------- checks
+def simulate(direction, in_tables: dict[int, dict[int, int]], out_rows: dict[int, int]):
+    """Run a direction plan on element-id tables; returns rank -> {row: element id} and write counts."""
+    out = {r: {} for r in out_rows}
+    writes = {r: np.zeros(out_rows[r], int) for r in out_rows}
+    for t in direction.transfers:
+        for s, d in zip(t.src_index, t.dst_index):
+            assert s in in_tables[t.src_rank], "a transfer reads a row its sender does not hold"
+            out[t.dst_rank][int(d)] = in_tables[t.src_rank][int(s)]
+            writes[t.dst_rank][int(d)] += 1
+    return out, writes
+
+
+def check_plan(src, dst, batch, fmt):
+    plan = plan_boundary(src, dst, batch, fmt)
+    src_rows = {r: dict(enumerate(ids)) for r, ids in oracle_source_rows(src, batch).items()}
+    dst_rows = oracle_dest_rows(dst, batch, fmt)
+    assert plan.forward.in_rows == {r: len(v) for r, v in src_rows.items()}
+
+    got, writes = simulate(plan.forward, src_rows, plan.forward.out_rows)
+    assert got == dst_rows
+    for r in dst_rows:
+        assert np.all(writes[r][list(dst_rows[r])] == 1), "an element delivered twice"
+        assert writes[r].sum() == len(dst_rows[r])
+
+    back, bwrites = simulate(plan.backward, dst_rows, plan.backward.out_rows)
+    assert back == src_rows, "a source replica lacks (or gets a wrong) gradient row"
+    assert all(np.all(w == 1) for w in bwrites.values()), "a gradient row counted twice"
+
+    fwd_min, bwd_min = minimum_rows(src, dst, batch)
+    assert plan.forward.rows_moved() == fwd_min and plan.backward.rows_moved() == bwd_min
+    # brute-force minimum: rows a rank needs that it does not hold itself in the other layout
+    need = sum(len(set(v.values()) - set(src_rows.get(r, {}).values())) for r, v in dst_rows.items())
+    need_back = sum(len(set(v.values()) - set(dst_rows.get(r, {}).values())) for r, v in src_rows.items())
+    assert (fwd_min, bwd_min) == (need, need_back)
+
+    def shard_edges(direction, a, b, table):
+        return {(shard_of(a, t.src_rank), shard_of(b, t.dst_rank), table[t.src_rank][int(s)])
+                for t in direction.transfers for s in t.src_index}
+
+    fwd = shard_edges(plan.forward, src, dst, src_rows)
+    bwd = shard_edges(plan.backward, dst, src, dst_rows)
+    assert bwd == {(b, a, g) for a, b, g in fwd}, "backward is not the shard-level transpose of forward"
+
+
+def test_two_hundred_generated_layouts_in_milliseconds():
+    start, cases = time.perf_counter(), 0
+    for src, dst, rng in random_layouts(220):
+        batch = random_batch(src, dst, rng)
+        check_plan(src, dst, batch, "tokens")
+        cases += 1
+    assert cases >= 200
+    per_case_ms = (time.perf_counter() - start) * 1000 / cases
+    print(f"{cases} layouts, {per_case_ms:.1f} ms per layout including the brute-force oracle")
+
+
+def test_dense_destination_format():
+    for src, dst, rng in itertools.islice(random_layouts(60, seed=1), 60):
+        check_plan(src, dst, random_batch(src, dst, rng), "dense")
+
+
+def test_colocated_rows_that_stay_are_never_sent():
+    lay = HeteroLayout.parse("vision=dp4@0-3;language=dp4@0-3")
+    batch = BoundaryBatch.from_lists(8, [[0, 3], [1, 2, 5], [7], [4, 6]])
+    plan = plan_boundary(lay["vision"], lay["language"], batch)
+    assert plan.forward.rows_moved() == 0 and plan.backward.rows_moved() == 0
+    assert all(t.local for t in plan.forward.transfers)
+
+
+def test_destination_cp_gets_only_its_zigzag_chunks():
+    # language cp=2 on seq 8: CP rank 0 holds positions 0,1,6,7; rank 1 holds 2..5
+    lay = HeteroLayout.parse("vision=dp1@0-0;language=cp2@1-2")
+    batch = BoundaryBatch.from_lists(8, [[0, 2, 5, 7]])
+    plan = plan_boundary(lay["vision"], lay["language"], batch)
+    assert plan.forward.out_rows == {1: 2, 2: 2}
+    sent = {t.dst_rank: list(t.src_index) for t in plan.forward.transfers}
+    assert sent == {1: [0, 3], 2: [1, 2]}
+
+
+def test_bad_metadata_is_rejected_with_a_fix():
+    lay = HeteroLayout.parse("vision=dp2@0-1;language=cp2@0-1")
+    with pytest.raises(BoundaryError, match="dp=2 does not divide the 3 samples"):
+        plan_boundary(lay["vision"], lay["language"], BoundaryBatch.from_lists(8, [[1], [2], [3]]))
+    with pytest.raises(BoundaryError, match="not divisible by 2\\*cp=4"):
+        plan_boundary(lay["vision"], lay["language"], BoundaryBatch.from_lists(6, [[1], [2]]))
+    with pytest.raises(BoundaryError, match="sample 1: media positions must lie in \\[0, 8\\)"):
+        plan_boundary(lay["vision"], lay["language"], BoundaryBatch.from_lists(8, [[1], [9]]))
+    with pytest.raises(BoundaryError, match="strictly increasing"):
+        plan_boundary(lay["vision"], lay["language"], BoundaryBatch.from_lists(8, [[3, 1], [2]]))

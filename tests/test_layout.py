@@ -1,0 +1,75 @@
+"""Layouts: the string grammar, placement, and validate()'s errors (module, field and fix named)."""
+
+import pytest
+
+from hetero.layout import HeteroLayout, LayoutError, ModelShapes, ModuleLayout
+
+
+def test_parse_readme_example_and_round_trip():
+    lay = HeteroLayout.parse("vision=dp4@0-3;audio=dp4@0-3;language=tp2,cp2@0-3").validate()
+    assert lay["vision"] == ModuleLayout(first=0, last=3, dp=4)
+    assert lay["language"].shape == [2, 2, 1, 1]  # tp, cp, dp derived = 4/(2*2), pp
+    assert lay.placement == "colocated" and lay.world_size == 4
+    assert HeteroLayout.parse(str(lay)) == lay
+
+
+def test_fields_in_any_order_defaults_and_derived_dp():
+    lay = HeteroLayout.parse(" vision = pp2 , tp2 @ 0-7 ; language=ep2,cp2,tp2@8-15").validate()
+    v, l = lay["vision"], lay["language"]
+    assert (v.tp, v.cp, v.pp, v.dp_size, v.ep) == (2, 1, 2, 2, 1)
+    assert (l.tp, l.cp, l.pp, l.dp_size, l.ep) == (2, 2, 1, 2, 2)
+    assert lay.placement == "non-colocated"
+
+
+def test_rank_order_is_tp_fastest_then_cp_dp_pp():
+    m = ModuleLayout(first=8, last=23, tp=2, cp=2, pp=2)  # dp derived: 2
+    assert [m.rank_of(tp=1), m.rank_of(cp=1), m.rank_of(dp=1), m.rank_of(pp=1)] == [9, 10, 12, 16]
+    for r in m.ranks:
+        c = m.coord(r)
+        assert m.rank_of(c.tp, c.cp, c.dp, c.pp) == r
+    assert m.coord(7) is None and m.coord(24) is None
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("vision=dp4@0-3", ["no 'language' module"]),
+    ("language=tp3@0-3", ["'language'", "tp*cp*pp", "does not divide"]),
+    ("language=tp2,dp4@0-3", ["'language'", "tp*cp*pp*dp", "set dp2"]),
+    ("language=tp2,tp2@0-3", ["'language'", "given twice"]),
+    ("language=sp2@0-3", ["'language'", "'sp2'", "tpN"]),
+    ("language=tp2@3-0", ["'language'", "empty"]),
+    ("language=tp2@0-x", ["'language'", "@FIRST-LAST"]),
+    ("language tp2", ["KEY=FIELDS@FIRST-LAST"]),
+    ("vision=dp2@0-1;language=dp2@1-2", ["partly overlap", "'vision'", "'language'"]),
+    ("vision=dp2@0-1;language=dp2@3-4", ["tile the world", "[2]"]),
+    ("vision=dp2@0-1;vision=dp2@2-3;language=dp1@0-0", ["appears twice"]),
+    ("language=dp3,ep2@0-2", ["'language'", "ep=2", "divide cp*dp"]),
+])
+def test_invalid_layouts_name_module_field_and_fix(spec, words):
+    with pytest.raises(LayoutError) as e:
+        HeteroLayout.parse(spec).validate()
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_world_size_mismatch():
+    with pytest.raises(LayoutError, match="tile the world of 8 ranks"):
+        HeteroLayout.parse("vision=dp4@0-3;language=tp2,cp2@0-3").validate(world_size=8)
+
+
+@pytest.mark.parametrize("shapes, words", [
+    (ModelShapes(heads={"language": 6}), ["'language'", "tp=4", "6 attention heads", "[1, 2, 3, 6]"]),
+    (ModelShapes(kv_heads={"language": 2}), ["'language'", "tp=4", "kv_heads"]),
+    (ModelShapes(seq_length=100), ["'language'", "seq_length=100", "2*cp = 8", "pad"]),
+    (ModelShapes(samples_per_microbatch=6), ["'vision'", "dp=4", "6 samples", "fan in/out", "multiple of 4"]),
+])
+def test_shape_validation(shapes, words):
+    lay = HeteroLayout.parse("vision=dp4@0-3;language=tp4,cp4@4-19;audio=dp2,cp2@20-23")
+    with pytest.raises(LayoutError) as e:
+        lay.validate(shapes)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_valid_shapes_pass():
+    lay = HeteroLayout.parse("vision=dp4@0-3;language=tp2,cp2@0-3")
+    assert lay.validate(ModelShapes(heads={"language": 8, "vision": 4}, seq_length=64, samples_per_microbatch=8))
