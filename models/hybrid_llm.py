@@ -1,0 +1,216 @@
+"""Nemotron-H style hybrid decoder (Mamba-2 / attention / MLP / MoE) built from megatron-core pieces.
+
+The layer pattern is a string, one symbol per layer, as Nemotron-H's `hybrid_override_pattern`:
+    M = Mamba-2 mixer   * = GQA self-attention   - = squared-ReLU MLP   E = MoE (sigmoid top-k)
+Every layer is pre-norm + mixer + residual. Attention, MLP and MoE layers are megatron TransformerLayers
+with the local (non-Transformer-Engine) spec and only one half filled in (the other half IdentityOp),
+as megatron's own hybrid stack does; the Mamba-2 layer wraps models/mamba2.py. No positional
+embedding anywhere (Nemotron-H attention has no RoPE; the Mamba layers carry position).
+
+Parallelism: process groups come in through a megatron ProcessGroupCollection (tp, pp, ep, expt_tp,
+tp_ep, ...). TP shards attention heads, MLP/expert FFNs, Mamba heads/groups and the vocabulary. PP
+builds only this stage's layers, split the way megatron splits any decoder (get_num_layers_to_build /
+get_transformer_layer_offset: even split, or num_layers_in_first/last_pipeline_stage). Non-first stages
+take their input through set_input_tensor(), as megatron's pipeline schedules expect.
+
+Usage (one process, groups from megatron's parallel_state):
+    cfg = models.configs.tiny_hybrid()
+    model = HybridLM(cfg, ProcessGroupCollection.use_mpu_process_groups())
+    logits = model(input_ids)            # [b, s, vocab / tp] (vocab-parallel)
+    loss = model(input_ids, labels)      # [b, s] per-token loss
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.activations import squared_relu
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+
+from models.core_attention import SDPACoreAttention
+from models.mamba2 import Mamba2Mixer, Mamba2Submodules
+
+MAMBA, ATTENTION, MLP_SYMBOL, MOE = "M", "*", "-", "E"
+SYMBOLS = (MAMBA, ATTENTION, MLP_SYMBOL, MOE)
+
+
+@dataclass
+class HybridConfig(TransformerConfig):
+    """megatron's TransformerConfig plus what a hybrid Nemotron-H model needs beyond it.
+
+    megatron already has mamba_num_heads / mamba_head_dim / mamba_num_groups / mamba_state_dim.
+    num_layers is derived from the pattern.
+    """
+
+    hybrid_pattern: str = ""
+    """One symbol per layer: M (Mamba-2), * (attention), - (MLP), E (MoE)."""
+    vocab_size: int = 0
+    mamba_conv_kernel: int = 4
+    mamba_chunk_size: int = 128
+    mamba_dt_min_clamp: float = 0.0
+    """Lower clamp of softplus(dt); Nemotron-H clamps at time_step_min (transformers does the same)."""
+    untie_embeddings_and_output_weights: bool = True
+
+    def __post_init__(self):
+        bad = sorted(set(self.hybrid_pattern) - set(SYMBOLS))
+        if not self.hybrid_pattern or bad:
+            raise ValueError(f"hybrid_pattern {self.hybrid_pattern!r}: use only {SYMBOLS}, got {bad}")
+        self.num_layers = len(self.hybrid_pattern)
+        super().__post_init__()
+
+
+def hybrid_config(**fields) -> HybridConfig:
+    """A HybridConfig with the settings every Nemotron-H model shares (no biases, RMSNorm,
+    squared-ReLU, sigmoid router with expert bias, no dropout, CPU-friendly fusions off)."""
+    base = dict(
+        normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=False,
+        activation_func=squared_relu, bias_activation_fusion=False, masked_softmax_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True, moe_router_dtype="fp32", moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+        moe_shared_expert_overlap=False,
+    )
+    base.update(fields)
+    if not base.get("num_moe_experts"):
+        for key in [k for k in base if k.startswith("moe_")]:
+            base.pop(key)
+    return HybridConfig(**base)
+
+
+def stage_layers(config: HybridConfig, pp_rank: int) -> tuple[int, str]:
+    """(offset, symbols) of the layers pipeline stage `pp_rank` builds, by megatron's split rule."""
+    count = get_num_layers_to_build(config, pp_rank=pp_rank)
+    offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
+    return offset, config.hybrid_pattern[offset : offset + count]
+
+
+class MambaLayer(MegatronModule):
+    """Pre-norm + Mamba-2 mixer + residual; call signature and (output, context) like TransformerLayer."""
+
+    def __init__(self, config, submodules: Mamba2Submodules, layer_number=1, pg_collection=None):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.norm = WrappedTorchNorm(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
+        self.mixer = Mamba2Mixer(config, submodules, layer_number, tp_group=pg_collection.tp)
+
+    def forward(self, hidden_states, attention_mask=None, **_):
+        out, _ = self.mixer(self.norm(hidden_states))
+        return hidden_states + out, None
+
+
+def build_hybrid_layer_specs(config: HybridConfig, core_attention=SDPACoreAttention) -> dict[str, ModuleSpec]:
+    """One layer spec per pattern symbol, all from megatron's local backend. `core_attention` is the
+    pluggable attention kernel (e.g. a context-parallel CPU attention)."""
+    backend = LocalSpecProvider()
+    norm = WrappedTorchNorm
+    column, row = backend.column_parallel_linear(), backend.row_parallel_linear()
+    specs = {
+        MAMBA: ModuleSpec(module=MambaLayer, submodules=Mamba2Submodules(in_proj=column, out_proj=row)),
+        ATTENTION: ModuleSpec(
+            module=TransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                input_layernorm=norm,
+                self_attention=ModuleSpec(
+                    module=SelfAttention,
+                    params={"attn_mask_type": AttnMaskType.causal},
+                    submodules=SelfAttentionSubmodules(
+                        linear_qkv=column, core_attention=core_attention, linear_proj=row
+                    ),
+                ),
+                self_attn_bda=get_bias_dropout_add,
+            ),
+        ),
+        MLP_SYMBOL: ModuleSpec(
+            module=TransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                pre_mlp_layernorm=norm,
+                mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)),
+                mlp_bda=get_bias_dropout_add,
+            ),
+        ),
+    }
+    if config.num_moe_experts:
+        moe = get_moe_module_spec_for_backend(backend=backend, num_experts=config.num_moe_experts)
+        specs[MOE] = ModuleSpec(
+            module=TransformerLayer,
+            submodules=TransformerLayerSubmodules(pre_mlp_layernorm=norm, mlp=moe, mlp_bda=get_bias_dropout_add),
+        )
+    return specs
+
+
+class HybridLM(MegatronModule):
+    """Embedding -> this stage's hybrid layers -> final RMSNorm -> vocab-parallel output layer."""
+
+    def __init__(self, config: HybridConfig, pg_collection, core_attention=SDPACoreAttention):
+        super().__init__(config=config)
+        self.pg_collection = pg_collection
+        pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
+        if pp_size != config.pipeline_model_parallel_size:
+            raise ValueError(f"config.pipeline_model_parallel_size={config.pipeline_model_parallel_size} "
+                             f"but the pp group has {pp_size} ranks")
+        self.pre_process, self.post_process = pp_rank == 0, pp_rank == pp_size - 1
+        self.layer_offset, self.layer_symbols = stage_layers(config, pp_rank)
+        tp_group = pg_collection.tp
+
+        if self.pre_process:
+            self.embedding = tensor_parallel.VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, init_method=config.init_method, config=config,
+                tp_group=tp_group,
+            )
+        specs = build_hybrid_layer_specs(config, core_attention)
+        # layer_number is 1-based and stage-local, as megatron's TransformerBlock passes it
+        # (TransformerLayer adds the stage offset itself).
+        self.layers = torch.nn.ModuleList(
+            build_module(specs[symbol], config=config, layer_number=i + 1, pg_collection=pg_collection)
+            for i, symbol in enumerate(self.layer_symbols)
+        )
+        if self.post_process:
+            self.final_norm = WrappedTorchNorm(config=config, hidden_size=config.hidden_size,
+                                               eps=config.layernorm_epsilon)
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size, config.vocab_size, config=config, init_method=config.init_method,
+                bias=False, gather_output=False, skip_bias_add=False, tp_group=tp_group,
+            )
+        self.input_tensor = None
+
+    def set_input_tensor(self, input_tensor):
+        """Pipeline schedules hand the previous stage's activations in here (a list of one tensor)."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None):
+        """First stage: input_ids [b, s]. Other stages: activations from set_input_tensor.
+        Last stage returns vocab-parallel logits [b, s, v/tp] (or per-token loss [b, s] with labels);
+        other stages return activations [s, b, h] for the next stage."""
+        if self.pre_process:
+            hidden = self.embedding(input_ids).transpose(0, 1).contiguous()  # [s, b, h]
+        else:
+            hidden = self.input_tensor
+        for layer in self.layers:
+            hidden, _ = layer(hidden, attention_mask=None)
+        if not self.post_process:
+            return hidden
+        logits, _ = self.output_layer(self.final_norm(hidden))
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous())
+        return loss.transpose(0, 1).contiguous()
