@@ -1,0 +1,176 @@
+"""Samples, packed rows and microbatches, and what the heterogeneous boundary needs from them.
+
+A microbatch is N packed rows of exactly `seq_length` tokens. Each row concatenates whole samples
+(cu_seqlens marks them; a trailing padding segment makes cu_seqlens end at seq_length, so padding attends
+only to itself). For every encoder module ("vision", "audio") a row also carries:
+  - `media[module]`: the decoded items in the order their tokens appear in the row, and
+  - `positions[module]`: the sorted int64 positions of those tokens in the row.
+Consuming items in order and scattering embeddings to `positions` is therefore the whole alignment
+contract; `PackedBatch.check()` asserts it (one position per produced embedding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+from megatron.energon import Batch, Sample
+from megatron.energon.edataclass import edataclass
+
+from data.tokens import EncodedPrompt
+
+IGNORE = -100  # label value that losses skip (torch's cross_entropy ignore_index default)
+
+
+@edataclass
+class EncodedSample(Sample):
+    """One sample after tokenization. `media` is filled by the post-encode step (decode), in span order."""
+
+    prompt: EncodedPrompt
+    raw_media: list  # [(kind, bytes)] until decoded; dropped afterwards to keep worker queues small
+    media: list  # [(module, kind, units, array | (frames, timestamps))] in span order
+    units: list  # predicted tiles/frames/samples per raw media item (checked against the decode)
+    shard: str
+
+    def __len__(self) -> int:
+        return len(self.prompt)
+
+
+@edataclass
+class PackedSample(Sample):
+    """One row of `seq_length` tokens built from whole samples."""
+
+    tokens: np.ndarray  # int64 [S]
+    labels: np.ndarray  # int64 [S], IGNORE where no loss
+    position_ids: np.ndarray  # int64 [S], restarting at 0 for every sample
+    cu_seqlens: np.ndarray  # int32 [k+1], last entry == S
+    keys: list  # sample keys in row order
+    media: dict  # module -> [(kind, array | (frames, timestamps))] in position order
+    positions: dict  # module -> int64 sorted positions
+
+
+def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Group indices into bins of total length <= capacity; longest first, ties by index (deterministic).
+
+    Every index ends up in a bin: energon drops what select_samples_to_pack does not return."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, r in enumerate(room):
+            if lengths[i] <= r:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - lengths[i])
+    # Keep buffer order inside a bin so a row reads in the order the stream delivered the samples.
+    return [sorted(b) for b in bins]
+
+
+def pack_row(samples: list[EncodedSample], seq_length: int, pad_id: int) -> PackedSample:
+    tokens = np.full(seq_length, pad_id, dtype=np.int64)
+    labels = np.full(seq_length, IGNORE, dtype=np.int64)
+    position_ids = np.zeros(seq_length, dtype=np.int64)
+    cu = [0]
+    media: dict[str, list] = {}
+    positions: dict[str, list[np.ndarray]] = {}
+    for s in samples:
+        p, o, n = s.prompt, cu[-1], len(s.prompt)
+        if o + n > seq_length:
+            raise ValueError(f"pack of {sum(map(len, samples))} tokens exceeds seq_length={seq_length}")
+        tokens[o:o + n] = p.tokens
+        # Label i is token i+1 of the same sample, kept only where that token is a training target; the last
+        # token of a sample predicts nothing, so no loss ever crosses into the next packed sample.
+        labels[o:o + n - 1] = np.where(p.target[1:], p.tokens[1:], IGNORE)
+        position_ids[o:o + n] = np.arange(n)
+        for (module, start, length, _), (m2, kind, units, arr) in zip(p.spans, s.media):
+            assert module == m2, "media list out of span order"
+            media.setdefault(module, []).append((kind, arr))
+            positions.setdefault(module, []).append(np.arange(o + start, o + start + length, dtype=np.int64))
+        cu.append(o + n)
+    if cu[-1] < seq_length:
+        cu.append(seq_length)
+    return PackedSample(
+        __key__=",".join(s.__key__ for s in samples), __restore_key__=(), __subflavors__=None, __sources__=None,
+        tokens=tokens, labels=labels, position_ids=position_ids, cu_seqlens=np.asarray(cu, dtype=np.int32),
+        keys=[s.__key__ for s in samples], media=media,
+        positions={m: np.concatenate(v) for m, v in positions.items()})
+
+
+def _boundary_batch_cls():
+    """hetero.boundary_plan.BoundaryBatch when present; a field-identical stand-in otherwise."""
+    try:
+        from hetero.boundary_plan import BoundaryBatch
+
+        return BoundaryBatch
+    except ImportError:
+        @dataclasses.dataclass(frozen=True)
+        class BoundaryBatch:
+            seq_length: int
+            positions: tuple
+
+        return BoundaryBatch
+
+
+@edataclass
+class PackedBatch(Batch):
+    """One global microbatch of N rows. Identical on every rank; data/sharding.py cuts each rank's part."""
+
+    tokens: torch.Tensor  # int64 [N, S]
+    labels: torch.Tensor  # int64 [N, S]
+    position_ids: torch.Tensor  # int64 [N, S]
+    cu_seqlens: list  # N int32 tensors (THD boundaries per row)
+    keys: list  # N lists of sample keys
+    media: list  # N dicts module -> items
+    positions: list  # N dicts module -> int64 positions
+    seq_length: int
+    skipped: dict  # reason -> count, skips observed by the producing worker since its previous batch
+
+    @property
+    def modules(self) -> list[str]:
+        return sorted({m for row in self.positions for m in row})
+
+    def module_positions(self, module: str) -> tuple[np.ndarray, ...]:
+        empty = np.zeros(0, dtype=np.int64)
+        return tuple(row.get(module, empty) for row in self.positions)
+
+    def boundary_batches(self, modules: list[str] | None = None) -> dict[str, Any]:
+        """module key -> BoundaryBatch(seq_length, one sorted int64 array per row) for hetero/boundary_plan."""
+        cls = _boundary_batch_cls()
+        return {m: cls(seq_length=self.seq_length, positions=self.module_positions(m))
+                for m in (modules if modules is not None else self.modules)}
+
+    def rows(self, lo: int, hi: int) -> "PackedBatch":
+        """Rows [lo, hi) as a batch of their own (what one DP rank keeps)."""
+        return PackedBatch.derive_from(
+            self, tokens=self.tokens[lo:hi], labels=self.labels[lo:hi], position_ids=self.position_ids[lo:hi],
+            cu_seqlens=self.cu_seqlens[lo:hi], keys=self.keys[lo:hi], media=self.media[lo:hi],
+            positions=self.positions[lo:hi], seq_length=self.seq_length, skipped=dict(self.skipped))
+
+    def check(self, count_tokens) -> None:
+        """Assert the alignment contract: per row and module, embeddings produced == positions to fill.
+
+        count_tokens(kind, item) is the encoder's output count for one decoded item."""
+        for r, (media, pos) in enumerate(zip(self.media, self.positions)):
+            for module in set(media) | set(pos):
+                produced = sum(count_tokens(k, a) for k, a in media.get(module, []))
+                p = pos.get(module, np.zeros(0, dtype=np.int64))
+                assert produced == len(p), f"row {r} {module}: {produced} embeddings for {len(p)} positions"
+                assert np.all(np.diff(p) > 0), f"row {r} {module}: positions not strictly increasing"
+                # A media token is an embedding slot, never a prediction target.
+                prev = p[p > 0] - 1
+                assert bool((self.labels[r, prev.tolist()] == IGNORE).all()), f"row {r} {module}: loss on media"
+
+
+def collate(rows: list[PackedSample], skipped: dict) -> PackedBatch:
+    return PackedBatch(
+        __key__=[r.__key__ for r in rows], __restore_key__=(), __subflavors__=None, __sources__=None,
+        tokens=torch.from_numpy(np.stack([r.tokens for r in rows])),
+        labels=torch.from_numpy(np.stack([r.labels for r in rows])),
+        position_ids=torch.from_numpy(np.stack([r.position_ids for r in rows])),
+        cu_seqlens=[torch.from_numpy(r.cu_seqlens) for r in rows], keys=[r.keys for r in rows],
+        media=[r.media for r in rows], positions=[r.positions for r in rows],
+        seq_length=len(rows[0].tokens), skipped=skipped)

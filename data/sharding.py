@@ -1,0 +1,64 @@
+"""Layout-aware sharding of a global microbatch: which rows each rank of each module keeps.
+
+Every rank holds the same global microbatch of N rows (data/loader.py). Module m with data-parallel size D
+gives DP rank d the rows [d*N/D, (d+1)*N/D); TP/CP/PP peers of one DP rank keep the same rows. So for any
+layout, colocated or not, the union over a module's DP ranks is the whole microbatch with no duplicates,
+and an encoder rank and the LLM rank that consumes its embeddings agree on which global row is which.
+hetero.layout.HeteroLayout.validate(ModelShapes(samples_per_microbatch=N)) rejects N not divisible by
+every module's DP size; dp_rows repeats that check so a direct caller gets the same clear error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetero.layout import HeteroLayout
+
+from data.packing import PackedBatch
+
+
+def dp_rows(n: int, dp_size: int, dp_rank: int) -> range:
+    """Rows of a microbatch of n rows that DP rank `dp_rank` of `dp_size` takes."""
+    if n % dp_size:
+        raise ValueError(f"{n} rows per microbatch cannot be split evenly over dp={dp_size}; use a multiple of "
+                         f"{dp_size} rows")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} outside dp={dp_size}")
+    per = n // dp_size
+    return range(dp_rank * per, (dp_rank + 1) * per)
+
+
+@dataclass
+class ModuleShard:
+    """What one rank feeds to one module: its DP coordinate, global row range and the rows themselves.
+
+    For an encoder module `batch.media[i][module]` are the items to encode and `batch.positions[i][module]`
+    where their embeddings land in global row `rows.start + i`. For the language module, the token rows."""
+
+    module: str
+    dp_rank: int
+    dp_size: int
+    rows: range
+    batch: PackedBatch
+
+    @property
+    def keys(self) -> list[str]:
+        return [k for row in self.batch.keys for k in row]
+
+    def media(self) -> list[list]:
+        """Per kept row, the items of this module in position order (empty for the language module)."""
+        return [row.get(self.module, []) for row in self.batch.media]
+
+
+def shard_for_rank(batch: PackedBatch, layout: HeteroLayout, rank: int) -> dict[str, ModuleShard]:
+    """module key -> this rank's shard, for every module placed on `rank` (colocated ranks get several)."""
+    n = batch.tokens.shape[0]
+    out = {}
+    for key in layout.modules_of_rank(rank):
+        module = layout[key]
+        coord = module.coord(rank)
+        rows = dp_rows(n, module.dp_size, coord.dp)
+        out[key] = ModuleShard(key, coord.dp, module.dp_size, rows, batch.rows(rows.start, rows.stop))
+    return out
+
+

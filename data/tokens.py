@@ -1,0 +1,186 @@
+"""Prompt encoding: chat template, tokenizer, media placeholders sized by the encoder config.
+
+A conversation is a list of {"role": "system"|"user"|"assistant", "content": str} turns. The content holds
+media tags (<image>, <video>, <audio>); the i-th tag of a kind refers to the i-th media item of that kind.
+Each tag expands to exactly the number of embeddings its encoder will produce, computed by EncoderTokens
+from the *decoded* media (tiles, frames, waveform samples), so the LLM sequence and the encoder output can
+only disagree if EncoderTokens disagrees with the model config — which tests/test_data_tokens.py checks
+against NeMo's audio encoder and against the pixel-shuffle arithmetic.
+
+Template (ChatML-like; loss only on assistant content and its closing <|im_end|>, never on media tokens):
+    <|im_start|>user\\n{content}<|im_end|>\\n<|im_start|>assistant\\n{content}<|im_end|>\\n
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+MEDIA_TAGS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
+SPECIAL_TOKENS = (IM_START, IM_END, *MEDIA_TAGS.values())
+#: Which encoder module produces the embeddings of a media kind (module keys as in hetero/layout.py).
+MODULE_OF_KIND = {"image": "vision", "video": "vision", "audio": "audio"}
+_TAG_RE = re.compile("(" + "|".join(re.escape(t) for t in MEDIA_TAGS.values()) + ")")
+_KIND_OF_TAG = {t: k for k, t in MEDIA_TAGS.items()}
+
+
+class PromptError(ValueError):
+    """A conversation that cannot be aligned with its media; the message is the logged skip reason."""
+
+
+@dataclass(frozen=True)
+class EncoderTokens:
+    """How many LLM positions each media item occupies; mirrors the encoder configs.
+
+    vision: a `tile`² tile is cut into (tile/patch)² patches, then pixel shuffle merges shuffle² patches
+    into one token. video frames are one tile each. audio: NeMo's mel preprocessor (hop, n_fft, center=True)
+    followed by `subsampling`× striding (log2(subsampling) conv stages, kernel 3, stride 2, padding 1)."""
+
+    tile: int = 512
+    patch: int = 16
+    pixel_shuffle: int = 2
+    max_tiles: int = 6
+    thumbnail: bool = True
+    video_frames: int = 8
+    audio_rate: int = 16_000
+    audio_hop: int = 160
+    audio_n_fft: int = 512
+    audio_subsampling: int = 8
+
+    def __post_init__(self):
+        side = self.tile // self.patch
+        if self.tile % self.patch or side % self.pixel_shuffle:
+            raise ValueError(f"tile {self.tile} must be a multiple of patch {self.patch} * pixel_shuffle "
+                             f"{self.pixel_shuffle}")
+        if self.audio_subsampling & (self.audio_subsampling - 1):
+            raise ValueError(f"audio_subsampling={self.audio_subsampling} must be a power of two (stride-2 stages)")
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return (self.tile // self.patch // self.pixel_shuffle) ** 2
+
+    def image_tokens(self, num_tiles: int) -> int:
+        return num_tiles * self.tokens_per_tile
+
+    def video_tokens(self, num_frames: int) -> int:
+        return num_frames * self.tokens_per_tile
+
+    def audio_tokens(self, num_samples: int) -> int:
+        frames = (num_samples + 2 * (self.audio_n_fft // 2) - self.audio_n_fft) // self.audio_hop
+        for _ in range(int(math.log2(self.audio_subsampling))):
+            frames = (frames + 2 * 1 - 3) // 2 + 1
+        return max(frames, 0)
+
+    def tokens(self, kind: str, units: int) -> int:
+        """Tokens for one media item of `kind` with `units` tiles (image), frames (video) or 16 kHz samples."""
+        return {"image": self.image_tokens, "video": self.video_tokens, "audio": self.audio_tokens}[kind](units)
+
+
+class Tokenizer:
+    """SentencePiece (.model) or HF tokenizers (tokenizer.json) behind one small interface."""
+
+    def __init__(self, path: str | Path):
+        self.path = str(path)
+        if self.path.endswith(".json"):
+            from tokenizers import Tokenizer as HFTokenizer
+
+            self._hf = HFTokenizer.from_file(self.path)
+            self._encode = lambda s: self._hf.encode(s, add_special_tokens=False).ids
+            self._id = self._hf.token_to_id
+        else:
+            import sentencepiece as spm
+
+            self._sp = spm.SentencePieceProcessor(model_file=self.path)
+            self._encode = self._sp.encode
+            self._id = lambda p: (i if (i := self._sp.piece_to_id(p)) != self._sp.unk_id() else None)
+        missing = [t for t in SPECIAL_TOKENS if self._id(t) is None]
+        if missing:
+            raise ValueError(f"tokenizer {self.path} lacks the special tokens {missing}; train it with them as "
+                             f"user-defined symbols (data.tokens.train_sentencepiece does)")
+        self.special = {t: self._id(t) for t in SPECIAL_TOKENS}
+        pad = self._id("<pad>")
+        self.pad_id = pad if pad is not None else self.special[IM_END]
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._encode(text)) if text else []
+
+    def __getstate__(self):  # processors are not picklable; energon ships the task encoder to workers
+        return {"path": self.path}
+
+    def __setstate__(self, state):
+        self.__init__(state["path"])
+
+
+def train_sentencepiece(texts: list[str], prefix: str | Path, vocab_size: int = 512) -> Path:
+    """Train a small BPE SentencePiece model with the template/media tokens as single pieces."""
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_writer=model, vocab_size=vocab_size, model_type="bpe",
+        user_defined_symbols=list(SPECIAL_TOKENS), pad_id=3, pad_piece="<pad>", hard_vocab_limit=False,
+        character_coverage=1.0, minloglevel=2)
+    path = Path(f"{prefix}.model")
+    path.write_bytes(model.getvalue())
+    return path
+
+
+@dataclass
+class EncodedPrompt:
+    """One tokenized sample. `spans` are (module, start, length, item) per media tag in text order;
+    `item` indexes the sample's media list, so encoders must consume items in span order."""
+
+    tokens: np.ndarray  # int32 [L]
+    target: np.ndarray  # bool [L]: token is predicted (assistant content or closing <|im_end|>)
+    spans: list[tuple[str, int, int, int]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def encode_conversation(tok: Tokenizer, turns: list[dict], media_kinds: list[str],
+                        media_tokens: list[int]) -> EncodedPrompt:
+    """Tokenize `turns`, expanding the k-th tag of each kind to media_tokens of the k-th item of that kind.
+
+    media_kinds/media_tokens describe the sample's media items in storage order. Raises PromptError when tags
+    and media disagree: a media item with no tag would be computed but never attended to, a tag with no item
+    would make the LLM read another sample's embeddings — both are silent misalignments."""
+    queues: dict[str, list[tuple[int, int]]] = {
+        k: [(i, n) for i, (kk, n) in enumerate(zip(media_kinds, media_tokens)) if kk == k] for k in MEDIA_TAGS}
+    tokens: list[int] = []
+    target: list[bool] = []
+    spans: list[tuple[str, int, int, int]] = []
+
+    def add(ids: list[int], is_target: bool):
+        tokens.extend(ids)
+        target.extend([is_target] * len(ids))
+
+    for turn in turns:
+        role, content = turn.get("role"), turn.get("content")
+        if role not in ("system", "user", "assistant") or not isinstance(content, str):
+            raise PromptError(f"malformed turn {str(turn)[:80]!r}: needs role system/user/assistant and text")
+        learn = role == "assistant"
+        add([tok.special[IM_START]] + tok.encode(f"{role}\n"), False)
+        for part in _TAG_RE.split(content):
+            if part in _KIND_OF_TAG:
+                kind = _KIND_OF_TAG[part]
+                if not queues[kind]:
+                    raise PromptError(f"more {part} placeholders than {kind} items (missing modality)")
+                item, n = queues[kind].pop(0)
+                spans.append((MODULE_OF_KIND[kind], len(tokens), n, item))
+                add([tok.special[part]] * n, False)
+            elif part:
+                add(tok.encode(part), learn)
+        add([tok.special[IM_END]], learn)
+        add(tok.encode("\n"), False)
+    left = {k: len(q) for k, q in queues.items() if q}
+    if left:
+        raise PromptError(f"more media than placeholders: {left} item(s) without a tag")
+    return EncodedPrompt(np.asarray(tokens, dtype=np.int32), np.asarray(target, dtype=bool), spans)

@@ -1,0 +1,134 @@
+"""OMP_NUM_THREADS=1 python scripts/bench_loader.py [--samples 48] [--workers 0 1 2] [--out /tmp/tessera_bench]
+
+Samples/s and peak RSS of the Tessera loader (decode + tiling/frames/resampling + tokenization + packing,
+energon) next to plain webdataset decoding of the same shards (PIL → RGB array, PyAV → all frames,
+soundfile → waveform; no tiling, tokens or packing), for image, video, audio and mixed shards.
+
+Each configuration runs one full epoch in a fresh subprocess, so peak RSS is its own: "rss" is the main
+process' peak plus the largest worker's peak (ru_maxrss of children). Time counts loader start-up
+(worker spawn, index open) but not Python imports. Shards are synthetic (scripts/prepare_data.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+KINDS = {"image": ("image",), "video": ("video",), "audio": ("audio",), "mixed": ("image", "video", "audio", "chat")}
+
+
+def make_sets(out: Path, samples: int) -> None:
+    from scripts.prepare_data import energon_prepare, synthetic_records, write_shards
+    from data.tokens import train_sentencepiece
+
+    for name, kinds in KINDS.items():
+        path = out / name
+        if (path / ".nv-meta" / "index.sqlite").exists():
+            continue
+        records = list(synthetic_records(samples, seed=11, prefix=name, kinds=kinds))
+        write_shards(iter(records), path, shard_size=16)
+        energon_prepare(path)
+        texts = [t["content"] for _, conv, _ in records for t in conv] * 4
+        train_sentencepiece(texts + ["user\n", "assistant\n", "system\n"], path / "tokenizer", vocab_size=400)
+
+
+def run_tessera(path: Path, workers: int) -> int:
+    from data.loader import ChatTaskEncoder, build_loader
+    from data.tokens import EncoderTokens
+
+    te = ChatTaskEncoder(path / "tokenizer.model", seq_length=8192, encoder=EncoderTokens())
+    n = 0
+    for batch in build_loader(path, te, rows_per_microbatch=1, num_workers=workers, repeat=False,
+                              shuffle_buffer=None, packing_buffer=8):
+        n += sum(len(k) for k in batch.keys)
+    return n
+
+
+def _plain_decode(sample: dict) -> dict:
+    import av
+    import numpy as np
+    import soundfile as sf
+    from PIL import Image
+
+    out = {}
+    for field, data in sample.items():
+        if field.endswith((".jpg", ".png")):
+            out[field] = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+        elif field.endswith(".mp4"):
+            with av.open(io.BytesIO(data)) as c:
+                out[field] = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
+        elif field.endswith((".wav", ".flac")):
+            out[field] = sf.read(io.BytesIO(data), dtype="float32")[0]
+        elif field == "json":
+            out[field] = json.loads(data)
+    return out
+
+
+def run_plain(path: Path, workers: int) -> int:
+    import webdataset as wds
+
+    urls = sorted(str(p) for p in path.glob("shard-*.tar"))
+    ds = wds.WebDataset(urls, shardshuffle=False, workersplitter=wds.split_by_worker).map(_plain_decode)
+    return sum(1 for _ in wds.WebLoader(ds, batch_size=None, num_workers=workers))
+
+
+def one(kind: str, impl: str, workers: int, out: Path) -> dict:
+    """Run one configuration in this process and return its measurements."""
+    run = run_tessera if impl == "tessera" else run_plain
+    t0 = time.perf_counter()
+    n = run(out / kind, workers)
+    dt = time.perf_counter() - t0
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return {"kind": kind, "impl": impl, "workers": workers, "samples": n, "seconds": dt,
+            "rate": n / dt, "rss_mb": (own + child) / 1024}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--samples", type=int, default=48, help="samples per data set")
+    ap.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    ap.add_argument("--out", type=Path, default=Path("/tmp/tessera_bench"))
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: "kind,impl,workers" in a subprocess
+    args = ap.parse_args(argv)
+    if args.one:
+        kind, impl, workers = args.one.split(",")
+        print(json.dumps(one(kind, impl, int(workers), args.out)))
+        return 0
+
+    make_sets(args.out, args.samples)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    rows = []
+    for kind in args.kinds:
+        for workers in args.workers:
+            for impl in ("plain", "tessera"):
+                cmd = [sys.executable, __file__, "--one", f"{kind},{impl},{workers}", "--out", str(args.out)]
+                res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                if res.returncode:
+                    print(res.stderr[-2000:], file=sys.stderr)
+                    return 1
+                rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
+                r = rows[-1]
+                print(f"  {kind:6s} {impl:7s} w={workers}: {r['samples']} samples in {r['seconds']:.1f}s", file=sys.stderr)
+
+    print(f"\n{'data':7s} {'workers':>7s} {'plain/s':>9s} {'tessera/s':>10s} {'ratio':>6s} "
+          f"{'plain RSS MB':>13s} {'tessera RSS MB':>15s}")
+    for kind in args.kinds:
+        for workers in args.workers:
+            p, t = (next(r for r in rows if (r["kind"], r["impl"], r["workers"]) == (kind, impl, workers))
+                    for impl in ("plain", "tessera"))
+            print(f"{kind:7s} {workers:7d} {p['rate']:9.1f} {t['rate']:10.1f} {t['rate'] / p['rate']:6.2f} "
+                  f"{p['rss_mb']:13.0f} {t['rss_mb']:15.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
