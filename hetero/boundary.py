@@ -15,38 +15,106 @@ Every rank of the two modules calls it with the same metadata, in the same order
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from hetero.boundary_plan import BoundaryBatch, BoundaryPlan, DirectionPlan, minimum_rows, plan_boundary
+from hetero.boundary_plan import (BoundaryBatch, BoundaryPlan, DirectionPlan, Transfer, minimum_rows,
+                                  plan_boundary)
 from hetero.layout import ModuleLayout
 
 
-def run_direction(plan: DirectionPlan, rank: int, x: torch.Tensor, out_rows: int) -> tuple[torch.Tensor, int]:
-    """Execute one direction of a plan on this rank. x: [in_rows, hidden] (contiguous rows).
+MIN_SEGMENT_ROWS = 16  # below this mean run length, one gathered message beats many small ones
 
-    Returns the [out_rows, hidden] output and the bytes this rank sent.
-    """
+
+def _rows(index: np.ndarray) -> slice | np.ndarray:
+    """A contiguous run of rows as a slice (a view: no gather/scatter copy), else the index array."""
+    if len(index) and index[-1] - index[0] + 1 == len(index) and np.all(np.diff(index) == 1):
+        return slice(int(index[0]), int(index[-1]) + 1)
+    return index
+
+
+def _segments(t: Transfer) -> list[tuple[slice, slice]] | None:
+    """Split a transfer into runs contiguous on both sides, if runs are long enough to send as views.
+
+    Both sides derive the same split from the same transfer, so their messages pair up in order."""
+    breaks = np.flatnonzero((np.diff(t.src_index) != 1) | (np.diff(t.dst_index) != 1)) + 1
+    if len(t.src_index) < MIN_SEGMENT_ROWS * (len(breaks) + 1):
+        return None
+    starts, ends = np.r_[0, breaks], np.r_[breaks, len(t.src_index)]
+    return [(slice(int(t.src_index[a]), int(t.src_index[b - 1]) + 1),
+             slice(int(t.dst_index[a]), int(t.dst_index[b - 1]) + 1)) for a, b in zip(starts, ends)]
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    """One rank's part of one direction of a plan. Each message is a view of a contiguous run where the
+    rows allow it (no gather/scatter copies), else one gathered buffer."""
+
+    out_rows: int
+    sends: tuple[tuple[int, slice | np.ndarray], ...]            # (peer, rows of the input), in order
+    recvs: tuple[tuple[int, slice | np.ndarray], ...]            # (peer, rows of the output), in order
+    copies: tuple[tuple[slice | np.ndarray, slice | np.ndarray], ...]  # (input rows, output rows)
+    covers_all_rows: bool                                        # every output row is written
+
+    @classmethod
+    def build(cls, plan: DirectionPlan, rank: int) -> "RankProgram":
+        sends, recvs, copies = [], [], []
+        for t in plan.transfers:
+            if rank not in (t.src_rank, t.dst_rank):
+                continue
+            if t.local:
+                copies.append((_rows(t.src_index), _rows(t.dst_index)))
+                continue
+            segs = _segments(t)
+            mine = [(s if t.src_rank == rank else d) for s, d in segs] if segs else \
+                [_rows(t.src_index if t.src_rank == rank else t.dst_index)]
+            if t.src_rank == rank:
+                sends += [(t.dst_rank, rows) for rows in mine]
+            else:
+                recvs += [(t.src_rank, rows) for rows in mine]
+        out_rows = plan.out_rows.get(rank, 0)
+        written = sum(len(t.dst_index) for t in plan.transfers if t.dst_rank == rank)
+        return cls(out_rows, tuple(sends), tuple(recvs), tuple(copies), written == out_rows)
+
+
+def _take(x: torch.Tensor, rows) -> torch.Tensor:
+    return x[rows] if isinstance(rows, slice) else x.index_select(0, torch.as_tensor(rows, device=x.device))
+
+
+def _put(out: torch.Tensor, rows, value: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        out[rows] = value
+    else:
+        out.index_copy_(0, torch.as_tensor(rows, device=out.device), value)
+
+
+def run_program(prog: RankProgram, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Execute one rank's program. x: [in_rows, hidden]. Returns the [out_rows, hidden] output and the
+    bytes this rank sent. Contiguous runs are sent from and received into views: no extra copies."""
     hidden = x.shape[-1]
-    out = x.new_zeros(out_rows, hidden)
-    ops, recv_bufs, sent = [], [], 0
-    for t in plan.recvs(rank):
-        buf = x.new_empty(len(t.dst_index), hidden)
-        recv_bufs.append((t, buf))
-        ops.append(dist.P2POp(dist.irecv, buf, t.src_rank))
-    for t in plan.sends(rank):
-        buf = x.index_select(0, torch.as_tensor(t.src_index, device=x.device))
+    # rows nobody writes (dense format: text positions) must read as zeros
+    out = x.new_empty(prog.out_rows, hidden) if prog.covers_all_rows else x.new_zeros(prog.out_rows, hidden)
+    ops, scatter, sent = [], [], 0
+    for peer, rows in prog.recvs:
+        buf = out[rows] if isinstance(rows, slice) else x.new_empty(len(rows), hidden)
+        if not isinstance(rows, slice):
+            scatter.append((rows, buf))
+        ops.append(dist.P2POp(dist.irecv, buf, peer))
+    for peer, rows in prog.sends:
+        buf = _take(x, rows).contiguous()
         sent += buf.numel() * buf.element_size()
-        ops.append(dist.P2POp(dist.isend, buf, t.dst_rank))
+        ops.append(dist.P2POp(dist.isend, buf, peer))
     # batch_isend_irecv coalesces on NCCL (needed to avoid ordering deadlocks) and loops on gloo
     reqs = dist.batch_isend_irecv(ops) if ops else []
-    for t in plan.locals(rank):
-        out.index_copy_(0, torch.as_tensor(t.dst_index, device=x.device),
-                        x.index_select(0, torch.as_tensor(t.src_index, device=x.device)))
+    for src_rows, dst_rows in prog.copies:
+        _put(out, dst_rows, _take(x, src_rows))
     for r in reqs:
         r.wait()
-    for t, buf in recv_bufs:
-        out.index_copy_(0, torch.as_tensor(t.dst_index, device=x.device), buf)
+    for rows, buf in scatter:
+        _put(out, rows, buf)
     return out, sent
 
 
@@ -54,18 +122,15 @@ class _BoundaryFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm: "BoundaryCommunicator", plan: BoundaryPlan):
         ctx.comm, ctx.plan, ctx.in_shape = comm, plan, x.shape
-        rank = comm.rank
-        rows = plan.forward.out_rows.get(rank, 0)
-        out, sent = run_direction(plan.forward, rank, x.reshape(-1, comm.hidden), rows)
+        out, sent = run_program(comm.program(plan, "forward"), x.reshape(-1, comm.hidden))
         comm.bytes_sent += sent
-        shape = plan.dst_shape.get(rank, (0,))
+        shape = plan.dst_shape.get(comm.rank, (0,))
         return out.view(*shape, comm.hidden)
 
     @staticmethod
     def backward(ctx, grad_out):
-        comm, plan, rank = ctx.comm, ctx.plan, ctx.comm.rank
-        rows = plan.backward.out_rows.get(rank, 0)
-        grad_in, sent = run_direction(plan.backward, rank, grad_out.reshape(-1, comm.hidden).contiguous(), rows)
+        comm = ctx.comm
+        grad_in, sent = run_program(comm.program(ctx.plan, "backward"), grad_out.reshape(-1, comm.hidden).contiguous())
         comm.bytes_sent += sent
         return grad_in.view(ctx.in_shape), None, None
 
@@ -86,13 +151,21 @@ class BoundaryCommunicator:
         self.rank = dist.get_rank() if rank is None else rank
         self.bytes_sent = 0  # running total on this rank, forward and backward
         self._cache: tuple[tuple, BoundaryPlan] | None = None
+        self._programs: dict[tuple[int, str], RankProgram] = {}
 
     def plan(self, batch: BoundaryBatch) -> BoundaryPlan:
         # consecutive microbatches often share metadata (fixed media tokens): reuse the plan
         key = (batch.seq_length, tuple(p.tobytes() for p in batch.positions))
         if self._cache is None or self._cache[0] != key:
             self._cache = (key, plan_boundary(self.src, self.dst, batch, self.dst_format))
+            self._programs = {}
         return self._cache[1]
+
+    def program(self, plan: BoundaryPlan, direction: str) -> RankProgram:
+        key = (id(plan), direction)
+        if key not in self._programs:
+            self._programs[key] = RankProgram.build(getattr(plan, direction), self.rank)
+        return self._programs[key]
 
     def minimum_bytes(self, batch: BoundaryBatch) -> int:
         fwd, bwd = minimum_rows(self.src, self.dst, batch)

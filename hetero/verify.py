@@ -75,7 +75,7 @@ def make_batch(layout: HeteroLayout, dims: ChainDims, seed: int, dtype):
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
 
 
@@ -83,8 +83,8 @@ def _send(t, peer):
     dist.send(t.contiguous(), peer)
 
 
-def _recv(shape, peer, dtype):
-    buf = torch.empty(shape, dtype=dtype)
+def _recv(shape, peer, dtype, device):
+    buf = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(buf, peer)
     return buf.requires_grad_()
 
@@ -96,6 +96,8 @@ def run_verify(spec: str, seed: int = 1234, dtype=torch.float32, dims: ChainDims
     batches, inputs, text, target = make_batch(layout, dims, seed, dtype)
     n, seq = text.shape[:2]
     rank = dist.get_rank()
+    # the run's device: the local GPU with NCCL, the CPU with gloo (the reference always runs on the CPU)
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     groups = build_module_groups(layout)
     w = make_weights(layout, dims, seed, dtype)
 
@@ -113,56 +115,57 @@ def run_verify(spec: str, seed: int = 1234, dtype=torch.float32, dims: ChainDims
         g, m = groups[key], layout[key]
         if g.is_member:
             c = g.coord
-            enc = modules[key] = ParallelEncoder(w, key, layout, dims, g.pgs, c.pp, dtype)
+            enc = modules[key] = ParallelEncoder(w, key, layout, dims, g.pgs, c.pp, dtype).to(dev)
             rows = source_shard(m, batches[key], c.dp, c.cp)
             counts = [len(source_shard(m, batches[key], c.dp, r)) for r in range(m.cp)]
-            pos, seg = (t[torch.as_tensor(rows)] for t in encoder_token_meta(batches[key]))
-            x = inputs[key][torch.as_tensor(rows)] if c.pp == 0 else _recv(
-                (len(rows), dims.enc_hidden), m.rank_of(c.tp, c.cp, c.dp, c.pp - 1), dtype)
+            pos, seg = (t[torch.as_tensor(rows)].to(dev) for t in encoder_token_meta(batches[key]))
+            x = inputs[key][torch.as_tensor(rows)].to(dev) if c.pp == 0 else _recv(
+                (len(rows), dims.enc_hidden), m.rank_of(c.tp, c.cp, c.dp, c.pp - 1), dtype, dev)
             h = enc(x, pos, seg, counts)
             stage_io[key] = (x, h)
             if c.pp < m.pp - 1:
                 _send(h, m.rank_of(c.tp, c.cp, c.dp, c.pp + 1))
-        comms[key] = BoundaryCommunicator(m, lang, dims.llm_hidden, dtype, dst_format="dense")
+        comms[key] = BoundaryCommunicator(m, lang, dims.llm_hidden, dtype, dev, dst_format="dense")
         if rank in m.ranks or rank in lang.ranks:
             src_out = stage_io[key][1] if g.is_member and g.last_stage else None
             outs[key] = comms[key](src_out, batches[key])
 
     lg = groups[LANGUAGE]
-    loss_local = torch.zeros((), dtype=torch.float64)
+    loss_local = torch.zeros((), dtype=torch.float64, device=dev)
     if lg.is_member:
         c = lg.coord
         local_pos = zigzag_positions(seq, lang.cp, c.cp)
         samples = np.arange(c.dp * n // lang.dp_size, (c.dp + 1) * n // lang.dp_size)
-        pos = torch.as_tensor(np.tile(local_pos, len(samples)))
-        seg = torch.as_tensor(np.repeat(samples, len(local_pos)))
+        pos = torch.as_tensor(np.tile(local_pos, len(samples)), device=dev)
+        seg = torch.as_tensor(np.repeat(samples, len(local_pos)), device=dev)
         sl = (torch.as_tensor(samples)[:, None], torch.as_tensor(local_pos)[None, :])
-        lm = modules[LANGUAGE] = ParallelLanguage(w, layout, dims, lg.pgs, c.pp, dtype)
+        lm = modules[LANGUAGE] = ParallelLanguage(w, layout, dims, lg.pgs, c.pp, dtype).to(dev)
+        target_local = target[sl].to(dev)
         detached = {}
         if c.pp == 0:
             # LLM runs on detached boundary outputs; their grads go back through the boundaries afterwards
-            x = text[sl].clone()
+            x = text[sl].to(dev)
             for key in sorted(layout.encoders):
                 detached[key] = outs[key].detach().requires_grad_()
                 mask = torch.zeros(n, seq, dtype=torch.bool)
                 for i, p in enumerate(batches[key].positions):
                     mask[i, torch.as_tensor(p)] = True
-                x = torch.where(mask[sl][..., None], detached[key], x)
+                x = torch.where(mask[sl][..., None].to(dev), detached[key], x)
             x = x.reshape(-1, dims.llm_hidden)
         else:
             x = _recv((len(samples) * len(local_pos), dims.llm_hidden), lang.rank_of(c.tp, c.cp, c.dp, c.pp - 1),
-                      dtype)
+                      dtype, dev)
         y = lm(x, pos, seg)
         if c.pp < lang.pp - 1:
             _send(y, lang.rank_of(c.tp, c.cp, c.dp, c.pp + 1))
             dist.recv(grad := torch.empty_like(y), lang.rank_of(c.tp, c.cp, c.dp, c.pp + 1))
             torch.autograd.backward(y, grad)
         else:
-            loss = ((y.view(len(samples), -1, dims.llm_hidden) - target[sl]) ** 2).sum() / target.numel()
+            loss = ((y.view(len(samples), -1, dims.llm_hidden) - target_local) ** 2).sum() / target.numel()
             loss.backward()
             if c.tp == 0:
                 loss_local = loss.detach().double()
-            errors["output"] = _rel_err(y.detach().view(len(samples), -1, dims.llm_hidden), ref_y.detach()[sl])
+            errors["output"] = _rel_err(y.view(len(samples), -1, dims.llm_hidden), ref_y[sl])
         if c.pp > 0:
             _send(x.grad, lang.rank_of(c.tp, c.cp, c.dp, c.pp - 1))
 
@@ -198,11 +201,11 @@ def run_verify(spec: str, seed: int = 1234, dtype=torch.float32, dims: ChainDims
     errors["loss"] = _rel_err(loss_local, ref_loss.detach())
 
     worst_name = max(errors, key=errors.get, default="")
-    worst = torch.tensor([errors.get(worst_name, 0.0)], dtype=torch.float64)
+    worst = torch.tensor([errors.get(worst_name, 0.0)], dtype=torch.float64, device=dev)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if errors.get(worst_name, 0.0) == worst.item() and worst.item() > TOLERANCE[dtype]:
         print(f"  rank{rank} worst: {worst_name} rel_err={worst.item():.3e}", flush=True)
-    moved = torch.tensor([sum(c.bytes_sent for c in comms.values())], dtype=torch.int64)
+    moved = torch.tensor([sum(c.bytes_sent for c in comms.values())], dtype=torch.int64, device=dev)
     dist.all_reduce(moved)
     min_bytes = sum(comms[k].minimum_bytes(batches[k]) for k in comms)
     destroy_module_groups(groups)
@@ -223,6 +226,8 @@ def main(argv=None) -> int:
             print(f"verify: FAIL invalid layout: {e}", file=sys.stderr)
         return 2
     apply_cpu_shims()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(default_backend())
     rank = dist.get_rank()
     torch.set_num_threads(1)

