@@ -30,6 +30,7 @@ from hetero.boundary_plan import BoundaryBatch, source_shard
 from hetero.cp_attention import zigzag_positions
 from hetero.cpu_shims import apply_cpu_shims, default_backend
 from hetero.groups import build_module_groups, destroy_module_groups
+from hetero.schedules import hetero_step, reduce_gradients
 from hetero.layout import LANGUAGE, HeteroLayout, LayoutError, ModelShapes
 from hetero.verify_chain import (ChainDims, ParallelEncoder, ParallelLanguage, encoder_token_meta, make_weights,
                                  reference_forward, sharded_reference_grad)
@@ -79,117 +80,112 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
 
 
-def _send(t, peer):
-    dist.send(t.contiguous(), peer)
+class _EncoderStage:
+    """Glue: one rank's encoder stage reading its own rows of each microbatch (hetero.schedules)."""
+
+    def __init__(self, module, layout_m, coord, micro, key, dims, dev):
+        self.module, self.m, self.c, self.micro, self.key, self.dims, self.dev = \
+            module, layout_m, coord, micro, key, dims, dev
+
+    def _rows(self, mb, cp=None):
+        return source_shard(self.m, self.micro[mb][0][self.key], self.c.dp, self.c.cp if cp is None else cp)
+
+    def input_shape(self, mb):
+        return (len(self._rows(mb)), self.dims.enc_hidden)
+
+    def forward(self, x, mb):
+        batches, inputs = self.micro[mb][0], self.micro[mb][1]
+        rows = torch.as_tensor(self._rows(mb))
+        counts = [len(self._rows(mb, r)) for r in range(self.m.cp)]
+        pos, seg = (t[rows].to(self.dev) for t in encoder_token_meta(batches[self.key]))
+        if x is None:
+            x = inputs[self.key][rows].to(self.dev)
+        return self.module(x, pos, seg, counts)
 
 
-def _recv(shape, peer, dtype, device):
-    buf = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(buf, peer)
-    return buf.requires_grad_()
+class _LanguageStage:
+    """Glue: one rank's LLM stage; the first stage fuses text with every encoder's boundary output."""
+
+    def __init__(self, module, layout, coord, micro, dims, dev, total_elems):
+        self.module, self.c, self.micro, self.dims, self.dev = module, coord, micro, dims, dev
+        lang = layout[LANGUAGE]
+        n, seq = micro[0][2].shape[:2]
+        self.local_pos = zigzag_positions(seq, lang.cp, coord.cp)
+        self.samples = np.arange(coord.dp * n // lang.dp_size, (coord.dp + 1) * n // lang.dp_size)
+        self.sl = (torch.as_tensor(self.samples)[:, None], torch.as_tensor(self.local_pos)[None, :])
+        self.pos = torch.as_tensor(np.tile(self.local_pos, len(self.samples)), device=dev)
+        self.seg = torch.as_tensor(np.repeat(self.samples, len(self.local_pos)), device=dev)
+        self.total = total_elems
+
+    def input_shape(self, mb):
+        return (len(self.samples) * len(self.local_pos), self.dims.llm_hidden)
+
+    def forward(self, x, media, mb):
+        batches, _, text, _ = self.micro[mb]
+        if x is None:
+            x = text[self.sl].to(self.dev)
+            for key in sorted(media):
+                mask = torch.zeros(text.shape[:2], dtype=torch.bool)
+                for i, p in enumerate(batches[key].positions):
+                    mask[i, torch.as_tensor(p)] = True
+                x = torch.where(mask[self.sl][..., None].to(self.dev), media[key], x)
+            x = x.reshape(-1, self.dims.llm_hidden)
+        return self.module(x, self.pos, self.seg)
+
+    def loss(self, y, mb):
+        target = self.micro[mb][3][self.sl].to(self.dev)
+        return ((y.view(len(self.samples), -1, self.dims.llm_hidden) - target) ** 2).sum() / self.total
 
 
-def run_verify(spec: str, seed: int = 1234, dtype=torch.float32, dims: ChainDims = ChainDims()) -> dict:
-    """Run the check on every rank of an initialised world; returns rank-local results (global on rank 0)."""
+def run_verify(spec: str, seed: int = 1234, dtype=torch.float32, dims: ChainDims = ChainDims(),
+               microbatches: int = 1) -> dict:
+    """Run the check on every rank of an initialised world; results are global (identical on all ranks).
+
+    With several microbatches the step accumulates gradients over them through hetero.schedules, and the
+    reference is the single-device model over the same microbatches."""
     layout = validated_layout(spec, dims, dist.get_world_size())
-    lang = layout[LANGUAGE]
-    batches, inputs, text, target = make_batch(layout, dims, seed, dtype)
-    n, seq = text.shape[:2]
-    rank = dist.get_rank()
+    lang, rank = layout[LANGUAGE], dist.get_rank()
+    micro = [make_batch(layout, dims, seed + 7 * mb, dtype) for mb in range(microbatches)]
+    total = microbatches * micro[0][2].numel()  # the loss is normalised by the step's global element count
     # the run's device: the local GPU with NCCL, the CPU with gloo (the reference always runs on the CPU)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     groups = build_module_groups(layout)
     w = make_weights(layout, dims, seed, dtype)
 
-    # ---- single device reference (this process, full model) ----
-    # in float64: the reference's own rounding then does not count against the layout under test
+    # ---- single-device reference, in float64 so its own rounding does not count against the layout ----
     ref_w = {k: v.double().requires_grad_() for k, v in w.items()}
-    ref_y, ref_loss = reference_forward(ref_w, layout, dims, {k: v.double() for k, v in inputs.items()}, batches,
-                                        text.double(), target.double())
+    ref_loss, ref_ys = torch.zeros((), dtype=torch.float64), []
+    for batches, inputs, text, target in micro:
+        y, loss = reference_forward(ref_w, layout, dims, {k: v.double() for k, v in inputs.items()}, batches,
+                                    text.double(), target.double())
+        ref_loss, ref_ys = ref_loss + loss * text.numel() / total, ref_ys + [y.detach()]
     ref_loss.backward()
     ref_grads = {k: v.grad for k, v in ref_w.items()}
 
     # ---- heterogeneous run ----
-    modules, comms, outs, errors, stage_io = {}, {}, {}, {}, {}
-    for key in sorted(layout.encoders):  # encoder pipelines, then their boundary
-        g, m = groups[key], layout[key]
+    modules, encoders, language = {}, {}, None
+    for key in sorted(layout.encoders):
+        g = groups[key]
         if g.is_member:
-            c = g.coord
-            enc = modules[key] = ParallelEncoder(w, key, layout, dims, g.pgs, c.pp, dtype).to(dev)
-            rows = source_shard(m, batches[key], c.dp, c.cp)
-            counts = [len(source_shard(m, batches[key], c.dp, r)) for r in range(m.cp)]
-            pos, seg = (t[torch.as_tensor(rows)].to(dev) for t in encoder_token_meta(batches[key]))
-            x = inputs[key][torch.as_tensor(rows)].to(dev) if c.pp == 0 else _recv(
-                (len(rows), dims.enc_hidden), m.rank_of(c.tp, c.cp, c.dp, c.pp - 1), dtype, dev)
-            h = enc(x, pos, seg, counts)
-            stage_io[key] = (x, h)
-            if c.pp < m.pp - 1:
-                _send(h, m.rank_of(c.tp, c.cp, c.dp, c.pp + 1))
-        comms[key] = BoundaryCommunicator(m, lang, dims.llm_hidden, dtype, dev, dst_format="dense")
-        if rank in m.ranks or rank in lang.ranks:
-            src_out = stage_io[key][1] if g.is_member and g.last_stage else None
-            outs[key] = comms[key](src_out, batches[key])
-
+            modules[key] = ParallelEncoder(w, key, layout, dims, g.pgs, g.coord.pp, dtype).to(dev)
+            encoders[key] = _EncoderStage(modules[key], layout[key], g.coord, micro, key, dims, dev)
     lg = groups[LANGUAGE]
-    loss_local = torch.zeros((), dtype=torch.float64, device=dev)
     if lg.is_member:
-        c = lg.coord
-        local_pos = zigzag_positions(seq, lang.cp, c.cp)
-        samples = np.arange(c.dp * n // lang.dp_size, (c.dp + 1) * n // lang.dp_size)
-        pos = torch.as_tensor(np.tile(local_pos, len(samples)), device=dev)
-        seg = torch.as_tensor(np.repeat(samples, len(local_pos)), device=dev)
-        sl = (torch.as_tensor(samples)[:, None], torch.as_tensor(local_pos)[None, :])
-        lm = modules[LANGUAGE] = ParallelLanguage(w, layout, dims, lg.pgs, c.pp, dtype).to(dev)
-        target_local = target[sl].to(dev)
-        detached = {}
-        if c.pp == 0:
-            # LLM runs on detached boundary outputs; their grads go back through the boundaries afterwards
-            x = text[sl].to(dev)
-            for key in sorted(layout.encoders):
-                detached[key] = outs[key].detach().requires_grad_()
-                mask = torch.zeros(n, seq, dtype=torch.bool)
-                for i, p in enumerate(batches[key].positions):
-                    mask[i, torch.as_tensor(p)] = True
-                x = torch.where(mask[sl][..., None].to(dev), detached[key], x)
-            x = x.reshape(-1, dims.llm_hidden)
-        else:
-            x = _recv((len(samples) * len(local_pos), dims.llm_hidden), lang.rank_of(c.tp, c.cp, c.dp, c.pp - 1),
-                      dtype, dev)
-        y = lm(x, pos, seg)
-        if c.pp < lang.pp - 1:
-            _send(y, lang.rank_of(c.tp, c.cp, c.dp, c.pp + 1))
-            dist.recv(grad := torch.empty_like(y), lang.rank_of(c.tp, c.cp, c.dp, c.pp + 1))
-            torch.autograd.backward(y, grad)
-        else:
-            loss = ((y.view(len(samples), -1, dims.llm_hidden) - target_local) ** 2).sum() / target.numel()
-            loss.backward()
-            if c.tp == 0:
-                loss_local = loss.detach().double()
-            errors["output"] = _rel_err(y.view(len(samples), -1, dims.llm_hidden), ref_y[sl])
-        if c.pp > 0:
-            _send(x.grad, lang.rank_of(c.tp, c.cp, c.dp, c.pp - 1))
+        modules[LANGUAGE] = ParallelLanguage(w, layout, dims, lg.pgs, lg.coord.pp, dtype).to(dev)
+        language = _LanguageStage(modules[LANGUAGE], layout, lg.coord, micro, dims, dev, total)
+    comms = {k: BoundaryCommunicator(layout[k], lang, dims.llm_hidden, dtype, dev, dst_format="dense")
+             for k in sorted(layout.encoders)}
+    like = torch.empty(0, dtype=dtype, device=dev)
+    result = hetero_step(layout, groups, encoders, language, comms, [m[0] for m in micro], like)
+    reduce_gradients(modules, groups)
 
-    for key in sorted(layout.encoders):  # boundary backward, then the encoder pipeline backward
-        g, m = groups[key], layout[key]
-        if key in outs:
-            if lg.is_member and lg.coord.pp == 0:
-                torch.autograd.backward(outs[key], detached[key].grad)
-            else:
-                BoundaryCommunicator.backward_from(outs[key])
-        if g.is_member:
-            c = g.coord
-            if c.pp < m.pp - 1:
-                h = stage_io[key][1]
-                grad = torch.empty_like(h)
-                dist.recv(grad, m.rank_of(c.tp, c.cp, c.dp, c.pp + 1))
-                torch.autograd.backward(h, grad)
-            if c.pp > 0:
-                _send(stage_io[key][0].grad, m.rank_of(c.tp, c.cp, c.dp, c.pp - 1))
-
-    # ---- gradient sync over each module's dp x cp, then compare with the reference ----
+    # ---- compare ----
+    errors = {}
+    if lg.is_member and lg.last_stage:
+        for mb, y in enumerate(result.outputs):
+            errors[f"output mb{mb}"] = _rel_err(y.view(len(language.samples), -1, dims.llm_hidden),
+                                                ref_ys[mb][language.sl])
     for key, mod in modules.items():
-        for p in mod.parameters():
-            dist.all_reduce(p.grad, group=groups[key].pgs.dp_cp)
         for sub in mod.modules():
             if hasattr(sub, "full_names"):
                 for pname in ("weight", "bias"):
@@ -197,8 +193,9 @@ def run_verify(spec: str, seed: int = 1234, dtype=torch.float32, dims: ChainDims
                         continue
                     ref = sharded_reference_grad(sub, pname, ref_grads)
                     errors[f"grad {sub.full_names[0][:-7]}.{pname}"] = _rel_err(getattr(sub, pname).grad, ref)
-    dist.all_reduce(loss_local)
-    errors["loss"] = _rel_err(loss_local, ref_loss.detach())
+    loss = result.loss if (lg.is_member and lg.coord.tp == 0) else torch.zeros_like(result.loss)
+    dist.all_reduce(loss)
+    errors["loss"] = _rel_err(loss, ref_loss.detach())
 
     worst_name = max(errors, key=errors.get, default="")
     worst = torch.tensor([errors.get(worst_name, 0.0)], dtype=torch.float64, device=dev)
@@ -207,7 +204,7 @@ def run_verify(spec: str, seed: int = 1234, dtype=torch.float32, dims: ChainDims
         print(f"  rank{rank} worst: {worst_name} rel_err={worst.item():.3e}", flush=True)
     moved = torch.tensor([sum(c.bytes_sent for c in comms.values())], dtype=torch.int64, device=dev)
     dist.all_reduce(moved)
-    min_bytes = sum(comms[k].minimum_bytes(batches[k]) for k in comms)
+    min_bytes = sum(comms[k].minimum_bytes(m[0][k]) for k in comms for m in micro)
     destroy_module_groups(groups)
     ok = worst.item() <= TOLERANCE[dtype] and int(moved.item()) <= min_bytes
     return {"ok": ok, "max_rel_err": worst.item(), "bytes": int(moved.item()), "min_bytes": min_bytes,
@@ -218,6 +215,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layout", required=True, help='e.g. "vision=dp4@0-3;language=tp2,cp2@0-3"')
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--microbatches", type=int, default=1, help="microbatches per step (gradient accumulation)")
     args = ap.parse_args(argv)
     try:  # before any process group exists: a bad layout costs nothing
         validated_layout(args.layout, ChainDims(), int(os.environ.get("WORLD_SIZE", "1")))
@@ -231,7 +229,7 @@ def main(argv=None) -> int:
     dist.init_process_group(default_backend())
     rank = dist.get_rank()
     torch.set_num_threads(1)
-    res = run_verify(args.layout, args.seed)
+    res = run_verify(args.layout, args.seed, microbatches=args.microbatches)
     if rank == 0:
         print(f"layout: {args.layout} ({res['placement']}, world {dist.get_world_size()}, fp32)")
         for name, err in sorted(res["errors"].items()):

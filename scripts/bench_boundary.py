@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from hetero.boundary import BoundaryCommunicator
-from hetero.boundary_plan import BoundaryBatch, minimum_rows, plan_boundary, source_shard
+from hetero.boundary_plan import BoundaryBatch, minimum_rows, source_shard
 from hetero.groups import build_module_groups, destroy_module_groups
 from hetero.launch import run_on_ranks
 from hetero.layout import LANGUAGE, HeteroLayout

@@ -31,6 +31,9 @@ PARITY_LAYOUTS = {
         "vision=dp2@0-1;language=pp2@2-3",                       # destination PP=2, non-colocated
         "vision=dp4@0-3;language=tp2,pp2@0-3",                   # destination PP=2, colocated
         "vision=pp2@0-1;language=cp2@2-3",                       # source PP=2 -> destination CP
+        # three microbatches through hetero.schedules (gradient accumulation), both placements with PP
+        ("vision=pp2@0-1;language=cp2@2-3", 3),
+        ("vision=cp2,dp2@0-3;audio=tp2,dp2@0-3;language=tp2,pp2@0-3", 3),
     ],
     8: [
         "vision=tp2,cp2,dp2@0-7;audio=cp4,dp2@0-7;language=tp2,cp2,pp2@0-7",  # mixed, colocated
@@ -39,10 +42,11 @@ PARITY_LAYOUTS = {
 }
 
 
-def _verify_all(specs):
+def _verify_all(cases):
     from hetero.verify import run_verify
 
-    return [{k: v for k, v in run_verify(s).items() if k != "errors"} for s in specs]
+    cases = [c if isinstance(c, tuple) else (c, 1) for c in cases]
+    return [{k: v for k, v in run_verify(s, microbatches=m).items() if k != "errors"} for s, m in cases]
 
 
 @pytest.mark.multiproc
