@@ -204,57 +204,42 @@ def _route(receivers: list[tuple[int, np.ndarray, np.ndarray]], recv_rows: np.nd
     return transfers
 
 
+def _receivers(recv: ModuleLayout, recv_stage: int, recv_dp, recv_cp, send: ModuleLayout, send_stage: int,
+               send_dp, send_cp):
+    """For every receiving rank (each TP replica of each (dp, cp) shard on its stage): the elements it
+    holds and, per element, the rank that sends it — the rank itself when it also holds the element on
+    the other side (colocated: nothing is sent), else a sending TP replica chosen round-robin by the
+    receiver's TP rank so that replicas share the sending."""
+    for dp in range(recv.dp_size):
+        for cp in range(recv.cp):
+            elems = np.flatnonzero((recv_dp == dp) & (recv_cp == cp))
+            for tp in range(recv.tp):
+                rank = recv.rank_of(tp, cp, dp, recv_stage)
+                sender_tp = np.full(len(elems), tp % send.tp)
+                mine = send.coord(rank)
+                if mine is not None and mine.pp == send_stage:
+                    held = (send_dp[elems] == mine.dp) & (send_cp[elems] == mine.cp)
+                    sender_tp[held] = mine.tp
+                senders = send.first + sender_tp + send.tp * (send_cp[elems] + send.cp * (
+                    send_dp[elems] + send.dp_size * send_stage))
+                yield rank, elems, senders
+
+
 def plan_boundary(src: ModuleLayout, dst: ModuleLayout, batch: BoundaryBatch,
                   dst_format: str = "tokens") -> BoundaryPlan:
     """The forward and backward transfers of one encoder -> language boundary for one microbatch."""
     e = _elements(src, dst, batch, dst_format)
     src_last, n = src.pp - 1, batch.num_samples
-
-    def src_rank(tp, cp, dp):
-        return src.first + tp + src.tp * (cp + src.cp * (dp + src.dp_size * src_last))
-
-    def dst_rank(tp, cp, dp):
-        return dst.first + tp + dst.tp * (cp + dst.cp * dp)
-
-    fwd_receivers, fwd_out, dst_shape = [], {}, {}
-    for dp in range(dst.dp_size):
-        for cp in range(dst.cp):
-            elems = np.flatnonzero((e.dst_dp == dp) & (e.dst_cp == cp))
-            for tp in range(dst.tp):
-                rank = dst_rank(tp, cp, dp)
-                # prefer the rank itself (colocated: no send); else spread over the source TP replicas
-                mine = src.coord(rank)
-                own_tp = mine.tp if (mine is not None and mine.pp == src_last) else None
-                sender_tp = np.full(len(elems), tp % src.tp)
-                if own_tp is not None:
-                    held = (e.src_dp[elems] == mine.dp) & (e.src_cp[elems] == mine.cp)
-                    sender_tp[held] = own_tp
-                senders = src_rank(sender_tp, e.src_cp[elems], e.src_dp[elems])
-                fwd_receivers.append((rank, elems, senders))
-                if dst_format == "tokens":
-                    dst_shape[rank] = (len(elems),)
-                else:
-                    dst_shape[rank] = (n // dst.dp_size, batch.seq_length // dst.cp)
-                fwd_out[rank] = int(np.prod(dst_shape[rank]))
-
-    bwd_receivers, src_rows = [], {}
-    for dp in range(src.dp_size):
-        for cp in range(src.cp):
-            elems = np.flatnonzero((e.src_dp == dp) & (e.src_cp == cp))
-            for tp in range(src.tp):
-                rank = src_rank(tp, cp, dp)
-                mine = dst.coord(rank)
-                own_tp = mine.tp if (mine is not None and mine.pp == 0) else None
-                sender_tp = np.full(len(elems), tp % dst.tp)
-                if own_tp is not None:
-                    held = (e.dst_dp[elems] == mine.dp) & (e.dst_cp[elems] == mine.cp)
-                    sender_tp[held] = own_tp
-                senders = dst_rank(sender_tp, e.dst_cp[elems], e.dst_dp[elems])
-                bwd_receivers.append((rank, elems, senders))
-                src_rows[rank] = len(elems)
-
-    forward = DirectionPlan(src_rows, fwd_out, tuple(_route(fwd_receivers, e.dst_row, e.src_row)))
-    backward = DirectionPlan(fwd_out, src_rows, tuple(_route(bwd_receivers, e.src_row, e.dst_row)))
+    fwd = list(_receivers(dst, 0, e.dst_dp, e.dst_cp, src, src_last, e.src_dp, e.src_cp))
+    bwd = list(_receivers(src, src_last, e.src_dp, e.src_cp, dst, 0, e.dst_dp, e.dst_cp))
+    if dst_format == "tokens":
+        dst_shape = {rank: (len(elems),) for rank, elems, _ in fwd}
+    else:
+        dst_shape = {rank: (n // dst.dp_size, batch.seq_length // dst.cp) for rank, _, _ in fwd}
+    out_rows = {rank: int(np.prod(shape)) for rank, shape in dst_shape.items()}
+    src_rows = {rank: len(elems) for rank, elems, _ in bwd}
+    forward = DirectionPlan(src_rows, out_rows, tuple(_route(fwd, e.dst_row, e.src_row)))
+    backward = DirectionPlan(out_rows, src_rows, tuple(_route(bwd, e.src_row, e.dst_row)))
     return BoundaryPlan(forward, backward, dst_format, dst_shape)
 
 
