@@ -5,6 +5,9 @@ get no group, and that every rank issues the same group creations in the same or
 collective over the world: a different order would hang a real job).
 """
 
+import multiprocessing as mp
+from concurrent.futures import ProcessPoolExecutor
+
 import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -53,7 +56,21 @@ def expected(m, c):
     return {"tp": tp, "cp": cp, "dp": dp, "pp": pp, "dp_cp": dp_cp, "ep": ep, "expt_dp": expt_dp}
 
 
+def _in_fresh_process(fn):
+    """The fake world must be this process's only default group: other tests may hold a real one."""
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(fn).result(timeout=300)
+
+
 def test_group_membership_and_creation_order_at_512_ranks():
+    _in_fresh_process(_membership_and_order)
+
+
+def test_grid_bigger_than_world_is_rejected_before_groups():
+    _in_fresh_process(_bigger_than_world)
+
+
+def _membership_and_order():
     layout = HeteroLayout.parse(SPEC).validate(world_size=512)
     orders = []
     for rank in PROBE_RANKS:
@@ -71,7 +88,7 @@ def test_group_membership_and_creation_order_at_512_ranks():
     assert len(orders[0]) == 3 * (len(DENSE_GROUPS) + len(EXPERT_GROUPS))  # every kind, every module
 
 
-def test_grid_bigger_than_world_is_rejected_before_groups():
+def _bigger_than_world():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
         with pytest.raises(ValueError, match="tile the world of 8 ranks"):
