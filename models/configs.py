@@ -55,9 +55,17 @@ TINY_MOE = dict(
     moe_shared_expert_intermediate_size=48, n_shared_experts=1, routed_scaling_factor=2.5,
 )
 
+BENCH_100M = dict(  # ~100M-parameter Nemotron-H shape for CPU throughput runs (scripts/bench_llm.py)
+    vocab_size=16384, hidden_size=768, head_dim=64, num_attention_heads=12, num_key_value_heads=4,
+    intermediate_size=3072, mamba_num_heads=24, mamba_head_dim=64, n_groups=2, ssm_state_size=64,
+    conv_kernel=4, chunk_size=128, layer_norm_epsilon=1e-5, mlp_hidden_act="relu2", time_step_min=0.001,
+    hybrid_override_pattern="M-M-M-M*-M-M-M*-M-",
+)
+
 REGISTRY = {
     "nemotron_h_tiny_dense": TINY_DENSE,
     "nemotron_h_tiny_moe": TINY_MOE,
+    "nemotron_h_bench_100m": BENCH_100M,
     "nemotron_nano_12b_v2": NEMOTRON_NANO_12B_V2,
     "nemotron_nano_9b_v2": NEMOTRON_NANO_9B_V2,
     "nemotron_3_nano_30b_a3b": NEMOTRON_3_NANO_30B_A3B,

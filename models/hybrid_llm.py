@@ -12,6 +12,10 @@ tp_ep, ...). TP shards attention heads, MLP/expert FFNs, Mamba heads/groups and 
 builds only this stage's layers, split the way megatron splits any decoder (get_num_layers_to_build /
 get_transformer_layer_offset: even split, or num_layers_in_first/last_pipeline_stage). Non-first stages
 take their input through set_input_tensor(), as megatron's pipeline schedules expect.
+Context parallelism (CP): every CP rank holds its zigzag slice of the sequence (input ids and labels
+sharded by the caller); only the sequence-mixing kernels see other ranks' tokens, so CP is entirely in
+the injected `core_attention` / `mamba_mixer` classes (hetero/cp_core_attention.py, hetero/cp_mamba.py,
+picked by hetero/kernels.py). Everything else here is per token and CP-unaware.
 
 Usage (one process, groups from megatron's parallel_state):
     cfg = models.configs.tiny_hybrid()
@@ -105,25 +109,29 @@ def stage_layers(config: HybridConfig, pp_rank: int) -> tuple[int, str]:
 class MambaLayer(MegatronModule):
     """Pre-norm + Mamba-2 mixer + residual; call signature and (output, context) like TransformerLayer."""
 
-    def __init__(self, config, submodules: Mamba2Submodules, layer_number=1, pg_collection=None):
+    def __init__(self, config, submodules: Mamba2Submodules, layer_number=1, pg_collection=None,
+                 mixer=Mamba2Mixer):
         super().__init__(config=config)
         self.layer_number = layer_number
         self.norm = WrappedTorchNorm(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
-        self.mixer = Mamba2Mixer(config, submodules, layer_number, tp_group=pg_collection.tp)
+        self.mixer = mixer(config, submodules, layer_number, pg_collection=pg_collection)
 
     def forward(self, hidden_states, attention_mask=None, **_):
         out, _ = self.mixer(self.norm(hidden_states))
         return hidden_states + out, None
 
 
-def build_hybrid_layer_specs(config: HybridConfig, core_attention=SDPACoreAttention) -> dict[str, ModuleSpec]:
-    """One layer spec per pattern symbol, all from megatron's local backend. `core_attention` is the
-    pluggable attention kernel (e.g. a context-parallel CPU attention)."""
+def build_hybrid_layer_specs(config: HybridConfig, core_attention=SDPACoreAttention,
+                             mamba_mixer=Mamba2Mixer) -> dict[str, ModuleSpec]:
+    """One layer spec per pattern symbol, all from megatron's local backend. `core_attention` and
+    `mamba_mixer` are the pluggable sequence kernels (context-parallel or GPU ones come from hetero/);
+    a mixer class takes (config, submodules, layer_number, pg_collection=...) like Mamba2Mixer."""
     backend = LocalSpecProvider()
     norm = WrappedTorchNorm
     column, row = backend.column_parallel_linear(), backend.row_parallel_linear()
     specs = {
-        MAMBA: ModuleSpec(module=MambaLayer, submodules=Mamba2Submodules(in_proj=column, out_proj=row)),
+        MAMBA: ModuleSpec(module=MambaLayer, params={"mixer": mamba_mixer},
+                          submodules=Mamba2Submodules(in_proj=column, out_proj=row)),
         ATTENTION: ModuleSpec(
             module=TransformerLayer,
             submodules=TransformerLayerSubmodules(
@@ -159,7 +167,8 @@ def build_hybrid_layer_specs(config: HybridConfig, core_attention=SDPACoreAttent
 class HybridLM(MegatronModule):
     """Embedding -> this stage's hybrid layers -> final RMSNorm -> vocab-parallel output layer."""
 
-    def __init__(self, config: HybridConfig, pg_collection, core_attention=SDPACoreAttention):
+    def __init__(self, config: HybridConfig, pg_collection, core_attention=SDPACoreAttention,
+                 mamba_mixer=Mamba2Mixer):
         super().__init__(config=config)
         self.pg_collection = pg_collection
         pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
@@ -175,7 +184,7 @@ class HybridLM(MegatronModule):
                 config.vocab_size, config.hidden_size, init_method=config.init_method, config=config,
                 tp_group=tp_group,
             )
-        specs = build_hybrid_layer_specs(config, core_attention)
+        specs = build_hybrid_layer_specs(config, core_attention, mamba_mixer)
         # layer_number is 1-based and stage-local, as megatron's TransformerBlock passes it
         # (TransformerLayer adds the stage offset itself).
         self.layers = torch.nn.ModuleList(

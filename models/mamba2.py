@@ -124,10 +124,14 @@ class Mamba2Mixer(nn.Module):
     mamba_chunk_size, mamba_dt_min_clamp, layernorm_epsilon, init_method, output_layer_init_method.
     """
 
-    def __init__(self, config, submodules: Mamba2Submodules, layer_number: int = 1, tp_group=None):
+    def __init__(self, config, submodules: Mamba2Submodules, layer_number: int = 1, tp_group=None,
+                 pg_collection=None):
         super().__init__()
         self.config = config
         self.layer_number = layer_number
+        if pg_collection is not None:  # injected groups win; subclasses (CP, GPU kernels) read more of them
+            tp_group = pg_collection.tp
+        self.pg_collection = pg_collection
         tp = tp_group.size() if tp_group is not None else 1
         heads, groups = config.mamba_num_heads, config.mamba_num_groups
         if heads % tp or groups % tp or heads % groups:
@@ -166,17 +170,27 @@ class Mamba2Mixer(nn.Module):
         zxbcdt = zxbcdt.transpose(0, 1)  # [b, s, .] for the scan
         b, s, _ = zxbcdt.shape
         z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.heads], dim=-1)
-        xbc = F.silu(causal_depthwise_conv1d(xbc, self.conv1d_weight, self.conv1d_bias))
+        xbc = F.silu(self.conv(xbc))
         x, B, C = xbc.split([self.d_inner, self.groups * self.state, self.groups * self.state], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.config.mamba_dt_min_clamp)
         x = x.reshape(b, s, self.heads, self.head_dim)
-        y, _ = ssd_chunk_scan(
+        y = self.scan(
             x, dt, -torch.exp(self.A_log.float()),
-            B.reshape(b, s, self.groups, self.state), C.reshape(b, s, self.groups, self.state),
-            self.config.mamba_chunk_size, initial_state,
+            B.reshape(b, s, self.groups, self.state), C.reshape(b, s, self.groups, self.state), initial_state,
         )
         y = y + x.float() * self.D.float()[:, None]
         y = gated_rms_norm(y.reshape(b, s, self.d_inner), z, self.norm_weight, self.norm_group,
                            self.config.layernorm_epsilon)
         out, bias = self.out_proj(y.to(hidden_states.dtype).transpose(0, 1))
         return out, bias
+
+    # The two sequence-mixing steps; everything else in forward is per token. Context parallelism and GPU
+    # kernels (hetero/) replace exactly these two by subclassing.
+    def conv(self, xbc: torch.Tensor) -> torch.Tensor:
+        """Causal depthwise conv over the [b, s, conv_dim] local sequence (before SiLU)."""
+        return causal_depthwise_conv1d(xbc, self.conv1d_weight, self.conv1d_bias)
+
+    def scan(self, x, dt, A, B, C, initial_state=None) -> torch.Tensor:
+        """SSD scan y [b, s, h, p] (float32, without the D skip); shapes as ssd_chunk_scan."""
+        y, _ = ssd_chunk_scan(x, dt, A, B, C, self.config.mamba_chunk_size, initial_state)
+        return y

@@ -29,7 +29,7 @@ from models.hybrid_llm import ATTENTION, MAMBA, MLP_SYMBOL, MOE, HybridConfig, h
 HF = "backbone.layers.{}."
 
 
-def hybrid_config_from_hf(source: str | Path | dict, tp: int = 1, pp: int = 1, ep: int = 1,
+def hybrid_config_from_hf(source: str | Path | dict, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
                           dtype: torch.dtype = torch.float32) -> HybridConfig:
     """Our config from a checkpoint dir's config.json or a dict of its fields (models/configs.py).
     transformers' own NemotronHConfig parses it, so legacy field names mean the same here as there."""
@@ -54,7 +54,7 @@ def hybrid_config_from_hf(source: str | Path | dict, tp: int = 1, pp: int = 1, e
         mamba_state_dim=c.ssm_state_size, mamba_conv_kernel=c.conv_kernel, mamba_chunk_size=c.chunk_size,
         mamba_dt_min_clamp=c.time_step_min, init_method_std=c.initializer_range,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-        params_dtype=dtype, pipeline_dtype=dtype,
+        context_parallel_size=cp, params_dtype=dtype, pipeline_dtype=dtype,
     )
     layers = len(c.hybrid_override_pattern)
     if pp > 1 and layers % pp:

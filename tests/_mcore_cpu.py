@@ -19,7 +19,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_world(rank: int, world: int, port: int, tp: int = 1, pp: int = 1, ep: int = 1):
+def init_world(rank: int, world: int, port: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1):
     """gloo world + megatron groups; returns megatron's ProcessGroupCollection for this rank."""
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -29,7 +29,8 @@ def init_world(rank: int, world: int, port: int, tp: int = 1, pp: int = 1, ep: i
     apply_cpu_shims()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        context_parallel_size=cp,
     )
     return ProcessGroupCollection.use_mpu_process_groups()
 

@@ -26,7 +26,8 @@ from models.nemotron_h_hf import (
     megatron_to_hf,
     save_hf,
 )
-from models.parity import compare, fixed_batch, reference_logits
+from hetero.parity_launch import compare
+from models.parity import fixed_batch, reference_logits
 
 TOL = 1e-4
 

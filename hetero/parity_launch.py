@@ -1,0 +1,123 @@
+"""The distributed half of `python -m models.parity`: process groups, the TP/PP/CP forward of HybridLM on
+a fixed batch, and the comparison with transformers (models/parity.py holds the single-device parts and
+the command line, and imports this module by name when the command runs).
+
+`compare(hf_dir, pg_collection)` only uses the groups it is given, so tests call it from their own gloo
+worlds; `run(args)` is the command: it sets up torch.distributed from torchrun's environment (or a
+one-rank world) and megatron's groups for tp x cp x pp ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+from hetero.cp_attention import gather_rows, zigzag_shard
+from hetero.cp_core_attention import zigzag_unshard
+from hetero.cpu_shims import apply_cpu_shims, default_backend
+from hetero.kernels import select_kernels
+from models.hybrid_llm import HybridLM
+from models.nemotron_h_hf import hybrid_config_from_hf, load_hf_state_dict, load_into
+from models.parity import BATCH, fixed_batch, max_rel_err, reference_logits, seq_length
+
+
+def _size(group) -> int:
+    return group.size() if group is not None else 1
+
+
+def build_model(hf_dir: str, pg_collection: ProcessGroupCollection, kernels=None) -> HybridLM:
+    """This rank's HybridLM with its TP/PP shard of the checkpoint and the kernels chosen for it
+    (`kernels`: a hetero.kernels.Kernels, chosen here when None)."""
+    tp, pp, cp = _size(pg_collection.tp), _size(pg_collection.pp), _size(pg_collection.cp)
+    config = hybrid_config_from_hf(hf_dir, tp=tp, pp=pp, cp=cp)
+    kernels = kernels or select_kernels(pg_collection)
+    model = HybridLM(config, pg_collection, core_attention=kernels.core_attention,
+                     mamba_mixer=kernels.mamba_mixer)
+    load_into(model, load_hf_state_dict(hf_dir), pg_collection.tp.rank(), pg_collection.pp.rank())
+    return model
+
+
+def gather_sequence(x: torch.Tensor, cp_group) -> torch.Tensor:
+    """[b, s_local, ...] zigzag slices of every CP rank -> [b, S, ...] in natural order (differentiable)."""
+    if _size(cp_group) == 1:
+        return x
+    gathered = gather_rows(x.transpose(0, 1).contiguous(), cp_group)
+    return zigzag_unshard(gathered, cp_group.size()).transpose(0, 1)
+
+
+def pipeline_forward(model: HybridLM, input_ids: torch.Tensor, pp_group) -> torch.Tensor | None:
+    """Forward of this rank's (CP-local) ids through all stages; full-vocab logits on the last stage."""
+    pp_rank, pp_size = pp_group.rank(), pp_group.size()
+    shape = (input_ids.shape[1], input_ids.shape[0], model.config.hidden_size)  # [s, b, h]
+    ranks = dist.get_process_group_ranks(pp_group)
+    with torch.no_grad():
+        if pp_rank > 0:
+            received = torch.empty(shape, dtype=model.config.params_dtype)
+            dist.recv(received, src=ranks[pp_rank - 1], group=pp_group)
+            model.set_input_tensor(received)
+        out = model(input_ids if pp_rank == 0 else None)
+        if pp_rank < pp_size - 1:
+            dist.send(out.contiguous(), dst=ranks[pp_rank + 1], group=pp_group)
+            return None
+        return gather_from_tensor_model_parallel_region(out, group=model.pg_collection.tp)
+
+
+def compare(hf_dir: str, pg_collection: ProcessGroupCollection, kernels=None) -> float:
+    """max_rel_err of our logits vs transformers', known on every rank of the world."""
+    model = build_model(hf_dir, pg_collection, kernels).eval()
+    cp_group = pg_collection.cp
+    cp = _size(cp_group)
+    input_ids = fixed_batch(model.config.vocab_size, seq_length(cp))
+    local_ids = zigzag_shard(input_ids, cp, cp_group.rank(), dim=1) if cp > 1 else input_ids
+    logits = pipeline_forward(model, local_ids, pg_collection.pp)
+    err = torch.zeros(1, dtype=torch.float64)
+    if logits is not None:
+        with torch.no_grad():
+            logits = gather_sequence(logits, cp_group)
+        if pg_collection.tp.rank() == 0 and (cp == 1 or cp_group.rank() == 0):
+            err[0] = max_rel_err(logits, reference_logits(hf_dir, input_ids))
+    dist.all_reduce(err, op=dist.ReduceOp.MAX)  # only one rank holds a non-zero value
+    return err.item()
+
+
+def init_groups(tp: int = 1, pp: int = 1, cp: int = 1) -> ProcessGroupCollection:
+    """megatron's groups on an initialised default group of exactly tp*cp*pp ranks."""
+    if dist.get_world_size() != tp * pp * cp:
+        raise SystemExit(f"world size {dist.get_world_size()} != tp*cp*pp = {tp * cp * pp}: launch that many ranks")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             context_parallel_size=cp)
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def _init_from_env(tp: int, pp: int, cp: int) -> ProcessGroupCollection:
+    """gloo (or NCCL) world from torchrun's environment, or a one-rank world for a plain `python -m`."""
+    apply_cpu_shims()
+    if "RANK" in os.environ:
+        dist.init_process_group(default_backend())
+    else:
+        store = tempfile.NamedTemporaryFile(prefix="tessera_parity_", delete=False).name
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    return init_groups(tp, pp, cp)
+
+
+def run(args) -> int:
+    """`python -m models.parity` after argument parsing (see models/parity.py for the usage)."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    pg_collection = _init_from_env(args.tp, args.pp, args.cp)
+    kernels = select_kernels(pg_collection)
+    err = compare(args.hf_dir, pg_collection, kernels)
+    ok = err <= args.tol
+    if dist.get_rank() == 0:
+        print(kernels.line, flush=True)
+        print(f"tp={args.tp} cp={args.cp} pp={args.pp} batch={BATCH}x{seq_length(args.cp)}", flush=True)
+        verdict = "PASS" if ok else "FAIL"
+        print(f"parity: {verdict} max_rel_err={err:.3e}" + ("" if ok else f" > {args.tol}"), flush=True)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0 if ok else 1
