@@ -1,0 +1,118 @@
+"""Audio encoders: NeMo's mel preprocessor + FastConformer (or transformers' ParakeetEncoder), and the
+sound projector.
+
+Both families take 16 kHz mono waveforms (data/media.decode_audio) and use NeMo's
+AudioToMelSpectrogramPreprocessor, so the frame count is the one data/tokens.EncoderTokens.audio_tokens
+predicts: dither is off (it would make the features random) and pad_to=0 (padding the mel frames to a
+multiple of 16 would not change the valid length, but we trim to the valid length anyway).
+    fastconformer  nemo.collections.asr.modules.ConformerEncoder (dw_striding subsampling, rel-pos attention)
+    parakeet_hf    transformers' ParakeetEncoder: the same architecture, HF's implementation and key names
+                   (what NemotronH Omni checkpoints store under sound_encoder.encoder.*)
+The encoders are replicated across TP ranks (they are small next to the LLM; NeMo's module is not
+TP-aware); their layout may still give them their own data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def mel_preprocessor(cfg: dict):
+    from nemo.collections.asr.modules import AudioToMelSpectrogramPreprocessor
+
+    return AudioToMelSpectrogramPreprocessor(
+        sample_rate=cfg["sample_rate"], features=cfg["n_mels"], n_fft=cfg["n_fft"],
+        window_size=cfg["window_size"], window_stride=cfg["window_stride"], normalize="per_feature", dither=0.0, pad_to=0)
+
+
+def _pad_waves(waves: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([len(w) for w in waves], dtype=torch.long)
+    batch = torch.zeros(len(waves), int(lengths.max()), dtype=torch.float32)
+    for i, w in enumerate(waves):
+        batch[i, : len(w)] = torch.as_tensor(w, dtype=torch.float32)
+    return batch, lengths
+
+
+class FastConformerEncoder(nn.Module):
+    """list of waveforms -> list of [frames_i, hidden] (frames_i = EncoderTokens.audio_tokens(len_i))."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        from nemo.collections.asr.modules import ConformerEncoder
+
+        self.cfg = cfg
+        self.preprocessor = mel_preprocessor(cfg)
+        self.encoder = ConformerEncoder(
+            feat_in=cfg["n_mels"], n_layers=cfg["layers"], d_model=cfg["hidden"], n_heads=cfg["heads"],
+            ff_expansion_factor=cfg["ff_expansion"], conv_kernel_size=cfg["conv_kernel"],
+            subsampling="dw_striding", subsampling_factor=cfg["subsampling"],
+            subsampling_conv_channels=cfg["subsampling_channels"], self_attention_model="rel_pos",
+            # Dropout off: the encoders we load are fine-tuned or frozen inside the VLM, and parity needs it.
+            dropout=0.0, dropout_pre_encoder=0.0, dropout_emb=0.0, dropout_att=0.0)
+
+    @property
+    def out_dim(self) -> int:
+        return self.cfg["hidden"]
+
+    def features(self, waves: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, lengths = _pad_waves(waves)
+        with torch.no_grad():  # the mel front end has no trainable parameters
+            return self.preprocessor(input_signal=batch, length=lengths)
+
+    def encode_features(self, feats: torch.Tensor, feat_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """mel [b, n_mels, t] -> ([b, t', hidden], valid lengths)."""
+        out, out_len = self.encoder(audio_signal=feats, length=feat_len)
+        return out.transpose(1, 2), out_len
+
+    def forward(self, waves: list[torch.Tensor]) -> list[torch.Tensor]:
+        out, out_len = self.encode_features(*self.features(waves))
+        return [out[i, : int(n)] for i, n in enumerate(out_len)]
+
+
+class ParakeetHFEncoder(FastConformerEncoder):
+    """The same interface on transformers' ParakeetEncoder (NeMo mel front end, HF conformer body)."""
+
+    def __init__(self, cfg: dict):
+        nn.Module.__init__(self)
+        from transformers import ParakeetEncoder, ParakeetEncoderConfig
+
+        self.cfg = cfg
+        self.preprocessor = mel_preprocessor(cfg)
+        self.encoder = ParakeetEncoder(parakeet_hf_config(cfg, ParakeetEncoderConfig))
+
+    def encode_features(self, feats, feat_len):
+        mask = torch.arange(feats.shape[-1])[None] < feat_len[:, None]
+        out = self.encoder(input_features=feats.transpose(1, 2), attention_mask=mask)
+        return out.last_hidden_state, out.attention_mask.sum(-1)
+
+
+def parakeet_hf_config(cfg: dict, config_cls=None):
+    """transformers' ParakeetEncoderConfig for a registry entry (dropouts off, as in FastConformerEncoder)."""
+    if config_cls is None:
+        from transformers import ParakeetEncoderConfig as config_cls
+    return config_cls(
+        hidden_size=cfg["hidden"], num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+        intermediate_size=cfg["hidden"] * cfg["ff_expansion"], num_mel_bins=cfg["n_mels"],
+        conv_kernel_size=cfg["conv_kernel"], subsampling_factor=cfg["subsampling"],
+        subsampling_conv_channels=cfg["subsampling_channels"], dropout=0.0, dropout_positions=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0)
+
+
+AUDIO_FAMILIES = {"fastconformer": FastConformerEncoder, "parakeet_hf": ParakeetHFEncoder}
+
+
+class SoundProjector(nn.Module):
+    """RMSNorm -> Linear -> Linear, bias-free; names match HF's sound_projection.{norm,linear1,linear2}.
+    `act` (None in the Omni layout we follow) can put a nonlinearity between the two linears."""
+
+    def __init__(self, in_dim: int, hidden: int, out_dim: int, eps: float = 1e-5, act: nn.Module | None = None,
+                 dtype=torch.float32):
+        super().__init__()
+        self.norm = nn.RMSNorm(in_dim, eps=eps, dtype=dtype)
+        self.linear1 = nn.Linear(in_dim, hidden, bias=False, dtype=dtype)
+        self.act = act if act is not None else nn.Identity()
+        self.linear2 = nn.Linear(hidden, out_dim, bias=False, dtype=dtype)
+
+    def forward(self, x):
+        return self.linear2(self.act(self.linear1(self.norm(x))))

@@ -1,0 +1,158 @@
+"""The multimodal model: {module key: encoder + projector} in front of the hybrid LLM.
+
+Inputs are one microbatch as data/packing.PackedBatch carries it: token ids [N, S] and, per row, a dict
+module -> media items in position order and module -> sorted placeholder positions. Each module encodes
+its items in order, projects them to the LLM width, and the embeddings replace the text embeddings at
+exactly those positions. The data side sized every placeholder from the same encoder config, so a count
+mismatch means the two disagree: it raises naming the sample instead of shifting every later embedding.
+
+    llm = HybridLM(hybrid_config_from_hf(configs.TINY_DENSE), pg)
+    model = MultimodalModel(llm, {"vision": build_media_module("radio_vit_tiny", 64, pg),
+                                  "audio": build_media_module("fastconformer_tiny", 64, pg, frozen=True)})
+    loss = model(batch.tokens, batch.media, batch.positions, labels=batch.labels, keys=batch.keys)
+
+Frozen modules: encoder parameters have requires_grad=False (no grads, and `trainable_parameters()`
+leaves them out of the optimizer), run under no_grad and stay in eval mode (BatchNorm statistics fixed).
+The projector of a frozen encoder still trains, as in VLM pre-training stage 1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from megatron.core import tensor_parallel
+from torch import nn
+
+from models.audio import AUDIO_FAMILIES, SoundProjector
+from models.encoders import encoder_config
+from models.video import VideoEncoder
+from models.vision import Projector, VisionEncoder, VisionTransformer
+
+
+class MediaModule(nn.Module):
+    """One module key's encoder (+ video path for vision) and projector; items in, [n, llm_hidden] out."""
+
+    def __init__(self, cfg: dict, encoder: nn.Module, projector: nn.Module, video: VideoEncoder | None = None,
+                 frozen: bool = False):
+        super().__init__()
+        self.cfg, self.encoder, self.projector, self.video = cfg, encoder, projector, video
+        self.frozen = frozen
+        if frozen:
+            self.encoder.requires_grad_(False)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.frozen:
+            self.encoder.eval()
+        return self
+
+    def num_tokens(self, kind: str, item) -> int:
+        """Embeddings this module produces for one item (what data/tokens.EncoderTokens must announce)."""
+        if kind == "image":
+            tpt = (self.cfg["tile"] // self.cfg["patch"] // self.cfg["pixel_shuffle"]) ** 2
+            return len(item) * tpt
+        if kind == "video":
+            return self.video.num_tokens(len(item[0]))
+        if kind == "audio":
+            from models.encoders import tokens_config
+
+            return tokens_config(self.cfg).audio_tokens(len(item))
+        raise ValueError(f"module {self.cfg['modality']!r} cannot encode media of kind {kind!r}")
+
+    def _features(self, items: list) -> list[torch.Tensor]:
+        if self.cfg["modality"] == "audio":
+            for kind, _ in items:
+                if kind != "audio":
+                    raise ValueError(f"audio module got a {kind!r} item")
+            return self.encoder([torch.as_tensor(np.asarray(w)) for _, w in items])
+        out = []
+        for kind, item in items:
+            if kind == "image":
+                out.append(self.encoder(torch.as_tensor(np.asarray(item))))
+            elif kind == "video":
+                out.append(self.video(torch.as_tensor(np.asarray(item[0]))))
+            else:
+                raise ValueError(f"vision module got a {kind!r} item")
+        return out
+
+    def forward(self, items: list) -> torch.Tensor:
+        if not items:
+            return next(self.projector.parameters()).new_zeros(0, self.llm_hidden)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
+            feats = torch.cat(self._features(items))
+        return self.projector(feats)
+
+    @property
+    def llm_hidden(self) -> int:
+        last = self.projector[3] if isinstance(self.projector, Projector) else self.projector.linear2
+        return last.out_features
+
+
+def build_media_module(name: str, llm_hidden: int, pg_collection, projector_hidden: int | None = None,
+                       frozen: bool = False, tubelets: bool = False, pruning_rate: float = 0.0,
+                       **overrides) -> MediaModule:
+    """Encoder `name` from the registry (+ field overrides) with its projector to `llm_hidden`.
+    projector_hidden defaults to 4x the encoder's output width (Nano VL: 5120 -> 20480; Omni: 1024 -> 4096)."""
+    cfg = encoder_config(name, **overrides)
+    if cfg["modality"] == "vision":
+        encoder = VisionEncoder(VisionTransformer(cfg, pg_collection))
+        projector = Projector(encoder.out_dim, projector_hidden or 4 * encoder.out_dim, llm_hidden)
+        video = VideoEncoder(encoder, tubelets=tubelets, pruning_rate=pruning_rate)
+        return MediaModule(cfg, encoder, projector, video, frozen)
+    encoder = AUDIO_FAMILIES[cfg["family"]](cfg)
+    projector = SoundProjector(encoder.out_dim, projector_hidden or 4 * encoder.out_dim, llm_hidden)
+    return MediaModule(cfg, encoder, projector, None, frozen)
+
+
+def scatter_media(text: torch.Tensor, row_embeds: list[dict], positions: list[dict], keys=None) -> torch.Tensor:
+    """text [N, S, h] with row r's module-m positions replaced by row_embeds[r][m] (out of place)."""
+    out = text.clone()
+    for r, (embeds, pos) in enumerate(zip(row_embeds, positions)):
+        name = keys[r] if keys is not None else f"row {r}"
+        for module in set(embeds) | set(pos):
+            e = embeds.get(module)
+            p = torch.as_tensor(np.asarray(pos.get(module, np.zeros(0, np.int64))), dtype=torch.long)
+            n = 0 if e is None else e.shape[0]
+            if n != len(p):
+                raise ValueError(f"sample {name}: {module} encoder produced {n} embeddings but the prompt has "
+                                 f"{len(p)} placeholder positions (data-side token count and encoder config disagree)")
+            if n and (int(p.min()) < 0 or int(p.max()) >= text.shape[1]):
+                raise ValueError(f"sample {name}: {module} positions outside the row of length {text.shape[1]}")
+            if n:
+                out[r, p] = e.to(out.dtype)
+    return out
+
+
+class MultimodalModel(nn.Module):
+    def __init__(self, llm: nn.Module, media: dict[str, MediaModule]):
+        super().__init__()
+        if not (llm.pre_process and llm.post_process):
+            raise ValueError("MultimodalModel runs a single-stage LLM; pipeline stages get the media "
+                             "embeddings through the heterogeneous boundary instead")
+        self.llm, self.media = llm, nn.ModuleDict(media)
+
+    def trainable_parameters(self):
+        """What the optimizer gets: frozen encoders contribute neither grads nor optimizer state."""
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def embed(self, tokens: torch.Tensor, media: list[dict], positions: list[dict], keys=None) -> torch.Tensor:
+        """[N, S, h]: text embeddings with every module's media embeddings scattered in."""
+        unknown = sorted({m for row in media for m in row} - set(self.media))
+        if unknown:
+            raise ValueError(f"batch has media for modules {unknown}; this model has {sorted(self.media)}")
+        row_embeds = [{m: self.media[m](items) for m, items in row.items() if items} for row in media]
+        return scatter_media(self.llm.embedding(tokens), row_embeds, positions, keys)
+
+    def forward(self, tokens, media, positions, labels=None, keys=None):
+        """Vocab-parallel logits [N, S, V/tp], or per-token loss [N, S] with labels (-100 = ignore)."""
+        hidden = self.embed(tokens, media, positions, keys).transpose(0, 1).contiguous()  # [S, N, h]
+        # HybridLM.forward takes token ids only; its layers and head are run here on the mixed embeddings.
+        for layer in self.llm.layers:
+            hidden, _ = layer(hidden, attention_mask=None)
+        logits, _ = self.llm.output_layer(self.llm.final_norm(hidden))
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        labels = labels.transpose(0, 1)
+        valid = labels != -100
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.clamp(min=0).contiguous())
+        return (loss * valid).transpose(0, 1).contiguous()

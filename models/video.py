@@ -1,0 +1,90 @@
+"""Video: frames encoded as tiles by the vision encoder, optional tubelets, EVS pruning of static tokens.
+
+The data side samples frames uniformly and resizes each to one tile (data/media.decode_video, with
+timestamps); `frame_prompt` renders those timestamps the way Nemotron Omni's prompt states them.
+    tubelets   temporal_patch (2) consecutive frames share one patch embedding: the ViT's video_embedder is
+               a linear over (c, t, y, x)-flattened tubelets, i.e. Conv3D(kernel = stride = (t, p, p)).
+               An odd frame count repeats the last frame. Tokens per video: ceil(F / t) * tokens_per_tile.
+    EVS        Efficient Video Sampling: token j of frame f > 0 scores 1 - cos(x[f, j], x[f-1, j]); frame 0
+               is always kept. The `video_tokens - floor(video_tokens * rate)` highest scores survive, in
+               their original order, so the count depends only on (frames, rate) and the data side can size
+               the placeholders before encoding (`VideoEncoder.num_tokens`).
+With the defaults (no tubelets, rate 0) the count is frames * tokens_per_tile, data/tokens.video_tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from models.vision import VisionEncoder, pixel_shuffle
+
+
+def tubelet_patchify(pixels: torch.Tensor, patch: int, temporal: int) -> torch.Tensor:
+    """[F, c, H, W] -> [ceil(F/t), (H/p)(W/p), c*t*p*p], each tubelet flattened (c, t, y, x) like a Conv3D
+    weight [out, c, t, p, p], so the video embedder's weight reshapes into a Conv3D kernel and back."""
+    if pixels.shape[0] % temporal:
+        pad = temporal - pixels.shape[0] % temporal
+        pixels = torch.cat([pixels, pixels[-1:].expand(pad, -1, -1, -1)])
+    f, c, h, w = pixels.shape
+    x = pixels.reshape(f // temporal, temporal, c, h // patch, patch, w // patch, patch)
+    return x.permute(0, 3, 5, 2, 1, 4, 6).reshape(f // temporal, (h // patch) * (w // patch), -1)
+
+
+def evs_kept_count(num_tokens: int, rate: float) -> int:
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"video pruning rate must be in [0, 1), got {rate}")
+    return num_tokens - int(math.floor(num_tokens * rate))
+
+
+def evs_prune(grid: torch.Tensor, rate: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """grid [F, h, w, d] -> (kept tokens [k, d] in frame/raster order, their flat indices [k])."""
+    frames = grid.flatten(1, 2)  # [F, n, d]
+    keep = evs_kept_count(frames.shape[0] * frames.shape[1], rate)
+    with torch.no_grad():  # selection is discrete; gradients flow through the kept tokens only
+        change = 1 - torch.cosine_similarity(frames[1:].float(), frames[:-1].float(), dim=-1)
+        score = torch.cat([torch.full_like(frames[0, :, 0], float("inf"), dtype=change.dtype)[None], change])
+        # Stable descending sort: among equal scores the earlier token wins, so the choice is deterministic.
+        chosen = torch.sort(torch.argsort(score.flatten(), descending=True, stable=True)[:keep]).values
+    return frames.flatten(0, 1)[chosen], chosen
+
+
+def frame_prompt(timestamps) -> str:
+    """'Frame 1 sampled at 0.00 seconds, Frame 2 sampled at 0.50 seconds, ...' for the prompt text."""
+    return ", ".join(f"Frame {i + 1} sampled at {float(t):.2f} seconds" for i, t in enumerate(timestamps))
+
+
+class VideoEncoder(nn.Module):
+    """uint8 frames [F, 3, tile, tile] -> tokens [num_tokens(F), out_dim], sharing the image encoder."""
+
+    def __init__(self, image_encoder: VisionEncoder, tubelets: bool = False, pruning_rate: float = 0.0):
+        super().__init__()
+        if tubelets and image_encoder.vit.video_embedder is None:
+            raise ValueError(f"encoder {image_encoder.cfg.get('name')} has no tubelet embedder (temporal_patch=0)")
+        evs_kept_count(1, pruning_rate)  # validate early
+        self.image_encoder, self.tubelets, self.pruning_rate = image_encoder, tubelets, pruning_rate
+
+    @property
+    def temporal(self) -> int:
+        return self.image_encoder.cfg["temporal_patch"] if self.tubelets else 1
+
+    def num_tokens(self, frames: int) -> int:
+        cfg = self.image_encoder.cfg
+        per_tile = (cfg["tile"] // cfg["patch"] // cfg["pixel_shuffle"]) ** 2
+        return evs_kept_count(math.ceil(frames / self.temporal) * per_tile, self.pruning_rate)
+
+    def grid_tokens(self, frames: torch.Tensor) -> torch.Tensor:
+        enc = self.image_encoder
+        pixels = enc.normalize(frames)
+        if not self.tubelets:
+            return enc.grid_tokens(frames)
+        embeds = enc.vit.video_embedder(tubelet_patchify(pixels, enc.cfg["patch"], self.temporal))
+        return pixel_shuffle(enc.vit(pixels[:: self.temporal], patch_embeddings=embeds), enc.cfg["pixel_shuffle"])
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        grid = self.grid_tokens(frames)
+        if self.pruning_rate == 0.0:
+            return grid.flatten(0, 2)
+        return evs_prune(grid, self.pruning_rate)[0]

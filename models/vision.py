@@ -1,0 +1,199 @@
+"""Vision encoders: a ViT on megatron-core transformer layers, pixel shuffle, and the MLP projector.
+
+One ViT class serves both registered families (models/encoders.py); they differ only in data:
+    radio   linear patch embedding without bias, `prefix_tokens` cls/register tokens (dropped from the
+            output), LayerNorm eps 1e-6, exact GELU, 128x128 learned position table.
+    siglip  conv patch embedding with bias (stored here as the equivalent linear over flattened patches),
+            no prefix tokens, tanh-GELU, position table of its training grid (27x27 for so400m/384).
+The position table is interpolated to each input's patch grid, so any H, W that are multiples of the
+patch size work (dynamic resolution); tiles are one fixed size in practice.
+
+Layers are megatron TransformerLayers with the local spec: ColumnParallelLinear QKV/FC1 and
+RowParallelLinear proj/FC2 shard over the injected TP group (pg_collection.tp); everything before and
+after the layers is replicated across TP ranks. Attention is bidirectional.
+
+    vit = VisionTransformer(encoder_config("radio_vit_tiny"), pg_collection)
+    enc = VisionEncoder(vit)                      # uint8 tiles -> pixel-shuffled tokens
+    tokens = enc(tiles)                           # [tiles * tokens_per_tile, hidden * shuffle**2]
+    proj = Projector(enc.out_dim, 4 * 1280, llm_hidden)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from torch import nn
+
+ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+class BidirectionalCoreAttention(MegatronModule):
+    """softmax(QK^T/sqrt(d))V over all tokens of an image, on megatron's [s, b, heads, dim] layout.
+
+    megatron's local DotProductAttention forks the CUDA RNG tracker per call and materialises the scores;
+    SDPA does neither. Dropout is off in every ViT we load, so no RNG tracker is needed."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type="self", cp_comm_type=None,
+                 softmax_scale=None, pg_collection=None):
+        super().__init__(config=config)
+        if attn_mask_type != AttnMaskType.no_mask:
+            raise ValueError(f"vision attention is bidirectional (no_mask), got {attn_mask_type}")
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask=None, *, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("vision attention takes whole images [s, b, h, d], no packing or bias")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        out = F.scaled_dot_product_attention(q, k, v, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+
+def vit_transformer_config(cfg: dict, tp: int = 1, dtype: torch.dtype = torch.float32) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=cfg["layers"], hidden_size=cfg["hidden"], num_attention_heads=cfg["heads"],
+        ffn_hidden_size=cfg["ffn"], normalization="LayerNorm", layernorm_epsilon=cfg["eps"],
+        add_bias_linear=True, add_qkv_bias=True, gated_linear_unit=False, activation_func=ACTIVATIONS[cfg["act"]],
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+        tensor_model_parallel_size=tp, params_dtype=dtype, pipeline_dtype=dtype,
+    )
+
+
+def vit_layer_spec() -> ModuleSpec:
+    """Pre-norm attention + pre-norm MLP, both from megatron's local backend."""
+    backend = LocalSpecProvider()
+    column, row = backend.column_parallel_linear(), backend.row_parallel_linear()
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=WrappedTorchNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention, params={"attn_mask_type": AttnMaskType.no_mask},
+                submodules=SelfAttentionSubmodules(linear_qkv=column, core_attention=BidirectionalCoreAttention,
+                                                   linear_proj=row),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=WrappedTorchNorm,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def patchify(pixels: torch.Tensor, patch: int) -> torch.Tensor:
+    """[n, c, H, W] -> [n, (H/p)(W/p), c*p*p], patches row-major, each patch channel-major (c, y, x):
+    the flattening of a Conv2d(kernel=stride=p) weight, so conv and linear embedders share one layout."""
+    n, c, h, w = pixels.shape
+    x = pixels.reshape(n, c, h // patch, patch, w // patch, patch)
+    return x.permute(0, 2, 4, 1, 3, 5).reshape(n, (h // patch) * (w // patch), c * patch * patch)
+
+
+class VisionTransformer(MegatronModule):
+    """Normalised pixels [n, 3, H, W] -> patch features [n, H/p, W/p, hidden] (prefix tokens dropped)."""
+
+    def __init__(self, cfg: dict, pg_collection, dtype: torch.dtype = torch.float32):
+        config = vit_transformer_config(cfg, pg_collection.tp.size(), dtype)
+        super().__init__(config=config)
+        self.cfg = cfg
+        d, p = cfg["hidden"], cfg["patch"]
+        self.embedder = nn.Linear(3 * p * p, d, bias=cfg["family"] == "siglip", dtype=dtype)
+        self.pos_embed = nn.Parameter(0.02 * torch.randn(1, cfg["pos_grid"] ** 2, d, dtype=dtype))
+        self.prefix = nn.Parameter(0.02 * torch.randn(cfg["prefix_tokens"], d, dtype=dtype)) \
+            if cfg["prefix_tokens"] else None
+        # Video tubelets: one linear over temporal_patch frames' patches, a Conv3D(kernel=stride) in effect.
+        t = cfg.get("temporal_patch", 0)
+        self.video_embedder = nn.Linear(t * 3 * p * p, d, bias=False, dtype=dtype) if t else None
+        spec = vit_layer_spec()
+        self.layers = nn.ModuleList(
+            build_module(spec, config=config, layer_number=i + 1, pg_collection=pg_collection)
+            for i in range(cfg["layers"]))
+        self.final_norm = nn.LayerNorm(d, eps=cfg["eps"], dtype=dtype)
+
+    def position_embedding(self, rows: int, cols: int) -> torch.Tensor:
+        """The learned table resampled to a rows x cols patch grid: [1, rows*cols, hidden]."""
+        g = self.cfg["pos_grid"]
+        if (rows, cols) == (g, g):
+            return self.pos_embed
+        table = self.pos_embed.reshape(1, g, g, -1).permute(0, 3, 1, 2)
+        table = F.interpolate(table.float(), size=(rows, cols), mode=self.cfg["pos_interp"], align_corners=False)
+        return table.to(self.pos_embed.dtype).permute(0, 2, 3, 1).reshape(1, rows * cols, -1)
+
+    def forward(self, pixels: torch.Tensor, patch_embeddings: torch.Tensor | None = None) -> torch.Tensor:
+        """`patch_embeddings` [n, rows*cols, hidden] replaces the per-image embedder (video tubelets)."""
+        p = self.cfg["patch"]
+        rows, cols = pixels.shape[-2] // p, pixels.shape[-1] // p
+        if pixels.shape[-2] % p or pixels.shape[-1] % p:
+            raise ValueError(f"image {tuple(pixels.shape[-2:])} is not a multiple of the patch size {p}")
+        x = self.embedder(patchify(pixels, p)) if patch_embeddings is None else patch_embeddings
+        x = x + self.position_embedding(rows, cols)
+        if self.prefix is not None:
+            x = torch.cat([self.prefix.expand(x.shape[0], -1, -1), x], dim=1)
+        hidden = x.transpose(0, 1).contiguous()  # megatron layers take [s, b, h]
+        for layer in self.layers:
+            hidden, _ = layer(hidden, attention_mask=None)
+        out = self.final_norm(hidden.transpose(0, 1))[:, self.cfg["prefix_tokens"]:]
+        return out.reshape(out.shape[0], rows, cols, -1)
+
+
+def pixel_shuffle(x: torch.Tensor, factor: int = 2) -> torch.Tensor:
+    """[n, h, w, c] -> [n, h/f, w/f, c*f*f]: each f x f block of patches becomes one token.
+
+    Channel order follows InternVL's pixel_shuffle(scale=1/f) (what NemotronH_Nano_VL_V2's mlp1 was trained
+    on): token (i, j) is the concatenation of patches (2i, 2j), (2i, 2j+1), (2i+1, 2j), (2i+1, 2j+1) for f=2,
+    i.e. the channel index is (row offset, col offset, c) with the row offset slowest."""
+    n, h, w, c = x.shape
+    if h % factor or w % factor:
+        raise ValueError(f"patch grid {h}x{w} is not divisible by the pixel-shuffle factor {factor}")
+    x = x.reshape(n, h // factor, factor, w // factor, factor, c)
+    return x.permute(0, 1, 3, 2, 4, 5).reshape(n, h // factor, w // factor, factor * factor * c)
+
+
+class SquaredReLU(nn.Module):
+    def forward(self, x):
+        return torch.relu(x).square()
+
+
+class Projector(nn.Sequential):
+    """RMSNorm -> Linear -> squared ReLU -> Linear, bias-free; indices 0, 1, 3 are HF's mlp1.{0,1,3}."""
+
+    def __init__(self, in_dim: int, hidden: int, out_dim: int, eps: float = 1e-5, dtype=torch.float32):
+        super().__init__(nn.RMSNorm(in_dim, eps=eps, dtype=dtype), nn.Linear(in_dim, hidden, bias=False, dtype=dtype),
+                         SquaredReLU(), nn.Linear(hidden, out_dim, bias=False, dtype=dtype))
+
+
+class VisionEncoder(nn.Module):
+    """uint8 tiles [n, 3, tile, tile] -> pixel-shuffled tokens [n * tokens_per_tile, out_dim]."""
+
+    def __init__(self, vit: VisionTransformer):
+        super().__init__()
+        self.vit, self.cfg = vit, vit.cfg
+        self.register_buffer("mean", torch.tensor(self.cfg["mean"]).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(self.cfg["std"]).view(1, 3, 1, 1), persistent=False)
+
+    @property
+    def out_dim(self) -> int:
+        return self.cfg["hidden"] * self.cfg["pixel_shuffle"] ** 2
+
+    def normalize(self, tiles: torch.Tensor) -> torch.Tensor:
+        dtype = self.vit.embedder.weight.dtype
+        return ((tiles.to(self.mean.dtype) / 255.0 - self.mean) / self.std).to(dtype)
+
+    def grid_tokens(self, tiles: torch.Tensor) -> torch.Tensor:
+        """[n, h', w', out_dim]: the shuffled token grid (video pruning needs the per-frame grid)."""
+        return pixel_shuffle(self.vit(self.normalize(tiles)), self.cfg["pixel_shuffle"])
+
+    def forward(self, tiles: torch.Tensor) -> torch.Tensor:
+        return self.grid_tokens(tiles).flatten(0, 2)
