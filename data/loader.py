@@ -2,19 +2,28 @@
 
 Pipeline (energon runs every stage inside its worker processes and checkpoints all of them):
   cook          raw tar members, untouched (decoder=None: we decode ourselves to count and name failures)
-  preencode     parse the JSON, probe media headers → predicted tiles/frames/samples → placeholder sizes,
-                tokenize; too-long or misaligned samples are skipped here, before they take buffer space
-  pack          first-fit-decreasing over a buffer of `packing_buffer` samples into rows of seq_length
-  postencode    decode the media of the samples in one row and check the decode against the prediction;
-                a sample failing here is dropped from its row before positions are computed, so the
-                alignment of the row stays exact
-  batch         N rows → PackedBatch (the global microbatch)
+  preencode     parse the JSON, probe media headers (+ cheap integrity checks) → predicted tiles/frames/
+                samples → placeholder sizes, tokenize; too-long, misaligned or unreadable samples are
+                skipped here, before they take buffer space
+  pack          first-fit-decreasing over a buffer of `packing_buffer` samples into rows of seq_length;
+                a row records positions and (kind, units, tokens) of every media item, raw bytes kept
+  batch         N rows → PackedBatch (the global microbatch); only now, knowing each row's index in the
+                microbatch, the rank decodes the media of the rows in its decode plan and drops the rest
 
 Why energon: it gives deterministic shuffling, blending (metadataset YAML with weights) and exact
 save/restore of every buffer (including the packing buffer) for free. Why rank 0 of world 1 on every rank:
 a heterogeneous layout gives each module its own DP size, so energon's per-rank sample split (one DP size)
-cannot serve all modules; instead every rank reads the same global stream and data/sharding.py cuts each
-module's rows from it, which also makes the per-sample metadata available on every rank.
+cannot serve all modules; instead every rank reads, probes, tokenizes and packs the same global stream
+(cheap: header probes, no pixels), so every rank has the full per-sample metadata the boundary plan needs
+and the same batch order without any communication. Decoding — the expensive part — is per rank:
+`decode` (data.sharding.decode_plan) names the rows each of the rank's encoder modules consumes, so across
+all ranks every media item of a module is decoded by exactly one DP rank (and its TP/CP/PP peers).
+
+Decode failures after packing: a sample is already placed in a row on every rank, and dropping it on the
+one rank that decodes it would desynchronise the ranks. The preencode checks (header probe + truncation
+check) catch what they can globally; an item that still fails to decode is replaced by a blank item of
+the predicted shape (black tiles / silence), so alignment stays exact, and counted and logged as
+`undecodable_<kind>_blanked` (strict mode raises instead).
 """
 
 from __future__ import annotations
@@ -28,9 +37,10 @@ from megatron.energon import (Cooker, Sample, SkipSample, TaskEncoder, WorkerCon
                               get_savable_loader, get_train_dataset, stateless)
 from megatron.energon.edataclass import edataclass
 from megatron.energon.errors import FatalSampleError
+from megatron.energon.state import FlexState
 
-from data.media import (MediaError, choose_grid, decode_audio, decode_image, decode_video, probe_audio,
-                        probe_image, probe_video, sample_indices)
+from data.media import (MediaError, blank_item, choose_grid, decode_audio, decode_image, decode_video,
+                        probe_audio, probe_image, probe_video, sample_indices)
 from data.packing import EncodedSample, PackedSample, collate, first_fit_decreasing, pack_row
 from data.tokens import MEDIA_TAGS, EncoderTokens, PromptError, Tokenizer, encode_conversation
 
@@ -62,11 +72,14 @@ class ChatTaskEncoder(TaskEncoder):
     cookers = [Cooker(cook_raw)]
 
     def __init__(self, tokenizer: str | Path | Tokenizer, seq_length: int, encoder: EncoderTokens = EncoderTokens(),
-                 strict: bool = False):
+                 strict: bool = False, decode: dict[str, range] | None = None):
+        """decode: encoder module -> rows of the microbatch to decode on this rank (decode_plan); modules
+        not named are not decoded; None decodes every row of every module (single-rank use)."""
         self.tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
         self.seq_length = seq_length
         self.enc = encoder
         self.strict = strict
+        self.decode = None if decode is None else {m: range(r.start, r.stop) for m, r in decode.items()}
         # Skips seen by this process since its last batch; each batch carries them to the training loop.
         self._pending: Counter = Counter()
 
@@ -115,33 +128,9 @@ class ChatTaskEncoder(TaskEncoder):
             self._skip(sample, "missing_modality" if "missing modality" in str(e) else "extra_media", str(e))
         if len(prompt) > self.seq_length:
             self._skip(sample, "too_long", f"{len(prompt)} tokens > seq_length {self.seq_length}")
-        return EncodedSample.derive_from(sample, prompt=prompt, raw_media=raw, media=[], units=units,
-                                         shard=_shard_of(sample))
-
-    @stateless
-    def postencode_sample(self, sample: EncodedSample) -> EncodedSample:
-        decoded = []
-        for kind, data in sample.raw_media:
-            try:
-                if kind == "image":
-                    arr = decode_image(data, self.enc.tile, self.enc.max_tiles, self.enc.thumbnail)
-                    n = arr.shape[0]
-                elif kind == "video":
-                    arr = decode_video(data, self.enc.video_frames, self.enc.tile)
-                    n = arr[0].shape[0]
-                else:
-                    arr = decode_audio(data, self.enc.audio_rate)
-                    n = arr.shape[0]
-            except MediaError as e:
-                self._skip(sample, f"undecodable_{kind}", str(e))
-            decoded.append((kind, n, arr))
-        for (kind, n, _), want in zip(decoded, sample.units):
-            if n != want:
-                self._skip(sample, f"undecodable_{kind}", f"decoded {n} units but the header predicted {want}")
-        media = [(module, decoded[item][0], decoded[item][1], decoded[item][2])
-                 for module, _, _, item in sample.prompt.spans]
-        return EncodedSample.derive_from(sample, prompt=sample.prompt, raw_media=[], media=media,
-                                         units=sample.units, shard=sample.shard)
+        return EncodedSample(__key__=sample.__key__, __restore_key__=sample.__restore_key__,
+                             __subflavors__=sample.__subflavors__, __sources__=sample.__sources__,
+                             prompt=prompt, raw_media=raw, media=[], units=units, shard=_shard_of(sample))
 
     def select_samples_to_pack(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
         groups = first_fit_decreasing([len(s) for s in samples], self.seq_length)
@@ -151,7 +140,40 @@ class ChatTaskEncoder(TaskEncoder):
     def pack_selected_samples(self, samples: list[EncodedSample]) -> PackedSample:
         return pack_row(samples, self.seq_length, self.tok.pad_id)
 
+    def _wants(self, module: str, row: int) -> bool:
+        return self.decode is None or row in self.decode.get(module, ())
+
+    def _decode_item(self, kind: str, data: bytes, units: int, key: str, shard: str):
+        """Decode one packed item; on failure a blank of the predicted shape (see module docstring)."""
+        enc = self.enc
+        try:
+            if kind == "image":
+                arr = decode_image(data, enc.tile, enc.max_tiles, enc.thumbnail)
+                n = arr.shape[0]
+            elif kind == "video":
+                arr = decode_video(data, enc.video_frames, enc.tile)
+                n = arr[0].shape[0]
+            else:
+                arr = decode_audio(data, enc.audio_rate)
+                n = arr.shape[0]
+            if n != units:
+                raise MediaError(f"decoded {n} units but the header predicted {units}")
+            return arr
+        except MediaError as e:
+            msg = f"undecodable media: shard={shard} key={key} reason=undecodable_{kind}: {e}"
+            if self.strict:
+                raise FatalSampleError(msg + " (strict mode)") from None
+            self._pending[f"undecodable_{kind}_blanked"] += 1
+            log.warning(msg + "; blank-filled to keep the packed alignment")
+            return blank_item(kind, units, enc)
+
     def batch(self, rows: list[PackedSample]):
+        for r, row in enumerate(rows):
+            for module, items in row.raw.items():
+                if self._wants(module, r):
+                    row.media[module] = [(kind, self._decode_item(kind, data, units, key, shard))
+                                         for kind, data, units, key, shard in items]
+            row.raw = {}
         skipped, self._pending = dict(self._pending), Counter()
         return collate(rows, skipped)
 
@@ -171,8 +193,33 @@ def build_loader(path: str | Path, task_encoder: ChatTaskEncoder, rows_per_micro
                            repeat=repeat)
     loader = get_savable_loader(ds, checkpoint_every_min_n_samples=1)
     if state is not None:
+        # A state from a worker-less loader holds one FlexState; from N workers, N SavableDatasetCheckpoints.
+        saved = 0 if isinstance(state.worker_states[0], FlexState) else len(state.worker_states)
+        if saved != num_workers:
+            raise ValueError(
+                f"loader state was saved with num_workers={saved} but this loader has num_workers={num_workers}: "
+                f"energon 7.4 restores only with the same number of workers (each worker reads its own slice of "
+                f"the shards, so the sample stream itself depends on it); resume with num_workers={saved}")
         loader.restore_state_rank(state)
     return loader
+
+
+def close_loader(loader) -> None:
+    """Stop the loader's worker processes now (call when a loader is abandoned before its end).
+
+    Without it the workers are stopped by the torch iterator's __del__, which typically runs inside the
+    gc.collect() that energon's GcDataset calls every few samples of the *next* loader. Stopping workers
+    from inside a garbage collection does not get the stop signal to them: each worker's join then waits
+    its full 5 s timeout (torch MP_STATUS_CHECK_INTERVAL) before it is killed — 30 s for three abandoned
+    2-worker loaders, the stall seen in the bad-input test. Outside a collection it takes ~0.2 s."""
+    epoch = getattr(loader, "_epoch_iterator", None)
+    if epoch is not None:
+        epoch.close()
+        loader._epoch_iterator = None
+    inner = getattr(loader, "_iterator", None)  # torch's persistent _MultiProcessingDataLoaderIter
+    if inner is not None and hasattr(inner, "_shutdown_workers"):
+        inner._shutdown_workers()
+    loader._iterator = None
 
 
 class SkipStats(Counter):

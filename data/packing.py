@@ -3,8 +3,10 @@
 A microbatch is N packed rows of exactly `seq_length` tokens. Each row concatenates whole samples
 (cu_seqlens marks them; a trailing padding segment makes cu_seqlens end at seq_length, so padding attends
 only to itself). For every encoder module ("vision", "audio") a row also carries:
-  - `media[module]`: the decoded items in the order their tokens appear in the row, and
-  - `positions[module]`: the sorted int64 positions of those tokens in the row.
+  - `positions[module]`: the sorted int64 positions of that module's tokens in the row (every rank),
+  - `media_meta[module]`: (kind, units, tokens) per item in position order (every rank), and
+  - `media[module]`: the decoded items in the same order — only on ranks that encode this row for this
+    module (data/loader.py decodes per rank; an LLM-only rank holds no decoded media at all).
 Consuming items in order and scattering embeddings to `positions` is therefore the whole alignment
 contract; `PackedBatch.check()` asserts it (one position per produced embedding).
 """
@@ -29,8 +31,9 @@ class EncodedSample(Sample):
     """One sample after tokenization. `media` is filled by the post-encode step (decode), in span order."""
 
     prompt: EncodedPrompt
-    raw_media: list  # [(kind, bytes)] until decoded; dropped afterwards to keep worker queues small
-    media: list  # [(module, kind, units, array | (frames, timestamps))] in span order
+    raw_media: list  # [(kind, bytes)] per stored media item; decoded (or dropped) when the batch is formed
+    media: list  # already decoded items [(module, kind, units, array | (frames, timestamps))] in span order,
+    # or [] when the items are still raw (the loader's case)
     units: list  # predicted tiles/frames/samples per raw media item (checked against the decode)
     shard: str
 
@@ -47,8 +50,10 @@ class PackedSample(Sample):
     position_ids: np.ndarray  # int64 [S], restarting at 0 for every sample
     cu_seqlens: np.ndarray  # int32 [k+1], last entry == S
     keys: list  # sample keys in row order
-    media: dict  # module -> [(kind, array | (frames, timestamps))] in position order
+    media: dict  # module -> [(kind, array | (frames, timestamps))] in position order (decoded modules only)
     positions: dict  # module -> int64 sorted positions
+    media_meta: dict  # module -> [(kind, units, tokens)] in position order
+    raw: dict  # module -> [(kind, bytes, units, key, shard)] awaiting decode; emptied by the task encoder
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -76,6 +81,8 @@ def pack_row(samples: list[EncodedSample], seq_length: int, pad_id: int) -> Pack
     position_ids = np.zeros(seq_length, dtype=np.int64)
     cu = [0]
     media: dict[str, list] = {}
+    meta: dict[str, list] = {}
+    raw: dict[str, list] = {}
     positions: dict[str, list[np.ndarray]] = {}
     for s in samples:
         p, o, n = s.prompt, cu[-1], len(s.prompt)
@@ -86,9 +93,16 @@ def pack_row(samples: list[EncodedSample], seq_length: int, pad_id: int) -> Pack
         # token of a sample predicts nothing, so no loss ever crosses into the next packed sample.
         labels[o:o + n - 1] = np.where(p.target[1:], p.tokens[1:], IGNORE)
         position_ids[o:o + n] = np.arange(n)
-        for (module, start, length, _), (m2, kind, units, arr) in zip(p.spans, s.media):
-            assert module == m2, "media list out of span order"
-            media.setdefault(module, []).append((kind, arr))
+        for j, (module, start, length, item) in enumerate(p.spans):
+            if s.media:  # decoded before packing (tests, callers with in-memory media)
+                m2, kind, units, arr = s.media[j]
+                assert module == m2, "media list out of span order"
+                media.setdefault(module, []).append((kind, arr))
+            else:
+                kind, data = s.raw_media[item]
+                units = s.units[item]
+                raw.setdefault(module, []).append((kind, data, units, s.__key__, s.shard))
+            meta.setdefault(module, []).append((kind, units, length))
             positions.setdefault(module, []).append(np.arange(o + start, o + start + length, dtype=np.int64))
         cu.append(o + n)
     if cu[-1] < seq_length:
@@ -97,7 +111,7 @@ def pack_row(samples: list[EncodedSample], seq_length: int, pad_id: int) -> Pack
         __key__=",".join(s.__key__ for s in samples), __restore_key__=(), __subflavors__=None, __sources__=None,
         tokens=tokens, labels=labels, position_ids=position_ids, cu_seqlens=np.asarray(cu, dtype=np.int32),
         keys=[s.__key__ for s in samples], media=media,
-        positions={m: np.concatenate(v) for m, v in positions.items()})
+        positions={m: np.concatenate(v) for m, v in positions.items()}, media_meta=meta, raw=raw)
 
 
 def _boundary_batch_cls():
@@ -124,8 +138,9 @@ class PackedBatch(Batch):
     position_ids: torch.Tensor  # int64 [N, S]
     cu_seqlens: list  # N int32 tensors (THD boundaries per row)
     keys: list  # N lists of sample keys
-    media: list  # N dicts module -> items
-    positions: list  # N dicts module -> int64 positions
+    media: list  # N dicts module -> decoded items (only the modules/rows this rank decodes)
+    positions: list  # N dicts module -> int64 positions (every rank, every row)
+    media_meta: list  # N dicts module -> [(kind, units, tokens)] (every rank, every row)
     seq_length: int
     skipped: dict  # reason -> count, skips observed by the producing worker since its previous batch
 
@@ -148,17 +163,21 @@ class PackedBatch(Batch):
         return PackedBatch.derive_from(
             self, tokens=self.tokens[lo:hi], labels=self.labels[lo:hi], position_ids=self.position_ids[lo:hi],
             cu_seqlens=self.cu_seqlens[lo:hi], keys=self.keys[lo:hi], media=self.media[lo:hi],
-            positions=self.positions[lo:hi], seq_length=self.seq_length, skipped=dict(self.skipped))
+            positions=self.positions[lo:hi], media_meta=self.media_meta[lo:hi], seq_length=self.seq_length, skipped=dict(self.skipped))
 
     def check(self, count_tokens) -> None:
         """Assert the alignment contract: per row and module, embeddings produced == positions to fill.
 
-        count_tokens(kind, item) is the encoder's output count for one decoded item."""
-        for r, (media, pos) in enumerate(zip(self.media, self.positions)):
-            for module in set(media) | set(pos):
-                produced = sum(count_tokens(k, a) for k, a in media.get(module, []))
+        count_tokens(kind, item) is the encoder's output count for one decoded item; rows/modules this rank
+        did not decode are checked against their metadata (what the decoding rank will produce)."""
+        for r, (media, meta, pos) in enumerate(zip(self.media, self.media_meta, self.positions)):
+            for module in set(media) | set(meta) | set(pos):
                 p = pos.get(module, np.zeros(0, dtype=np.int64))
-                assert produced == len(p), f"row {r} {module}: {produced} embeddings for {len(p)} positions"
+                planned = sum(n for _, _, n in meta.get(module, []))
+                assert planned == len(p), f"row {r} {module}: metadata plans {planned} tokens for {len(p)} positions"
+                if module in media:
+                    produced = sum(count_tokens(k, a) for k, a in media[module])
+                    assert produced == len(p), f"row {r} {module}: {produced} embeddings for {len(p)} positions"
                 assert np.all(np.diff(p) > 0), f"row {r} {module}: positions not strictly increasing"
                 # A media token is an embedding slot, never a prediction target.
                 prev = p[p > 0] - 1
@@ -173,4 +192,4 @@ def collate(rows: list[PackedSample], skipped: dict) -> PackedBatch:
         position_ids=torch.from_numpy(np.stack([r.position_ids for r in rows])),
         cu_seqlens=[torch.from_numpy(r.cu_seqlens) for r in rows], keys=[r.keys for r in rows],
         media=[r.media for r in rows], positions=[r.positions for r in rows],
-        seq_length=len(rows[0].tokens), skipped=skipped)
+        media_meta=[r.media_meta for r in rows], seq_length=len(rows[0].tokens), skipped=skipped)

@@ -1,6 +1,8 @@
 """Layout-aware sharding of a global microbatch: which rows each rank of each module keeps.
 
-Every rank holds the same global microbatch of N rows (data/loader.py). Module m with data-parallel size D
+Every rank holds the same global microbatch of N rows — tokens, positions and per-item media metadata
+(data/loader.py) — but decoded media only for the rows it encodes: `decode_plan` tells the loader of one
+rank which rows each of its encoder modules needs, so decoding is never repeated across ranks. Module m with data-parallel size D
 gives DP rank d the rows [d*N/D, (d+1)*N/D); TP/CP/PP peers of one DP rank keep the same rows. So for any
 layout, colocated or not, the union over a module's DP ranks is the whole microbatch with no duplicates,
 and an encoder rank and the LLM rank that consumes its embeddings agree on which global row is which.
@@ -48,6 +50,18 @@ class ModuleShard:
     def media(self) -> list[list]:
         """Per kept row, the items of this module in position order (empty for the language module)."""
         return [row.get(self.module, []) for row in self.batch.media]
+
+
+def decode_plan(layout: HeteroLayout, rank: int, rows_per_microbatch: int) -> dict[str, range]:
+    """Encoder module -> the global rows whose media `rank` must decode (its DP rows of that module).
+
+    Empty for an LLM-only rank. TP/CP/PP peers of one encoder DP rank get the same rows (each decodes them:
+    a peer needs the pixels it shards, and peers usually sit on other hosts)."""
+    plan = {}
+    for key in layout.modules_of_rank(rank):
+        if key in layout.encoders:
+            plan[key] = dp_rows(rows_per_microbatch, layout[key].dp_size, layout[key].coord(rank).dp)
+    return plan
 
 
 def shard_for_rank(batch: PackedBatch, layout: HeteroLayout, rank: int) -> dict[str, ModuleShard]:

@@ -1,12 +1,16 @@
-"""OMP_NUM_THREADS=1 python scripts/bench_loader.py [--samples 48] [--workers 0 1 2] [--out /tmp/tessera_bench]
+"""OMP_NUM_THREADS=1 python scripts/bench_loader.py [--samples 48] [--measure 96] [--workers 0 1 2]
 
-Samples/s and peak RSS of the Tessera loader (decode + tiling/frames/resampling + tokenization + packing,
-energon) next to plain webdataset decoding of the same shards (PIL → RGB array, PyAV → all frames,
-soundfile → waveform; no tiling, tokens or packing), for image, video, audio and mixed shards.
+Steady-state samples/s and peak RSS of the Tessera loader (decode + tiling/frames/resampling +
+tokenization + packing, energon) next to plain webdataset decoding of the same shards (PIL → RGB array,
+PyAV → all frames, soundfile → waveform; no tiling, tokens or packing), for image, video, audio and mixed
+shards.
 
-Each configuration runs one full epoch in a fresh subprocess, so peak RSS is its own: "rss" is the main
-process' peak plus the largest worker's peak (ru_maxrss of children). Time counts loader start-up
-(worker spawn, index open) but not Python imports. Shards are synthetic (scripts/prepare_data.py).
+Each configuration runs in a fresh subprocess (so peak RSS is its own: the main process' peak plus the
+largest worker's peak, ru_maxrss of children). Both loaders repeat the data set; the clock starts after
+the first `--warmup` samples have arrived (worker spawn, index open, first fill of the shuffle/packing
+buffers are start-up, not throughput) and stops after `--measure` more samples. "start s" is the time to
+the end of the warm-up, printed so the start-up cost is visible too. Shards are synthetic
+(scripts/prepare_data.py).
 """
 
 from __future__ import annotations
@@ -39,16 +43,15 @@ def make_sets(out: Path, samples: int) -> None:
         train_sentencepiece(texts + ["user\n", "assistant\n", "system\n"], path / "tokenizer", vocab_size=400)
 
 
-def run_tessera(path: Path, workers: int) -> int:
+def tessera_stream(path: Path, workers: int):
+    """Yields the number of samples in each packed batch, forever."""
     from data.loader import ChatTaskEncoder, build_loader
     from data.tokens import EncoderTokens
 
     te = ChatTaskEncoder(path / "tokenizer.model", seq_length=8192, encoder=EncoderTokens())
-    n = 0
-    for batch in build_loader(path, te, rows_per_microbatch=1, num_workers=workers, repeat=False,
+    for batch in build_loader(path, te, rows_per_microbatch=1, num_workers=workers, repeat=True,
                               shuffle_buffer=None, packing_buffer=8):
-        n += sum(len(k) for k in batch.keys)
-    return n
+        yield sum(len(k) for k in batch.keys)
 
 
 def _plain_decode(sample: dict) -> dict:
@@ -71,29 +74,43 @@ def _plain_decode(sample: dict) -> dict:
     return out
 
 
-def run_plain(path: Path, workers: int) -> int:
+def plain_stream(path: Path, workers: int):
+    """Yields 1 per decoded sample, forever (each worker repeats its own shards)."""
     import webdataset as wds
 
     urls = sorted(str(p) for p in path.glob("shard-*.tar"))
-    ds = wds.WebDataset(urls, shardshuffle=False, workersplitter=wds.split_by_worker).map(_plain_decode)
-    return sum(1 for _ in wds.WebLoader(ds, batch_size=None, num_workers=workers))
+    ds = wds.WebDataset(urls, shardshuffle=False, workersplitter=wds.split_by_worker).repeat().map(_plain_decode)
+    for _ in wds.WebLoader(ds, batch_size=None, num_workers=workers):
+        yield 1
 
 
-def one(kind: str, impl: str, workers: int, out: Path) -> dict:
-    """Run one configuration in this process and return its measurements."""
-    run = run_tessera if impl == "tessera" else run_plain
+def one(kind: str, impl: str, workers: int, out: Path, warmup: int, measure: int) -> dict:
+    """Run one configuration in this process and return its steady-state measurements."""
+    stream = (tessera_stream if impl == "tessera" else plain_stream)(out / kind, workers)
     t0 = time.perf_counter()
-    n = run(out / kind, workers)
-    dt = time.perf_counter() - t0
+    n = 0
+    for k in stream:
+        n += k
+        if n >= warmup:
+            break
+    t1 = time.perf_counter()
+    m = 0
+    for k in stream:
+        m += k
+        if m >= measure:
+            break
+    dt = time.perf_counter() - t1
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return {"kind": kind, "impl": impl, "workers": workers, "samples": n, "seconds": dt,
-            "rate": n / dt, "rss_mb": (own + child) / 1024}
+    return {"kind": kind, "impl": impl, "workers": workers, "samples": m, "seconds": dt, "startup": t1 - t0,
+            "rate": m / dt, "rss_mb": (own + child) / 1024}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--samples", type=int, default=48, help="samples per data set")
+    ap.add_argument("--warmup", type=int, default=16, help="samples consumed before the clock starts")
+    ap.add_argument("--measure", type=int, default=96, help="samples timed after the warm-up")
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     ap.add_argument("--out", type=Path, default=Path("/tmp/tessera_bench"))
@@ -101,7 +118,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.one:
         kind, impl, workers = args.one.split(",")
-        print(json.dumps(one(kind, impl, int(workers), args.out)))
+        print(json.dumps(one(kind, impl, int(workers), args.out, args.warmup, args.measure)))
         return 0
 
     make_sets(args.out, args.samples)
@@ -110,23 +127,25 @@ def main(argv=None) -> int:
     for kind in args.kinds:
         for workers in args.workers:
             for impl in ("plain", "tessera"):
-                cmd = [sys.executable, __file__, "--one", f"{kind},{impl},{workers}", "--out", str(args.out)]
+                cmd = [sys.executable, __file__, "--one", f"{kind},{impl},{workers}", "--out", str(args.out),
+                       "--warmup", str(args.warmup), "--measure", str(args.measure)]
                 res = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if res.returncode:
                     print(res.stderr[-2000:], file=sys.stderr)
                     return 1
                 rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
                 r = rows[-1]
-                print(f"  {kind:6s} {impl:7s} w={workers}: {r['samples']} samples in {r['seconds']:.1f}s", file=sys.stderr)
+                print(f"  {kind:6s} {impl:7s} w={workers}: start-up {r['startup']:.1f}s, then {r['samples']} samples "
+                      f"in {r['seconds']:.1f}s", file=sys.stderr)
 
     print(f"\n{'data':7s} {'workers':>7s} {'plain/s':>9s} {'tessera/s':>10s} {'ratio':>6s} "
-          f"{'plain RSS MB':>13s} {'tessera RSS MB':>15s}")
+          f"{'plain start s':>14s} {'tessera start s':>16s} {'plain RSS MB':>13s} {'tessera RSS MB':>15s}")
     for kind in args.kinds:
         for workers in args.workers:
             p, t = (next(r for r in rows if (r["kind"], r["impl"], r["workers"]) == (kind, impl, workers))
                     for impl in ("plain", "tessera"))
             print(f"{kind:7s} {workers:7d} {p['rate']:9.1f} {t['rate']:10.1f} {t['rate'] / p['rate']:6.2f} "
-                  f"{p['rss_mb']:13.0f} {t['rss_mb']:15.0f}")
+                  f"{p['startup']:14.1f} {t['startup']:16.1f} {p['rss_mb']:13.0f} {t['rss_mb']:15.0f}")
     return 0
 
 

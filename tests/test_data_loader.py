@@ -10,7 +10,7 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from data.loader import ChatTaskEncoder, SkipStats, build_loader
+from data.loader import ChatTaskEncoder, SkipStats, build_loader, close_loader
 from data.packing import IGNORE
 from data.tokens import EncoderTokens, Tokenizer
 from scripts.prepare_data import (FIELD_PREFIX, caption_chat, energon_prepare, make_synthetic, synth_audio,
@@ -40,12 +40,15 @@ def _encoder(root, strict=False):
     return ChatTaskEncoder(Tokenizer(root / "a" / "tokenizer.model"), SEQ, ENC, strict=strict)
 
 
-def _take(loader, n):
+def _take(loader, n, close=True):
+    """The first n batches; the loader's workers are stopped unless close=False (see close_loader)."""
     out = []
     for b in loader:
         out.append(b)
         if len(out) == n:
-            return out
+            break
+    if close:
+        close_loader(loader)
     return out
 
 
@@ -78,8 +81,9 @@ def test_resume_gives_identical_batches(blend, workers):
     path = blend / "blend.yaml"
     straight = _take(build_loader(path, _encoder(blend), ROWS, num_workers=workers, seed=7), 6)
     first = build_loader(path, _encoder(blend), ROWS, num_workers=workers, seed=7)
-    head = _take(first, 3)
+    head = _take(first, 3, close=False)
     state = first.save_state_rank()
+    close_loader(first)
     tail = _take(build_loader(path, _encoder(blend), ROWS, num_workers=workers, seed=7, state=state), 3)
     for a, b in zip(straight, head + tail):
         assert a.keys == b.keys
@@ -92,8 +96,28 @@ def test_resume_gives_identical_batches(blend, workers):
                     assert ka == kb and np.array_equal(xa[0] if ka == "video" else xa, xb[0] if kb == "video" else xb)
 
 
+def test_resume_with_other_worker_count_is_a_clear_error(blend):
+    """energon 7.4.1 restores only with the saved number of workers (SavableDatasetWrapper.restore_checkpoint
+    asserts len(worker_states) == num_workers; the 0-worker path expects one FlexState)."""
+    first = build_loader(blend / "a", _encoder(blend), ROWS, num_workers=1, seed=3)
+    _take(first, 2, close=False)
+    state = first.save_state_rank()
+    close_loader(first)
+    for other in (0, 2):
+        with pytest.raises(ValueError, match=f"saved with num_workers=1 but this loader has num_workers={other}"):
+            build_loader(blend / "a", _encoder(blend), ROWS, num_workers=other, seed=3, state=state)
+
+
 def torch_equal(a, b):
     return bool((a == b).all())
+
+
+def _garbled_png():
+    """Header and IEND intact, pixel data zeroed: passes every probe, fails only the full decode."""
+    buf = io.BytesIO()
+    Image.fromarray(np.random.RandomState(0).randint(0, 255, (240, 320, 3), dtype=np.uint8)).save(buf, format="PNG")
+    data = buf.getvalue()
+    return data[:200] + bytes(500) + data[700:]
 
 
 def _jpeg(w=320, h=240):
@@ -118,8 +142,10 @@ def bad(tmp_path_factory, blend):
     samples += [
         {"__key__": "bad_json", "json": b'{"conversation": [trunc', "img0.x": _jpeg()},
         {"__key__": "bad_image", "json": chat("image"), "img0.x": b"\xff\xd8 definitely not a jpeg"},
-        # Header intact, pixels cut: passes the probe, fails the decode after packing selected it.
+        # Header intact, pixels cut: the probe's end-marker check catches it on every rank.
         {"__key__": "cut_image", "json": chat("image"), "img0.x": _jpeg()[:len(_jpeg()) * 2 // 3]},
+        # Fails only the full decode, after packing placed it on every rank: blank-filled, kept, counted.
+        {"__key__": "garbled_image", "json": chat("image"), "img0.x": _garbled_png()},
         {"__key__": "bad_video", "json": chat("video"), "vid0.x": b"\x00\x00\x00\x18ftypmp42 garbage"},
         {"__key__": "bad_audio", "json": chat("audio"), "aud0.x": b"RIFF\x10\x00\x00\x00WAVEjunk"},
         {"__key__": "no_member", "json": chat("audio")},
@@ -136,7 +162,7 @@ def bad(tmp_path_factory, blend):
     return root
 
 
-EXPECTED_SKIPS = {"corrupt_member": 1, "undecodable_image": 2, "undecodable_video": 1, "undecodable_audio": 1,
+EXPECTED_SKIPS = {"corrupt_member": 1, "undecodable_image": 2, "undecodable_image_blanked": 1, "undecodable_video": 1, "undecodable_audio": 1,
                   "missing_modality": 2, "extra_media": 1, "too_long": 1}
 
 
@@ -148,9 +174,12 @@ def test_bad_input_is_skipped_counted_and_logged(blend, bad, caplog):
             b.check(count_tokens)
             keys += [k for row in b.keys for k in row]
     assert dict(stats) == EXPECTED_SKIPS
-    assert sorted(keys) == sorted(["good0", "good1", "good2", "good3", "goodv", "gooda"])
+    assert sorted(keys) == sorted(["good0", "good1", "good2", "good3", "goodv", "gooda", "garbled_image"])
     assert "skipped sample: shard=bad-000000.tar key=bad_json reason=corrupt_member" in caplog.text
     assert "key=extra_media reason=extra_media: more media than placeholders" in caplog.text
+    assert "key=garbled_image reason=undecodable_image_blanked" not in caplog.text
+    assert "key=garbled_image reason=undecodable_image: undecodable image" in caplog.text
+    assert "blank-filled to keep the packed alignment" in caplog.text
 
 
 def test_strict_mode_raises_on_first_bad_sample(blend, bad):

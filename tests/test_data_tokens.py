@@ -109,3 +109,43 @@ def test_misaligned_media_is_refused(tok):
         encode_conversation(tok, turns, ["image"], [256])
     with pytest.raises(PromptError, match="more media than placeholders"):
         encode_conversation(tok, turns, ["image", "image", "audio"], [256, 256, 10])
+
+
+def _hf_tokenizer_json(path, with_specials=True):
+    """A byte-level BPE tokenizer.json trained locally with the `tokenizers` library (what a HF checkpoint ships)."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    from data.tokens import SPECIAL_TOKENS
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    specials = ["<pad>", *SPECIAL_TOKENS] if with_specials else ["<pad>"]
+    hf.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.save(str(path))
+    return hf
+
+
+def test_hf_tokenizer_json_encodes_the_template(tmp_path):
+    import pickle
+
+    hf = _hf_tokenizer_json(tmp_path / "tokenizer.json")
+    tok = Tokenizer(tmp_path / "tokenizer.json")
+    assert tok.pad_id == hf.token_to_id("<pad>") and tok.special[IM_END] == hf.token_to_id(IM_END)
+    turns = [{"role": "user", "content": "Describe the image.\n<image> and <audio>"},
+             {"role": "assistant", "content": "A red circle on a blue background."}]
+    p = encode_conversation(tok, turns, ["image", "audio"], [32, 5])
+    assert [(m, n) for m, _, n, _ in p.spans] == [("vision", 32), ("audio", 5)]
+    for module, start, n, _ in p.spans:
+        tag = "<image>" if module == "vision" else "<audio>"
+        assert set(p.tokens[start:start + n].tolist()) == {tok.special[tag]}
+    # Loss covers exactly the assistant text and its closing <|im_end|>; the text round-trips through HF.
+    learned = p.tokens[p.target].tolist()
+    assert learned[-1] == tok.special[IM_END]
+    assert hf.decode(learned[:-1]) == "A red circle on a blue background."
+    clone = pickle.loads(pickle.dumps(tok))  # energon ships the task encoder to worker processes
+    assert clone.encode("A red circle.") == tok.encode("A red circle.") == hf.encode("A red circle.").ids
+    _hf_tokenizer_json(tmp_path / "plain.json", with_specials=False)
+    with pytest.raises(ValueError, match="lacks the special tokens"):
+        Tokenizer(tmp_path / "plain.json")
