@@ -206,14 +206,18 @@ class HybridLM(MegatronModule):
             input_tensor = input_tensor[0]
         self.input_tensor = input_tensor
 
-    def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None):
-        """First stage: input_ids [b, s]. Other stages: activations from set_input_tensor.
-        Last stage returns vocab-parallel logits [b, s, v/tp] (or per-token loss [b, s] with labels);
-        other stages return activations [s, b, h] for the next stage."""
-        if self.pre_process:
-            hidden = self.embedding(input_ids).transpose(0, 1).contiguous()  # [s, b, h]
-        else:
+    def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                decoder_input: torch.Tensor | None = None):
+        """First stage: input_ids [b, s], or decoder_input [s, b, h] (embeddings already mixed with media by
+        the multimodal model). Other stages: activations from set_input_tensor.
+        Last stage returns vocab-parallel logits [b, s, v/tp] (or per-token loss [b, s] with labels, 0 where
+        the label is -100); other stages return activations [s, b, h] for the next stage."""
+        if not self.pre_process:
             hidden = self.input_tensor
+        elif decoder_input is not None:
+            hidden = decoder_input
+        else:
+            hidden = self.embedding(input_ids).transpose(0, 1).contiguous()  # [s, b, h]
         for layer in self.layers:
             hidden, _ = layer(hidden, attention_mask=None)
         if not self.post_process:
@@ -221,5 +225,7 @@ class HybridLM(MegatronModule):
         logits, _ = self.output_layer(self.final_norm(hidden))
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous())
-        return loss.transpose(0, 1).contiguous()
+        labels = labels.transpose(0, 1)
+        valid = labels != -100
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.clamp(min=0).contiguous())
+        return (loss * valid).transpose(0, 1).contiguous()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from megatron.core import tensor_parallel
 from torch import nn
 
 from models.audio import AUDIO_FAMILIES, SoundProjector
@@ -146,13 +145,4 @@ class MultimodalModel(nn.Module):
     def forward(self, tokens, media, positions, labels=None, keys=None):
         """Vocab-parallel logits [N, S, V/tp], or per-token loss [N, S] with labels (-100 = ignore)."""
         hidden = self.embed(tokens, media, positions, keys).transpose(0, 1).contiguous()  # [S, N, h]
-        # HybridLM.forward takes token ids only; its layers and head are run here on the mixed embeddings.
-        for layer in self.llm.layers:
-            hidden, _ = layer(hidden, attention_mask=None)
-        logits, _ = self.llm.output_layer(self.llm.final_norm(hidden))
-        if labels is None:
-            return logits.transpose(0, 1).contiguous()
-        labels = labels.transpose(0, 1)
-        valid = labels != -100
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.clamp(min=0).contiguous())
-        return (loss * valid).transpose(0, 1).contiguous()
+        return self.llm(decoder_input=hidden, labels=labels)
