@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _hf_tiny import make_tiny_checkpoint
 
 from hetero.launch import run_on_ranks
 from models import configs
@@ -20,14 +19,6 @@ from models import configs
 TOL = 1e-4
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("nemotron_h_cp")
-    return {
-        "dense": str(make_tiny_checkpoint(configs.TINY_DENSE, root / "dense", seed=0)),
-        "moe": str(make_tiny_checkpoint(configs.TINY_MOE, root / "moe", seed=1)),
-    }
 
 
 def test_models_never_import_distributed_or_hetero():

@@ -11,7 +11,6 @@ import json
 import pytest
 import torch
 import torch.multiprocessing as mp
-from _hf_tiny import make_tiny_checkpoint
 from _mcore_cpu import close_world, free_port, init_world, single_rank_world
 
 from models import configs
@@ -31,14 +30,6 @@ from models.parity import fixed_batch, reference_logits
 
 TOL = 1e-4
 
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("nemotron_h")
-    return {
-        "dense": str(make_tiny_checkpoint(configs.TINY_DENSE, root / "dense", seed=0)),
-        "moe": str(make_tiny_checkpoint(configs.TINY_MOE, root / "moe", seed=1)),
-    }
 
 
 @pytest.fixture(scope="module")
