@@ -84,21 +84,23 @@ def plain_stream(path: Path, workers: int):
         yield 1
 
 
+def _consume(stream, count: int) -> int:
+    """Pull samples from a stream until at least `count` came; returns how many did."""
+    n = 0
+    for k in stream:
+        n += k
+        if n >= count:
+            break
+    return n
+
+
 def one(kind: str, impl: str, workers: int, out: Path, warmup: int, measure: int) -> dict:
     """Run one configuration in this process and return its steady-state measurements."""
     stream = (tessera_stream if impl == "tessera" else plain_stream)(out / kind, workers)
     t0 = time.perf_counter()
-    n = 0
-    for k in stream:
-        n += k
-        if n >= warmup:
-            break
+    _consume(stream, warmup)
     t1 = time.perf_counter()
-    m = 0
-    for k in stream:
-        m += k
-        if m >= measure:
-            break
+    m = _consume(stream, measure)
     dt = time.perf_counter() - t1
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
