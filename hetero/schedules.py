@@ -1,27 +1,23 @@
-"""One training step of a heterogeneous model over several microbatches, for both placements.
+"""Executes one training step's schedule (hetero/schedule_plan.py) on this rank's process groups.
 
-Every rank walks the same global sequence of phases, and only talks to peers inside the current phase,
-so no placement or PP depth can deadlock:
+The plan says what each rank runs and in which order (colocated three-phase step, non-colocated
+cross-module pipeline, LLM 1F1B); this module only carries tensors between the ops:
 
-    forward,  for each microbatch:   encoder pipelines (stage s -> s+1)  ->  boundaries  ->  LLM pipeline
-    backward, for each microbatch:   LLM pipeline (s+1 -> s)  ->  boundaries  ->  encoder pipelines
+    result = hetero_step(layout, groups, encoders, language, comms, batches, like)
+    reduce_gradients(modules, groups)        # or hetero.training.optim.ModuleOptimizers.step()
 
-Colocated (all modules on the same ranks): this is the three-phase scheme — encoder forward and boundary,
-the LLM on *detached* boundary outputs, then the boundary and encoder backward with the accumulated
-gradient — which is what lets the LLM use PP>1 while the encoders share its ranks.
-Non-colocated: encoder ranks only block on the boundary, so they run the next microbatch's forward while
-the LLM ranks are still busy with the previous one (GPipe order: all forwards, then all backwards;
-activation memory grows with the number of microbatches).
-
-Module stages are supplied by the caller (models stay single-device code); this module only moves
-activations between stages and across boundaries. Gradient reduction over each module's DP x CP group
-happens after the step (`reduce_gradients`).
+Module stages are supplied by the caller (models stay single-device code): an encoder stage maps its
+input (or its own microbatch data on the first stage) to activations, the LLM's first stage takes each
+encoder's boundary output, its last stage returns a loss already divided by the global token count.
+Pipeline sends are isend (waited on at the end of the step), receives block; a boundary call is a
+rendezvous of the ranks named by `schedule_plan.boundary_participants` — the semantics `check_schedule`
+proves deadlock-free.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,6 +26,7 @@ from hetero.boundary import BoundaryCommunicator
 from hetero.boundary_plan import BoundaryBatch
 from hetero.groups import ModuleGroups
 from hetero.layout import LANGUAGE, HeteroLayout
+from hetero.schedule_plan import rank_schedule
 
 
 class EncoderStage(Protocol):
@@ -57,83 +54,76 @@ class StepResult:
     outputs: list[torch.Tensor] = field(default_factory=list)  # last-stage LLM outputs per microbatch
 
 
-def _neighbour(groups: ModuleGroups, step: int) -> int:
-    c, m = groups.coord, groups.layout
-    return m.rank_of(c.tp, c.cp, c.dp, c.pp + step)
+class _StepState:
+    """Tensors of one step, keyed by (module, microbatch); entries are dropped once their backward ran."""
 
-
-def _recv(shape, peer, like: torch.Tensor) -> torch.Tensor:
-    buf = torch.empty(shape, dtype=like.dtype, device=like.device)
-    dist.recv(buf, peer)
-    return buf.requires_grad_()
+    def __init__(self):
+        self.inputs, self.outputs, self.grads = {}, {}, {}
+        self.boundary, self.detached = {}, {}
+        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
 
 
 def hetero_step(layout: HeteroLayout, groups: dict[str, ModuleGroups], encoders: dict[str, EncoderStage],
                 language: LanguageStage | None, comms: dict[str, BoundaryCommunicator],
-                batches: list[dict[str, BoundaryBatch]], like: torch.Tensor,
-                on_output: Callable[[torch.Tensor, int], None] | None = None) -> StepResult:
+                batches: list[dict[str, BoundaryBatch]], like: torch.Tensor) -> StepResult:
     """Forward and backward of every microbatch on this rank. `batches[mb][key]` is encoder key's
     boundary metadata for microbatch mb (known on every rank); `like` gives dtype and device."""
-    rank, keys = dist.get_rank(), sorted(layout.encoders)
+    rank = dist.get_rank()
     lg = groups[LANGUAGE]
-    saved, loss_total = [], torch.zeros((), dtype=torch.float64, device=like.device)
+    st, result = _StepState(), StepResult(torch.zeros((), dtype=torch.float64, device=like.device))
 
-    for mb, meta in enumerate(batches):
-        enc_io, outs, detached = {}, {}, {}
-        for key in keys:  # encoder pipelines
-            g = groups[key]
-            if g.is_member:
-                x = None if g.first_stage else _recv(encoders[key].input_shape(mb), _neighbour(g, -1), like)
-                h = encoders[key].forward(x, mb)
-                if not g.last_stage:
-                    dist.send(h.contiguous(), _neighbour(g, +1))
-                enc_io[key] = (x, h)
-        for key in keys:  # boundaries: last encoder stage -> first LLM stage
-            src = layout[key]
-            if rank in src.ranks or rank in layout[LANGUAGE].ranks:
-                g = groups[key]
-                outs[key] = comms[key](enc_io[key][1] if g.is_member and g.last_stage else None, meta[key])
-        y = x = None
-        if lg.is_member:  # LLM pipeline on detached boundary outputs
-            if lg.first_stage:
-                detached = {k: o.detach().requires_grad_() for k, o in outs.items()}
-                y = language.forward(None, detached, mb)
+    def stage(key):
+        return language if key == LANGUAGE else encoders[key]
+
+    for op in rank_schedule(layout, rank, len(batches)):
+        key, mb, slot = op.module, op.mb, (op.module, op.mb)
+        if op.kind == "recv" and op.what == "act":
+            buf = torch.empty(stage(key).input_shape(mb), dtype=like.dtype, device=like.device)
+            dist.recv(buf, op.peer)
+            st.inputs[slot] = buf.requires_grad_()
+        elif op.kind == "recv":
+            buf = torch.empty_like(st.outputs[slot])
+            dist.recv(buf, op.peer)
+            st.grads[slot] = buf
+        elif op.kind == "send":
+            t = (st.outputs[slot] if op.what == "act" else st.inputs.pop(slot).grad).detach().contiguous()
+            st.sends.append((dist.isend(t, op.peer), t))
+        elif op.kind == "fwd" and key != LANGUAGE:
+            st.outputs[slot] = encoders[key].forward(st.inputs.get(slot), mb)
+        elif op.kind == "fwd":
+            if lg.first_stage:  # the LLM runs on detached boundary outputs: their grads meet the encoder later
+                media = {k: st.boundary[(k, mb)].detach().requires_grad_() for k in sorted(layout.encoders)}
+                st.detached.update({(k, mb): t for k, t in media.items()})
+                y = language.forward(None, media, mb)
             else:
-                x = _recv(language.input_shape(mb), _neighbour(lg, -1), like)
-                y = language.forward(x, None, mb)
-            if not lg.last_stage:
-                dist.send(y.contiguous(), _neighbour(lg, +1))
-        saved.append((enc_io, outs, detached, x, y))
-
-    result = StepResult(loss_total)
-    for mb, (enc_io, outs, detached, x, y) in enumerate(saved):
-        if lg.is_member:
+                y = language.forward(st.inputs[slot], None, mb)
             if lg.last_stage:
-                loss = language.loss(y, mb)
-                loss.backward()
-                result.loss = result.loss + loss.detach().double()
                 result.outputs.append(y.detach())
-            else:
-                grad = torch.empty_like(y)
-                dist.recv(grad, _neighbour(lg, +1))
+                y = language.loss(y, mb)
+                result.loss = result.loss + y.detach().double()
+            st.outputs[slot] = y
+        elif op.kind == "bwd":
+            y = st.outputs.pop(slot)
+            grad = st.grads.pop(slot, None)
+            if y.requires_grad:
                 torch.autograd.backward(y, grad)
-            if not lg.first_stage:
-                dist.send(x.grad.contiguous(), _neighbour(lg, -1))
-        for key in keys:  # boundary backward, then the encoder pipeline backward
-            if key in outs:
-                if lg.is_member and lg.first_stage:
-                    torch.autograd.backward(outs[key], detached[key].grad)
-                else:
-                    BoundaryCommunicator.backward_from(outs[key])
+        elif op.kind == "boundary_fwd":
             g = groups[key]
-            if g.is_member:
-                x_in, h = enc_io[key]
-                if not g.last_stage:
-                    grad = torch.empty_like(h)
-                    dist.recv(grad, _neighbour(g, +1))
-                    torch.autograd.backward(h, grad)
-                if not g.first_stage:
-                    dist.send(x_in.grad.contiguous(), _neighbour(g, -1))
+            x = st.outputs.pop(slot, None) if g.is_member and g.last_stage else None
+            if x is not None and not x.requires_grad:  # frozen module: keep the exchange in the graph
+                x = x.detach().requires_grad_()
+            st.boundary[slot] = comms[key](x, batches[mb][key])
+        elif op.kind == "boundary_bwd":
+            out = st.boundary.pop(slot)
+            if lg.is_member and lg.first_stage:
+                d = st.detached.pop(slot)
+                torch.autograd.backward(out, d.grad if d.grad is not None else torch.zeros_like(d))
+            else:
+                BoundaryCommunicator.backward_from(out)
+        else:
+            raise AssertionError(f"unknown op {op}")
+    for work, _ in st.sends:
+        work.wait()
     return result
 
 

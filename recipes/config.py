@@ -1,0 +1,76 @@
+"""What a training run is made of, as plain dataclasses: the fields recipes set and users override.
+
+A recipe (recipes/registry.py) is a `run.Partial(recipes.train.train, model=run.Config(ModelConfig, ...),
+...)`; nemo-run's CLI overrides any field with `model.vision=siglip_tiny`, `trainer.max_steps=20`,
+`layout="vision=dp2@0-1;language=tp2@2-3"`. Module choices are registry *names* (models/configs.py for
+the LLM, models/encoders.py for encoders), so swapping an encoder is one string override and the data
+side derives its placeholder counts from the same name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    llm: str = "nemotron_h_tiny_dense"      # models.configs.REGISTRY name
+    vision: str | None = "radio_vit_tiny"   # models.encoders.REGISTRY name (modality vision); None = no vision
+    audio: str | None = None                # models.encoders.REGISTRY name (modality audio); None = no audio
+    freeze_vision: bool = False             # encoder frozen; its projector still trains
+    freeze_audio: bool = False
+    freeze_llm: bool = False
+    video_pruning: float = 0.0              # fraction of video tokens dropped (EVS-style), 0 = keep all
+    checkpoint: str | None = None           # initialise from an HF directory or a Tessera checkpoint
+    dtype: str = "float32"                  # "float32" | "bfloat16"
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None                 # prepared dataset / blend YAML; None = synthetic data in run_dir
+    tokenizer: str | None = None            # SentencePiece .model or tokenizer.json; None = the dataset's own
+    seq_length: int = 256                   # packed row length (divisible by 2 x the LLM's CP)
+    rows_per_microbatch: int = 4            # global rows per microbatch (divisible by every module's DP)
+    microbatches: int = 2                   # microbatches per optimizer step
+    num_workers: int = 0
+    max_tiles: int = 2                      # image tiles per image (plus thumbnail)
+    video_frames: int = 4
+    seed: int = 1234
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3                        # LLM (and default for every module)
+    lr_vision: float | None = None          # None = lr
+    lr_audio: float | None = None
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    clip_grad: float = 1.0                  # global grad-norm clip across all modules; 0 = off
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1               # cosine decay to lr * min_lr_ratio at max_steps
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 20
+    seed: int = 1234
+    log_every: int = 1
+    save_every: int = 0                     # 0 = save only at the end
+    run_dir: str | None = None              # None = runs/<name>-<timestamp>
+    resume: bool = True                     # continue from run_dir's last complete checkpoint if any
+    progress: bool = True
+    tensorboard: bool = True
+    timeout_s: int = 300                    # collective timeout: a dead rank ends the job within this
+
+
+@dataclass
+class RunConfig:
+    """Everything `recipes.train.train` takes, in one object (what --dryrun prints)."""
+
+    name: str = "tessera"
+    layout: str = ""                        # "" = every module data-parallel on all ranks; "auto" = planner
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
