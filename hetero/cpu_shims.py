@@ -15,6 +15,9 @@ working (upstream moved the code: update it). Nothing here changes behaviour on 
 3. Without Transformer Engine, transformer/moe/moe_utils.py:22-39 leaves TE helper names undefined, yet
    router_gating_linear tests `te_general_gemm is not None` (moe_utils.py:1192, 1225) -> NameError.
    Defining the missing names as None takes the torch path. Needed on any machine without TE.
+4. torch.cuda.synchronize() -> no-op. dist_checkpointing's torch_dist saver calls it before writing
+   (dist_checkpointing/strategies/filesystem_async.py:230 preload_tensors); with no CUDA there is no
+   device work to wait for.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ def _cpu_current_device():
     return "cpu"
 
 
+def _cpu_synchronize(device=None):
+    return None
+
+
 def apply_cpu_shims() -> bool:
     """Patch megatron-core for CPU if there is no GPU (shim 3: whenever TE is missing). Idempotent.
     Returns True if the CPU shims are active."""
@@ -69,6 +76,7 @@ def apply_cpu_shims() -> bool:
     torch.cuda.get_rng_state = _cpu_get_rng_state  # shim 2
     torch.cuda.set_rng_state = _cpu_set_rng_state
     torch.cuda.manual_seed = _cpu_manual_seed
+    torch.cuda.synchronize = _cpu_synchronize  # shim 4
     mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = _cpu_set_rng_state
     _applied = True

@@ -40,7 +40,10 @@ def run_on_ranks(world: int, fn, *args, timeout: float = 240.0) -> list:
     fd, store = tempfile.mkstemp(prefix="tessera_pg_")
     os.close(fd)
     os.unlink(store)  # the file store must not exist yet
-    procs = [ctx.Process(target=_worker, args=(r, world, store, fn, args, queue), daemon=True) for r in range(world)]
+    # not daemonic: dist_checkpointing's torch_dist saver starts a multiprocessing Manager in each rank,
+    # which daemonic processes may not do; the finally-block below still stops every worker
+    procs = [ctx.Process(target=_worker, args=(r, world, store, fn, args, queue), daemon=False)
+             for r in range(world)]
     for p in procs:
         p.start()
     results, errors = {}, []

@@ -49,7 +49,10 @@ class FastConformerEncoder(nn.Module):
             subsampling="dw_striding", subsampling_factor=cfg["subsampling"],
             subsampling_conv_channels=cfg["subsampling_channels"], self_attention_model="rel_pos",
             # Dropout off: the encoders we load are fine-tuned or frozen inside the VLM, and parity needs it.
-            dropout=0.0, dropout_pre_encoder=0.0, dropout_emb=0.0, dropout_att=0.0)
+            dropout=0.0, dropout_pre_encoder=0.0, dropout_emb=0.0, dropout_att=0.0,
+            # NeMo otherwise all-reduces the max audio length over the WORLD group in every forward
+            # (conformer_encoder.py:794): a hidden collective that hangs when only some ranks encode audio.
+            sync_max_audio_length=False)
 
     @property
     def out_dim(self) -> int:

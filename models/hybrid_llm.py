@@ -168,8 +168,11 @@ class HybridLM(MegatronModule):
     """Embedding -> this stage's hybrid layers -> final RMSNorm -> vocab-parallel output layer."""
 
     def __init__(self, config: HybridConfig, pg_collection, core_attention=SDPACoreAttention,
-                 mamba_mixer=Mamba2Mixer):
+                 mamba_mixer=Mamba2Mixer, cross_entropy=None):
         super().__init__(config=config)
+        # (logits [.., V/tp], target) -> per-token loss; megatron's default reduces over parallel_state's
+        # global TP group, heterogeneous runs inject one bound to this module's TP group
+        self.cross_entropy = cross_entropy or tensor_parallel.vocab_parallel_cross_entropy
         self.pg_collection = pg_collection
         pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
         if pp_size != config.pipeline_model_parallel_size:
@@ -227,5 +230,5 @@ class HybridLM(MegatronModule):
             return logits.transpose(0, 1).contiguous()
         labels = labels.transpose(0, 1)
         valid = labels != -100
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.clamp(min=0).contiguous())
+        loss = self.cross_entropy(logits.float(), labels.clamp(min=0).contiguous())
         return (loss * valid).transpose(0, 1).contiguous()

@@ -1,0 +1,145 @@
+"""Training checkpoints with megatron-core dist_checkpointing (torch_dist): any layout in, any layout out.
+
+    save_checkpoint(root, step, modules, opt, groups, layout, configs, common={"loader": ...})
+    common = load_checkpoint(root / "step_000010", modules, opt, groups, layout, configs)
+
+Every rank contributes its shards of every module it hosts under *global* keys: `language.layers.<global
+layer index>...`, TP shards as offsets along the parameter's partition dim, replicas (DP, CP, TP copies of
+norms) with non-zero replica ids so exactly one rank writes each element. So a checkpoint saved in one
+heterogeneous layout loads into another (TP2 -> TP1, PP changes, colocated -> non-colocated): torch_dist
+reads whatever slices each rank now needs. Fused Mamba tensors (in_proj = [z|x|B|C|dt], conv1d = [x|B|C])
+hold one TP slice of *each* part, so they are stored as one sharded tensor per part.
+
+Crash safety: a step is written into `step_N.partial/`, and only after every rank finished does rank 0
+rename it to `step_N/` and atomically replace the `latest` file. A crash mid-save leaves a `.partial`
+directory that nothing points at; the last complete checkpoint is untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+from hetero.groups import ModuleGroups
+from hetero.layout import LANGUAGE
+
+LATEST = "latest"
+
+
+def _mamba_local_parts(config, tp: int) -> list[int]:
+    inner = config.mamba_num_heads * config.mamba_head_dim
+    bc = config.mamba_num_groups * config.mamba_state_dim
+    return [s // tp for s in (inner, inner, bc, bc, config.mamba_num_heads)]
+
+
+def _pieces(name: str, t: torch.Tensor, mamba_parts: list[int] | None) -> list[tuple[str, torch.Tensor]]:
+    """(key suffix, view) pieces of one local tensor: fused Mamba tensors split into their parts."""
+    if mamba_parts and name.endswith("mixer.in_proj.weight"):
+        return [(f".part{i}", v) for i, v in enumerate(t.split(mamba_parts))]
+    if mamba_parts and (name.endswith("mixer.conv1d_weight") or name.endswith("mixer.conv1d_bias")):
+        return [(f".part{i}", v) for i, v in enumerate(t.split(mamba_parts[1:4]))]
+    return [("", t)]
+
+
+def _global_name(key: str, name: str, layer_offset: int) -> str:
+    if key == LANGUAGE and layer_offset:
+        name = re.sub(r"^layers\.(\d+)\.", lambda m: f"layers.{int(m[1]) + layer_offset}.", name)
+    return f"{key}.{name}"
+
+
+def _param_specs(key: str, module: torch.nn.Module, g: ModuleGroups, mamba_parts, layer_offset: int):
+    """Per parameter and persistent buffer (MoE expert bias, BatchNorm statistics): (tensor, global key,
+    pieces of a same-shaped tensor, rank_offsets, replica_id)."""
+    tp, tp_rank, rep = g.pgs.tp.size(), g.pgs.tp.rank(), g.pgs.dp_cp.rank()
+    for name, p in module.state_dict(keep_vars=True).items():
+        if not isinstance(p, torch.Tensor) or name.endswith("_extra_state"):
+            continue
+        sharded = bool(getattr(p, "tensor_model_parallel", False)) and tp > 1
+        offsets = ((getattr(p, "partition_dim", 0), tp_rank, tp),) if sharded else ()
+        replica = (0, rep) if sharded else (tp_rank, rep)  # exactly one writer per element
+
+        def pieces(t, name=name, sharded=sharded):
+            return _pieces(name, t, mamba_parts if sharded else None)
+
+        yield p, _global_name(key, name, layer_offset), pieces, offsets, replica
+
+
+def _sharded_state(modules, opt, groups, configs, rank, world, with_rng=True) -> dict:
+    state, opt_state = {}, (opt.state_tensors() if opt is not None else {})
+    for key, module in modules.items():
+        parts = _mamba_local_parts(configs[key], groups[key].pgs.tp.size()) if key == LANGUAGE else None
+        adam = {}
+        if key in opt_state:
+            adam = {id(p): opt_state[key][j] for j, p in enumerate(opt.params[key])}
+        for p, gkey, pieces, offsets, replica in _param_specs(key, module, groups[key], parts,
+                                                              getattr(module, "layer_offset", 0)):
+            tensors = {"model": p.data}
+            if id(p) in adam:
+                tensors.update({f"optim.{f}": adam[id(p)][f] for f in ("exp_avg", "exp_avg_sq")})
+            for prefix, t in tensors.items():
+                for suffix, view in pieces(t):
+                    k = f"{prefix}.{gkey}{suffix}"
+                    state[k] = ShardedTensor.from_rank_offsets(k, view, *offsets, replica_id=replica)
+    if with_rng:
+        state["rng"] = ShardedObject("rng", {"torch": torch.get_rng_state()}, (world,), (rank,), replica_id=0)
+    return state
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The last complete checkpoint under root (what `latest` names), or None."""
+    marker = Path(root) / LATEST
+    if not marker.exists():
+        return None
+    path = Path(root) / marker.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def save_checkpoint(root: str | Path, step: int, modules, opt, groups, configs: dict, common: dict) -> Path:
+    """Collective over the world. Returns the completed checkpoint directory."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    root = Path(root)
+    final, partial = root / f"step_{step:06d}", root / f"step_{step:06d}.partial"
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    state = _sharded_state(modules, opt, groups, configs, rank, world)
+    state["common"] = dict(common, world=world, step=step)
+    dist_checkpointing.save(state, str(partial), sharded_strategy=("torch_dist", 1))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(partial, final)
+        tmp = root / (LATEST + ".tmp")
+        tmp.write_text(final.name + "\n")
+        os.replace(tmp, root / LATEST)  # atomic: readers see the old or the new checkpoint, never half
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: str | Path, modules, opt, groups, configs: dict) -> dict:
+    """Load into this rank's modules (and optimizer) whatever layout they have; returns the common state.
+    RNG states come back only when the world size is unchanged (they are per rank)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    common = dist_checkpointing.load_common_state_dict(str(path))["common"]
+    state = _sharded_state(modules, opt, groups, configs, rank, world, with_rng=common["world"] == world)
+    targets = {k: v.data for k, v in state.items() if isinstance(v, ShardedTensor)}
+    loaded = dist_checkpointing.load(state, str(path), sharded_strategy=None)
+    with torch.no_grad():
+        for k, view in targets.items():
+            if loaded[k] is not view:
+                view.copy_(loaded[k])
+    if "rng" in loaded:
+        torch.set_rng_state(loaded["rng"]["torch"])
+    if opt is not None:
+        for per in opt.state_tensors().values():
+            for st in per.values():
+                st["step"].fill_(float(common["step"]))
+    return common

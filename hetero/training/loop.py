@@ -1,0 +1,174 @@
+"""The training loop: layout -> groups -> this rank's modules -> loader -> steps -> checkpoints and metrics.
+
+Called by recipes/train.py once torch.distributed is up and the run directory is known (every rank).
+Reads top to bottom in the order a step happens; the pieces live next to it in hetero/training/.
+
+Fault behaviour: every collective has the process group's timeout (trainer.timeout_s); when a rank dies,
+its peers fail at their next collective (gloo: connection closed; NCCL: timeout) and exit non-zero, and
+torchrun tears the job down. A relaunch (or torchrun --max-restarts) resumes from the `latest` checkpoint.
+`TESSERA_FAIL_AT_STEP=N[:RANK]` makes a rank exit abruptly at step N (what the fault test uses).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from data.sharding import decode_plan
+from hetero.boundary import BoundaryCommunicator
+from hetero.groups import build_module_groups, destroy_module_groups
+from hetero.layout import LANGUAGE, HeteroLayout, ModelShapes
+from hetero.schedules import hetero_step
+from hetero.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from hetero.training.metrics import RunMetrics
+from hetero.training.model_build import (build_rank_modules, encoder_names, full_hf_state, llm_fields,
+                                         load_full_state, module_configs)
+from hetero.training.optim import ModuleOptimizers, lr_at
+from hetero.training.stages import LanguageStage, MediaEncoderStage, global_token_count
+from models.encoders import encoder_config
+
+
+def default_layout(keys: list[str], world: int) -> str:
+    """Every module data-parallel over all ranks (the homogeneous baseline)."""
+    return ";".join(f"{k}=dp{world}@0-{world - 1}" for k in keys)
+
+
+def resolve_layout(cfg, world: int, hf_fields: dict) -> HeteroLayout:
+    """Parse and validate against the model and batch shapes before any process group exists."""
+    keys = sorted(encoder_names(cfg.model)) + [LANGUAGE]
+    spec = cfg.layout or default_layout(keys, world)
+    if spec == "auto":
+        from hetero.planner import best_layout_for_run
+
+        spec = best_layout_for_run(cfg, world)
+    layout = HeteroLayout.parse(spec)
+    if sorted(layout.modules) != sorted(keys):
+        raise ValueError(f"layout {spec!r} places modules {sorted(layout.modules)} but the model has {keys}: "
+                         f"give every module exactly one range (or drop model.vision/model.audio)")
+    heads = {k: encoder_config(n).get("heads", 1) for k, n in encoder_names(cfg.model).items()}
+    heads[LANGUAGE] = hf_fields["num_attention_heads"]
+    return layout.validate(ModelShapes(heads=heads, kv_heads={LANGUAGE: hf_fields["num_key_value_heads"]},
+                                       seq_length=cfg.data.seq_length,
+                                       samples_per_microbatch=cfg.data.rows_per_microbatch), world_size=world)
+
+
+def _vocab_size(tokenizer) -> int:
+    sp, hf = getattr(tokenizer, "_sp", None), getattr(tokenizer, "_hf", None)
+    return sp.get_piece_size() if sp is not None else hf.get_vocab_size()
+
+
+def _dataset(cfg, rank: int):
+    """(dataset path, tokenizer path): the configured dataset, or the synthetic one (made by rank 0)."""
+    from data.pipeline import synthetic_dataset
+
+    if cfg.data.path is not None:
+        tok = cfg.data.tokenizer or str(Path(cfg.data.path) / "tokenizer.model")
+        return cfg.data.path, tok
+    root = Path(os.environ.get("TESSERA_CACHE", "~/.cache/tessera")).expanduser() / "synthetic"
+    if rank == 0:
+        synthetic_dataset(root)
+    dist.barrier()
+    path, tok = synthetic_dataset(root)
+    return str(path), cfg.data.tokenizer or str(tok)
+
+
+def _maybe_fail(step: int, rank: int) -> None:
+    spec = os.environ.get("TESSERA_FAIL_AT_STEP")
+    if spec:
+        at, _, who = spec.partition(":")
+        if step == int(at) and rank == int(who or 0):
+            os._exit(17)  # an abrupt death: no cleanup, no collective goodbye
+
+
+def run_training(cfg, run_dir: Path) -> dict:
+    from data.pipeline import build_train_loader
+    from data.tokens import Tokenizer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    data_path, tok_path = _dataset(cfg, rank)
+    hf_fields = llm_fields(cfg.model, _vocab_size(Tokenizer(tok_path)))
+    layout = resolve_layout(cfg, world, hf_fields)
+
+    groups = build_module_groups(layout)
+    configs = module_configs(layout, hf_fields)
+    modules = build_rank_modules(cfg.model, layout, groups, configs)
+    if cfg.model.checkpoint and latest_checkpoint(cfg.model.checkpoint) is not None:
+        load_checkpoint(latest_checkpoint(cfg.model.checkpoint), modules, None, groups, configs)
+    else:
+        if cfg.model.checkpoint:
+            from models.nemotron_h_hf import load_hf_state_dict
+
+            full = load_hf_state_dict(cfg.model.checkpoint)
+        else:
+            full = full_hf_state(cfg.model, hf_fields, cfg.trainer.seed)
+        load_full_state(modules, full, groups)
+        del full
+    for m in modules.values():
+        m.to(device=device, dtype=dtype).train()
+    lrs = {LANGUAGE: cfg.optim.lr, "vision": cfg.optim.lr_vision or cfg.optim.lr,
+           "audio": cfg.optim.lr_audio or cfg.optim.lr}
+    opt = ModuleOptimizers(modules, groups, {k: lrs[k] for k in layout.modules}, cfg.optim.clip_grad,
+                           cfg.optim.weight_decay, cfg.optim.betas, cfg.optim.eps, all_keys=list(layout.modules))
+
+    ckpt_root, start, loader_state = run_dir / "checkpoints", 0, None
+    last = latest_checkpoint(ckpt_root) if cfg.trainer.resume else None
+    if last is not None:
+        common = load_checkpoint(last, modules, opt, groups, configs)
+        start, loader_state = common["step"], common["loader"]
+        if rank == 0:
+            print(f"resumed from {last} (step {start}, saved in layout {common['layout']})", flush=True)
+
+    encoders = encoder_names(cfg.model)
+    loader = build_train_loader(data_path, tok_path, encoders, cfg.data.seq_length, cfg.data.rows_per_microbatch,
+                                decode=decode_plan(layout, rank, cfg.data.rows_per_microbatch),
+                                num_workers=cfg.data.num_workers, seed=cfg.data.seed, max_tiles=cfg.data.max_tiles,
+                                video_frames=cfg.data.video_frames, state=loader_state)
+    comms = {k: BoundaryCommunicator(layout[k], layout[LANGUAGE], configs[LANGUAGE].hidden_size, dtype, device,
+                                     dst_format="dense") for k in sorted(layout.encoders)}
+    like = torch.empty(0, dtype=dtype, device=device)
+    metrics = RunMetrics(run_dir, cfg.trainer.max_steps, start, cfg.trainer.progress,
+                         cfg.trainer.tensorboard) if rank == 0 else None
+    hosts_loss = LANGUAGE in modules and groups[LANGUAGE].last_stage and groups[LANGUAGE].coord.tp == 0
+
+    it, record, first_loss = iter(loader), {}, None
+    for step in range(start, cfg.trainer.max_steps):
+        _maybe_fail(step, rank)
+        t0 = time.perf_counter()
+        batches = [next(it) for _ in range(cfg.data.microbatches)]
+        total = global_token_count(batches)
+        enc = {k: MediaEncoderStage(modules[k], k, layout[k], groups[k].coord, batches)
+               for k in modules if k != LANGUAGE}
+        lang = (LanguageStage(modules[LANGUAGE], layout[LANGUAGE], groups[LANGUAGE].coord, batches, total)
+                if LANGUAGE in modules else None)
+        sent0 = sum(c.bytes_sent for c in comms.values())
+        result = hetero_step(layout, groups, enc, lang, comms,
+                             [b.boundary_batches(sorted(layout.encoders)) for b in batches], like)
+        stats = opt.step(lr_at(step, cfg.trainer.max_steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio))
+        sums = torch.tensor([float(result.loss) if hosts_loss else 0.0,
+                             sum(c.bytes_sent for c in comms.values()) - sent0], dtype=torch.float64)
+        dist.all_reduce(sums)
+        dt = time.perf_counter() - t0
+        rows = cfg.data.rows_per_microbatch * cfg.data.microbatches
+        record = {"step": step + 1, "loss": float(sums[0]), "lr": stats["lr"], "grad_norm": stats["grad_norm"],
+                  "tokens_per_s": rows * cfg.data.seq_length / dt, "samples_per_s": rows / dt,
+                  "target_tokens": total, "boundary_bytes": int(sums[1]), "step_time_s": dt,
+                  "skipped": sum(sum(b.skipped.values()) for b in batches)}
+        first_loss = record["loss"] if first_loss is None else first_loss
+        if metrics is not None:
+            metrics.log(record)
+        done = step + 1 == cfg.trainer.max_steps
+        if done or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
+            save_checkpoint(ckpt_root, step + 1, modules, opt, groups, configs,
+                            {"loader": loader.save_state_rank(), "layout": str(layout), "config": asdict(cfg)})
+
+    plot = metrics.close() if metrics is not None else None
+    destroy_module_groups(groups)
+    return {"run_dir": str(run_dir), "layout": str(layout), "steps": cfg.trainer.max_steps,
+            "first_loss": first_loss, "last_loss": record.get("loss"), "loss_png": str(plot) if plot else None}

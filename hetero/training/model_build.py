@@ -1,0 +1,131 @@
+"""This rank's modules of the multimodal model, built in its layout and loaded from one full-model state.
+
+    configs, hf_fields = module_configs(model_cfg, layout, vocab_size)
+    modules = build_rank_modules(model_cfg, layout, groups, configs)
+    load_full_state(modules, full_hf_state(model_cfg, hf_fields, seed), groups)
+
+Initial weights are defined once, as the Hugging Face (NemotronH_Nano_VL_V2 / Omni) state dict of the
+whole model built on one device from the seed, and every rank imports its TP/PP shard of it through the
+same converters that load released checkpoints (models/multimodal_hf.py, models/nemotron_h_hf.py). So
+any two layouts start from identical weights — what loss parity between layouts needs — and fine-tuning
+a provided checkpoint is the same call with the checkpoint's tensors. (Building the full model on every
+rank is meant for small models and for initialisation of new modules; large runs start from checkpoints.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from hetero.groups import DENSE_GROUPS, EXPERT_GROUPS, ModuleGroups
+from hetero.kernels import select_kernels
+from hetero.layout import LANGUAGE, HeteroLayout
+from hetero.vocab_parallel_ce import vocab_parallel_cross_entropy_for
+from models.configs import REGISTRY as LLM_REGISTRY, hf_fields as llm_hf_fields
+from models.encoders import REGISTRY as ENCODER_REGISTRY
+from models.hybrid_llm import HybridLM
+from models.multimodal import MultimodalModel, build_media_module
+from models.multimodal_hf import (PROJECTOR_ROOT, export_hf, sound_from_hf, vision_from_hf, _load_params,
+                                  _params_only)
+from models.nemotron_h_hf import hybrid_config_from_hf, load_into
+
+_single_rank_pgs: ProcessGroupCollection | None = None
+
+
+def encoder_names(model_cfg) -> dict[str, str]:
+    """module key -> encoder registry name, for the encoders this model has."""
+    names = {k: getattr(model_cfg, k) for k in ("vision", "audio") if getattr(model_cfg, k)}
+    for key, name in names.items():
+        if name not in ENCODER_REGISTRY:
+            raise KeyError(f"model.{key}={name!r} is not a registered encoder; known: {', '.join(sorted(ENCODER_REGISTRY))}")
+        if ENCODER_REGISTRY[name]["modality"] != key:
+            raise KeyError(f"model.{key}={name!r} is a {ENCODER_REGISTRY[name]['modality']} encoder; "
+                           f"pick a {key} one: {', '.join(n for n, c in sorted(ENCODER_REGISTRY.items()) if c['modality'] == key)}")
+    return names
+
+
+def llm_fields(model_cfg, vocab_size: int) -> dict:
+    """HF config fields of the LLM, with the vocabulary grown to the tokenizer's when it is larger
+    (rounded up to 128 so every TP size divides it)."""
+    if model_cfg.llm not in LLM_REGISTRY:
+        raise KeyError(f"model.llm={model_cfg.llm!r} is not a registered LLM; known: {', '.join(sorted(LLM_REGISTRY))}")
+    fields = llm_hf_fields(model_cfg.llm)
+    if vocab_size > fields["vocab_size"]:
+        fields["vocab_size"] = -(-vocab_size // 128) * 128
+    return fields
+
+
+def single_rank_pgs() -> ProcessGroupCollection:
+    """Groups of size one (collective on first call): lets every rank build a TP=1/PP=1 module."""
+    global _single_rank_pgs
+    if _single_rank_pgs is None:
+        own, _ = dist.new_subgroups(group_size=1)
+        names = [n for n, _ in DENSE_GROUPS + EXPERT_GROUPS]
+        _single_rank_pgs = ProcessGroupCollection(expt_tp=own, **{n: own for n in names})
+    return _single_rank_pgs
+
+
+def _media_module(key: str, name: str, model_cfg, llm_hidden: int, pgs):
+    frozen = getattr(model_cfg, f"freeze_{key}", False)
+    return build_media_module(name, llm_hidden, pgs, frozen=frozen, pruning_rate=model_cfg.video_pruning)
+
+
+def full_hf_state(model_cfg, hf_fields: dict, seed: int) -> dict[str, torch.Tensor]:
+    """The whole model's initial weights (HF layout) from `seed`, identical on every rank."""
+    pgs = single_rank_pgs()
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    llm = HybridLM(hybrid_config_from_hf(hf_fields), pgs)
+    media = {k: _media_module(k, n, model_cfg, llm.config.hidden_size, pgs) for k, n in encoder_names(model_cfg).items()}
+    full = export_hf(MultimodalModel(llm, media))
+    torch.random.set_rng_state(state)
+    return full
+
+
+def module_configs(layout: HeteroLayout, hf_fields: dict) -> dict:
+    """Per module key the config its layout needs (the LLM's HybridConfig carries TP/PP/CP sizes)."""
+    lang = layout[LANGUAGE]
+    return {LANGUAGE: hybrid_config_from_hf(hf_fields, tp=lang.tp, pp=lang.pp, cp=lang.cp, ep=lang.ep)}
+
+
+def build_rank_modules(model_cfg, layout: HeteroLayout, groups: dict[str, ModuleGroups],
+                       configs: dict) -> dict[str, torch.nn.Module]:
+    """The modules (or pipeline stage of the LLM) this rank hosts, empty-initialised."""
+    names, out = encoder_names(model_cfg), {}
+    hidden = configs[LANGUAGE].hidden_size
+    for key in layout.modules:
+        g = groups[key]
+        if not g.is_member:
+            continue
+        if key == LANGUAGE:
+            kernels = select_kernels(g.pgs)
+            out[key] = HybridLM(configs[key], g.pgs, core_attention=kernels.core_attention,
+                                mamba_mixer=kernels.mamba_mixer,
+                                cross_entropy=vocab_parallel_cross_entropy_for(g.pgs.tp))
+            if model_cfg.freeze_llm:
+                out[key].requires_grad_(False)
+        else:
+            if key != "vision" and layout[key].tp > 1:
+                raise ValueError(f"layout: {key}=tp{layout[key].tp}: the {names[key]} encoder has no tensor "
+                                 f"parallelism; use tp1 for {key} (dp or more ranks instead)")
+            out[key] = _media_module(key, names[key], model_cfg, hidden, g.pgs)
+    return out
+
+
+def load_full_state(modules: dict[str, torch.nn.Module], hf: dict[str, torch.Tensor],
+                    groups: dict[str, ModuleGroups]) -> None:
+    """Import this rank's shard of an HF-layout state dict into every module it hosts."""
+    for key, module in modules.items():
+        pgs = groups[key].pgs
+        if key == LANGUAGE:
+            lm = {k[len("language_model."):]: v for k, v in hf.items() if k.startswith("language_model.")}
+            load_into(module, lm, pgs.tp.rank(), pgs.pp.rank())
+            continue
+        root = PROJECTOR_ROOT[key]
+        module.projector.load_state_dict({k[len(root):]: v for k, v in hf.items() if k.startswith(root)})
+        if module.cfg["modality"] == "vision":
+            _load_params(module.encoder.vit, vision_from_hf(hf, module.cfg, pgs.tp.rank(), pgs.tp.size()))
+        else:
+            inner = module.encoder.encoder
+            _load_params(inner, sound_from_hf(hf, _params_only(inner.state_dict()).keys(), module.cfg["family"]))

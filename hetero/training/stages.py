@@ -1,0 +1,86 @@
+"""Glue between the single-device models and the step executor (hetero/schedules.py).
+
+An encoder stage encodes the media of its DP rows of a microbatch; a language stage runs this rank's
+TP/CP/PP piece of the hybrid LLM on its DP rows and zigzag CP positions. The models never see a process
+group other than the ones injected at construction.
+
+Layout invariance (what makes a heterogeneous run equal a homogeneous one): every media item is encoded
+on its own, so an item's embedding never depends on which other items share its DP rank (batch padding
+and BatchNorm statistics would otherwise change with the layout); the loss is a sum over this rank's
+tokens divided by the step's *global* token count, so summing gradients over any DP x CP group gives the
+same gradient for every module (hetero/training/optim.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from data.packing import PackedBatch
+from data.sharding import dp_rows
+from hetero.cp_attention import zigzag_positions
+from hetero.layout import ModuleLayout, RankCoord
+
+IGNORE = -100
+
+
+def global_token_count(batches: list[PackedBatch]) -> int:
+    """Label tokens of a whole step (all microbatches, all rows): the one loss normaliser of every module."""
+    return int(sum(int((b.labels != IGNORE).sum()) for b in batches))
+
+
+class MediaEncoderStage:
+    """One encoder's stage (PP=1): [tokens, llm_hidden] embeddings of this rank's rows, in (row, position)
+    order — the source order hetero.boundary_plan expects."""
+
+    def __init__(self, module, key: str, layout: ModuleLayout, coord: RankCoord, batches: list[PackedBatch]):
+        self.module, self.key, self.layout, self.coord, self.batches = module, key, layout, coord, batches
+
+    def input_shape(self, mb: int):
+        raise AssertionError("encoders run as one pipeline stage in training (pp=1)")
+
+    def forward(self, x, mb: int) -> torch.Tensor:
+        batch = self.batches[mb]
+        rows = dp_rows(batch.tokens.shape[0], self.layout.dp_size, self.coord.dp)
+        items = [it for r in rows for it in batch.media[r].get(self.key, [])]
+        if not items:
+            return self.module([])
+        return torch.cat([self.module([it]) for it in items])
+
+
+class LanguageStage:
+    """This rank's piece of the LLM over its DP rows and zigzag CP positions of each microbatch."""
+
+    def __init__(self, llm, layout: ModuleLayout, coord: RankCoord, batches: list[PackedBatch], total_tokens: int):
+        self.llm, self.layout, self.coord, self.batches, self.total = llm, layout, coord, batches, total_tokens
+        n, seq = batches[0].tokens.shape
+        self.rows = torch.as_tensor(list(dp_rows(n, layout.dp_size, coord.dp)))
+        self.pos = torch.as_tensor(zigzag_positions(seq, layout.cp, coord.cp))
+
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        return t[self.rows][:, self.pos]
+
+    def input_shape(self, mb: int):
+        return (len(self.pos), len(self.rows), self.llm.config.hidden_size)
+
+    def _media_mask(self, batch: PackedBatch, key: str) -> torch.Tensor:
+        mask = np.zeros(batch.tokens.shape, dtype=bool)
+        for r, row in enumerate(batch.positions):
+            mask[r, row.get(key, np.zeros(0, np.int64))] = True
+        return self._local(torch.from_numpy(mask))
+
+    def forward(self, x, media: dict[str, torch.Tensor] | None, mb: int) -> torch.Tensor:
+        batch = self.batches[mb]
+        labels = self._local(batch.labels) if self.llm.post_process else None
+        if x is None:  # first stage: text embeddings with each encoder's boundary output at its positions
+            hidden = self.llm.embedding(self._local(batch.tokens))
+            for key in sorted(media or {}):
+                mask = self._media_mask(batch, key)[..., None]
+                hidden = torch.where(mask, media[key].to(hidden.dtype), hidden)
+            return self.llm(decoder_input=hidden.transpose(0, 1).contiguous(), labels=labels)
+        self.llm.set_input_tensor(x)
+        return self.llm(labels=labels)
+
+    def loss(self, per_token: torch.Tensor, mb: int) -> torch.Tensor:
+        """This rank's share of the step loss (per-token losses are 0 where the label is ignored)."""
+        return per_token.float().sum() / self.total
