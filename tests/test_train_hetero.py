@@ -71,19 +71,20 @@ def test_loss_and_grad_norm_match_homogeneous_at_every_step(runs, name):
     assert (runs / name / "loss.png").stat().st_size > 1000
 
 
-def _resume_from(src_ckpt: Path, run_dir: Path, layout: str):
-    """A fresh run directory whose only checkpoint is src_ckpt, then training continues in `layout`."""
+def _seed_run_dir(src_ckpt: Path, run_dir: Path) -> None:
+    """A fresh run directory whose only (and latest) checkpoint is src_ckpt."""
     (run_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(src_ckpt, run_dir / "checkpoints" / src_ckpt.name)
     (run_dir / "checkpoints" / "latest").write_text(src_ckpt.name + "\n")
-    return _train(str(run_dir), layout, 14, 0)
 
 
 def test_resume_same_layout_is_bitwise_and_other_layouts_continue_the_curve(runs, tmp_path):
     ckpt = runs / "homogeneous" / "checkpoints" / "step_000010"
     assert ckpt.is_dir() and (runs / "homogeneous" / "checkpoints" / "step_000030").is_dir()
     loss_h, _ = _curves(runs / "homogeneous")
-    run_on_ranks(4, _resume_all, str(ckpt), str(tmp_path), timeout=600)
+    for name, _ in RESUME_LAYOUTS:
+        _seed_run_dir(ckpt, tmp_path / name)
+    run_on_ranks(4, _resume_all, str(tmp_path), timeout=600)
     for name in ("same", "colocated", "non_colocated"):
         assert [r["step"] for r in read_metrics(tmp_path / name)] == [11, 12, 13, 14]
     same, _ = _curves(tmp_path / "same")
@@ -93,6 +94,9 @@ def test_resume_same_layout_is_bitwise_and_other_layouts_continue_the_curve(runs
         assert _rel(loss, loss_h[10:14]) <= 1e-5, f"resume into {name}: {_rel(loss, loss_h[10:14]):.2e}"
 
 
-def _resume_all(ckpt: str, root: str):
-    for name, layout in (("same", HOMOGENEOUS), ("colocated", COLOCATED), ("non_colocated", NON_COLOCATED)):
-        _resume_from(Path(ckpt), Path(root) / name, layout)
+RESUME_LAYOUTS = (("same", HOMOGENEOUS), ("colocated", COLOCATED), ("non_colocated", NON_COLOCATED))
+
+
+def _resume_all(root: str):
+    for name, layout in RESUME_LAYOUTS:
+        _train(str(Path(root) / name), layout, 14)

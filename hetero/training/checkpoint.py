@@ -58,15 +58,17 @@ def _param_specs(key: str, module: torch.nn.Module, g: ModuleGroups, mamba_parts
     """Per parameter and persistent buffer (MoE expert bias, BatchNorm statistics): (tensor, global key,
     pieces of a same-shaped tensor, rank_offsets, replica_id)."""
     tp, tp_rank, rep = g.pgs.tp.size(), g.pgs.tp.rank(), g.pgs.dp_cp.rank()
+    seen = set()
     for name, p in module.state_dict(keep_vars=True).items():
-        if not isinstance(p, torch.Tensor) or name.endswith("_extra_state"):
-            continue
+        if not isinstance(p, torch.Tensor) or name.endswith("_extra_state") or id(p) in seen:
+            continue  # (a tensor shared by two submodules, e.g. the video path's image encoder, once)
+        seen.add(id(p))
         sharded = bool(getattr(p, "tensor_model_parallel", False)) and tp > 1
         offsets = ((getattr(p, "partition_dim", 0), tp_rank, tp),) if sharded else ()
         replica = (0, rep) if sharded else (tp_rank, rep)  # exactly one writer per element
 
-        def pieces(t, name=name, sharded=sharded):
-            return _pieces(name, t, mamba_parts if sharded else None)
+        def pieces(t, name=name):  # fused Mamba tensors split at every TP size, so keys never change
+            return _pieces(name, t, mamba_parts)
 
         yield p, _global_name(key, name, layer_offset), pieces, offsets, replica
 

@@ -11,7 +11,9 @@ torchrun tears the job down. A relaunch (or torchrun --max-restarts) resumes fro
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -121,7 +123,7 @@ def run_training(cfg, run_dir: Path) -> dict:
     last = latest_checkpoint(ckpt_root) if cfg.trainer.resume else None
     if last is not None:
         common = load_checkpoint(last, modules, opt, groups, configs)
-        start, loader_state = common["step"], common["loader"]
+        start, loader_state = common["step"], pickle.loads(common["loader"])
         if rank == 0:
             print(f"resumed from {last} (step {start}, saved in layout {common['layout']})", flush=True)
 
@@ -166,7 +168,9 @@ def run_training(cfg, run_dir: Path) -> dict:
         done = step + 1 == cfg.trainer.max_steps
         if done or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
             save_checkpoint(ckpt_root, step + 1, modules, opt, groups, configs,
-                            {"loader": loader.save_state_rank(), "layout": str(layout), "config": asdict(cfg)})
+                            # pickled and JSON so the common state stays torch.load(weights_only=True)-safe
+                            {"loader": pickle.dumps(loader.save_state_rank()), "layout": str(layout),
+                             "config": json.dumps(asdict(cfg))})
 
     plot = metrics.close() if metrics is not None else None
     destroy_module_groups(groups)
