@@ -194,6 +194,11 @@ def build_loader(path: str | Path, task_encoder: ChatTaskEncoder, rows_per_micro
     loader = get_savable_loader(ds, checkpoint_every_min_n_samples=1)
     if state is not None:
         # A state from a worker-less loader holds one FlexState; from N workers, N SavableDatasetCheckpoints.
+        # There is no way to change the count in energon 7.4.1: SavableDatasetWrapper.restore_checkpoint
+        # asserts len(worker_states) == num_workers, and `energon checkpoint redist` only regroups whole
+        # worker states over a new number of DP ranks with the total worker count fixed (a worker's state is
+        # its position in its own slice of the shards; it cannot be split or merged). Every rank here is rank
+        # 0 of world 1, so its worker count is that total.
         saved = 0 if isinstance(state.worker_states[0], FlexState) else len(state.worker_states)
         if saved != num_workers:
             raise ValueError(

@@ -1,0 +1,85 @@
+"""Entry points for a training loop: a synthetic data set prepared once, and the loader sized by the model.
+
+    ds, tok = synthetic_dataset(Path("/tmp/tessera_data"))             # every rank may call it at once
+    plan = decode_plan(layout, rank, rows_per_microbatch)              # data/sharding.py
+    loader = build_train_loader(ds, tok, {"vision": "radio_vit_tiny", "audio": "fastconformer_tiny"},
+                                seq_length=1024, rows_per_microbatch=4, decode=plan)
+
+The placeholder sizes come from the same registry configs the model is built from (models/encoders.py),
+so the data side and the encoders cannot disagree about how many embeddings a tile, frame or second of
+audio produces.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from data.loader import ChatTaskEncoder, build_loader
+from data.tokens import EncoderTokens
+
+_DONE = ".complete"  # written last inside the temporary folder, so a renamed folder is always whole
+
+
+def _complete(path: Path) -> bool:
+    return (path / _DONE).exists()
+
+
+def synthetic_dataset(root: Path, samples: int = 96, seed: int = 0) -> tuple[Path, Path]:
+    """(dataset path, tokenizer path) of the synthetic data set under `root`, generating it on first use.
+
+    Safe when several ranks (processes, hosts on a shared filesystem) call it at once: each builds a
+    private temporary folder next to the target and renames it into place; a rename onto an existing
+    folder fails, so exactly one copy wins and the others delete theirs. Nobody ever sees a partial set,
+    and a crash leaves only a temporary folder behind (named `.synthetic-*.tmp*`), never a broken target."""
+    from scripts.prepare_data import make_synthetic  # the generator lives with the preparation script
+
+    root = Path(root)
+    path = root / f"synthetic-{samples}-{seed}"
+    if not _complete(path):
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp", dir=root))
+        try:
+            make_synthetic(tmp, samples=samples, seed=seed)
+            (tmp / _DONE).write_text(f"{samples} samples, seed {seed}\n")
+            try:
+                os.rename(tmp, path)
+            except OSError:  # another rank renamed its copy first (ENOTEMPTY / EEXIST)
+                if not _complete(path):
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path, path / "tokenizer.model"
+
+
+def encoder_tokens(encoders: dict[str, str], max_tiles: int = 2, video_frames: int = 4) -> EncoderTokens:
+    """EncoderTokens from registry names: vision tile/patch/pixel shuffle, audio rate/hop/n_fft/subsampling.
+
+    encoders maps module key ("vision", "audio") to a registry name; each config must be of that modality."""
+    from models.encoders import encoder_config, tokens_config
+
+    fields = {}
+    for module, name in encoders.items():
+        cfg = encoder_config(name)
+        if cfg["modality"] != module:
+            raise ValueError(f"encoder {name!r} is a {cfg['modality']} encoder, not a {module!r} one")
+        t = tokens_config(cfg)
+        if module == "vision":
+            fields.update(tile=t.tile, patch=t.patch, pixel_shuffle=t.pixel_shuffle)
+        else:
+            fields.update(audio_rate=t.audio_rate, audio_hop=t.audio_hop, audio_n_fft=t.audio_n_fft,
+                          audio_subsampling=t.audio_subsampling)
+    return EncoderTokens(max_tiles=max_tiles, video_frames=video_frames, **fields)
+
+
+def build_train_loader(path: str | Path, tokenizer: str | Path, encoders: dict[str, str], seq_length: int,
+                       rows_per_microbatch: int, *, decode: dict[str, range] | None, num_workers: int = 0,
+                       seed: int = 0, max_tiles: int = 2, video_frames: int = 4, state=None):
+    """The resumable loader of global PackedBatch microbatches for one rank (data/loader.build_loader).
+
+    decode: what data.sharding.decode_plan returns for this rank (None: decode every row, one process).
+    state: a loader.save_state_rank() result to resume from (same num_workers, see build_loader)."""
+    te = ChatTaskEncoder(tokenizer, seq_length, encoder_tokens(encoders, max_tiles, video_frames), decode=decode)
+    return build_loader(path, te, rows_per_microbatch, num_workers=num_workers, seed=seed, state=state)

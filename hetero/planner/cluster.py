@@ -1,0 +1,87 @@
+"""The machine, the batch and the few free constants of the cost model, as frozen plain data.
+
+Cluster presets (per GPU; sources):
+    h100  NVIDIA H100 SXM5 80 GB in a DGX H100: 989.4 dense BF16 TFLOPS and 3.35 TB/s HBM3 (H100 datasheet,
+          https://www.nvidia.com/en-us/data-center/h100/), 80 GB = 79.6 GiB as nvidia-smi reports (81559 MiB);
+          NVLink 4 900 GB/s bidirectional = 450 GB/s each way; 8x ConnectX-7 400 Gb/s per node = one 50 GB/s
+          NIC per GPU (DGX H100 user guide, https://docs.nvidia.com/dgx/dgxh100-user-guide/).
+    h200  NVIDIA H200 SXM 141 GB: same compute, NVLink and NICs (DGX H200), 141 GB = 131 GiB HBM3e at 4.8 TB/s
+          (H200 datasheet, https://www.nvidia.com/en-us/data-center/h200/).
+Link latencies (3 us NVLink, 8 us InfiniBand incl. one switch hop) are typical NCCL small-message figures,
+not datasheet numbers; the fitted per-message overhead (Constants.msg_overhead_s) absorbs the difference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    gpus_per_node: int
+    nodes: int
+    peak_tflops: float        # dense BF16 per GPU
+    hbm_gib: float
+    hbm_tbps: float           # HBM bandwidth, for the optimizer step
+    intra_gbps: float         # GB/s per GPU per direction inside a node (NVLink)
+    inter_gbps: float         # GB/s per GPU per direction across nodes (its NIC)
+    intra_latency_s: float
+    inter_latency_s: float
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+PRESETS = {
+    "h100": Cluster("h100", gpus_per_node=8, nodes=128, peak_tflops=989.4, hbm_gib=79.6, hbm_tbps=3.35,
+                    intra_gbps=450.0, inter_gbps=50.0, intra_latency_s=3e-6, inter_latency_s=8e-6),
+    "h200": Cluster("h200", gpus_per_node=8, nodes=128, peak_tflops=989.4, hbm_gib=131.3, hbm_tbps=4.8,
+                    intra_gbps=450.0, inter_gbps=50.0, intra_latency_s=3e-6, inter_latency_s=8e-6),
+}
+
+
+def cluster(name: str, gpus: int | None = None) -> Cluster:
+    """A preset, with enough nodes for `gpus` GPUs when given."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown cluster {name!r}; presets: {', '.join(PRESETS)}")
+    c = PRESETS[name]
+    return c if gpus is None else replace(c, nodes=max(1, -(-gpus // c.gpus_per_node)))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One optimizer step's data. Media counts are per packed LLM sequence (one row of seq_length)."""
+
+    seq_length: int = 8192
+    global_batch: int = 256            # sequences per step
+    micro_batch: int = 1               # sequences per LLM data-parallel replica per microbatch
+    tiles: float = 0.0                 # image tiles per sequence (each 256 LLM tokens for RADIO at 512 px)
+    frames: float = 0.0                # video frames per sequence (one tile each)
+    tubelets: bool = False             # fuse temporal_patch frames into one ViT pass
+    audio_seconds: float = 0.0         # audio per sequence
+    audio_clip_seconds: float = 30.0   # length of one clip (attention spans a clip)
+
+
+@dataclass(frozen=True)
+class Constants:
+    """The free constants calibration fits (calibrate.fit); defaults are typical Megatron-on-H100 figures.
+
+    eff_*: achieved fraction of peak BF16 FLOPs for that module kind's kernels (wide LLM GEMMs run closer to
+    peak than a 1280-wide ViT or a 1024-wide Conformer); bw_eff: achieved fraction of link bandwidth
+    (NCCL bus bandwidth / line rate); msg_overhead_s: software cost per message on top of link latency.
+    """
+
+    eff_llm: float = 0.50
+    eff_vit: float = 0.40
+    eff_conformer: float = 0.35
+    bw_eff: float = 0.80
+    msg_overhead_s: float = 10e-6
+
+    def eff(self, kind: str) -> float:
+        return getattr(self, f"eff_{kind}")
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

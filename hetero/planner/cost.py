@@ -1,0 +1,392 @@
+"""Predicted step time, memory and throughput of one layout: `predict(layout, model, workload, cluster)`.
+
+Per module and microbatch, every pipeline stage costs compute (FLOPs / (peak * eff)) plus its exposed
+communication: TP (two all-reduce-sized collectives per block, forward and backward; sequence parallel,
+so activations are sharded by TP too), CP (ring attention's K/V passes beyond what attention compute hides;
+Mamba state passing, latency bound), EP (4 all-to-alls per MoE layer) and PP (one activation send each
+way). DP is the distributed optimizer's gradient reduce-scatter + parameter all-gather, hidden behind one
+microbatch's forward+backward (Megatron's overlap) except what sticks out. How modules combine:
+
+    homogeneous    every module has the same layout: priced as Megatron's baseline, the encoders inherit
+                   the LLM's TP and DP, run on its first PP stage (making that stage the slowest) and are
+                   replicated over its CP ranks (wasted work, not counted in TFLOPS).
+    colocated      encoders on the LLM's ranks, three phases: all microbatches' encoder forward + boundary,
+                   the LLM's 1F1B, then boundary + encoder backward. The encoder activations of every
+                   microbatch stay alive until phase 3 (or are recomputed).
+    non-colocated  one pipeline: encoder stages -> boundary -> LLM stages, in 1F1B order; a pipeline with
+                   per-microbatch stage times t_i takes m * max(t) + sum(t) - max(t), and every module waits
+                   for the slowest one (its idle time is reported).
+    mixed          colocated phases around the pipeline of the non-colocated encoders; their pipeline fill
+                   hides behind phase 1.
+
+Memory per GPU: bf16 weights (2 B/param), fp32 main grads (4 B), fp32 Adam master + moments (12 B) sharded
+over the module's DP x CP ranks (experts over their expert-DP ranks), activations of the microbatches in
+flight (1F1B's first stage holds pp of them), fp32 logits on the LLM's last stage. A layout that does not
+fit in HEADROOM of HBM, or fails HeteroLayout.validate, comes back with feasible=False and the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+from hetero.layout import LANGUAGE, HeteroLayout, LayoutError, ModelShapes, ModuleLayout
+from hetero.planner import comm
+from hetero.planner.cluster import Cluster, Constants, Workload
+from hetero.planner.model import BF16, ModelDesc, ModuleDesc
+
+HEADROOM = 0.9        # of HBM usable by tensors (the rest: allocator fragmentation, NCCL and CUDA buffers)
+OPTIM_BYTES = 30      # HBM traffic per local parameter of one Adam step (read 16 B, write 14 B)
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage, one microbatch, forward + backward (seconds)."""
+
+    compute: float = 0.0
+    tp: float = 0.0
+    cp: float = 0.0
+    ep: float = 0.0
+    pp: float = 0.0
+    fwd_frac: float = 1 / 3   # share of the time spent in the forward pass
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp + self.cp + self.ep + self.pp
+
+    def __add__(self, o: "Stage") -> "Stage":
+        t = self.total + o.total
+        frac = (self.fwd_frac * self.total + o.fwd_frac * o.total) / t if t else self.fwd_frac
+        return Stage(self.compute + o.compute, self.tp + o.tp, self.cp + o.cp, self.ep + o.ep, self.pp + o.pp, frac)
+
+
+@dataclass(frozen=True)
+class Memory:
+    weights: float = 0.0
+    grads: float = 0.0
+    optim: float = 0.0
+    act: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optim + self.act
+
+    def __add__(self, o: "Memory") -> "Memory":
+        return Memory(self.weights + o.weights, self.grads + o.grads, self.optim + o.optim, self.act + o.act)
+
+    def describe(self) -> str:
+        return (f"{self.total / GIB:.1f} GiB (weights {self.weights / GIB:.1f}, grads {self.grads / GIB:.1f}, "
+                f"adam {self.optim / GIB:.1f}, activations {self.act / GIB:.1f})")
+
+
+@dataclass(frozen=True)
+class ModuleCost:
+    key: str
+    stages: tuple[Stage, ...]
+    dp_s: float              # gradient reduce-scatter + parameter all-gather per step
+    optim_s: float
+    mem_first: Memory        # first and last PP stage (the same stage when pp == 1)
+    mem_last: Memory
+    model_flops: float       # 3 x forward FLOPs of one microbatch, all ranks (useful work only)
+
+    @property
+    def slowest(self) -> Stage:
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def memory(self) -> Memory:
+        return max(self.mem_first, self.mem_last, key=lambda mm: mm.total)
+
+
+@dataclass
+class Prediction:
+    layout: str
+    placement: str                      # homogeneous | colocated | non-colocated | mixed
+    feasible: bool
+    reason: str = ""
+    step_s: float = math.inf
+    breakdown: dict[str, float] = field(default_factory=dict)   # sums to step_s
+    idle_s: dict[str, float] = field(default_factory=dict)      # per rank range: step time its GPUs wait
+    memory_gib: dict[str, float] = field(default_factory=dict)  # per rank range "first-last"
+    memory_detail: dict[str, str] = field(default_factory=dict)
+    tflops_per_gpu: float = 0.0
+    tokens_per_s: float = 0.0
+    microbatches: int = 0
+    micro_batch: int = 1                # sequences per LLM DP replica per microbatch
+    global_batch: int = 0               # sequences per step as priced
+    gain: float | None = None           # tokens/s over the best homogeneous layout, minus 1 (search sets it)
+    recompute: tuple[str, ...] = ()
+    gpus: int = 0
+
+    @property
+    def max_memory_gib(self) -> float:
+        return max(self.memory_gib.values(), default=0.0)
+
+
+def items_of(mod: ModuleDesc, w: Workload) -> tuple[float, float, float, float]:
+    """(items per sequence, tokens per item, LLM tokens per sequence, extra forward FLOPs per item)."""
+    if mod.kind == "llm":
+        return 1.0, float(w.seq_length), float(w.seq_length), 0.0
+    if mod.kind == "vit":
+        fused = mod.temporal_patch if (w.tubelets and mod.temporal_patch) else 1
+        items = w.tiles + math.ceil(w.frames / fused)
+        return items, float(mod.tokens_per_tile), items * mod.out_per_tile, 0.0
+    clips = w.audio_seconds / w.audio_clip_seconds
+    per_clip = mod.frames_per_second * w.audio_clip_seconds
+    return clips, per_clip, clips * per_clip, mod.pre_flops_per_second * w.audio_clip_seconds
+
+
+def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, cl: Cluster,
+                k: Constants, recompute: bool, in_flight: int, grad_group: int | None = None) -> ModuleCost:
+    """One module in layout `lay`, fed `samples` sequences per microbatch (global); `in_flight`
+    microbatches' activations are alive at once on its first stage."""
+    tp, cp, pp, dp = lay.tp, lay.cp, lay.pp, lay.dp_size
+    items, toks, _, extra = items_of(mod, w)
+    per_dp = samples / dp
+    if mod.kind == "llm":       # one sequence per item, the sequence split over CP (zigzag)
+        rank_items, ctx = per_dp, toks
+        tokens = per_dp * toks / cp
+        fwd_item = toks * (mod.linear_flops + mod.attn_flops * ctx)
+        fwd_body = per_dp * fwd_item / (tp * cp * pp)
+    else:                        # encoder CP splits a sequence's media items, which are independent
+        rank_items = per_dp * items / cp
+        tokens, ctx = rank_items * toks, toks
+        fwd_item = toks * (mod.linear_flops + mod.attn_flops * ctx) + extra
+        fwd_body = rank_items * fwd_item / (tp * pp)
+    mult = 4 if recompute else 3
+    speed = cl.peak_tflops * 1e12 * k.eff(mod.kind)
+    msg = tokens * mod.hidden * BF16
+    tp_s = (mod.tp_collectives / pp) * (3 if recompute else 2) * comm.all_reduce(
+        msg, tp, comm.group_link(cl, tp, 1), cl, k)
+    cp_s = 0.0
+    if cp > 1 and mod.kind == "llm":
+        ring_link = comm.group_link(cl, cp, tp)
+        kv = tokens * mod.kv_width * BF16 / tp
+        ring = (mod.attn_layers / pp) * 3 * (cp - 1) * comm.p2p(kv, ring_link, k)
+        attn_compute = per_dp * toks * mod.attn_flops * ctx / (tp * cp * pp) * mult / speed
+        state = (mod.mamba_layers / pp) * 2 * (cp - 1) * comm.p2p(per_dp * mod.state_bytes / tp, ring_link, k)
+        cp_s = max(0.0, ring - attn_compute) + state
+    ep_s = 0.0
+    if mod.moe_layers and lay.ep > 1:
+        ep_s = (mod.moe_layers / pp) * 4 * comm.all_to_all(
+            tokens / tp * mod.topk * mod.hidden * BF16, lay.ep, comm.group_link(cl, lay.ep, tp), k)
+    pp_s = 2 * comm.p2p(msg / tp, comm.group_link(cl, pp, tp * cp * dp), k) if pp > 1 else 0.0
+    # recompute's extra forward runs inside the backward pass, so the forward share is 1/mult either way
+    body = Stage(fwd_body * mult / speed, tp_s, cp_s, ep_s, pp_s, 1 / mult)
+    head = Stage(per_dp * toks * mod.head_flops / (tp * cp) * 3 / speed) if mod.head_flops else Stage()
+    stages = tuple(body + head if i == pp - 1 else body for i in range(pp))
+
+    # memory: edge parameters (embedding, lm_head) sit on the first and last stage
+    experts = mod.expert_params / (tp * lay.ep * pp)
+    dense = (mod.params - mod.edge_params - mod.expert_params) / (tp * pp)
+    edge_first = mod.edge_params / tp if pp == 1 else mod.edge_params / 2 / tp
+    dp_ranks = grad_group or dp * cp
+    expert_dp = max(1, cp * dp // lay.ep)
+
+    def weights(edge: float) -> Memory:
+        local = dense + edge + experts
+        return Memory(BF16 * local, 4 * local, 12 * ((dense + edge) / dp_ranks + experts / expert_dp))
+
+    act_per_mb = tokens * (mod.act_bytes_recompute if recompute else mod.act_bytes) / tp / pp
+    if recompute:  # one layer's full activations while it is recomputed
+        act_per_mb += tokens * mod.act_bytes / mod.layers / tp
+    logits = tokens * mod.logits_bytes / tp
+    mem_first = weights(edge_first) + Memory(act=act_per_mb * in_flight + (logits if pp == 1 else 0.0))
+    mem_last = mem_first if pp == 1 else weights(edge_first) + Memory(act=act_per_mb + logits)
+
+    dp_link = comm.group_link(cl, dp_ranks, tp)
+    dp_s = 2 * comm.reduce_scatter((dense + edge_first) * BF16, dp_ranks, dp_link, cl, k)
+    if experts:
+        dp_s += 2 * comm.reduce_scatter(experts * BF16, expert_dp, dp_link, cl, k)
+    optim_s = OPTIM_BYTES * ((dense + edge_first) / dp_ranks + experts / expert_dp) / (cl.hbm_tbps * 1e12)
+    flops = 3 * samples * (items * fwd_item + (toks * mod.head_flops if mod.head_flops else 0.0))
+    return ModuleCost(mod.key, stages, dp_s, optim_s, mem_first, mem_last, flops)
+
+
+def _sizes(lay: ModuleLayout) -> ModuleLayout:
+    """The layout's sizes at rank 0: module costs do not depend on where the ranks are."""
+    return ModuleLayout(0, lay.size - 1, tp=lay.tp, cp=lay.cp, pp=lay.pp, dp=lay.dp_size, ep=lay.ep)
+
+
+_module_cost = functools.lru_cache(maxsize=65536)(module_cost)  # the search prices each module shape once
+
+
+def _check(layout: HeteroLayout, model: ModelDesc, w: Workload, gpus: int, samples: int) -> None:
+    """Raise LayoutError for what the layout's own validate() and the model/workload rule out."""
+    heads = {mod.key: mod.tp_divides[0] for mod in model.modules}
+    kv = {LANGUAGE: model[LANGUAGE].tp_divides[1]}
+    if set(layout.modules) != set(model.keys):
+        raise LayoutError(f"layout modules {sorted(layout.modules)} != model modules {sorted(model.keys)}")
+    layout.validate(ModelShapes(heads=heads, kv_heads=kv, seq_length=w.seq_length,
+                                samples_per_microbatch=samples), world_size=gpus)
+    for mod in model.modules:
+        lay = layout[mod.key]
+        for n in mod.tp_divides[2:]:
+            if n % lay.tp:
+                raise LayoutError(f"module '{mod.key}': tp={lay.tp} does not divide its {n} Mamba groups/heads")
+        if lay.pp > mod.layers:
+            raise LayoutError(f"module '{mod.key}': pp={lay.pp} exceeds its {mod.layers} layers")
+    if w.global_batch % samples:
+        raise LayoutError(f"global batch {w.global_batch} is not a multiple of the {samples} sequences per "
+                          f"microbatch (micro_batch {w.micro_batch} x language dp {layout[LANGUAGE].dp_size})")
+    media = sum(items_of(mod, w)[2] for mod in model.encoders)
+    if media > w.seq_length:
+        raise LayoutError(f"{media:.0f} media tokens per sequence exceed seq_length {w.seq_length}")
+
+
+def placement(layout: HeteroLayout) -> str:
+    """layout.placement, or 'homogeneous' when every module has the same ranks, TP, CP, PP and DP (EP
+    only exists for MoE layers, so it does not make a layout heterogeneous)."""
+    shape = lambda m: (m.first, m.last, m.tp, m.cp, m.pp, m.dp_size)  # noqa: E731
+    if len({shape(m) for m in layout.modules.values()}) == 1:
+        return "homogeneous"
+    return layout.placement
+
+
+def _pipeline(chain: list[Stage], m: int) -> tuple[float, Stage]:
+    """1F1B over stages with per-microbatch times: (step, the slowest stage)."""
+    slow = max(chain, key=lambda s: s.total)
+    return m * slow.total + sum(s.total for s in chain) - slow.total, slow
+
+
+def _boundary(src: ModuleLayout, dst: ModuleLayout, enc: ModuleDesc, w: Workload, samples: int,
+              cl: Cluster, k: Constants) -> tuple[float, float]:
+    """Forward and backward boundary time per microbatch (busiest rank)."""
+    _, _, media, _ = items_of(enc, w)
+    rows = comm.boundary_rows(src, dst, samples, media)
+    disjoint = src.last < dst.first or dst.last < src.first
+    lk = comm.link(cl, disjoint or dst.size > cl.gpus_per_node)
+    row = enc.out_hidden * BF16
+    fwd = comm.p2p(max(rows.fwd_recv_max, rows.fwd_send_max) * row, lk, k, rows.messages)
+    bwd = comm.p2p(max(rows.bwd_recv_max, rows.bwd_send_max) * row, lk, k, rows.messages)
+    return fwd, bwd
+
+
+def predict(layout: HeteroLayout | str, model: ModelDesc, w: Workload, cl: Cluster,
+            k: Constants = Constants(), recompute: tuple[str, ...] | None = None) -> Prediction:
+    """Price one layout. recompute=None tries no recompute, then encoders, then every module, and keeps
+    the first that fits in memory."""
+    layout = HeteroLayout.parse(layout) if isinstance(layout, str) else layout
+    if recompute is None:
+        options = [(), tuple(model.keys[:-1]), tuple(model.keys)]
+        for opt in options:
+            p = predict(layout, model, w, cl, k, opt)
+            if p.feasible or not p.reason.startswith("memory"):
+                return p
+        return p
+    gpus = layout.world_size
+    kind = placement(layout)
+    out = Prediction(str(layout), kind, False, gpus=gpus, recompute=recompute, micro_batch=w.micro_batch,
+                     global_batch=w.global_batch)
+    lang = layout[LANGUAGE]
+    samples = w.micro_batch * lang.dp_size
+    try:
+        _check(layout, model, w, gpus, samples)
+    except LayoutError as e:
+        out.reason = str(e)
+        return out
+    m = w.global_batch // samples
+    out.microbatches = m
+    cost = lambda key, lay, flight, group=None: _module_cost(  # noqa: E731
+        model[key], _sizes(lay), samples, w, cl, k, key in recompute, flight, group)
+    L = cost(LANGUAGE, lang, min(lang.pp, m))
+    parts = {n: 0.0 for n in ("compute", "tp", "cp", "ep", "pp", "boundary", "bubble", "dp", "optimizer")}
+    busy = {LANGUAGE: m * L.slowest.total}
+    mem = {f"{lang.first}-{lang.last}": L.memory}
+    dp_exposed = {f"{lang.first}-{lang.last}": max(0.0, L.dp_s - L.slowest.total)}
+    optim = {f"{lang.first}-{lang.last}": L.optim_s}
+    llm_range = f"{lang.first}-{lang.last}"
+
+    def add(stage: Stage, times: float, share: float = 1.0):
+        for n in ("compute", "tp", "cp", "ep", "pp"):
+            parts[n] += getattr(stage, n) * times * share
+
+    if kind == "homogeneous":
+        # Megatron's baseline: encoders at the LLM's TP and DP on its first stage, replicated over CP
+        stage0 = L.stages[0]
+        enc_mem = Memory()
+        for enc in model.encoders:
+            e = cost(enc.key, ModuleLayout(lang.first, lang.first + lang.tp * lang.dp_size - 1, tp=lang.tp,
+                                           dp=lang.dp_size), min(lang.pp, m), lang.dp_size * lang.cp)
+            stage0 = stage0 + e.slowest
+            enc_mem = enc_mem + e.memory
+            busy[enc.key] = m * e.slowest.total
+            dp_exposed[llm_range] += max(0.0, e.dp_s - L.stages[0].total)
+            optim[llm_range] += e.optim_s
+            out.tflops_per_gpu += m * e.model_flops
+        mem[llm_range] = max(L.mem_first + enc_mem, L.mem_last, key=lambda mm: mm.total)
+        chain = [stage0, *L.stages[1:]]
+        pipe, slow = _pipeline(chain, m)
+        add(slow, m)
+        parts["bubble"] = pipe - m * slow.total
+        step_core = pipe
+    else:
+        coloc = [e for e in model.encoders if layout.colocated(e.key, LANGUAGE)]
+        remote = [e for e in model.encoders if not layout.colocated(e.key, LANGUAGE)]
+        phase1 = phase3 = 0.0
+        for enc in coloc:
+            lay = layout[enc.key]
+            e = cost(enc.key, lay, m)  # three phases: every microbatch's activations live until phase 3
+            fb, bb = _boundary(lay, lang, enc, w, samples, cl, k)
+            s = e.slowest
+            fill = (lay.pp - 1) * s.total
+            phase1 += (m * s.total + fill) * s.fwd_frac + m * fb
+            phase3 += (m * s.total + fill) * (1 - s.fwd_frac) + m * bb
+            add(s, m)
+            parts["bubble"] += fill
+            parts["boundary"] += m * (fb + bb)
+            busy[enc.key] = m * s.total
+            mem[llm_range] = mem[llm_range] + e.memory
+            dp_exposed[llm_range] += max(0.0, e.dp_s - m * s.total * (1 - s.fwd_frac))
+            optim[llm_range] += e.optim_s
+            out.tflops_per_gpu += m * e.model_flops
+        enc_side: list[Stage] = []
+        bound = Stage()
+        for enc in remote:
+            lay = layout[enc.key]
+            key = f"{lay.first}-{lay.last}"
+            e = cost(enc.key, lay, min(m, lay.pp + lang.pp + 1))
+            fb, bb = _boundary(lay, lang, enc, w, samples, cl, k)
+            bound = Stage(pp=bound.pp + fb + bb, fwd_frac=0.5)
+            # parallel encoders feed the same boundary: align their last stages, keep the slower per slot
+            n = max(len(enc_side), lay.pp)
+            ours = [Stage()] * (n - lay.pp) + list(e.stages)
+            enc_side = [max(a, b, key=lambda s: s.total) for a, b in
+                        zip([Stage()] * (n - len(enc_side)) + enc_side, ours)]
+            busy[enc.key] = m * e.slowest.total
+            mem[key] = e.memory
+            dp_exposed[key] = max(0.0, e.dp_s - e.slowest.total)
+            optim[key] = e.optim_s
+            out.tflops_per_gpu += m * e.model_flops
+        chain = enc_side + ([bound] if remote else []) + list(L.stages)
+        pipe, slow = _pipeline(chain, m)
+        hidden = min(phase1, sum(s.total * s.fwd_frac for s in enc_side))
+        if slow is bound:
+            parts["boundary"] += m * bound.total
+        else:
+            add(slow, m)
+            parts["boundary"] += bound.total
+        parts["bubble"] += pipe - m * slow.total - (bound.total if slow is not bound else 0.0) - hidden
+        step_core = phase1 + pipe - hidden + phase3
+    parts["dp"] = max(dp_exposed.values())
+    parts["optimizer"] = max(optim.values())
+    out.step_s = step_core + parts["dp"] + parts["optimizer"]
+    out.breakdown = parts
+    ranges = {key: f"{layout[key].first}-{layout[key].last}" for key in busy}
+    out.idle_s = {r: max(0.0, out.step_s - sum(b for key, b in busy.items() if ranges[key] == r))
+                  for r in set(ranges.values())}
+    out.memory_gib = {r: mm.total / GIB for r, mm in mem.items()}
+    out.memory_detail = {r: mm.describe() for r, mm in mem.items()}
+    out.tflops_per_gpu = (out.tflops_per_gpu + m * L.model_flops) / out.step_s / gpus / 1e12
+    out.tokens_per_s = w.global_batch * w.seq_length / out.step_s
+    limit = cl.hbm_gib * HEADROOM
+    worst = max(mem, key=lambda r: mem[r].total)
+    if mem[worst].total / GIB > limit:
+        out.reason = (f"memory: ranks {worst} need {mem[worst].describe()} > {limit:.1f} GiB usable "
+                      f"({cl.hbm_gib} GiB x {HEADROOM})")
+        return out
+    out.feasible = True
+    return out
+

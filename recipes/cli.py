@@ -1,0 +1,163 @@
+"""The `nemo tessera` CLI: entry points `pretrain` and `finetune`, every recipe as a --factory, executors.
+
+    nemo tessera finetune --help                                   # recipes, encoders, LLMs, executors
+    nemo tessera finetune --factory nemotron_vl_tiny model.vision=siglip_tiny \
+        layout="vision=dp4@0-3;language=tp2,dp2@0-3" trainer.max_steps=20 run.executor=local --yes
+    nemo tessera pretrain --factory nemotron_omni_tiny run.executor=local --dryrun   # resolved config, no run
+    nemo tessera finetune --factory "nemotron_vl_12b(gpus=16)" run.executor=slurm run.executor.nodes=2 \
+        run.executor.gpus_per_node=8 run.executor.account=ACC --yes
+
+Registered with nemo-run through pyproject's `[project.entry-points."nemo_run.cli"] tessera = "recipes.cli"`.
+Conventions are nemo-run's: `key=value` overrides, `run.executor=NAME` (+ `run.executor.field=v`), `--yes`
+skips the prompt. Before anything launches, TesseraRunContext checks the recipe name, every override key,
+the encoder/LLM names against the registries and the layout against the model and the executor's ranks,
+and prints one line naming what is wrong and what exists (nemo-run's own errors are far from the cause).
+"""
+
+
+import dataclasses
+import functools
+import inspect
+import re
+import types
+import typing
+from dataclasses import dataclass
+
+import fiddle as fdl
+import nemo_run as run
+from nemo_run.cli import cli_parser
+from nemo_run.cli.api import RunContext
+
+from recipes import checks, executors, registry
+from recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+
+NAMESPACE = "tessera"
+
+
+
+def _teach_parser(*classes) -> None:
+    """Let nemo-run parse overrides of these dataclasses' fields.
+
+    nemo-run 0.11.1 parses a value by its field's annotation object. recipes/config.py has
+    `from __future__ import annotations`, so every annotation is a *string* ("int", "str | None"), which the
+    parser refuses in strict mode (`trainer.max_steps=20` -> "Unsupported type: int"); and it knows
+    typing.Union but not PEP 604's types.UnionType. So: register, for each annotation string, a parser
+    that parses with the resolved type, PEP 604 unions rewritten as typing.Union."""
+    tp = cli_parser.type_parser
+
+    def parse_as(t):
+        if isinstance(t, types.UnionType):
+            t = typing.Union[typing.get_args(t)]
+        if typing.get_origin(t) is tuple:  # tuples are given as lists: optim.betas=[0.9,0.99]
+            item = typing.List[typing.get_args(t)[0]]
+            return lambda value, _ann: tuple(tp.parse(value, item))
+        return lambda value, _ann: tp.parse(value, t)
+
+    for cls in classes:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if isinstance(f.type, str) and f.type not in tp.custom_parsers:
+                tp.register_parser(f.type)(parse_as(hints[f.name]))
+
+
+_teach_parser(ModelConfig, DataConfig, OptimConfig, TrainerConfig, RunConfig)
+
+
+def apply_overrides(cfg: run.Config, overrides: list[str]) -> run.Config:
+    """`key=value` overrides applied to a recipe's run.Config[RunConfig] with the CLI's checks and parser."""
+    checks.check_overrides(RunConfig, overrides)
+    return cli_parser.parse_cli_args(cfg, list(overrides)) if overrides else cfg
+
+
+@dataclass(kw_only=True)
+class TesseraRunContext(RunContext):
+    """nemo-run's RunContext plus Tessera's pre-launch checks and executor sizing."""
+
+    def parse_fn(self, fn, args, **default_kwargs):
+        _check_factory(fn, self.factory)
+        checks.check_overrides(fn, args)
+        task = super().parse_fn(fn, args, **default_kwargs)
+        checks.check_names(task.model)
+        layout_world = checks.resolve_layout(task.layout, task.model, 1).world_size if task.layout else None
+        world = executors.fit_executor(getattr(self, "executor", None), layout_world)
+        checks.check_run(task.model, task.data, task.layout, world_size=world)
+        return task
+
+    def parse_executor(self, name, *args):
+        """`run.executor=NAME run.executor.k=v ...`: k that are the factory's arguments go to the factory
+        (the tunnel and packager follow from ssh_host, so they must be known when it runs), the rest are
+        applied to the executor's fields as nemo-run does."""
+        if name not in executors.EXECUTORS:
+            raise ValueError(f"unknown executor run.executor={name!r}; executors: {', '.join(executors.EXECUTORS)}")
+        factory = executors.EXECUTORS[name]
+        params = inspect.signature(factory).parameters
+        mine = [a for a in args if re.split(r"[-+*/|&]?=", a, maxsplit=1)[0] in params]
+        cfg = fdl.build(cli_parser.parse_cli_args(factory, mine, output_type=run.Partial))()
+        return cli_parser.parse_cli_args(cfg, [a for a in args if a not in mine])
+
+
+def _check_factory(fn, factory) -> None:
+    if not isinstance(factory, str):
+        return
+    name = re.match(r"^\s*([\w.]+)", factory)
+    known = factories_of(fn)
+    if name and name.group(1) not in known and "." not in name.group(1):
+        raise ValueError(f"unknown recipe {name.group(1)!r} for `{NAMESPACE} {fn.__name__}`; recipes: "
+                         f"{', '.join(known)}")
+
+
+def _help(stage: str) -> str:
+    # nemo-run shows this string on --help; the lists come from the registries, so they never go stale
+    return (f"{stage} a Nemotron-style multimodal model (recipes/cli.py). Recipes: --factory NAME, "
+            f"'NAME(gpus=16)' for full sizes. Encoders (model.vision=...): "
+            f"{', '.join(checks.encoder_names('vision'))}. Audio encoders (model.audio=...): "
+            f"{', '.join(checks.encoder_names('audio'))}. LLMs (model.llm=...): {', '.join(checks.llm_names())}. "
+            f"Executors (run.executor=...): {', '.join(executors.EXECUTORS)}.")
+
+
+@run.cli.entrypoint(namespace=NAMESPACE, run_ctx_cls=TesseraRunContext, help=_help("Pre-train (projector alignment)"))
+def pretrain(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: TrainerConfig, layout: str = "",
+             name: str = "tessera") -> dict:
+    """Stage 1: train the projectors with the encoders (and the LLM) frozen, as the *_pretrain recipes set."""
+    from recipes.train import train  # lazily: torch, megatron and the models load only on the ranks
+
+    return train(model=model, data=data, optim=optim, trainer=trainer, layout=layout, name=name)
+
+
+@run.cli.entrypoint(namespace=NAMESPACE, run_ctx_cls=TesseraRunContext, help=_help("Fine-tune"))
+def finetune(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: TrainerConfig, layout: str = "",
+             name: str = "tessera") -> dict:
+    """Stage 2: train every module not frozen by the recipe, from model.checkpoint when given."""
+    from recipes.train import train
+
+    return train(model=model, data=data, optim=optim, trainer=trainer, layout=layout, name=name)
+
+
+ENTRYPOINTS = {"pretrain": pretrain, "finetune": finetune}
+
+
+def as_task(cfg: run.Config, entry) -> run.Partial:
+    """A recipe's run.Config[RunConfig] as the run.Partial of an entry point that nemo-run launches."""
+    return run.Partial(entry, model=cfg.model, data=cfg.data, optim=cfg.optim, trainer=cfg.trainer,
+                       layout=cfg.layout, name=cfg.name)
+
+
+def _register(entry, name: str, base, stage: str) -> None:
+    @functools.wraps(base)  # keeps the base's signature (gpus=...) and docstring for --help and NAME(args)
+    def factory(*args, **kwargs) -> run.Partial:
+        return as_task(registry.STAGES[stage](base(*args, **kwargs)), entry)
+
+    run.cli.factory(factory, target=entry, name=name)
+
+
+def factories_of(entry) -> list[str]:
+    """The --factory names an entry point accepts (what its --help lists)."""
+    return sorted([*registry.BASES, *(f"{b}_{entry.__name__}" for b in registry.BASES)])
+
+
+# Each entry point takes the bare base name as its own stage (NeMo's `llm pretrain --factory llama3_8b`) and
+# the explicit `<base>_<stage>` name of that stage.
+for _stage, _entry in ENTRYPOINTS.items():
+    for _name, _base in registry.BASES.items():
+        _register(_entry, _name, _base, _stage)
+        _register(_entry, f"{_name}_{_stage}", _base, _stage)

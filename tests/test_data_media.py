@@ -1,0 +1,157 @@
+"""The fast decode paths keep what the model sees: tiles/frames within rounding of PIL's bicubic resize,
+reduced-scale JPEG decoding close to the full decode with the same tile count, resampling identical to
+scipy's default, and media arriving from loader workers through shared memory unchanged.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_data_media.py -x -q
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import random
+import tarfile
+
+import av
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw, ImageFilter
+
+import data.media as media
+from data.loader import ChatTaskEncoder, build_loader, close_loader
+from data.media import choose_grid, decode_audio, decode_image, decode_video, probe_image, sample_indices
+from data.packing import SHARE_MIN_BYTES, _reduce_ndarray
+from data.tokens import EncoderTokens
+from scripts.prepare_data import make_synthetic, synth_video
+
+
+def _picture(w, h, seed=0):
+    """Smooth shapes on a gradient, lightly blurred: photo-like enough for resampling comparisons."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:h, 0:w]
+    img = Image.fromarray(np.stack([xx * 255 // w, yy * 255 // h, (xx + yy) * 127 // (w + h) + 64], -1).astype(np.uint8))
+    draw = ImageDraw.Draw(img)
+    for _ in range(12):
+        x, y = int(rng.integers(0, w - w // 5)), int(rng.integers(0, h - h // 5))
+        draw.ellipse((x, y, x + w // 5, y + h // 6), fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+    return img.filter(ImageFilter.GaussianBlur(1))
+
+
+def _encode(img, fmt):
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, quality=92)
+    return buf.getvalue()
+
+
+def _pil_tiles(img, tile, max_tiles):
+    """The reference: PIL BICUBIC resize to the grid, row-major tiles, then a thumbnail (the old decoder)."""
+    g = choose_grid(img.width, img.height, max_tiles, True, tile)
+    big = np.asarray(img.convert("RGB").resize((g.cols * tile, g.rows * tile), Image.BICUBIC))
+    tiles = [big[r * tile:(r + 1) * tile, c * tile:(c + 1) * tile] for r in range(g.rows) for c in range(g.cols)]
+    if g.thumbnail:
+        tiles.append(np.asarray(img.convert("RGB").resize((tile, tile), Image.BICUBIC)))
+    return np.stack(tiles).transpose(0, 3, 1, 2)
+
+
+# Sizes that need no reduced decode at tile 128 (a source under twice the grid); see the next test for those.
+@pytest.mark.parametrize("size,fmt", [((640, 480), "PNG"), ((200, 500), "JPEG"), ((200, 200), "PNG"), ((1400, 300), "PNG")])
+def test_tiles_match_pil_bicubic(size, fmt):
+    data = _encode(_picture(*size), fmt)
+    got = decode_image(data, tile=128, max_tiles=6)
+    want = _pil_tiles(Image.open(io.BytesIO(data)), 128, 6)
+    assert got.shape == want.shape and got.dtype == np.uint8
+    diff = np.abs(got.astype(int) - want)
+    assert diff.max() <= 2 and diff.mean() < 0.05, (diff.max(), diff.mean())
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_large_images_decode_reduced_with_the_same_tiles(fmt, monkeypatch):
+    """2400x1800 for a 3x2 grid of 256-px tiles (768x512): JPEG decodes at half scale (DCT), PNG is box-
+    reduced by 2 before the bicubic pass. Tile count as the header predicts, pixels close to full decode."""
+    from PIL import JpegImagePlugin
+
+    data = _encode(_picture(2400, 1800, seed=1), fmt)
+    scales = []
+    real = JpegImagePlugin.JpegImageFile.draft
+
+    def spy(self, mode, size):
+        out = real(self, mode, size)
+        scales.append(self.decoderconfig[0])
+        return out
+
+    monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", spy)
+    got = decode_image(data, tile=256, max_tiles=6)
+    assert scales == ([2] if fmt == "JPEG" else [])  # half scale still covers the grid; a quarter would not
+    g = choose_grid(*probe_image(data), 6, True, 256)
+    assert got.shape[0] == g.num_tiles == 7  # the tile count (so the token count) is the header's
+    diff = np.abs(got.astype(int) - _pil_tiles(Image.open(io.BytesIO(data)), 256, 6))
+    assert diff.mean() < 0.5 and np.percentile(diff, 99) <= 4, (diff.mean(), np.percentile(diff, 99))
+
+
+def test_video_frames_match_pil_bicubic_and_tolerate_a_size_change(monkeypatch):
+    data, _, _ = synth_video(random.Random(4))
+    frames, stamps = decode_video(data, frames=4, tile=64)
+    with av.open(io.BytesIO(data)) as c:
+        decoded = list(c.decode(video=0))
+    keep = sample_indices(len(decoded), 4)
+    want = np.stack([np.asarray(decoded[i].to_image().resize((64, 64), Image.BICUBIC)) for i in keep]).transpose(0, 3, 1, 2)
+    assert frames.shape == want.shape and np.abs(frames.astype(int) - want).max() <= 2
+    assert np.allclose(stamps, [decoded[i].time for i in keep])
+
+    # A stream whose resolution changes mid-way: resized frame by frame, same output shape.
+    real = media._rgb24
+    calls = iter(range(100))
+    monkeypatch.setattr(media, "_rgb24", lambda f: real(f)[: -2 * (next(calls) % 2) or None])
+    odd, _ = decode_video(data, frames=4, tile=64)
+    assert odd.shape == frames.shape and np.array_equal(odd[0], frames[0])
+
+
+def test_audio_resampling_is_scipy_resample_poly():
+    import soundfile as sf
+    from scipy.signal import resample_poly
+
+    wave = np.random.default_rng(0).standard_normal((22050, 2)).astype(np.float32) * 0.1
+    buf = io.BytesIO()
+    sf.write(buf, wave, 22050, format="WAV", subtype="FLOAT")
+    got = decode_audio(buf.getvalue())
+    want = resample_poly(wave.mean(axis=1), 320, 441).astype(np.float32)  # 16000/22050, default kaiser window
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+def test_large_arrays_pickle_as_shared_tensors_with_layout_kept():
+    tiles = np.ascontiguousarray(np.random.default_rng(0).integers(0, 256, (3, 256, 256, 3), dtype=np.uint8))
+    view = tiles.transpose(0, 3, 1, 2)  # what decode_image returns: channels-last strides
+    assert view.nbytes >= SHARE_MIN_BYTES
+    fn, args = _reduce_ndarray(view)
+    back = fn(*args)
+    assert type(back) is np.ndarray and back.strides == view.strides and np.array_equal(back, view)
+    small = np.arange(10)
+    assert _reduce_ndarray(small) == small.__reduce__()
+    assert np.array_equal(pickle.loads(pickle.dumps(view)), view)  # plain pickling is untouched
+
+
+def test_media_from_a_worker_arrive_through_shared_memory_unchanged(tmp_path):
+    import torch
+
+    make_synthetic(tmp_path, samples=8, seed=9, shard_size=8, prefix="w")
+    raw = {}
+    with tarfile.open(next(tmp_path.glob("shard-*.tar"))) as tf:
+        for m in tf.getmembers():
+            raw[m.name] = tf.extractfile(m).read()
+    enc = EncoderTokens(tile=256, patch=64)
+    te = ChatTaskEncoder(tmp_path / "tokenizer.model", 4096, enc)
+    ld = build_loader(tmp_path, te, 2, num_workers=1, shuffle_buffer=None, repeat=False)
+    seen = 0
+    for b in ld:
+        for keys, row in zip(b.keys, b.media):
+            images = [x for k, x in row.get("vision", []) if k == "image"]
+            mine = [decode_image(raw[n], 256, enc.max_tiles) for key in keys for n in sorted(raw)
+                    if n.startswith(key + ".img")]
+            assert len(images) == len(mine)
+            for got, want in zip(images, mine):
+                assert type(got) is np.ndarray and np.array_equal(got, want)
+                if got.nbytes >= SHARE_MIN_BYTES:
+                    assert isinstance(got.base, torch.Tensor)  # came as a shared-memory tensor, not pickled
+                    seen += 1
+    close_loader(ld)
+    assert seen > 0

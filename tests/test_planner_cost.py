@@ -1,0 +1,99 @@
+"""Cost model: hand-computable FLOPs, parameters and memory; closed-form boundary rows vs plan_boundary;
+infeasible layouts come back with the reason."""
+
+import numpy as np
+import pytest
+
+from hetero.boundary_plan import BoundaryBatch, plan_boundary
+from hetero.layout import HeteroLayout
+from hetero.planner import Constants, Workload, cluster, describe_model, predict
+from hetero.planner.comm import boundary_rows
+from hetero.planner.cost import GIB, items_of
+from hetero.planner.model import _llm_blocks, describe_llm
+from models import configs
+
+
+@pytest.mark.parametrize("name", ["nemotron_nano_12b_v2", "nemotron_nano_9b_v2", "nemotron_3_nano_30b_a3b"])
+def test_llm_parameters_match_the_published_sizes(name):
+    assert describe_llm(name).params == pytest.approx(configs.REGISTRY[name]["published_params"], rel=2e-3)
+
+
+def test_block_flops_by_hand():
+    c = configs.hf_fields("nemotron_h_tiny_dense")  # h 64, ffn 96, 4 heads x 16, 2 KV heads
+    b = _llm_blocks(c)
+    assert b["-"]["flops"] == 2 * 2 * 64 * 96                         # up + down projection
+    assert b["*"]["flops"] == 2 * 64 * (4 + 2 * 2) * 16 + 2 * 4 * 16 * 64  # qkv + output projection
+    assert b["*"]["attn"] == 2 * 4 * 16                                # 2*2*q*hd per position, causal half
+    d = describe_llm("nemotron_h_tiny_dense")
+    assert d.linear_flops == sum(b[ch]["flops"] for ch in c["hybrid_override_pattern"])
+    assert d.head_flops == 2 * 64 * 128
+
+
+def test_single_gpu_step_is_compute_plus_optimizer():
+    model = describe_model("nemotron_h_bench_100m")
+    w = Workload(seq_length=1024, global_batch=4)
+    k = Constants()
+    p = predict("language=dp1@0-0", model, w, cluster("h100", 1), k, recompute=())
+    llm = model["language"]
+    flops = 3 * 4 * 1024 * (llm.linear_flops + llm.attn_flops * 1024 + llm.head_flops)
+    assert p.breakdown["compute"] == pytest.approx(flops / (989.4e12 * k.eff_llm), rel=1e-12)
+    assert all(p.breakdown[n] == 0 for n in ("tp", "cp", "ep", "pp", "dp", "boundary", "bubble"))
+    assert p.step_s == pytest.approx(sum(p.breakdown.values()), rel=1e-12)
+    assert p.tokens_per_s * p.step_s == pytest.approx(4 * 1024)
+    assert p.tflops_per_gpu == pytest.approx(flops / p.step_s / 1e12)
+
+
+def test_memory_of_a_known_layout():
+    model = describe_model("nemotron_nano_12b_v2")
+    w = Workload(seq_length=4096, global_batch=8)
+    p = predict("language=tp4,dp2@0-7", model, w, cluster("h100", 8), recompute=())
+    llm = model["language"]
+    local = llm.params / 4                    # pp=1: every parameter, split by tp
+    states = 2 * local + 4 * local + 12 * local / 2   # bf16 weights, fp32 grads, Adam over dp*cp = 2
+    tokens = 4096                             # one sequence per microbatch per DP replica, cp=1
+    act = tokens * llm.act_bytes / 4 + tokens * 4 * 131072 / 4   # activations + fp32 logits, split by tp
+    assert p.memory_gib["0-7"] == pytest.approx((states + act) / GIB, rel=1e-12)
+    assert p.feasible and p.microbatches == 4
+
+
+def test_boundary_rows_equal_plan_boundary():
+    specs = ["vision=dp4@0-3;language=tp2,cp2@0-3", "vision=tp2,cp2@0-3;language=tp4@4-7",
+             "vision=dp8@0-7;language=tp2,cp2,pp2@0-7", "vision=tp2,dp2,pp2@0-7;language=tp2,cp4,dp2@8-23",
+             "vision=dp8@0-7;language=cp4,dp2@0-7", "vision=tp4,dp2@0-7;language=tp2,cp2,dp2@0-7"]
+    for spec in specs:
+        lay = HeteroLayout.parse(spec)
+        src, dst = lay["vision"], lay["language"]
+        n, t = 2 * np.lcm(src.dp_size, dst.dp_size), 6 * dst.cp * src.cp
+        plan = plan_boundary(src, dst, BoundaryBatch.from_lists(4 * t, [np.arange(t) * 4] * n))  # evenly spread
+        rows = boundary_rows(src, dst, n, t)
+        per = lambda d, side: {r: sum(len(x.dst_index) for x in getattr(d, side)(r)) for r in d.out_rows}  # noqa
+        sends = {r: sum(len(x.src_index) for x in plan.forward.sends(r)) for r in plan.forward.in_rows}
+        assert rows.fwd_recv_max == max(per(plan.forward, "recvs").values()), spec
+        assert rows.bwd_recv_max == max(per(plan.backward, "recvs").values()), spec
+        assert rows.fwd_send_max == max(sends.values()), spec
+        assert (rows.fwd_moved, rows.bwd_moved) == (plan.forward.rows_moved(), plan.backward.rows_moved()), spec
+
+
+def test_media_tokens_per_unit():
+    vl = describe_model("nemotron_nano_12b_v2", "radio_vit_h", "fastconformer_parakeet_0_6b")
+    assert items_of(vl["vision"], Workload(tiles=3, frames=4)) == (7, 1034, 7 * 256, 0.0)  # 32x32 patches + 10
+    assert items_of(vl["vision"], Workload(frames=5, tubelets=True))[0] == 3                # ceil(5 / 2) tubelets
+    clips, per_clip, tokens, _ = items_of(vl["audio"], Workload(audio_seconds=60, audio_clip_seconds=30))
+    assert (clips, per_clip, tokens) == (2, 375, 750)                                      # 12.5 frames/s
+
+
+@pytest.mark.parametrize("spec, workload, reason", [
+    ("language=tp8,dp4@0-31", Workload(), "does not divide its 2 attention kv_heads"),
+    ("language=dp1@0-0", Workload(), "memory: ranks 0-0 need"),
+    ("language=tp2,dp4@0-7", Workload(global_batch=6), "not a multiple of the 4 sequences per microbatch"),
+    ("language=cp4,dp8@0-31", Workload(seq_length=4100), "not divisible by 2*cp = 8"),
+])
+def test_infeasible_layouts_say_why(spec, workload, reason):
+    p = predict(spec, describe_model("nemotron_3_nano_30b_a3b"), workload, cluster("h100"))
+    assert not p.feasible and reason in p.reason
+
+
+def test_encoder_dp_must_fan_into_the_llm():
+    p = predict("vision=dp8@0-7;language=tp4,dp2@8-15", describe_model("nemotron_nano_12b_v2", "radio_vit_h"),
+                Workload(tiles=4), cluster("h100"))
+    assert not p.feasible and "cannot take an equal share of 2 samples" in p.reason

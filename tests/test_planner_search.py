@@ -1,0 +1,51 @@
+"""Search: contains the homogeneous baseline, ranks by predicted throughput, gains are relative to the best
+homogeneous layout, the best layout is a valid layout string; the CLI prints the table."""
+
+import pytest
+
+from hetero.layout import HeteroLayout
+from hetero.planner import Workload, best_layout, cluster, describe_model, plan_layouts, predict, search
+from hetero.planner.__main__ import main
+
+MODEL = describe_model("nemotron_nano_12b_v2", "radio_vit_h")
+WORK = Workload(seq_length=8192, global_batch=64, tiles=16)
+
+
+@pytest.fixture(scope="module")
+def ranked():
+    return search(MODEL, WORK, cluster("h100", 16), 16)
+
+
+def test_search_covers_every_placement_and_the_baseline(ranked):
+    placements = {p.placement for p in ranked if p.feasible}
+    assert {"homogeneous", "colocated", "non-colocated"} <= placements
+    homogeneous = [p for p in ranked if p.placement == "homogeneous" and p.feasible]
+    assert "vision=tp4,dp4@0-15;language=tp4,dp4@0-15" in {p.layout for p in homogeneous}
+    assert max(homogeneous, key=lambda p: p.tokens_per_s).gain == 0.0
+
+
+def test_ranking_is_by_predicted_throughput_and_reproducible(ranked):
+    feasible = [p for p in ranked if p.feasible]
+    assert [p.tokens_per_s for p in feasible] == sorted((p.tokens_per_s for p in feasible), reverse=True)
+    assert all(not p.feasible for p in ranked[len(feasible):])     # infeasible ones last, with a reason
+    assert all(p.reason for p in ranked[len(feasible):])
+    base = max((p for p in feasible if p.placement == "homogeneous"), key=lambda p: p.tokens_per_s)
+    for p in feasible[:5]:
+        assert p.gain == pytest.approx(p.tokens_per_s / base.tokens_per_s - 1)
+        again = predict(p.layout, MODEL, Workload(**{**WORK.__dict__, "micro_batch": p.micro_batch,
+                                                     "global_batch": p.global_batch}), cluster("h100", 16))
+        assert again.step_s == pytest.approx(p.step_s)                # ranked numbers are predict()'s
+
+
+def test_plan_layouts_and_best_layout():
+    top = plan_layouts(MODEL, WORK, cluster("h100", 16), 16, top=3)
+    assert len(top) in (3, 4) and any(p.placement == "homogeneous" for p in top)
+    best = best_layout(MODEL, WORK, cluster("h100", 16), 16)
+    assert best == top[0].layout
+    HeteroLayout.parse(best).validate(world_size=16)
+
+
+def test_cli_prints_the_table_and_the_best_layout(capsys):
+    assert main(["--llm", "nemotron_nano_12b_v2", "--vision", "radio_vit_h", "--gpus", "16", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "homogeneous" in out and out.strip().splitlines()[-1].startswith("best: vision=")

@@ -1,0 +1,201 @@
+"""Every recipe builds and its layout validates; encoder swaps; executor sizing; the `nemo tessera` CLI.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_recipes.py -x -q      # ~40 s (5 CLI subprocesses)
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import fiddle as fdl
+import pytest
+
+import nemo_run as run
+from hetero.layout import HeteroLayout, LayoutError
+from hetero.planner.defaults import RECIPES as PLANNED
+from recipes import checks, executors, registry
+from recipes.cli import ENTRYPOINTS, TesseraRunContext, factories_of
+from recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+
+NEMO = Path(sys.executable).with_name("nemo")
+FULL = {"nemotron_vl_12b", "nemotron_video_12b", "nemotron_omni_30b_a3b"}
+GPUS = (8, 16, 32, 64)
+
+
+def _variants():
+    for name in registry.recipe_names():
+        base = name.removesuffix("_pretrain").removesuffix("_finetune")
+        for gpus in (GPUS if base in FULL else (None,)):
+            yield name, gpus
+
+
+@pytest.mark.parametrize("name,gpus", list(_variants()))
+def test_every_recipe_builds_and_validates(name, gpus):
+    cfg = fdl.build(registry.recipe(name, **({"gpus": gpus} if gpus else {})))
+    assert isinstance(cfg, RunConfig) and isinstance(cfg.model, ModelConfig) and isinstance(cfg.data, DataConfig)
+    assert isinstance(cfg.optim, OptimConfig) and isinstance(cfg.trainer, TrainerConfig)
+    world = gpus or registry.TINY_WORLD
+    layout = HeteroLayout.parse(cfg.layout).validate(checks.shapes(cfg.model, cfg.data), world_size=world)
+    assert layout.world_size == world
+    assert set(layout.modules) == set(checks.module_keys(cfg.model))
+    assert checks.check_run(cfg.model, cfg.data, cfg.layout, world_size=world) == layout
+    # a microbatch is exactly what every module's DP can share, no more
+    assert cfg.data.rows_per_microbatch % registry.rows_for(cfg.layout) == 0
+    frozen = (cfg.model.freeze_vision, cfg.model.freeze_audio, cfg.model.freeze_llm)
+    if name.endswith("_pretrain"):
+        assert cfg.name.endswith("_pretrain")
+        assert frozen == (cfg.model.vision is not None, cfg.model.audio is not None, True)
+    else:
+        assert cfg.name.endswith("_finetune") and frozen == (False, False, False)
+    if gpus is None:  # tiny: registry tiny LLM, synthetic data, a short CPU run
+        assert cfg.model.llm == "nemotron_h_tiny_dense" and cfg.data.path is None and cfg.trainer.max_steps <= 20
+
+
+def test_full_sizes_default_to_the_planner_layout_and_grow_by_dp():
+    for name, planned in PLANNED.items():
+        cfg = fdl.build(registry.recipe(name))
+        assert cfg.layout == str(HeteroLayout.parse(planned.layout)) and cfg.data.seq_length == planned.workload.seq_length
+        assert cfg.data.rows_per_microbatch * cfg.data.microbatches == planned.workload.global_batch
+        big = HeteroLayout.parse(fdl.build(registry.recipe(name, gpus=4 * planned.gpus)).layout)
+        assert big.world_size == 4 * planned.gpus
+        assert all(big[k].dp_size == 4 * m.dp_size for k, m in HeteroLayout.parse(planned.layout).modules.items())
+
+
+def test_recipe_families_pick_the_named_modules():
+    vl, video, omni = (fdl.build(registry.recipe(n)) for n in ("nemotron_vl_12b", "nemotron_video_12b",
+                                                                "nemotron_omni_30b_a3b"))
+    assert (vl.model.vision, vl.model.llm, vl.model.audio) == ("radio_vit_h", "nemotron_nano_12b_v2", None)
+    assert (video.model.vision, video.model.llm) == (vl.model.vision, vl.model.llm)
+    assert video.model.video_pruning > 0 and video.data.video_frames > vl.data.video_frames
+    assert (omni.model.vision, omni.model.audio, omni.model.llm) == (
+        "radio_vit_h", "fastconformer_parakeet_0_6b", "nemotron_3_nano_30b_a3b")
+    tiny_video = fdl.build(registry.recipe("nemotron_video_tiny"))
+    assert HeteroLayout.parse(tiny_video.layout).placement == "non-colocated" and tiny_video.model.video_pruning > 0
+
+
+def test_pretrain_stage_raises_lr_over_finetune():
+    for base in registry.BASES:
+        pre, fin = fdl.build(registry.recipe(f"{base}_pretrain")), fdl.build(registry.recipe(base))
+        assert pre.optim.lr == pytest.approx(10 * fin.optim.lr)
+
+
+def test_unknown_recipe_and_gpu_count_errors_list_choices():
+    with pytest.raises(ValueError, match="nemotron_vl_tiny_pretrain"):
+        registry.recipe("nemotron_vl_tny")
+    with pytest.raises(ValueError, match=r"gpus in \[8, 16, 32, 64\] or a multiple of 16"):
+        registry.recipe("nemotron_vl_12b", gpus=12)
+
+
+@pytest.mark.parametrize("base", sorted(registry.BASES))
+def test_encoder_swap_resolves_and_validates(base):
+    world = registry.default_gpus(base) if base in FULL else registry.TINY_WORLD
+    for modality in checks.MODALITIES:
+        cfg = registry.recipe(base)
+        if getattr(cfg.model, modality) is None:
+            continue
+        for name in checks.encoder_names(modality):
+            cfg.model.__setattr__(modality, name)
+            built = fdl.build(cfg)
+            assert getattr(built.model, modality) == name
+            checks.check_run(built.model, built.data, built.layout, world_size=world)
+
+
+def test_name_checks_reject_wrong_modality_and_unknown_llm():
+    m = ModelConfig(vision="fastconformer_tiny")
+    with pytest.raises(ValueError, match="modality 'audio'.*radio_vit_tiny"):
+        checks.check_names(m)
+    with pytest.raises(ValueError, match="nemotron_h_tiny_dense"):
+        checks.check_names(ModelConfig(llm="llama"))
+    with pytest.raises(LayoutError, match=r"no entry for \['audio'\]"):
+        checks.check_run(ModelConfig(audio="fastconformer_tiny"), DataConfig(), "vision=dp4@0-3;language=dp4@0-3")
+
+
+def test_empty_layout_is_every_module_dp_on_the_world():
+    hl = checks.check_run(ModelConfig(audio="fastconformer_tiny"), DataConfig(rows_per_microbatch=4), "", 4)
+    assert str(hl) == "vision=dp4@0-3;audio=dp4@0-3;language=dp4@0-3"
+
+
+def test_override_keys_are_checked():
+    fn = ENTRYPOINTS["finetune"]
+    checks.check_overrides(fn, ["model.vision=siglip_tiny", "trainer.max_steps*=2", 'layout="x"', "--yes"])
+    with pytest.raises(ValueError, match="trainer has no 'max_stepz'; its keys: max_steps"):
+        checks.check_overrides(fn, ["trainer.max_stepz=3"])
+    with pytest.raises(ValueError, match="layout is a plain value"):
+        checks.check_overrides(fn, ["layout.tp=2"])
+
+
+def test_local_executor_takes_the_layout_world_size():
+    ex = fdl.build(executors.local())
+    assert executors.fit_executor(ex, 4) == 4 and ex.ntasks_per_node == 4 and ex.launcher == "torchrun"
+    assert ex.env_vars.get("OMP_NUM_THREADS") == "1"  # this box has no GPU
+    assert Path(ex.env_vars["PATH"].split(":")[0], "torchrun").exists()  # found without an activated venv
+    ex = fdl.build(executors.local(ntasks_per_node=2))
+    with pytest.raises(ValueError, match="needs 4 ranks but run.executor.ntasks_per_node=2"):
+        executors.fit_executor(ex, 4)
+    with pytest.raises(ValueError, match="add run.executor=local"):
+        executors.fit_executor(None, 4)
+
+
+def test_slurm_executor_world_size_is_checked_before_submission():
+    ex = fdl.build(executors.slurm(account="a", nodes=2, gpus_per_node=8))
+    assert executors.fit_executor(ex, 16) == 16 and ex.ntasks_per_node == 8
+    assert isinstance(ex.tunnel, run.LocalTunnel) and ex.tunnel.job_dir == "" and type(ex.packager) is run.Packager
+    assert Path(ex.env_vars["PATH"].split(":")[0], "torchrun").exists()
+    with pytest.raises(ValueError, match=r"nodes x tasks per node = 2 x 8 = 16"):
+        executors.fit_executor(fdl.build(executors.slurm(nodes=2, gpus_per_node=8)), 8)
+    cpu = fdl.build(executors.slurm())  # no GPUs: one node, tasks from the layout
+    assert executors.fit_executor(cpu, 4) == 4 and cpu.ntasks_per_node == 4
+    ssh = fdl.build(executors.slurm(ssh_host="login", ssh_user="me", remote_job_dir="/lustre/me/jobs"))
+    assert isinstance(ssh.tunnel, run.SSHTunnel) and ssh.tunnel.host == "login" and "PATH" not in ssh.env_vars
+
+
+def test_executor_overrides_route_to_factory_arguments_and_fields():
+    ctx = TesseraRunContext(name="t")
+    cfg = ctx.parse_executor("slurm", "nodes=2", "gpus_per_node=8", "ssh_host=login", "remote_job_dir=/j", "mem=0")
+    ex = fdl.build(cfg)
+    assert (ex.nodes, ex.gpus_per_node, ex.mem, ex.tunnel.host) == (2, 8, "0", "login")
+    with pytest.raises(ValueError, match="executors: local, slurm"):
+        ctx.parse_executor("locl")
+
+
+def test_every_entrypoint_lists_every_base_and_its_own_stage():
+    for stage, entry in ENTRYPOINTS.items():
+        names = factories_of(entry)
+        assert set(registry.BASES) <= set(names) and all(f"{b}_{stage}" in names for b in registry.BASES)
+        task = run.cli.resolve_factory(entry, "nemotron_omni_tiny")()
+        assert task.__fn_or_cls__ is entry and task.model.freeze_llm == (stage == "pretrain")
+
+
+# ---- the real CLI, as a user types it ---------------------------------------------------------------------
+
+def _nemo(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="250")  # wide: rich would truncate the tables
+    return subprocess.run([str(NEMO), "tessera", *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_cli_help_lists_recipes_encoders_and_executors():
+    p = _nemo("finetune", "--help")
+    assert p.returncode == 0, p.stderr
+    for name in [*registry.BASES, "siglip_tiny", "radio_vit_h", "fastconformer_tiny", "nemotron_nano_12b_v2",
+                 "local", "slurm"]:
+        assert name in p.stdout, name
+
+
+def test_cli_dryrun_prints_the_resolved_config():
+    p = _nemo("finetune", "--factory", "nemotron_vl_tiny", "model.vision=siglip_tiny",
+              "layout=vision=dp4@0-3;language=tp2,dp2@0-3", "trainer.max_steps=20", "run.executor=local", "--dryrun")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "vision='siglip_tiny'" in p.stdout and "ntasks_per_node=4" in p.stdout
+    assert "'vision=dp4@0-3;language=tp2,dp2@0-3'" in p.stdout and "max_steps=20" in p.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--factory", "nemotron_vl_tny"], "unknown recipe 'nemotron_vl_tny' for `tessera finetune`; recipes: "),
+    (["--factory", "nemotron_vl_tiny", "model.vision=clip_l"], "registered vision encoders"),
+    (["--factory", "nemotron_vl_tiny", "trainer.max_stepz=3"], "trainer has no 'max_stepz'; its keys: max_steps"),
+])
+def test_cli_errors_name_what_exists(args, message):
+    p = _nemo("finetune", *args, "run.executor=local", "--dryrun")
+    out = p.stdout + p.stderr
+    assert p.returncode == 1 and message in out, out
