@@ -42,7 +42,7 @@ from megatron.energon.state import FlexState
 from data.media import (MediaError, blank_item, choose_grid, decode_audio, decode_image, decode_video,
                         probe_audio, probe_image, probe_video, sample_indices)
 from data.packing import EncodedSample, PackedSample, collate, first_fit_decreasing, pack_row
-from data.tokens import MEDIA_TAGS, EncoderTokens, PromptError, Tokenizer, encode_conversation
+from data.tokens import MODULE_OF_KIND, MEDIA_TAGS, EncoderTokens, PromptError, Tokenizer, encode_conversation
 
 log = logging.getLogger("tessera.data")
 
@@ -72,9 +72,12 @@ class ChatTaskEncoder(TaskEncoder):
     cookers = [Cooker(cook_raw)]
 
     def __init__(self, tokenizer: str | Path | Tokenizer, seq_length: int, encoder: EncoderTokens = EncoderTokens(),
-                 strict: bool = False, decode: dict[str, range] | None = None):
+                 strict: bool = False, decode: dict[str, range] | None = None, modules=None):
         """decode: encoder module -> rows of the microbatch to decode on this rank (decode_plan); modules
-        not named are not decoded; None decodes every row of every module (single-rank use)."""
+        not named are not decoded; None decodes every row of every module (single-rank use).
+        modules: the encoder modules the model has; a sample with media for another one is skipped
+        (its placeholders would otherwise be trained on as text). None accepts every modality."""
+        self.modules = None if modules is None else frozenset(modules)
         self.tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
         self.seq_length = seq_length
         self.enc = encoder
@@ -114,6 +117,9 @@ class ChatTaskEncoder(TaskEncoder):
                 self._skip(sample, "corrupt_member", f"unknown media kind {it.get('kind')!r}")
             if m.get(it.get("field")) is None:
                 self._skip(sample, "missing_modality", f"{it['kind']} member '{it.get('field')}' not in shard")
+            if self.modules is not None and MODULE_OF_KIND[it["kind"]] not in self.modules:
+                self._skip(sample, "no_encoder", f"{it['kind']} item but the model has no "
+                                                 f"{MODULE_OF_KIND[it['kind']]} encoder")
             raw.append((it["kind"], m[it["field"]]))
         units = []
         for kind, data in raw:

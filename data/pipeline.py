@@ -54,7 +54,8 @@ def synthetic_dataset(root: Path, samples: int = 96, seed: int = 0) -> tuple[Pat
     return path, path / "tokenizer.model"
 
 
-def encoder_tokens(encoders: dict[str, str], max_tiles: int = 2, video_frames: int = 4) -> EncoderTokens:
+def encoder_tokens(encoders: dict[str, str], max_tiles: int = 2, video_frames: int = 4,
+                   video_pruning: float = 0.0) -> EncoderTokens:
     """EncoderTokens from registry names: vision tile/patch/pixel shuffle, audio rate/hop/n_fft/subsampling.
 
     encoders maps module key ("vision", "audio") to a registry name; each config must be of that modality."""
@@ -71,15 +72,17 @@ def encoder_tokens(encoders: dict[str, str], max_tiles: int = 2, video_frames: i
         else:
             fields.update(audio_rate=t.audio_rate, audio_hop=t.audio_hop, audio_n_fft=t.audio_n_fft,
                           audio_subsampling=t.audio_subsampling)
-    return EncoderTokens(max_tiles=max_tiles, video_frames=video_frames, **fields)
+    return EncoderTokens(max_tiles=max_tiles, video_frames=video_frames, video_pruning=video_pruning, **fields)
 
 
 def build_train_loader(path: str | Path, tokenizer: str | Path, encoders: dict[str, str], seq_length: int,
                        rows_per_microbatch: int, *, decode: dict[str, range] | None, num_workers: int = 0,
-                       seed: int = 0, max_tiles: int = 2, video_frames: int = 4, state=None):
+                       seed: int = 0, max_tiles: int = 2, video_frames: int = 4, video_pruning: float = 0.0,
+                       state=None):
     """The resumable loader of global PackedBatch microbatches for one rank (data/loader.build_loader).
 
     decode: what data.sharding.decode_plan returns for this rank (None: decode every row, one process).
     state: a loader.save_state_rank() result to resume from (same num_workers, see build_loader)."""
-    te = ChatTaskEncoder(tokenizer, seq_length, encoder_tokens(encoders, max_tiles, video_frames), decode=decode)
+    te = ChatTaskEncoder(tokenizer, seq_length, encoder_tokens(encoders, max_tiles, video_frames, video_pruning),
+                         decode=decode, modules=set(encoders))
     return build_loader(path, te, rows_per_microbatch, num_workers=num_workers, seed=seed, state=state)

@@ -47,6 +47,7 @@ class EncoderTokens:
     max_tiles: int = 6
     thumbnail: bool = True
     video_frames: int = 8
+    video_pruning: float = 0.0  # fraction of video tokens the encoder drops (EVS); tubelets not supported
     audio_rate: int = 16_000
     audio_hop: int = 160
     audio_n_fft: int = 512
@@ -68,7 +69,9 @@ class EncoderTokens:
         return num_tiles * self.tokens_per_tile
 
     def video_tokens(self, num_frames: int) -> int:
-        return num_frames * self.tokens_per_tile
+        # EVS pruning keeps n - floor(n * rate) tokens (models/video.evs_kept_count, same arithmetic)
+        n = num_frames * self.tokens_per_tile
+        return n - int(math.floor(n * self.video_pruning))
 
     def audio_tokens(self, num_samples: int) -> int:
         frames = (num_samples + 2 * (self.audio_n_fft // 2) - self.audio_n_fft) // self.audio_hop

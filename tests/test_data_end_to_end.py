@@ -158,3 +158,25 @@ def test_synthetic_dataset_is_built_once_and_a_losing_racer_keeps_the_winner(tmp
     assert synthetic_dataset(tmp_path, samples=8, seed=3) == (path, tok)
     assert not (path / "loser.txt").exists() and (path / ".nv-meta" / "index.sqlite").stat().st_mtime_ns == stamp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["synthetic-8-3"]  # no temporary folder left behind
+
+
+def test_samples_for_a_missing_encoder_are_skipped_and_counted(prepared):
+    """A vision-only model never sees audio placeholders: such samples are skipped as no_encoder."""
+    loader = build_train_loader(prepared, prepared / "tokenizer.model", {"vision": "radio_vit_tiny"}, SEQ, ROWS,
+                                decode=None, seed=4)
+    skipped, batches = Counter(), []
+    for b, _ in zip(loader, range(4)):
+        batches.append(b)
+        skipped.update(b.skipped)
+    close_loader(loader)
+    assert all(set(row) <= {"vision"} for b in batches for row in b.positions)
+    assert skipped["no_encoder"] > 0
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.25, 0.5])
+def test_video_placeholders_follow_the_encoders_pruning(rate):
+    from models.video import evs_kept_count
+
+    tokens = encoder_tokens({"vision": "radio_vit_tiny"}, video_frames=4, video_pruning=rate)
+    for frames in (1, 3, 4):
+        assert tokens.video_tokens(frames) == evs_kept_count(frames * tokens.tokens_per_tile, rate)

@@ -131,7 +131,8 @@ def run_training(cfg, run_dir: Path) -> dict:
     loader = build_train_loader(data_path, tok_path, encoders, cfg.data.seq_length, cfg.data.rows_per_microbatch,
                                 decode=decode_plan(layout, rank, cfg.data.rows_per_microbatch),
                                 num_workers=cfg.data.num_workers, seed=cfg.data.seed, max_tiles=cfg.data.max_tiles,
-                                video_frames=cfg.data.video_frames, state=loader_state)
+                                video_frames=cfg.data.video_frames, video_pruning=cfg.model.video_pruning,
+                                state=loader_state)
     comms = {k: BoundaryCommunicator(layout[k], layout[LANGUAGE], configs[LANGUAGE].hidden_size, dtype, device,
                                      dst_format="dense") for k in sorted(layout.encoders)}
     like = torch.empty(0, dtype=dtype, device=device)
