@@ -78,6 +78,8 @@ class TesseraRunContext(RunContext):
         checks.check_overrides(fn, args)
         task = super().parse_fn(fn, args, **default_kwargs)
         checks.check_names(task.model)
+        if fn.__name__ == "plan":  # nothing is launched: no executor to size
+            return task
         layout_world = checks.resolve_layout(task.layout, task.model, 1).world_size if task.layout else None
         world = executors.fit_executor(getattr(self, "executor", None), layout_world)
         checks.check_run(task.model, task.data, task.layout, world_size=world)
@@ -133,7 +135,25 @@ def finetune(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: 
     return train(model=model, data=data, optim=optim, trainer=trainer, layout=layout, name=name)
 
 
-ENTRYPOINTS = {"pretrain": pretrain, "finetune": finetune}
+@run.cli.entrypoint(namespace=NAMESPACE, run_ctx_cls=TesseraRunContext,
+                    help="Rank heterogeneous layouts of a recipe with the planner's cost model (hetero/planner): "
+                         "nemo tessera plan --factory nemotron_vl_12b gpus=64 cluster=h100 --yes")
+def plan(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: TrainerConfig, layout: str = "",
+         name: str = "tessera", gpus: int = 0, cluster: str = "h100", top: int = 10) -> str:
+    """Print the top layouts for `gpus` GPUs of `cluster` (0: the recipe's own layout size) with the
+    predicted gain over the best homogeneous layout; nothing is launched."""
+    from hetero.layout import HeteroLayout
+    from hetero.planner.for_run import plan_table_for_run
+    from recipes.config import RunConfig
+
+    cfg = RunConfig(name, layout, model, data, optim, trainer)
+    gpus = gpus or (HeteroLayout.parse(layout).world_size if layout else 8)
+    table = plan_table_for_run(cfg, gpus, cluster, top)
+    print(f"{name}: top layouts on {gpus} x {cluster}\n{table}", flush=True)
+    return table
+
+
+ENTRYPOINTS = {"pretrain": pretrain, "finetune": finetune, "plan": plan}
 
 
 def as_task(cfg: run.Config, entry) -> run.Partial:
@@ -145,7 +165,8 @@ def as_task(cfg: run.Config, entry) -> run.Partial:
 def _register(entry, name: str, base, stage: str) -> None:
     @functools.wraps(base)  # keeps the base's signature (gpus=...) and docstring for --help and NAME(args)
     def factory(*args, **kwargs) -> run.Partial:
-        return as_task(registry.STAGES[stage](base(*args, **kwargs)), entry)
+        # `plan` ranks layouts of the recipe as fine-tuned (the stage changes no shape the planner prices)
+        return as_task(registry.STAGES.get(stage, registry.finetune_stage)(base(*args, **kwargs)), entry)
 
     run.cli.factory(factory, target=entry, name=name)
 

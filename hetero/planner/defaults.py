@@ -35,11 +35,11 @@ RECIPES = {
     "nemotron_vl_12b": RecipeDefaults(
         llm="nemotron_nano_12b_v2", vision="radio_vit_h", audio=None, gpus=16,
         workload=Workload(seq_length=16384, global_batch=128, tiles=24),
-        layout="vision=tp2,cp4,dp2@0-15;language=tp4,cp2,dp2@0-15"),
+        layout="vision=tp2,dp8@0-15;language=tp4,cp2,dp2@0-15"),
     "nemotron_video_12b": RecipeDefaults(
         llm="nemotron_nano_12b_v2", vision="radio_vit_h", audio=None, gpus=16,
         workload=Workload(seq_length=16384, global_batch=128, frames=32),
-        layout="vision=tp4,cp4,dp1@0-15;language=tp4,cp2,pp2,dp1@0-15"),
+        layout="vision=tp4,dp4@0-15;language=tp4,cp2,pp2,dp1@0-15"),
     "nemotron_omni_30b_a3b": RecipeDefaults(
         llm="nemotron_3_nano_30b_a3b", vision="radio_vit_h", audio="fastconformer_parakeet_0_6b", gpus=32,
         workload=Workload(seq_length=16384, global_batch=112, tiles=16, audio_seconds=120),

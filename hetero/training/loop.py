@@ -45,7 +45,7 @@ def resolve_layout(cfg, world: int, hf_fields: dict) -> HeteroLayout:
     keys = sorted(encoder_names(cfg.model)) + [LANGUAGE]
     spec = cfg.layout or default_layout(keys, world)
     if spec == "auto":
-        from hetero.planner import best_layout_for_run
+        from hetero.planner.for_run import best_layout_for_run
 
         spec = best_layout_for_run(cfg, world)
     layout = HeteroLayout.parse(spec)

@@ -106,6 +106,10 @@ def build_rank_modules(model_cfg, layout: HeteroLayout, groups: dict[str, Module
             if model_cfg.freeze_llm:
                 out[key].requires_grad_(False)
         else:
+            if layout[key].cp > 1 or layout[key].pp > 1:
+                raise ValueError(f"layout: {key}={layout[key].to_spec()}: training runs the real encoders as one "
+                                 f"pipeline stage without context parallelism (cp1, pp1; hetero.verify checks "
+                                 f"encoder CP/PP on its reference chain); use tp/dp for {key}")
             if key != "vision" and layout[key].tp > 1:
                 raise ValueError(f"layout: {key}=tp{layout[key].tp}: the {names[key]} encoder has no tensor "
                                  f"parallelism; use tp1 for {key} (dp or more ranks instead)")
