@@ -62,6 +62,7 @@ class TrainerConfig:
     progress: bool = True
     tensorboard: bool = True
     timeout_s: int = 300                    # collective timeout: a dead rank ends the job within this
+    export_hf: str | None = None            # after the last step, write the model in HF layout here
 
 
 @dataclass

@@ -128,7 +128,8 @@ def nemotron_vl_tiny() -> run.Config[RunConfig]:
 
 
 def nemotron_video_tiny() -> run.Config[RunConfig]:
-    """Tiny video: frames through the tubelet path, half the video tokens pruned; encoder on ranks 0-1, LLM 2-3."""
+    """Tiny video: frames through the ViT (one tile each), half the video tokens pruned (EVS); encoder on
+    ranks 0-1, LLM on 2-3."""
     cfg = _tiny("video", vision="radio_vit_tiny", audio=None)
     cfg.model.video_pruning = 0.5
     cfg.data.video_frames = 4

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import subprocess
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from data.loader import close_loader
 from data.sharding import decode_plan
 from hetero.boundary import BoundaryCommunicator
 from hetero.groups import build_module_groups, destroy_module_groups
@@ -79,6 +82,30 @@ def _dataset(cfg, rank: int):
     return str(path), cfg.data.tokenizer or str(tok)
 
 
+def _source_llm_fields(source: str | None) -> dict | None:
+    """The LLM config a checkpoint to start from was saved with (HF export: tessera.json; Tessera
+    checkpoint: its common state), so fine-tuning builds exactly that shape; None when it says nothing."""
+    if not source:
+        return None
+    if (Path(source) / "tessera.json").exists():
+        return json.loads((Path(source) / "tessera.json").read_text())["llm_hf_config"]
+    ckpt = latest_checkpoint(source)
+    if ckpt is not None:
+        from megatron.core import dist_checkpointing
+
+        return json.loads(dist_checkpointing.load_common_state_dict(str(ckpt))["common"]["llm_hf_config"])
+    return None
+
+
+def _export_hf(ckpt_root: Path, out: str) -> None:
+    """Rank 0, after the final checkpoint: scripts/convert_hf.py in its own one-rank process."""
+    cmd = [sys.executable, "-m", "scripts.convert_hf", "--checkpoint", str(ckpt_root), "--out", out]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"HF export failed ({' '.join(cmd)}):\n{res.stderr[-3000:]}")
+    print(f"exported HF checkpoint to {out}", flush=True)
+
+
 def _maybe_fail(step: int, rank: int) -> None:
     spec = os.environ.get("TESSERA_FAIL_AT_STEP")
     if spec:
@@ -95,7 +122,10 @@ def run_training(cfg, run_dir: Path) -> dict:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     data_path, tok_path = _dataset(cfg, rank)
-    hf_fields = llm_fields(cfg.model, _vocab_size(Tokenizer(tok_path)))
+    hf_fields = _source_llm_fields(cfg.model.checkpoint) or llm_fields(cfg.model, _vocab_size(Tokenizer(tok_path)))
+    if hf_fields["vocab_size"] < _vocab_size(Tokenizer(tok_path)):
+        raise ValueError(f"tokenizer {tok_path} has {_vocab_size(Tokenizer(tok_path))} tokens but the model "
+                         f"{cfg.model.checkpoint or cfg.model.llm} only {hf_fields['vocab_size']}: use its tokenizer")
     layout = resolve_layout(cfg, world, hf_fields)
 
     groups = build_module_groups(layout)
@@ -171,9 +201,13 @@ def run_training(cfg, run_dir: Path) -> dict:
             save_checkpoint(ckpt_root, step + 1, modules, opt, groups, configs,
                             # pickled and JSON so the common state stays torch.load(weights_only=True)-safe
                             {"loader": pickle.dumps(loader.save_state_rank()), "layout": str(layout),
-                             "config": json.dumps(asdict(cfg))})
+                             "config": json.dumps(asdict(cfg)), "llm_hf_config": json.dumps(hf_fields)})
 
+    close_loader(loader)
     plot = metrics.close() if metrics is not None else None
+    if cfg.trainer.export_hf and rank == 0:
+        _export_hf(ckpt_root, cfg.trainer.export_hf)
+    dist.barrier()
     destroy_module_groups(groups)
     return {"run_dir": str(run_dir), "layout": str(layout), "steps": cfg.trainer.max_steps,
             "first_loss": first_loss, "last_loss": record.get("loss"), "loss_png": str(plot) if plot else None}
