@@ -4,6 +4,7 @@ re-launch resumes from the last complete checkpoint, so metrics.jsonl ends with 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,9 +26,20 @@ def _launch(run_dir: Path, env_extra: dict) -> tuple[int, str, float]:
            f"trainer.timeout_s={TIMEOUT_S}", "trainer.progress=false", "trainer.tensorboard=false",
            "data.seq_length=128"]
     env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
+    log = run_dir.parent / f"launch{len(list(run_dir.parent.glob('launch*.log')))}.log"
     t0 = time.monotonic()
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    return res.returncode, res.stdout, time.monotonic() - t0
+    # Output to a file, not a pipe, and the job in its own session: a killed rank's helper processes (the
+    # checkpoint writer's multiprocessing manager) would otherwise hold the pipe open; they are reaped below.
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=600)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return rc, log.read_text(), time.monotonic() - t0
 
 
 def test_dead_rank_fails_the_job_and_relaunch_resumes(tmp_path):
