@@ -58,10 +58,18 @@ def free_constants(model: ModelDesc) -> list[str]:
     return [f"eff_{k}" for k in kinds] + ["bw_eff", "msg_overhead_s"]
 
 
-def _steps(layouts: list[str], model: ModelDesc, w: Workload, cl: Cluster, k: Constants) -> np.ndarray:
+def _workloads(measurements: list[tuple], w: Workload) -> list[Workload]:
+    """A measurement is (layout, seconds) or (layout, seconds, Workload): its own workload when the micro batch
+    per LLM DP replica differs between layouts (a fixed global batch per microbatch, as training uses)."""
+    return [m[2] if len(m) > 2 and m[2] is not None else w for m in measurements]
+
+
+def _steps(layouts: list[str], model: ModelDesc, w: Workload | list[Workload], cl: Cluster,
+           k: Constants) -> np.ndarray:
     out = []
-    for lay in layouts:
-        p = predict(lay, model, w, cl, k, recompute=())  # measured runs do what their layout says: no auto
+    ws = w if isinstance(w, list) else [w] * len(layouts)
+    for lay, wl in zip(layouts, ws):
+        p = predict(lay, model, wl, cl, k, recompute=())  # measured runs do what their layout says: no auto
         if not math.isfinite(p.step_s):
             raise ValueError(f"cannot price measured layout {lay}: {p.reason}")
         out.append(p.step_s)
@@ -71,9 +79,9 @@ def _steps(layouts: list[str], model: ModelDesc, w: Workload, cl: Cluster, k: Co
 def evaluate(measurements: list[tuple[str, float]], model: ModelDesc, w: Workload, cl: Cluster,
              k: Constants) -> CalibrationReport:
     """Predicted vs measured with the given constants (no fitting)."""
-    layouts = [lay for lay, _ in measurements]
-    measured = np.array([t for _, t in measurements], dtype=float)
-    predicted = _steps(layouts, model, w, cl, k)
+    layouts = [m[0] for m in measurements]
+    measured = np.array([m[1] for m in measurements], dtype=float)
+    predicted = _steps(layouts, model, _workloads(measurements, w), cl, k)
     rho = float(spearmanr(predicted, measured).statistic) if len(measured) > 2 else float("nan")
     gap = float(measured[int(np.argmin(predicted))] / measured.min() - 1)
     rmse = float(np.sqrt(np.mean(((predicted - measured) / measured) ** 2)))
@@ -81,22 +89,26 @@ def evaluate(measurements: list[tuple[str, float]], model: ModelDesc, w: Workloa
 
 
 def fit(measurements: list[tuple[str, float]], model: ModelDesc, w: Workload, cl: Cluster,
-        start: Constants = Constants(), free: list[str] | None = None) -> CalibrationReport:
-    """Least-squares constants for (layout string, measured seconds per step) pairs of one model/workload."""
+        start: Constants = Constants(), free: list[str] | None = None,
+        bounds: dict[str, tuple[float, float]] | None = None) -> CalibrationReport:
+    """Least-squares constants for (layout string, measured seconds per step[, Workload]) of one model.
+    bounds: per-constant (low, high) overriding BOUNDS (e.g. a CPU box far below GPU efficiencies)."""
+    bounds = {**BOUNDS, **(bounds or {})}
     free = free or free_constants(model)
     if len(measurements) < len(free):
         raise ValueError(f"{len(measurements)} measurements cannot fit {len(free)} constants {free}; "
                          f"measure at least as many layouts")
-    layouts = [lay for lay, _ in measurements]
-    measured = np.array([t for _, t in measurements], dtype=float)
-    lo = np.log([BOUNDS[n][0] for n in free])
-    hi = np.log([BOUNDS[n][1] for n in free])
+    layouts = [m[0] for m in measurements]
+    measured = np.array([m[1] for m in measurements], dtype=float)
+    ws = _workloads(measurements, w)
+    lo = np.log([bounds[n][0] for n in free])
+    hi = np.log([bounds[n][1] for n in free])
 
     def constants(x: np.ndarray) -> Constants:
         return dataclasses.replace(start, **{n: float(math.exp(v)) for n, v in zip(free, x)})
 
     def residuals(x: np.ndarray) -> np.ndarray:
-        return (_steps(layouts, model, w, cl, constants(x)) - measured) / measured
+        return (_steps(layouts, model, ws, cl, constants(x)) - measured) / measured
 
     x0 = np.clip(np.log([getattr(start, n) for n in free]), lo + 1e-9, hi - 1e-9)
     sol = least_squares(residuals, x0, bounds=(lo, hi), x_scale=1.0, diff_step=1e-6, xtol=1e-12, ftol=1e-12,

@@ -7,6 +7,10 @@ Cluster presets (per GPU; sources):
           NIC per GPU (DGX H100 user guide, https://docs.nvidia.com/dgx/dgxh100-user-guide/).
     h200  NVIDIA H200 SXM 141 GB: same compute, NVLink and NICs (DGX H200), 141 GB = 131 GiB HBM3e at 4.8 TB/s
           (H200 datasheet, https://www.nvidia.com/en-us/data-center/h200/).
+    cpu_gloo4  4 gloo ranks (one process, one thread each) on one CPU box, a "GPU" being one rank: peak = one
+          core's fp32 matmul rate, "HBM" = a rank's share of RAM and its copy bandwidth, links = gloo over
+          loopback TCP. Numbers measured on the 2-core dev box by scripts/calibrate_planner.py (which re-measures
+          them on every run and uses its own figures); 4 ranks on 2 cores share them, which this does not model.
 Link latencies (3 us NVLink, 8 us InfiniBand incl. one switch hop) are typical NCCL small-message figures,
 not datasheet numbers; the fitted per-message overhead (Constants.msg_overhead_s) absorbs the difference.
 """
@@ -34,11 +38,17 @@ class Cluster:
         return self.gpus_per_node * self.nodes
 
 
+# cpu_gloo4, as measured by scripts/calibrate_planner.py (one core's fp32 GEMM, copy bandwidth, gloo loopback)
+PEAK_CPU_TFLOPS, MEM_CPU_TBPS, GLOO_GBPS, GLOO_LATENCY_S = 0.0925, 0.0385, 2.45, 61e-6
+
 PRESETS = {
     "h100": Cluster("h100", gpus_per_node=8, nodes=128, peak_tflops=989.4, hbm_gib=79.6, hbm_tbps=3.35,
                     intra_gbps=450.0, inter_gbps=50.0, intra_latency_s=3e-6, inter_latency_s=8e-6),
     "h200": Cluster("h200", gpus_per_node=8, nodes=128, peak_tflops=989.4, hbm_gib=131.3, hbm_tbps=4.8,
                     intra_gbps=450.0, inter_gbps=50.0, intra_latency_s=3e-6, inter_latency_s=8e-6),
+    "cpu_gloo4": Cluster("cpu_gloo4", gpus_per_node=4, nodes=1, peak_tflops=PEAK_CPU_TFLOPS, hbm_gib=5.0,
+                         hbm_tbps=MEM_CPU_TBPS, intra_gbps=GLOO_GBPS, inter_gbps=GLOO_GBPS,
+                         intra_latency_s=GLOO_LATENCY_S, inter_latency_s=GLOO_LATENCY_S),
 }
 
 

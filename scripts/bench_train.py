@@ -1,0 +1,150 @@
+"""Training throughput of the tiny image+audio model on 4 CPU gloo ranks: homogeneous vs heterogeneous layouts.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_train.py --out bench_train.json          # ~3 min here
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_train.py --only-extra --layout "vision=tp4@0-3;audio=dp4@0-3;language=pp2,dp2@0-3"
+
+One spawn of 4 ranks (hetero.launch.run_on_ranks) trains every layout in sequence through the real entry
+point (recipes.train.train, as tests/test_train_hetero.py does): RADIO-tiny + FastConformer-tiny +
+Nemotron-H tiny, synthetic data, seq_length 128, 4 rows per microbatch, 2 microbatches per step, fp32,
+same seed and global batches in every layout (so the loss column must agree across rows). Per layout:
+median step_time_s of hetero/training/loop.py's metrics over the steps after a warm-up of --warmup (2),
+tokens/s = rows x seq_length / median step, the tokens/s ratio to the homogeneous layout (>1 = faster),
+boundary MB moved per step (summed over ranks) and the last step's loss. Placement is the planner's name for
+it (hetero.planner.cost.placement): encoders sharing ranks 0-1 apart from the LLM on 2-3 count as 'mixed'. Setup (process groups, model
+build, final checkpoint) is outside the timed steps.
+
+Caveat: this box has 2 CPU cores shared with other work, and 4 ranks oversubscribe them; step times of a
+model this small are dominated by Python and gloo latency, not FLOPs, and vary by +-20% run to run. Read the
+ratios as rough; the table is the harness, a GPU node gives the numbers that matter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+# (name, layout): "" = every module dp4 on ranks 0-3
+LAYOUTS = [
+    ("homogeneous", ""),
+    ("coloc_tp2_pp2", "vision=tp2,dp2@0-3;audio=dp4@0-3;language=tp2,pp2@0-3"),
+    ("coloc_cp2_dp2", "vision=dp4@0-3;audio=dp4@0-3;language=cp2,dp2@0-3"),
+    ("noncoloc_cp2", "vision=dp2@0-1;audio=dp2@0-1;language=cp2@2-3"),
+    ("noncoloc_tp2", "vision=dp1@0-0;audio=dp1@1-1;language=tp2@2-3"),
+    ("noncoloc_dp2", "vision=dp2@0-1;audio=dp2@0-1;language=dp2@2-3"),
+]
+WORLD = 4
+MODEL = dict(vision="radio_vit_tiny", audio="fastconformer_tiny")
+
+
+def _train_all(root: str, layouts: list[tuple[str, str]], steps: int, seq: int, rows: int, microbatches: int,
+               pre=None):
+    """Every rank: pre() first when given (a microbenchmark), then train each layout for `steps` steps into
+    root/<name>; returns (pre's result, the resolved layouts)."""
+    from recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+    from recipes.train import train
+
+    before = pre() if pre is not None else None
+    out = []
+    for name, layout in layouts:
+        trainer = TrainerConfig(max_steps=steps, run_dir=str(Path(root) / name), resume=False, progress=False,
+                                tensorboard=False)
+        summary = train(ModelConfig(**MODEL), DataConfig(seq_length=seq, rows_per_microbatch=rows,
+                                                         microbatches=microbatches),
+                        OptimConfig(lr=2e-3, warmup_steps=2, min_lr_ratio=1.0), trainer, layout=layout, name=name)
+        out.append(summary["layout"])
+    return before, out
+
+
+def summarize(name: str, spec: str, resolved: str, metrics: list[dict], warmup: int, tokens_per_step: int) -> dict:
+    """One table row from a run's metrics.jsonl records (pure; tests feed it synthetic records)."""
+    from hetero.layout import HeteroLayout
+    from hetero.planner.cost import placement
+
+    timed = [r["step_time_s"] for r in metrics[warmup:]] or [r["step_time_s"] for r in metrics]
+    med = statistics.median(timed)
+    return {"name": name, "layout": spec or "(default: every module dp4)", "resolved": resolved,
+            "placement": placement(HeteroLayout.parse(resolved)), "steps": len(metrics), "timed_steps": len(timed),
+            "median_step_s": med, "min_step_s": min(timed), "max_step_s": max(timed),
+            "tokens_per_s": tokens_per_step / med,
+            "boundary_mb_per_step": statistics.median(r["boundary_bytes"] for r in metrics) / 2 ** 20,
+            "first_loss": metrics[0]["loss"], "final_loss": metrics[-1]["loss"],
+            "step_times_s": [r["step_time_s"] for r in metrics]}
+
+
+def add_ratios(rows: list[dict], baseline: str = "homogeneous") -> list[dict]:
+    """tokens/s relative to the baseline row (the first homogeneous one when `baseline` is absent)."""
+    base = next((r for r in rows if r["name"] == baseline), None) or next(
+        (r for r in rows if r["placement"] == "homogeneous"), None)
+    for r in rows:
+        r["vs_homogeneous"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = ("| layout | placement | median step s | tokens/s | vs homogeneous | boundary MB/step | final loss |\n"
+            "|---|---|---:|---:|---:|---:|---:|")
+    lines = [head]
+    for r in rows:
+        ratio = f"{r['vs_homogeneous']:.2f}x" if r.get("vs_homogeneous") is not None else "n/a"
+        lines.append(f"| `{r['layout']}` | {r['placement']} | {r['median_step_s']:.3f} | {r['tokens_per_s']:.0f} | "
+                     f"{ratio} | {r['boundary_mb_per_step']:.3f} | {r['final_loss']:.4f} |")
+    return "\n".join(lines)
+
+
+def run(layouts: list[tuple[str, str]], steps: int = 10, warmup: int = 2, seq: int = 128, rows: int = 4,
+        microbatches: int = 2, root: str | None = None, timeout: float = 1800.0, pre=None) -> tuple[list, list]:
+    """Train every layout on WORLD gloo ranks in one spawn (after pre() on every rank, if given):
+    (one summarize() row per layout with ratios, pre's result per rank)."""
+    from hetero.launch import run_on_ranks
+    from hetero.training.metrics import read_metrics
+
+    tmp = None if root else tempfile.TemporaryDirectory(prefix="bench_train_")
+    root = root or tmp.name
+    try:
+        per_rank = run_on_ranks(WORLD, _train_all, root, layouts, steps, seq, rows, microbatches, pre,
+                                timeout=timeout)
+        out = [summarize(name, spec, res, read_metrics(Path(root) / name), warmup, rows * microbatches * seq)
+               for (name, spec), res in zip(layouts, per_rank[0][1])]
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    return add_ratios(out), [r[0] for r in per_rank]
+
+
+def measure(layouts: list[tuple[str, str]], steps: int = 10, warmup: int = 2, **kw) -> list[dict]:
+    """run() without a microbenchmark: the table rows."""
+    return run(layouts, steps, warmup, **kw)[0]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=20, help="steps per layout (the first --warmup are not timed)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--layout", action="append", default=[],
+                    help="a layout to add (repeatable); the homogeneous baseline always runs first")
+    ap.add_argument("--only-extra", action="store_true", help="run only the homogeneous one and the --layout ones")
+    ap.add_argument("--runs", default=None, help="keep the run directories here (default: a temporary folder)")
+    ap.add_argument("--out", default="bench_train.json", help="JSON output path")
+    args = ap.parse_args(argv)
+    layouts = LAYOUTS[:1] if args.only_extra else list(LAYOUTS)
+    layouts += [(f"extra{i}", spec) for i, spec in enumerate(args.layout)]
+    t0 = time.perf_counter()
+    rows = measure(layouts, args.steps, args.warmup, root=args.runs)
+    wall = time.perf_counter() - t0
+    print(markdown_table(rows))
+    print(f"\n{WORLD} gloo ranks, {args.steps} steps per layout, median over steps {args.warmup + 1}-{args.steps}; "
+          f"8 rows x 128 tokens per step; wall {wall:.0f} s (setup and checkpoints included)")
+    losses = {round(r["final_loss"], 4) for r in rows}
+    print(f"final loss equal in every layout (same data, same init): {len(losses) == 1}")
+    Path(args.out).write_text(json.dumps({"world": WORLD, "steps": args.steps, "warmup": args.warmup,
+                                          "wall_s": wall, "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
