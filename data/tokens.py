@@ -109,6 +109,10 @@ class Tokenizer:
         pad = self._id("<pad>")
         self.pad_id = pad if pad is not None else self.special[IM_END]
 
+    @property
+    def vocab_size(self) -> int:
+        return self._hf.get_vocab_size() if hasattr(self, "_hf") else self._sp.get_piece_size()
+
     def encode(self, text: str) -> list[int]:
         return list(self._encode(text)) if text else []
 

@@ -29,14 +29,14 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 
 from hetero.groups import ModuleGroups
 from hetero.layout import LANGUAGE
+from models.nemotron_h_hf import _mamba_parts
 
 LATEST = "latest"
 
 
 def _mamba_local_parts(config, tp: int) -> list[int]:
-    inner = config.mamba_num_heads * config.mamba_head_dim
-    bc = config.mamba_num_groups * config.mamba_state_dim
-    return [s // tp for s in (inner, inner, bc, bc, config.mamba_num_heads)]
+    """This TP rank's sizes of the fused [z|x|B|C|dt] parts (the HF converter's split, per rank)."""
+    return [s // tp for s in _mamba_parts(config)]
 
 
 def _pieces(name: str, t: torch.Tensor, mamba_parts: list[int] | None) -> list[tuple[str, torch.Tensor]]:

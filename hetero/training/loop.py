@@ -62,11 +62,6 @@ def resolve_layout(cfg, world: int, hf_fields: dict) -> HeteroLayout:
                                        samples_per_microbatch=cfg.data.rows_per_microbatch), world_size=world)
 
 
-def _vocab_size(tokenizer) -> int:
-    sp, hf = getattr(tokenizer, "_sp", None), getattr(tokenizer, "_hf", None)
-    return sp.get_piece_size() if sp is not None else hf.get_vocab_size()
-
-
 def _dataset(cfg, rank: int):
     """(dataset path, tokenizer path): the configured dataset, or the synthetic one (made by rank 0)."""
     from data.pipeline import synthetic_dataset
@@ -122,9 +117,10 @@ def run_training(cfg, run_dir: Path) -> dict:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     data_path, tok_path = _dataset(cfg, rank)
-    hf_fields = _source_llm_fields(cfg.model.checkpoint) or llm_fields(cfg.model, _vocab_size(Tokenizer(tok_path)))
-    if hf_fields["vocab_size"] < _vocab_size(Tokenizer(tok_path)):
-        raise ValueError(f"tokenizer {tok_path} has {_vocab_size(Tokenizer(tok_path))} tokens but the model "
+    vocab = Tokenizer(tok_path).vocab_size
+    hf_fields = _source_llm_fields(cfg.model.checkpoint) or llm_fields(cfg.model, vocab)
+    if hf_fields["vocab_size"] < vocab:
+        raise ValueError(f"tokenizer {tok_path} has {vocab} tokens but the model "
                          f"{cfg.model.checkpoint or cfg.model.llm} only {hf_fields['vocab_size']}: use its tokenizer")
     layout = resolve_layout(cfg, world, hf_fields)
 
