@@ -39,10 +39,10 @@ from megatron.energon.edataclass import edataclass
 from megatron.energon.errors import FatalSampleError
 from megatron.energon.state import FlexState
 
-from data.media import (MediaError, blank_item, choose_grid, decode_audio, decode_image, decode_video,
+from tessera.data.media import (MediaError, blank_item, choose_grid, decode_audio, decode_image, decode_video,
                         probe_audio, probe_image, probe_video, sample_indices)
-from data.packing import EncodedSample, PackedSample, collate, first_fit_decreasing, pack_row
-from data.tokens import MODULE_OF_KIND, MEDIA_TAGS, EncoderTokens, PromptError, Tokenizer, encode_conversation
+from tessera.data.packing import EncodedSample, PackedSample, collate, first_fit_decreasing, pack_row
+from tessera.data.tokens import MODULE_OF_KIND, MEDIA_TAGS, EncoderTokens, PromptError, Tokenizer, encode_conversation
 
 log = logging.getLogger("tessera.data")
 

@@ -21,7 +21,7 @@ import torch
 from megatron.energon import Batch, Sample
 from megatron.energon.edataclass import edataclass
 
-from data.tokens import EncodedPrompt
+from tessera.data.tokens import EncodedPrompt
 
 IGNORE = -100  # label value that losses skip (torch's cross_entropy ignore_index default)
 
@@ -115,9 +115,9 @@ def pack_row(samples: list[EncodedSample], seq_length: int, pad_id: int) -> Pack
 
 
 def _boundary_batch_cls():
-    """hetero.boundary_plan.BoundaryBatch when present; a field-identical stand-in otherwise."""
+    """hetero.plan.boundary_plan.BoundaryBatch when present; a field-identical stand-in otherwise."""
     try:
-        from hetero.boundary_plan import BoundaryBatch
+        from tessera.hetero.plan.boundary_plan import BoundaryBatch
 
         return BoundaryBatch
     except ImportError:

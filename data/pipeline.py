@@ -17,8 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from data.loader import ChatTaskEncoder, build_loader
-from data.tokens import EncoderTokens
+from tessera.data.loader import ChatTaskEncoder, build_loader
+from tessera.data.tokens import EncoderTokens
 
 _DONE = ".complete"  # written last inside the temporary folder, so a renamed folder is always whole
 
@@ -34,7 +34,7 @@ def synthetic_dataset(root: Path, samples: int = 96, seed: int = 0) -> tuple[Pat
     private temporary folder next to the target and renames it into place; a rename onto an existing
     folder fails, so exactly one copy wins and the others delete theirs. Nobody ever sees a partial set,
     and a crash leaves only a temporary folder behind (named `.synthetic-*.tmp*`), never a broken target."""
-    from scripts.prepare_data import make_synthetic  # the generator lives with the preparation script
+    from tessera.data.prepare import make_synthetic  # lazily: media encoders load only when generating
 
     root = Path(root)
     path = root / f"synthetic-{samples}-{seed}"
@@ -59,7 +59,7 @@ def encoder_tokens(encoders: dict[str, str], max_tiles: int = 2, video_frames: i
     """EncoderTokens from registry names: vision tile/patch/pixel shuffle, audio rate/hop/n_fft/subsampling.
 
     encoders maps module key ("vision", "audio") to a registry name; each config must be of that modality."""
-    from models.encoders import encoder_config, tokens_config
+    from tessera.models.encoders import encoder_config, tokens_config
 
     fields = {}
     for module, name in encoders.items():

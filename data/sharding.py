@@ -6,7 +6,7 @@ rank which rows each of its encoder modules needs, so decoding is never repeated
 gives DP rank d the rows [d*N/D, (d+1)*N/D); TP/CP/PP peers of one DP rank keep the same rows. So for any
 layout, colocated or not, the union over a module's DP ranks is the whole microbatch with no duplicates,
 and an encoder rank and the LLM rank that consumes its embeddings agree on which global row is which.
-hetero.layout.HeteroLayout.validate(ModelShapes(samples_per_microbatch=N)) rejects N not divisible by
+hetero.plan.layout.HeteroLayout.validate(ModelShapes(samples_per_microbatch=N)) rejects N not divisible by
 every module's DP size; dp_rows repeats that check so a direct caller gets the same clear error.
 """
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetero.layout import HeteroLayout
+from tessera.hetero.plan.layout import HeteroLayout
 
-from data.packing import PackedBatch
+from tessera.data.packing import PackedBatch
 
 
 def dp_rows(n: int, dp_size: int, dp_rank: int) -> range:

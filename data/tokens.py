@@ -13,17 +13,18 @@ Template (ChatML-like; loss only on assistant content and its closing <|im_end|>
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from tessera.models.media_tokens import EncoderTokens  # noqa: F401  (re-exported: the encoders define it)
+
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 MEDIA_TAGS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
 SPECIAL_TOKENS = (IM_START, IM_END, *MEDIA_TAGS.values())
-#: Which encoder module produces the embeddings of a media kind (module keys as in hetero/layout.py).
+#: Which encoder module produces the embeddings of a media kind (module keys as in hetero/plan/layout.py).
 MODULE_OF_KIND = {"image": "vision", "video": "vision", "audio": "audio"}
 _TAG_RE = re.compile("(" + "|".join(re.escape(t) for t in MEDIA_TAGS.values()) + ")")
 _KIND_OF_TAG = {t: k for k, t in MEDIA_TAGS.items()}
@@ -31,57 +32,6 @@ _KIND_OF_TAG = {t: k for k, t in MEDIA_TAGS.items()}
 
 class PromptError(ValueError):
     """A conversation that cannot be aligned with its media; the message is the logged skip reason."""
-
-
-@dataclass(frozen=True)
-class EncoderTokens:
-    """How many LLM positions each media item occupies; mirrors the encoder configs.
-
-    vision: a `tile`² tile is cut into (tile/patch)² patches, then pixel shuffle merges shuffle² patches
-    into one token. video frames are one tile each. audio: NeMo's mel preprocessor (hop, n_fft, center=True)
-    followed by `subsampling`× striding (log2(subsampling) conv stages, kernel 3, stride 2, padding 1)."""
-
-    tile: int = 512
-    patch: int = 16
-    pixel_shuffle: int = 2
-    max_tiles: int = 6
-    thumbnail: bool = True
-    video_frames: int = 8
-    video_pruning: float = 0.0  # fraction of video tokens the encoder drops (EVS); tubelets not supported
-    audio_rate: int = 16_000
-    audio_hop: int = 160
-    audio_n_fft: int = 512
-    audio_subsampling: int = 8
-
-    def __post_init__(self):
-        side = self.tile // self.patch
-        if self.tile % self.patch or side % self.pixel_shuffle:
-            raise ValueError(f"tile {self.tile} must be a multiple of patch {self.patch} * pixel_shuffle "
-                             f"{self.pixel_shuffle}")
-        if self.audio_subsampling & (self.audio_subsampling - 1):
-            raise ValueError(f"audio_subsampling={self.audio_subsampling} must be a power of two (stride-2 stages)")
-
-    @property
-    def tokens_per_tile(self) -> int:
-        return (self.tile // self.patch // self.pixel_shuffle) ** 2
-
-    def image_tokens(self, num_tiles: int) -> int:
-        return num_tiles * self.tokens_per_tile
-
-    def video_tokens(self, num_frames: int) -> int:
-        # EVS pruning keeps n - floor(n * rate) tokens (models/video.evs_kept_count, same arithmetic)
-        n = num_frames * self.tokens_per_tile
-        return n - int(math.floor(n * self.video_pruning))
-
-    def audio_tokens(self, num_samples: int) -> int:
-        frames = (num_samples + 2 * (self.audio_n_fft // 2) - self.audio_n_fft) // self.audio_hop
-        for _ in range(int(math.log2(self.audio_subsampling))):
-            frames = (frames + 2 * 1 - 3) // 2 + 1
-        return max(frames, 0)
-
-    def tokens(self, kind: str, units: int) -> int:
-        """Tokens for one media item of `kind` with `units` tiles (image), frames (video) or 16 kHz samples."""
-        return {"image": self.image_tokens, "video": self.video_tokens, "audio": self.audio_tokens}[kind](units)
 
 
 class Tokenizer:

@@ -1,7 +1,7 @@
 """Media encoders as plain config data, registered by name, so a recipe swaps one with a single field.
 
 An entry is a dict of architecture fields plus `family` (which builder reads it) and `modality`
-("vision" or "audio", the module key of hetero/layout.py and data/tokens.MODULE_OF_KIND). Variants are
+("vision" or "audio", the module key of hetero/plan/layout.py and data/tokens.MODULE_OF_KIND). Variants are
 the base dict with fields overridden, as litgpt/torchtitan registries do. `encoder_config(name)` returns a
 fresh copy, so a caller may mutate it (e.g. a recipe override) without touching the registry.
 
@@ -79,7 +79,7 @@ def encoder_config(name: str, **overrides) -> dict:
 
 def tokens_config(cfg: dict):
     """The data side's EncoderTokens for a vision or audio encoder config (one source for both sides)."""
-    from data.tokens import EncoderTokens
+    from tessera.models.media_tokens import EncoderTokens
 
     if cfg["modality"] == "vision":
         return EncoderTokens(tile=cfg["tile"], patch=cfg["patch"], pixel_shuffle=cfg["pixel_shuffle"])

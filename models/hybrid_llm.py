@@ -14,8 +14,8 @@ get_transformer_layer_offset: even split, or num_layers_in_first/last_pipeline_s
 take their input through set_input_tensor(), as megatron's pipeline schedules expect.
 Context parallelism (CP): every CP rank holds its zigzag slice of the sequence (input ids and labels
 sharded by the caller); only the sequence-mixing kernels see other ranks' tokens, so CP is entirely in
-the injected `core_attention` / `mamba_mixer` classes (hetero/cp_core_attention.py, hetero/cp_mamba.py,
-picked by hetero/kernels.py). Everything else here is per token and CP-unaware.
+the injected `core_attention` / `mamba_mixer` classes (hetero/parallel/cp_attention_module.py, hetero/parallel/cp_mamba.py,
+picked by hetero/parallel/kernel_choice.py). Everything else here is per token and CP-unaware.
 
 Usage (one process, groups from megatron's parallel_state):
     cfg = models.configs.tiny_hybrid()
@@ -48,8 +48,8 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
-from models.core_attention import SDPACoreAttention
-from models.mamba2 import Mamba2Mixer, Mamba2Submodules
+from tessera.models.sdpa_attention import SDPACoreAttention
+from tessera.models.mamba2 import Mamba2Mixer, Mamba2Submodules
 
 MAMBA, ATTENTION, MLP_SYMBOL, MOE = "M", "*", "-", "E"
 SYMBOLS = (MAMBA, ATTENTION, MLP_SYMBOL, MOE)

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from models.audio import AUDIO_FAMILIES, SoundProjector
-from models.encoders import encoder_config
-from models.video import VideoEncoder
-from models.vision import Projector, VisionEncoder, VisionTransformer
+from tessera.models.audio import AUDIO_FAMILIES, SoundProjector
+from tessera.models.encoders import encoder_config
+from tessera.models.video import VideoEncoder
+from tessera.models.vision import Projector, VisionEncoder, VisionTransformer
 
 
 class MediaModule(nn.Module):
@@ -53,7 +53,7 @@ class MediaModule(nn.Module):
         if kind == "video":
             return self.video.num_tokens(len(item[0]))
         if kind == "audio":
-            from models.encoders import tokens_config
+            from tessera.models.encoders import tokens_config
 
             return tokens_config(self.cfg).audio_tokens(len(item))
         raise ValueError(f"module {self.cfg['modality']!r} cannot encode media of kind {kind!r}")

@@ -143,7 +143,7 @@ def sound_from_hf(hf: dict, encoder_keys, family: str) -> dict[str, torch.Tensor
 def export_hf(model, tp_shards: dict[str, list[dict]] | None = None) -> dict[str, torch.Tensor]:
     """HF-layout tensors of a MultimodalModel's encoders, projectors and (TP=1) LLM.
     tp_shards: module key -> per-TP-rank vision tower state dicts, when the tower ran with TP>1."""
-    from models.nemotron_h_hf import megatron_to_hf
+    from tessera.models.nemotron_h_hf import megatron_to_hf
 
     out = {}
     for key, mod in model.media.items():
@@ -161,7 +161,7 @@ def export_hf(model, tp_shards: dict[str, list[dict]] | None = None) -> dict[str
 
 def import_hf(model, hf: dict, tp_rank: int = 0) -> None:
     """Load HF-layout tensors into a MultimodalModel (this rank's TP shard); every parameter must be given."""
-    from models.nemotron_h_hf import load_into
+    from tessera.models.nemotron_h_hf import load_into
 
     tp = model.llm.pg_collection.tp.size()
     for key, mod in model.media.items():

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.hybrid_llm import ATTENTION, MAMBA, MLP_SYMBOL, MOE, HybridConfig, hybrid_config, stage_layers
+from tessera.models.hybrid_llm import ATTENTION, MAMBA, MLP_SYMBOL, MOE, HybridConfig, hybrid_config, stage_layers
 
 HF = "backbone.layers.{}."
 

@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from models.vision import VisionEncoder, pixel_shuffle
+from tessera.models.vision import VisionEncoder, pixel_shuffle
 
 
 def tubelet_patchify(pixels: torch.Tensor, patch: int, temporal: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Checks that run before anything is launched: registry names, override keys, the layout against the model.
 
-    from recipes.checks import check_run
+    from tessera.recipes.checks import check_run
     layout = check_run(cfg.model, cfg.data, cfg.layout, world_size=4)   # HeteroLayout, or a ValueError
 
 Every error names what was wrong and lists what exists, so a typo on the CLI fails in a second on the
@@ -14,8 +14,8 @@ import dataclasses
 import re
 import typing
 
-from hetero.layout import LANGUAGE, HeteroLayout, LayoutError, ModelShapes
-from models import configs, encoders
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, ModelShapes
+from tessera.models import configs, encoders
 
 MODALITIES = ("vision", "audio")  # the encoder module keys of a ModelConfig and of a layout
 

@@ -7,7 +7,7 @@
     nemo tessera finetune --factory "nemotron_vl_12b(gpus=16)" run.executor=slurm run.executor.nodes=2 \
         run.executor.gpus_per_node=8 run.executor.account=ACC --yes
 
-Registered with nemo-run through pyproject's `[project.entry-points."nemo_run.cli"] tessera = "recipes.cli"`.
+Registered with nemo-run through pyproject's `[project.entry-points."nemo_run.cli"] tessera = "tessera.recipes.cli"`.
 Conventions are nemo-run's: `key=value` overrides, `run.executor=NAME` (+ `run.executor.field=v`), `--yes`
 skips the prompt. Before anything launches, TesseraRunContext checks the recipe name, every override key,
 the encoder/LLM names against the registries and the layout against the model and the executor's ranks,
@@ -28,8 +28,8 @@ import nemo_run as run
 from nemo_run.cli import cli_parser
 from nemo_run.cli.api import RunContext
 
-from recipes import checks, executors, registry
-from recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+from tessera.recipes import checks, executors, registry
+from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
 NAMESPACE = "tessera"
 
@@ -121,7 +121,7 @@ def _help(stage: str) -> str:
 def pretrain(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: TrainerConfig, layout: str = "",
              name: str = "tessera") -> dict:
     """Stage 1: train the projectors with the encoders (and the LLM) frozen, as the *_pretrain recipes set."""
-    from recipes.train import train  # lazily: torch, megatron and the models load only on the ranks
+    from tessera.recipes.train import train  # lazily: torch, megatron and the models load only on the ranks
 
     return train(model=model, data=data, optim=optim, trainer=trainer, layout=layout, name=name)
 
@@ -130,7 +130,7 @@ def pretrain(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: 
 def finetune(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: TrainerConfig, layout: str = "",
              name: str = "tessera") -> dict:
     """Stage 2: train every module not frozen by the recipe, from model.checkpoint when given."""
-    from recipes.train import train
+    from tessera.recipes.train import train
 
     return train(model=model, data=data, optim=optim, trainer=trainer, layout=layout, name=name)
 
@@ -142,9 +142,9 @@ def plan(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: Trai
          name: str = "tessera", gpus: int = 0, cluster: str = "h100", top: int = 10) -> str:
     """Print the top layouts for `gpus` GPUs of `cluster` (0: the recipe's own layout size) with the
     predicted gain over the best homogeneous layout; nothing is launched."""
-    from hetero.layout import HeteroLayout
-    from hetero.planner.for_run import plan_table_for_run
-    from recipes.config import RunConfig
+    from tessera.hetero.plan.layout import HeteroLayout
+    from tessera.hetero.planner.for_run import plan_table_for_run
+    from tessera.recipes.config import RunConfig
 
     cfg = RunConfig(name, layout, model, data, optim, trainer)
     gpus = gpus or (HeteroLayout.parse(layout).world_size if layout else 8)

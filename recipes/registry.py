@@ -3,7 +3,7 @@
     nemo tessera finetune --factory nemotron_vl_tiny run.executor=local --yes          # 4 CPU ranks, ~20 steps
     nemo tessera pretrain --factory "nemotron_vl_12b(gpus=16)" run.executor=slurm run.executor.account=ACC ...
 
-    from recipes.registry import recipe
+    from tessera.recipes.registry import recipe
     cfg = recipe("nemotron_omni_tiny_pretrain")        # run.Config[RunConfig]; fiddle.build(cfg) -> RunConfig
 
 Naming: `<family>_<size>_<stage>` with stage `pretrain` (projector alignment: encoders and LLM frozen, only
@@ -15,7 +15,7 @@ Families: vl (image tiles), video (frames + EVS-style token pruning), omni (imag
 `tiny` (registry tiny LLM/encoders, 4 CPU ranks, synthetic data, a few minutes on a CPU box) and the full
 models (`12b`: RADIO ViT-H + Nemotron Nano 12B v2; `30b_a3b`: RADIO ViT-H + Parakeet FastConformer +
 Nemotron 3 Nano 30B-A3B), whose heterogeneous layout comes from the GPU count `gpus` (default: the count
-hetero/planner/defaults.py planned it for; multiples of it grow its DP; 8-64 otherwise from a fallback table).
+recipes/full_size.py planned it for; multiples of it grow its DP; 8-64 otherwise from a fallback table).
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from typing import Callable
 
 import nemo_run as run
 
-from hetero.layout import HeteroLayout
-from hetero.planner.defaults import RECIPES as PLANNED  # the planner's layout per full-size recipe
-from recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+from tessera.hetero.plan.layout import HeteroLayout
+from tessera.recipes.full_size import RECIPES as PLANNED  # the planner's layout per full-size recipe
+from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
 GPU_COUNTS = (8, 16, 32, 64)
 GLOBAL_BATCH = 128  # sequences per optimizer step when the planner gives none
 
-# Full-size layouts where the planner's choice (hetero/planner/defaults.py, picked with its cost model at one
+# Full-size layouts where the planner's choice (recipes/full_size.py, picked with its cost model at one
 # GPU count) cannot be scaled to by whole DP factors, e.g. 8 GPUs under a 16-GPU default. Why these:
 #  - every module's DP equals (or is a multiple of) the LLM's, so a microbatch needs only lcm(DP) rows:
 #    more rows per LLM rank would multiply activation memory at 16K tokens per row;
@@ -54,7 +54,7 @@ def full_layout(recipe_name: str, gpus: int) -> str:
     multiple of its GPU count (hetero.planner.dryrun.scale_layout), else the fallback table's."""
     planned = PLANNED.get(recipe_name)
     if planned is not None and gpus % planned.gpus == 0:
-        from hetero.planner.dryrun import scale_layout
+        from tessera.hetero.planner.dryrun import scale_layout
 
         return str(scale_layout(planned.layout, gpus))
     table = _FALLBACK_LAYOUTS[recipe_name]
@@ -210,11 +210,11 @@ def recipe(name: str, **kwargs) -> run.Config[RunConfig]:
 
 def build_recipe_kwargs(name: str, overrides: list[str] = ()) -> dict:
     """train()'s keyword arguments for recipe `name` with dotted `key=value` overrides, built (no nemo-run
-    launch): what `python -m recipes.train --recipe NAME trainer.max_steps=5` runs. A leading `gpus=N`
+    launch): what `python -m tessera.recipes.train --recipe NAME trainer.max_steps=5` runs. A leading `gpus=N`
     goes to a full-size base; the rest are checked and parsed as on the CLI."""
     import fiddle as fdl
 
-    from recipes.cli import apply_overrides  # lazily: recipes.cli imports this module
+    from tessera.recipes.cli import apply_overrides  # lazily: recipes.cli imports this module
 
     kwargs = {}
     rest = []

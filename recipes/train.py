@@ -2,8 +2,8 @@
 
 Runs under torchrun (one process per rank; gloo on CPU, NCCL on GPU) or as one process:
 
-    torchrun --standalone --nproc-per-node 4 -m recipes.train --recipe nemotron_vl_tiny trainer.max_steps=5
-    python -m recipes.train --recipe nemotron_vl_tiny layout="vision=dp1@0-0;language=dp1@0-0"
+    torchrun --standalone --nproc-per-node 4 -m tessera.recipes.train --recipe nemotron_vl_tiny trainer.max_steps=5
+    python -m tessera.recipes.train --recipe nemotron_vl_tiny layout="vision=dp1@0-0;language=dp1@0-0"
 
 (`nemo tessera pretrain|finetune --factory ...` is the user-facing command; it ends up here.)
 The first line a run prints is `run_dir: <path>`; torch.distributed is set up and the run directory agreed
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
 
 def _init_distributed(timeout_s: int) -> bool:
@@ -65,10 +65,10 @@ def train(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: Tra
     run_dir = _run_dir(name, trainer)
     if rank == 0:
         print(f"run_dir: {run_dir}", flush=True)
-    from hetero.cpu_shims import apply_cpu_shims  # heavy imports only after the first line is out
+    from tessera.hetero.runtime.cpu_shims import apply_cpu_shims  # heavy imports only after the first line is out
 
     apply_cpu_shims()
-    from hetero.training.loop import run_training
+    from tessera.hetero.training.loop import run_training
 
     try:
         summary = run_training(RunConfig(name, layout, model, data, optim, trainer), run_dir)
@@ -83,7 +83,7 @@ def train(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: Tra
 
 def main(argv: list[str]) -> int:
     """`--recipe NAME key=value ...`: a registered recipe with dotted overrides (no nemo-run needed)."""
-    from recipes.registry import build_recipe_kwargs
+    from tessera.recipes.registry import build_recipe_kwargs
 
     if len(argv) < 2 or argv[0] != "--recipe":
         print(__doc__, file=sys.stderr)

@@ -26,11 +26,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hetero.boundary import BoundaryCommunicator
-from hetero.boundary_plan import BoundaryBatch, minimum_rows, source_shard
-from hetero.groups import build_module_groups, destroy_module_groups
-from hetero.launch import run_on_ranks
-from hetero.layout import LANGUAGE, HeteroLayout
+from tessera.hetero.runtime.boundary import BoundaryCommunicator
+from tessera.hetero.plan.boundary_plan import BoundaryBatch, minimum_rows, source_shard
+from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
+from tessera.hetero.tools.spawn import run_on_ranks
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
 
 LAYOUTS = {
     4: ["vision=dp4@0-3;language=tp2,cp2@0-3",

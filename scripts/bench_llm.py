@@ -2,7 +2,7 @@
 
 Hybrid LLM throughput on this CPU (one process, TP=CP=PP=1, float32), two tables from one run:
   1. HybridLM forward+backward tokens/s for the tiny test model (models.configs TINY_DENSE / TINY_MOE) and
-     a ~100M-parameter Nemotron-H shape (BENCH_100M), on the kernels hetero.kernels picks here.
+     a ~100M-parameter Nemotron-H shape (BENCH_100M), on the kernels hetero.parallel.kernel_choice picks here.
   2. Our Mamba-2 mixer (models/mamba2.py) vs transformers' NemotronHMamba2Mixer torch path, loaded with
      the same weights, at the Mamba shapes of both configs: forward+backward ms each, the ratio
      (transformers / ours, >1 means ours is faster), and their max relative output difference.
@@ -25,17 +25,16 @@ from pathlib import Path
 warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file from the repo root
 
-from hetero.cpu_shims import apply_cpu_shims  # noqa: E402
-from hetero.kernels import select_kernels  # noqa: E402
-from hetero.parity_launch import init_groups  # noqa: E402
-from models import configs  # noqa: E402
-from models.hybrid_llm import HybridLM  # noqa: E402
-from models.nemotron_h_hf import hybrid_config_from_hf, mamba_to_megatron  # noqa: E402
+from tessera.hetero.runtime.cpu_shims import apply_cpu_shims
+from tessera.hetero.parallel.kernel_choice import select_kernels
+from tessera.hetero.tools.parity import init_groups
+from tessera.models import configs
+from tessera.models.hybrid_llm import HybridLM
+from tessera.models.nemotron_h_hf import hybrid_config_from_hf, mamba_to_megatron
 
 CONFIGS = {"tiny-dense": configs.TINY_DENSE, "tiny-moe": configs.TINY_MOE, "100m": configs.BENCH_100M}
 

@@ -30,8 +30,8 @@ KINDS = {"image": ("image",), "video": ("video",), "audio": ("audio",), "mixed":
 
 
 def make_sets(out: Path, samples: int) -> None:
-    from scripts.prepare_data import energon_prepare, synthetic_records, write_shards
-    from data.tokens import train_sentencepiece
+    from tessera.data.prepare import energon_prepare, synthetic_records, write_shards
+    from tessera.data.tokens import train_sentencepiece
 
     for name, kinds in KINDS.items():
         path = out / name
@@ -46,8 +46,8 @@ def make_sets(out: Path, samples: int) -> None:
 
 def tessera_stream(path: Path, workers: int):
     """Yields the number of samples in each packed batch, forever."""
-    from data.loader import ChatTaskEncoder, build_loader
-    from data.tokens import EncoderTokens
+    from tessera.data.loader import ChatTaskEncoder, build_loader
+    from tessera.data.tokens import EncoderTokens
 
     te = ChatTaskEncoder(path / "tokenizer.model", seq_length=8192, encoder=EncoderTokens())
     for batch in build_loader(path, te, rows_per_microbatch=1, num_workers=workers, repeat=True,

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_train.py --out bench_train.json          # ~3 min here
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_train.py --only-extra --layout "vision=tp4@0-3;audio=dp4@0-3;language=pp2,dp2@0-3"
 
-One spawn of 4 ranks (hetero.launch.run_on_ranks) trains every layout in sequence through the real entry
+One spawn of 4 ranks (hetero.tools.spawn.run_on_ranks) trains every layout in sequence through the real entry
 point (recipes.train.train, as tests/test_train_hetero.py does): RADIO-tiny + FastConformer-tiny +
 Nemotron-H tiny, synthetic data, seq_length 128, 4 rows per microbatch, 2 microbatches per step, fp32,
 same seed and global batches in every layout (so the loss column must agree across rows). Per layout:
@@ -44,8 +44,8 @@ def _train_all(root: str, layouts: list[tuple[str, str]], steps: int, seq: int, 
                pre=None):
     """Every rank: pre() first when given (a microbenchmark), then train each layout for `steps` steps into
     root/<name>; returns (pre's result, the resolved layouts)."""
-    from recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
-    from recipes.train import train
+    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+    from tessera.recipes.train import train
 
     before = pre() if pre is not None else None
     out = []
@@ -61,8 +61,8 @@ def _train_all(root: str, layouts: list[tuple[str, str]], steps: int, seq: int, 
 
 def summarize(name: str, spec: str, resolved: str, metrics: list[dict], warmup: int, tokens_per_step: int) -> dict:
     """One table row from a run's metrics.jsonl records (pure; tests feed it synthetic records)."""
-    from hetero.layout import HeteroLayout
-    from hetero.planner.cost import placement
+    from tessera.hetero.plan.layout import HeteroLayout
+    from tessera.hetero.planner.cost import placement
 
     timed = [r["step_time_s"] for r in metrics[warmup:]] or [r["step_time_s"] for r in metrics]
     med = statistics.median(timed)
@@ -99,8 +99,8 @@ def run(layouts: list[tuple[str, str]], steps: int = 10, warmup: int = 2, seq: i
         microbatches: int = 2, root: str | None = None, timeout: float = 1800.0, pre=None) -> tuple[list, list]:
     """Train every layout on WORLD gloo ranks in one spawn (after pre() on every rank, if given):
     (one summarize() row per layout with ratios, pre's result per rank)."""
-    from hetero.launch import run_on_ranks
-    from hetero.training.metrics import read_metrics
+    from tessera.hetero.tools.spawn import run_on_ranks
+    from tessera.hetero.training.metrics import read_metrics
 
     tmp = None if root else tempfile.TemporaryDirectory(prefix="bench_train_")
     root = root or tmp.name

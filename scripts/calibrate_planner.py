@@ -30,9 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.bench_train import MODEL, WORLD, markdown_table, run  # noqa: E402
+from tessera.scripts.bench_train import MODEL, WORLD, markdown_table, run
 
 LAYOUTS = [
     ("homogeneous", ""),
@@ -54,7 +53,7 @@ CPU_BOUNDS = {"eff_llm": (1e-4, 1.0), "eff_vit": (1e-4, 1.0), "eff_conformer": (
 
 def check_trainable(spec: str) -> None:
     """What training accepts (hetero/training/model_build.py): encoders cp1/pp1, TP only for vision."""
-    from hetero.layout import HeteroLayout, ModelShapes
+    from tessera.hetero.plan.layout import HeteroLayout, ModelShapes
 
     lay = HeteroLayout.parse(spec).validate(ModelShapes(seq_length=SEQ, samples_per_microbatch=ROWS), WORLD)
     for k in lay.encoders:
@@ -126,7 +125,7 @@ def machine(per_rank: list[dict]) -> dict:
 
 
 def cpu_cluster(m: dict):
-    from hetero.planner.cluster import PRESETS
+    from tessera.hetero.planner.cluster import PRESETS
 
     return dataclasses.replace(PRESETS["cpu_gloo4"], peak_tflops=m["gemm_solo_gflops"] / 1e3,
                                hbm_tbps=m["copy_gbps"] / 1e3, intra_gbps=m["p2p_gbps"], inter_gbps=m["p2p_gbps"],
@@ -137,7 +136,7 @@ def media_per_row(batches: int = 20) -> dict[str, float]:
     """Vision and audio LLM tokens per row in the synthetic data the runs train on (one process, no decode)."""
     import os
 
-    from data.pipeline import build_train_loader, synthetic_dataset
+    from tessera.data.pipeline import build_train_loader, synthetic_dataset
 
     root = Path(os.environ.get("TESSERA_CACHE", "~/.cache/tessera")).expanduser() / "synthetic"
     path, tok = synthetic_dataset(root)
@@ -153,8 +152,8 @@ def media_per_row(batches: int = 20) -> dict[str, float]:
 
 def workload_for(layout: str, media: dict[str, float], model):
     """The planner's Workload of one measured run: 4 rows per microbatch whatever the LLM's DP."""
-    from hetero.layout import LANGUAGE, HeteroLayout
-    from hetero.planner import Workload
+    from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
+    from tessera.hetero.planner import Workload
 
     dp = HeteroLayout.parse(layout)[LANGUAGE].dp_size
     fps = model["audio"].frames_per_second
@@ -184,8 +183,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from scipy.stats import spearmanr
 
-    from hetero.planner import Constants, describe_model
-    from hetero.planner.calibrate import evaluate, fit
+    from tessera.hetero.planner import Constants, describe_model
+    from tessera.hetero.planner.calibrate import evaluate, fit
 
     for _, spec in LAYOUTS[1:]:
         check_trainable(spec)

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python scripts/plan_study.py            # writes docs/planner_study.md + docs/planner_*.png
     OMP_NUM_THREADS=1 .venv/bin/python scripts/plan_study.py --quick    # fewer points, for a smoke run
 
-For each family (hetero/planner/defaults.py: modules and media per token), GPU count and context length,
+For each family (recipes/full_size.py: modules and media per token), GPU count and context length,
 it searches every layout (hetero.planner.search) and records the best homogeneous, colocated and
 non-colocated/mixed layout. Two gains are reported next to the paper's (+49.3% colocated TFLOPS/GPU,
 +13.0% non-colocated tokens/s): best heterogeneous vs best homogeneous (what a user gains from the planner),
@@ -25,8 +25,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from hetero.layout import LANGUAGE, HeteroLayout  # noqa: E402
-from hetero.planner import Workload, cluster, defaults, predict, search  # noqa: E402
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout  # noqa: E402
+from tessera.hetero.planner import Workload, cluster, predict, search  # noqa: E402
+from tessera.recipes import full_size as defaults  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = {"colocated": 0.493, "non-colocated": 0.130}
@@ -155,7 +156,7 @@ FINDINGS = """## Reading the numbers (and why they differ from the paper)
   the phases per group of microbatches would lift it at the cost of more LLM pipeline fills.
 * **Non-colocated loses or ties (-44% to +1%), against the paper's +13.0% tokens/s.** With one pipeline
   across modules the slower side sets the pace and the other idles (the `idle` column of
-  `python -m hetero.planner`); disjoint blocks come in coarse sizes (1/32 of the GPUs and up) and make the
+  `python -m tessera.hetero.planner`); disjoint blocks come in coarse sizes (1/32 of the GPUs and up) and make the
   LLM's DP a non-power of two, so the global batch no longer divides evenly. The model gives disjoint
   placement no efficiency advantage of its own: achieved FLOPs per module kind do not depend on group
   size, launch overheads and stragglers are not modelled, and an encoder on its own GPUs does not compete

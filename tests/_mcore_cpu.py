@@ -1,5 +1,5 @@
 """Test helpers: single-process and spawned gloo worlds with megatron's parallel_state, on a free port.
-The megatron-core CPU shims themselves live in hetero/cpu_shims.py."""
+The megatron-core CPU shims themselves live in hetero/runtime/cpu_shims.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from hetero.cpu_shims import apply_cpu_shims
+from tessera.hetero.runtime.cpu_shims import apply_cpu_shims
 
 
 def free_port() -> int:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from models import configs
+from tessera.models import configs
 from _hf_tiny import make_tiny_checkpoint
 
 

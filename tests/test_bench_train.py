@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from scripts.bench_train import add_ratios, markdown_table, summarize
+from tessera.scripts.bench_train import add_ratios, markdown_table, summarize
 
 HOMO = "audio=dp4@0-3;vision=dp4@0-3;language=dp4@0-3"
 NONCOLOC = "vision=dp1@0-0;audio=dp1@1-1;language=tp2,dp1@2-3"
@@ -34,8 +34,8 @@ def test_summary_uses_median_after_warmup_and_ratio_to_homogeneous():
 
 
 def test_fit_takes_a_workload_per_layout_and_cpu_bounds():
-    from hetero.planner import Constants, Workload, cluster, describe_model, predict
-    from hetero.planner.calibrate import fit
+    from tessera.hetero.planner import Constants, Workload, cluster, describe_model, predict
+    from tessera.hetero.planner.calibrate import fit
 
     model = describe_model("nemotron_h_tiny_dense", "radio_vit_tiny", "fastconformer_tiny")
     cl = cluster("cpu_gloo4", 4)

@@ -13,8 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from hetero.boundary_plan import BoundaryBatch, BoundaryError, minimum_rows, plan_boundary
-from hetero.layout import HeteroLayout, ModuleLayout
+from tessera.hetero.plan.boundary_plan import BoundaryBatch, BoundaryError, minimum_rows, plan_boundary
+from tessera.hetero.plan.layout import HeteroLayout, ModuleLayout
 
 
 # ------------------------------------------------------------------------------------------- oracle

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from hetero.cpu_shims import apply_cpu_shims
+from tessera.hetero.runtime.cpu_shims import apply_cpu_shims
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims apply only without a GPU")
 

@@ -19,13 +19,13 @@ import pytest
 import torch
 from _mcore_cpu import single_rank_world
 
-import data.pipeline as pipeline
-from data.loader import close_loader
-from data.packing import IGNORE
-from data.pipeline import build_train_loader, encoder_tokens, synthetic_dataset
-from data.tokens import MODULE_OF_KIND
-from models import configs
-from models.encoders import encoder_config, tokens_config
+import tessera.data.pipeline as pipeline
+from tessera.data.loader import close_loader
+from tessera.data.packing import IGNORE
+from tessera.data.pipeline import build_train_loader, encoder_tokens, synthetic_dataset
+from tessera.data.tokens import MODULE_OF_KIND
+from tessera.models import configs
+from tessera.models.encoders import encoder_config, tokens_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ENCODERS = {"vision": "radio_vit_tiny", "audio": "fastconformer_tiny"}
@@ -58,9 +58,9 @@ def prepared(tmp_path_factory):
 
 
 def _model(vocab: int):
-    from models.hybrid_llm import HybridLM
-    from models.multimodal import MultimodalModel, build_media_module
-    from models.nemotron_h_hf import hybrid_config_from_hf
+    from tessera.models.hybrid_llm import HybridLM
+    from tessera.models.multimodal import MultimodalModel, build_media_module
+    from tessera.models.nemotron_h_hf import hybrid_config_from_hf
 
     pg = single_rank_world()
     torch.manual_seed(0)
@@ -142,7 +142,7 @@ def test_synthetic_dataset_is_built_once_and_a_losing_racer_keeps_the_winner(tmp
     assert len(list(path.glob("shard-*.tar"))) == 1 and (path / ".nv-meta" / "index.sqlite").exists()
     stamp = (path / ".nv-meta" / "index.sqlite").stat().st_mtime_ns
 
-    import scripts.prepare_data as prep
+    import tessera.scripts.prepare_data as prep
 
     def must_not_run(*a, **k):
         raise AssertionError("the data set was generated again")
@@ -175,7 +175,7 @@ def test_samples_for_a_missing_encoder_are_skipped_and_counted(prepared):
 
 @pytest.mark.parametrize("rate", [0.0, 0.25, 0.5])
 def test_video_placeholders_follow_the_encoders_pruning(rate):
-    from models.video import evs_kept_count
+    from tessera.models.video import evs_kept_count
 
     tokens = encoder_tokens({"vision": "radio_vit_tiny"}, video_frames=4, video_pruning=rate)
     for frames in (1, 3, 4):

@@ -10,10 +10,10 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from data.loader import ChatTaskEncoder, SkipStats, build_loader, close_loader
-from data.packing import IGNORE
-from data.tokens import EncoderTokens, Tokenizer
-from scripts.prepare_data import (FIELD_PREFIX, caption_chat, energon_prepare, make_synthetic, synth_audio,
+from tessera.data.loader import ChatTaskEncoder, SkipStats, build_loader, close_loader
+from tessera.data.packing import IGNORE
+from tessera.data.tokens import EncoderTokens, Tokenizer
+from tessera.data.prepare import (FIELD_PREFIX, caption_chat, energon_prepare, make_synthetic, synth_audio,
                                   synth_image, synth_video)
 
 ENC = EncoderTokens(patch=64)  # 16 tokens per tile keeps rows small; the arithmetic is the same

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFilter
 
-import data.media as media
-from data.loader import ChatTaskEncoder, build_loader, close_loader
-from data.media import choose_grid, decode_audio, decode_image, decode_video, probe_image, sample_indices
-from data.packing import SHARE_MIN_BYTES, _reduce_ndarray
-from data.tokens import EncoderTokens
-from scripts.prepare_data import make_synthetic, synth_video
+import tessera.data.media as media
+from tessera.data.loader import ChatTaskEncoder, build_loader, close_loader
+from tessera.data.media import choose_grid, decode_audio, decode_image, decode_video, probe_image, sample_indices
+from tessera.data.packing import SHARE_MIN_BYTES, _reduce_ndarray
+from tessera.data.tokens import EncoderTokens
+from tessera.data.prepare import make_synthetic, synth_video
 
 
 def _picture(w, h, seed=0):

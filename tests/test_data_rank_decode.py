@@ -6,12 +6,12 @@ from collections import Counter
 import numpy as np
 import pytest
 
-import data.loader as loader_mod
-from data.loader import ChatTaskEncoder, build_loader, close_loader
-from data.sharding import decode_plan
-from data.tokens import MODULE_OF_KIND, EncoderTokens, Tokenizer
-from hetero.layout import HeteroLayout, ModelShapes
-from scripts.prepare_data import make_synthetic
+import tessera.data.loader as loader_mod
+from tessera.data.loader import ChatTaskEncoder, build_loader, close_loader
+from tessera.data.sharding import decode_plan
+from tessera.data.tokens import MODULE_OF_KIND, EncoderTokens, Tokenizer
+from tessera.hetero.plan.layout import HeteroLayout, ModelShapes
+from tessera.data.prepare import make_synthetic
 
 ENC = EncoderTokens(patch=64)
 SEQ, ROWS, BATCHES = 512, 4, 3

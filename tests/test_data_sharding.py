@@ -4,10 +4,10 @@ duplicates; TP/CP/PP peers of a DP rank hold the same rows; BoundaryBatch mirror
 import numpy as np
 import pytest
 
-from data.packing import EncodedSample, collate, pack_row
-from data.sharding import dp_rows, shard_for_rank
-from data.tokens import EncodedPrompt
-from hetero.layout import HeteroLayout, ModelShapes
+from tessera.data.packing import EncodedSample, collate, pack_row
+from tessera.data.sharding import dp_rows, shard_for_rank
+from tessera.data.tokens import EncodedPrompt
+from tessera.hetero.plan.layout import HeteroLayout, ModelShapes
 
 LAYOUTS = [
     "vision=dp4@0-3;audio=dp4@0-3;language=tp2,cp2@0-3",  # colocated, LLM dp1

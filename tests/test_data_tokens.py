@@ -8,11 +8,11 @@ import pytest
 import soundfile as sf
 from PIL import Image
 
-from data.media import (choose_grid, decode_audio, decode_image, decode_video, probe_audio, probe_image,
+from tessera.data.media import (choose_grid, decode_audio, decode_image, decode_video, probe_audio, probe_image,
                         probe_video, sample_indices)
-from data.tokens import (IM_END, EncoderTokens, PromptError, Tokenizer, encode_conversation,
+from tessera.data.tokens import (IM_END, EncoderTokens, PromptError, Tokenizer, encode_conversation,
                          train_sentencepiece)
-from scripts.prepare_data import synth_video
+from tessera.data.prepare import synth_video
 
 TEXTS = ["Describe the image.", "A red circle on a blue background.", "What happens in this video?",
          "user\n", "assistant\n", "system\n", "The tone is steady and the square moves."] * 20
@@ -115,7 +115,7 @@ def _hf_tokenizer_json(path, with_specials=True):
     """A byte-level BPE tokenizer.json trained locally with the `tokenizers` library (what a HF checkpoint ships)."""
     from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
-    from data.tokens import SPECIAL_TOKENS
+    from tessera.data.tokens import SPECIAL_TOKENS
 
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

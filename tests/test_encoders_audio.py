@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.audio import FastConformerEncoder, ParakeetHFEncoder, SoundProjector
-from models.encoders import encoder_config, tokens_config
-from models.multimodal_hf import SOUND_ROOT, sound_from_hf, sound_to_hf
+from tessera.models.audio import FastConformerEncoder, ParakeetHFEncoder, SoundProjector
+from tessera.models.encoders import encoder_config, tokens_config
+from tessera.models.multimodal_hf import SOUND_ROOT, sound_from_hf, sound_to_hf
 
 WAVES = [torch.randn(16000, generator=torch.Generator().manual_seed(0)),
          torch.randn(23456, generator=torch.Generator().manual_seed(1))]

@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from _mcore_cpu import single_rank_world
 
-from models import configs
-from models.encoders import REGISTRY, encoder_config
-from models.hybrid_llm import HybridLM
-from models.multimodal import MultimodalModel, build_media_module
-from models.multimodal_hf import export_hf, import_hf
-from models.nemotron_h_hf import hybrid_config_from_hf
-from models.video import evs_kept_count, evs_prune, frame_prompt, tubelet_patchify
+from tessera.models import configs
+from tessera.models.encoders import REGISTRY, encoder_config
+from tessera.models.hybrid_llm import HybridLM
+from tessera.models.multimodal import MultimodalModel, build_media_module
+from tessera.models.multimodal_hf import export_hf, import_hf
+from tessera.models.nemotron_h_hf import hybrid_config_from_hf
+from tessera.models.video import evs_kept_count, evs_prune, frame_prompt, tubelet_patchify
 
 LLM_HIDDEN = configs.TINY_DENSE["hidden_size"]
 
@@ -107,7 +107,7 @@ def _batch(vision_name, audio_name, key_prefix="s"):
     image = rng.integers(0, 256, (2, 3, tile, tile), dtype=np.uint8)
     frames = rng.integers(0, 256, (3, 3, tile, tile), dtype=np.uint8)
     wave = rng.standard_normal(8000).astype(np.float32)
-    from models.encoders import tokens_config
+    from tessera.models.encoders import tokens_config
 
     n_audio = tokens_config(a).audio_tokens(len(wave))
     seq = 2 * tpt + n_audio + 12

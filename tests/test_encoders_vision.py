@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from _mcore_cpu import single_rank_world
 
-from hetero.launch import run_on_ranks
-from models.encoders import encoder_config, tokens_config
-from models.multimodal_hf import RADIO_ROOT, SIGLIP_ROOT, _load_params, vision_from_hf, vision_to_hf
-from models.vision import VisionEncoder, VisionTransformer, pixel_shuffle
+from tessera.hetero.tools.spawn import run_on_ranks
+from tessera.models.encoders import encoder_config, tokens_config
+from tessera.models.multimodal_hf import RADIO_ROOT, SIGLIP_ROOT, _load_params, vision_from_hf, vision_to_hf
+from tessera.models.vision import VisionEncoder, VisionTransformer, pixel_shuffle
 
 TOL = 1e-5
 

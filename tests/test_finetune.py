@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hetero.launch import run_on_ranks
-from hetero.training.metrics import read_metrics
+from tessera.hetero.tools.spawn import run_on_ranks
+from tessera.hetero.training.metrics import read_metrics
 
 pytestmark = pytest.mark.multiproc
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,8 +20,8 @@ LAYOUT = "vision=dp2@0-1;language=tp2@2-3"  # non-colocated, LLM TP2: the export
 
 
 def _finetune(hf_dir: str, run_dir: str, export: str):
-    from recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
-    from recipes.train import train
+    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+    from tessera.recipes.train import train
 
     model = ModelConfig(llm="nemotron_h_tiny_dense", vision="radio_vit_tiny", freeze_vision=True, checkpoint=hf_dir)
     trainer = TrainerConfig(max_steps=8, run_dir=run_dir, progress=False, tensorboard=False, export_hf=export)
@@ -31,7 +31,7 @@ def _finetune(hf_dir: str, run_dir: str, export: str):
 
 def test_finetune_hf_checkpoint_with_frozen_encoder_and_export(tmp_path):
     init = tmp_path / "hf_init"
-    res = subprocess.run([sys.executable, "-m", "scripts.convert_hf", "--init", "nemotron_vl_tiny", "--vocab-size",
+    res = subprocess.run([sys.executable, "-m", "tessera.scripts.convert_hf", "--init", "nemotron_vl_tiny", "--vocab-size",
                           "400", "--out", str(init)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     out = tmp_path / "hf_out"

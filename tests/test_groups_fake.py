@@ -12,8 +12,8 @@ import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from hetero.groups import DENSE_GROUPS, EXPERT_GROUPS, build_module_groups
-from hetero.layout import HeteroLayout
+from tessera.hetero.runtime.groups import DENSE_GROUPS, EXPERT_GROUPS, build_module_groups
+from tessera.hetero.plan.layout import HeteroLayout
 
 SPEC = "vision=tp2,dp64@0-127;audio=cp2,dp64@128-255;language=tp4,cp2,pp4,dp8,ep4@256-511"
 PROBE_RANKS = [0, 1, 127, 128, 201, 256, 300, 389, 511]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from hetero.launch import run_on_ranks
+from tessera.hetero.tools.spawn import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ PARITY_LAYOUTS = {
         "vision=dp2@0-1;language=pp2@2-3",                       # destination PP=2, non-colocated
         "vision=dp4@0-3;language=tp2,pp2@0-3",                   # destination PP=2, colocated
         "vision=pp2@0-1;language=cp2@2-3",                       # source PP=2 -> destination CP
-        # three microbatches through hetero.schedules (gradient accumulation), both placements with PP
+        # three microbatches through hetero.runtime.step_executor (gradient accumulation), both placements with PP
         ("vision=pp2@0-1;language=cp2@2-3", 3),
         ("vision=cp2,dp2@0-3;audio=tp2,dp2@0-3;language=tp2,pp2@0-3", 3),
     ],
@@ -43,7 +43,7 @@ PARITY_LAYOUTS = {
 
 
 def _verify_all(cases):
-    from hetero.verify import run_verify
+    from tessera.hetero.tools.verify import run_verify
 
     cases = [c if isinstance(c, tuple) else (c, 1) for c in cases]
     return [{k: v for k, v in run_verify(s, microbatches=m).items() if k != "errors"} for s, m in cases]
@@ -64,9 +64,9 @@ def _exact_boundary(spec, dtype_name, dst_format, uniform):
     """Forward rows and backward gradient rows must arrive bit-exactly where the oracle says."""
     import torch.distributed as dist
 
-    from hetero.boundary import BoundaryCommunicator
-    from hetero.boundary_plan import BoundaryBatch, plan_boundary, source_shard
-    from hetero.layout import HeteroLayout
+    from tessera.hetero.runtime.boundary import BoundaryCommunicator
+    from tessera.hetero.plan.boundary_plan import BoundaryBatch, plan_boundary, source_shard
+    from tessera.hetero.plan.layout import HeteroLayout
     from tests.test_boundary_plan import oracle_dest_rows
 
     dtype = getattr(torch, dtype_name)
@@ -132,7 +132,7 @@ def _run_exact_cases(cases):
 @pytest.mark.multiproc
 def test_verify_cli_under_torchrun():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "hetero.verify", "--layout", "vision=tp2@0-1;language=cp2@0-1"]
+           "-m", "tessera.hetero.tools.verify", "--layout", "vision=tp2@0-1;language=cp2@0-1"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -143,7 +143,7 @@ def test_verify_cli_under_torchrun():
 
 def test_verify_cli_rejects_a_bad_layout_before_any_work():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "hetero.verify", "--layout", "vision=tp2@0-1;language=tp3@0-1"]
+           "-m", "tessera.hetero.tools.verify", "--layout", "vision=tp2@0-1;language=tp3@0-1"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     assert "module 'language'" in proc.stderr + proc.stdout

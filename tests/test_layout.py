@@ -2,7 +2,7 @@
 
 import pytest
 
-from hetero.layout import HeteroLayout, LayoutError, ModelShapes, ModuleLayout
+from tessera.hetero.plan.layout import HeteroLayout, LayoutError, ModelShapes, ModuleLayout
 
 
 def test_parse_readme_example_and_round_trip():

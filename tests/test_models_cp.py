@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetero.launch import run_on_ranks
-from models import configs
+from tessera.hetero.tools.spawn import run_on_ranks
+from tessera.models import configs
 
 TOL = 1e-4
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -49,11 +49,11 @@ class _PGs:
 
 
 def test_kernel_choice_follows_machine_and_cp():
-    from hetero.cp_core_attention import ZigzagCPCoreAttention
-    from hetero.cp_mamba import ZigzagCPMamba2Mixer
-    from hetero.kernels import MambaSSMMixer, select_kernels
-    from models.core_attention import SDPACoreAttention
-    from models.mamba2 import Mamba2Mixer
+    from tessera.hetero.parallel.cp_attention_module import ZigzagCPCoreAttention
+    from tessera.hetero.parallel.cp_mamba import ZigzagCPMamba2Mixer
+    from tessera.hetero.parallel.kernel_choice import MambaSSMMixer, select_kernels
+    from tessera.models.sdpa_attention import SDPACoreAttention
+    from tessera.models.mamba2 import Mamba2Mixer
 
     nothing = select_kernels(_PGs(1), gpu=False, have=lambda m: True)  # installed but no GPU: CPU kernels
     assert (nothing.core_attention, nothing.mamba_mixer) == (SDPACoreAttention, Mamba2Mixer)
@@ -79,14 +79,14 @@ def _cp_kernels_match_one_device(seq):
     import torch.distributed as dist
     from megatron.core.transformer.enums import AttnMaskType
 
-    from hetero.cp_attention import zigzag_shard
-    from hetero.cp_core_attention import ZigzagCPCoreAttention
-    from hetero.cp_mamba import ZigzagCPMamba2Mixer
-    from hetero.parity_launch import init_groups
-    from models.core_attention import SDPACoreAttention
-    from models.hybrid_llm import build_hybrid_layer_specs
-    from models.mamba2 import Mamba2Mixer
-    from models.nemotron_h_hf import hybrid_config_from_hf
+    from tessera.hetero.plan.zigzag import zigzag_shard
+    from tessera.hetero.parallel.cp_attention_module import ZigzagCPCoreAttention
+    from tessera.hetero.parallel.cp_mamba import ZigzagCPMamba2Mixer
+    from tessera.hetero.tools.parity import init_groups
+    from tessera.models.sdpa_attention import SDPACoreAttention
+    from tessera.models.hybrid_llm import build_hybrid_layer_specs
+    from tessera.models.mamba2 import Mamba2Mixer
+    from tessera.models.nemotron_h_hf import hybrid_config_from_hf
 
     pg = init_groups(cp=2)
     cp, rank = pg.cp.size(), pg.cp.rank()
@@ -130,7 +130,7 @@ def test_cp2_kernels_match_one_device_forward_and_backward():
 
 
 def _parity(tp, cp, dirs):
-    from hetero.parity_launch import compare, init_groups
+    from tessera.hetero.tools.parity import compare, init_groups
 
     pg = init_groups(tp=tp, cp=cp)
     return {kind: compare(d, pg) for kind, d in dirs.items()}
@@ -153,9 +153,9 @@ def _train(tp, cp, hf_dir, steps):
     """SGD steps on the tiny hybrid; per step the global mean loss, plus the CP=1 model's first loss."""
     import torch.distributed as dist
 
-    from hetero.cp_attention import zigzag_shard
-    from hetero.parity_launch import build_model, init_groups
-    from models.parity import fixed_batch
+    from tessera.hetero.plan.zigzag import zigzag_shard
+    from tessera.hetero.tools.parity import build_model, init_groups
+    from tessera.models.hf_reference import fixed_batch
 
     pg = init_groups(tp=tp, cp=cp)
     model = build_model(hf_dir, pg).train()

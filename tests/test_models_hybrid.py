@@ -13,10 +13,10 @@ import torch
 import torch.multiprocessing as mp
 from _mcore_cpu import close_world, free_port, init_world, single_rank_world
 
-from models import configs
-from models.hybrid_llm import HybridLM
-from models.mamba2 import ssd_chunk_scan
-from models.nemotron_h_hf import (
+from tessera.models import configs
+from tessera.models.hybrid_llm import HybridLM
+from tessera.models.mamba2 import ssd_chunk_scan
+from tessera.models.nemotron_h_hf import (
     hf_to_megatron,
     hybrid_config_from_hf,
     load_hf_state_dict,
@@ -25,8 +25,8 @@ from models.nemotron_h_hf import (
     megatron_to_hf,
     save_hf,
 )
-from hetero.parity_launch import compare
-from models.parity import fixed_batch, reference_logits
+from tessera.hetero.tools.parity import compare
+from tessera.models.hf_reference import fixed_batch, reference_logits
 
 TOL = 1e-4
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from hetero.planner import Constants, Workload, cluster, describe_model, predict
-from hetero.planner.calibrate import evaluate, fit
+from tessera.hetero.planner import Constants, Workload, cluster, describe_model, predict
+from tessera.hetero.planner.calibrate import evaluate, fit
 
 MODEL = describe_model("nemotron_nano_12b_v2", "radio_vit_h")
 # short rows and many microbatches: TP/PP messages are small enough that per-message latency shows

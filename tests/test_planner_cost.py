@@ -4,13 +4,13 @@ infeasible layouts come back with the reason."""
 import numpy as np
 import pytest
 
-from hetero.boundary_plan import BoundaryBatch, plan_boundary
-from hetero.layout import HeteroLayout
-from hetero.planner import Constants, Workload, cluster, describe_model, predict
-from hetero.planner.comm import boundary_rows
-from hetero.planner.cost import GIB, items_of
-from hetero.planner.model import _llm_blocks, describe_llm
-from models import configs
+from tessera.hetero.plan.boundary_plan import BoundaryBatch, plan_boundary
+from tessera.hetero.plan.layout import HeteroLayout
+from tessera.hetero.planner import Constants, Workload, cluster, describe_model, predict
+from tessera.hetero.planner.comm import boundary_rows
+from tessera.hetero.planner.cost import GIB, items_of
+from tessera.hetero.planner.model import _llm_blocks, describe_llm
+from tessera.models import configs
 
 
 @pytest.mark.parametrize("name", ["nemotron_nano_12b_v2", "nemotron_nano_9b_v2", "nemotron_3_nano_30b_a3b"])

@@ -8,10 +8,10 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import pytest
 
-from hetero.boundary_plan import plan_boundary
-from hetero.layout import HeteroLayout, LayoutError
-from hetero.planner import defaults
-from hetero.planner.dryrun import (check_boundary_plan, check_groups, dry_run, probe_ranks, scale_layout,
+from tessera.hetero.plan.boundary_plan import plan_boundary
+from tessera.hetero.plan.layout import HeteroLayout, LayoutError
+from tessera.recipes import full_size as defaults
+from tessera.hetero.planner.dryrun import (check_boundary_plan, check_groups, dry_run, probe_ranks, scale_layout,
                                    synthetic_batch)
 
 WORLD = 1024

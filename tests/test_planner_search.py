@@ -3,9 +3,9 @@ homogeneous layout, the best layout is a valid layout string; the CLI prints the
 
 import pytest
 
-from hetero.layout import HeteroLayout
-from hetero.planner import Workload, best_layout, cluster, describe_model, plan_layouts, predict, search
-from hetero.planner.__main__ import main
+from tessera.hetero.plan.layout import HeteroLayout
+from tessera.hetero.planner import Workload, best_layout, cluster, describe_model, plan_layouts, predict, search
+from tessera.hetero.planner.__main__ import main
 
 MODEL = describe_model("nemotron_nano_12b_v2", "radio_vit_h")
 WORK = Workload(seq_length=8192, global_batch=64, tiles=16)

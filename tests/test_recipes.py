@@ -12,11 +12,11 @@ import fiddle as fdl
 import pytest
 
 import nemo_run as run
-from hetero.layout import HeteroLayout, LayoutError
-from hetero.planner.defaults import RECIPES as PLANNED
-from recipes import checks, executors, registry
-from recipes.cli import ENTRYPOINTS, TesseraRunContext, factories_of
-from recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+from tessera.hetero.plan.layout import HeteroLayout, LayoutError
+from tessera.recipes.full_size import RECIPES as PLANNED
+from tessera.recipes import checks, executors, registry
+from tessera.recipes.cli import ENTRYPOINTS, TesseraRunContext, factories_of
+from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
 NEMO = Path(sys.executable).with_name("nemo")
 FULL = {"nemotron_vl_12b", "nemotron_video_12b", "nemotron_omni_30b_a3b"}

@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from hetero.layout import LANGUAGE, HeteroLayout
-from hetero.schedule_plan import Op, ScheduleError, build_schedule, check_schedule, one_f_one_b
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
+from tessera.hetero.plan.schedule_plan import Op, ScheduleError, build_schedule, check_schedule, one_f_one_b
 
 
 def _layouts():

@@ -26,7 +26,7 @@ import nemo_run as run
 from nemo_run.config import get_nemorun_home, set_nemorun_home
 from nemo_run.run.logs import get_logs
 
-from recipes import executors
+from tessera.recipes import executors
 
 ROOT = Path(__file__).resolve().parents[1]
 SLURM = ROOT / "scripts" / "slurm_local.sh"
@@ -79,8 +79,8 @@ def _submit(task, ex, title: str) -> tuple[str, str]:
 
 
 def test_slurm_runs_a_distributed_task(slurm_cluster, nemorun_home):
-    """The whole Slurm path with an importable multi-rank function: 2 torchrun ranks run hetero.verify."""
-    from hetero import verify
+    """The whole Slurm path with an importable multi-rank function: 2 torchrun ranks run hetero.tools.verify."""
+    from tessera.hetero.tools import verify
 
     layout = "vision=dp2@0-1;language=tp2@0-1"
     state, logs = _submit(run.Partial(verify.main, argv=["--layout", layout]), _slurm_executor(2), "tessera-verify")
@@ -92,14 +92,14 @@ def test_slurm_runs_a_distributed_task(slurm_cluster, nemorun_home):
 def _train_available() -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("recipes.train") is not None
+    return importlib.util.find_spec("tessera.recipes.train") is not None
 
 
 @pytest.mark.skipif(not _train_available(), reason="recipes/train.py (the training entry point) is not there yet")
 def test_slurm_trains_tiny_recipe(slurm_cluster, nemorun_home, tmp_path):
     """nemotron_vl_tiny (4 CPU ranks) through the slurm executor: SUCCEEDED, logs read back, loss decreased."""
-    from recipes.cli import as_task, finetune
-    from recipes.registry import recipe
+    from tessera.recipes.cli import as_task, finetune
+    from tessera.recipes.registry import recipe
 
     cfg = recipe("nemotron_vl_tiny")
     cfg.trainer.max_steps = 6

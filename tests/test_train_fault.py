@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hetero.training.metrics import read_metrics
+from tessera.hetero.training.metrics import read_metrics
 
 pytestmark = pytest.mark.multiproc
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +21,7 @@ TIMEOUT_S = 60  # trainer.timeout_s: the collective timeout the job must not exc
 
 def _launch(run_dir: Path, env_extra: dict) -> tuple[int, str, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "recipes.train", "--recipe", "nemotron_vl_tiny", "layout=vision=dp2@0-1;language=dp2@0-1",
+           "-m", "tessera.recipes.train", "--recipe", "nemotron_vl_tiny", "layout=vision=dp2@0-1;language=dp2@0-1",
            "trainer.max_steps=4", "trainer.save_every=1", f"trainer.run_dir={run_dir}",
            f"trainer.timeout_s={TIMEOUT_S}", "trainer.progress=false", "trainer.tensorboard=false",
            "data.seq_length=128"]
@@ -59,7 +59,7 @@ def test_dead_rank_fails_the_job_and_relaunch_resumes(tmp_path):
 
 def test_crash_during_save_keeps_the_last_complete_checkpoint(tmp_path):
     """A save that never completed leaves step_N.partial, which `latest` never names."""
-    from hetero.training.checkpoint import latest_checkpoint
+    from tessera.hetero.training.checkpoint import latest_checkpoint
 
     root = tmp_path / "checkpoints"
     (root / "step_000002").mkdir(parents=True)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hetero.launch import run_on_ranks
-from hetero.training.metrics import read_metrics
+from tessera.hetero.tools.spawn import run_on_ranks
+from tessera.hetero.training.metrics import read_metrics
 
 pytestmark = pytest.mark.multiproc
 
@@ -21,8 +21,8 @@ STEPS = 30
 
 
 def _train(run_dir: str, layout: str, steps: int, save_every: int = 0, resume: bool = True):
-    from recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
-    from recipes.train import train
+    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+    from tessera.recipes.train import train
 
     model = ModelConfig(vision="radio_vit_tiny", audio="fastconformer_tiny")
     data = DataConfig(seq_length=128, rows_per_microbatch=4, microbatches=2)

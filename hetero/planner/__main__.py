@@ -1,10 +1,10 @@
 """Rank layouts for a model on a GPU count by predicted throughput.
 
-    .venv/bin/python -m hetero.planner --llm nemotron_nano_12b_v2 --vision radio_vit_h --gpus 64 --cluster h100
-    .venv/bin/python -m hetero.planner --recipe nemotron_omni_30b_a3b --gpus 128 --seq-length 32768
+    .venv/bin/python -m tessera.hetero.planner --llm nemotron_nano_12b_v2 --vision radio_vit_h --gpus 64 --cluster h100
 
 Prints the top layouts (tokens/s, TFLOPS/GPU, gain over the best homogeneous layout, step breakdown,
 memory, micro batch, recompute) and, last, the best layout as a string for `layout=...`.
+For a recipe (its modules and workload): `nemo tessera plan --factory NAME gpus=128`.
 """
 
 from __future__ import annotations
@@ -13,15 +13,13 @@ import argparse
 import dataclasses
 import sys
 
-from hetero.planner import defaults
-from hetero.planner.cluster import Workload, cluster
-from hetero.planner.model import describe_model
-from hetero.planner.search import format_table, plan_layouts
+from tessera.hetero.planner.cluster import Workload, cluster
+from tessera.hetero.planner.model import describe_model
+from tessera.hetero.planner.search import format_table, plan_layouts
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--recipe", choices=sorted(defaults.RECIPES), help="take modules and workload from a recipe")
     ap.add_argument("--llm")
     ap.add_argument("--vision")
     ap.add_argument("--audio")
@@ -35,14 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ap.add_argument(flag, type=type(f.default), default=None)
     a = ap.parse_args(argv)
-    if a.recipe:
-        r = defaults.RECIPES[a.recipe]
-        model, w = r.model(), r.workload
-    elif a.llm:
+    if a.llm:
         model, w = describe_model(a.llm, a.vision, a.audio), Workload(tiles=16 if a.vision else 0,
                                                                       audio_seconds=60 if a.audio else 0)
     else:
-        ap.error("give --recipe or --llm")
+        ap.error("give --llm (and --vision/--audio); for a recipe: nemo tessera plan --factory NAME")
     w = dataclasses.replace(w, **{f.name: getattr(a, f.name) for f in dataclasses.fields(Workload)
                                   if getattr(a, f.name) is not None})
     preds = plan_layouts(model, w, cluster(a.cluster, a.gpus), a.gpus, top=a.top)

@@ -1,6 +1,6 @@
 """Fit the cost model's free constants to measured step times, and say how well it then ranks layouts.
 
-    from hetero.planner.calibrate import fit
+    from tessera.hetero.planner.calibrate import fit
     report = fit([("vision=dp8@0-7;language=tp4,dp2@0-7", 1.93), ...], model, workload, cluster)
     print(report.table())
 
@@ -23,9 +23,9 @@ import numpy as np
 from scipy.optimize import least_squares
 from scipy.stats import spearmanr
 
-from hetero.planner.cluster import Cluster, Constants, Workload
-from hetero.planner.cost import predict
-from hetero.planner.model import ModelDesc
+from tessera.hetero.planner.cluster import Cluster, Constants, Workload
+from tessera.hetero.planner.cost import predict
+from tessera.hetero.planner.model import ModelDesc
 
 BOUNDS = {"eff_llm": (0.05, 1.0), "eff_vit": (0.05, 1.0), "eff_conformer": (0.05, 1.0), "bw_eff": (0.05, 1.0),
           "msg_overhead_s": (1e-7, 1e-3)}

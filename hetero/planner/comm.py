@@ -6,7 +6,7 @@ all-to-all (p-1)/p; their latency term is 2(p-1) hops inside a node and 2*log2(p
 where NCCL switches to tree/hierarchical algorithms. A group crosses nodes when its ranks, `stride` apart,
 span more than one node.
 
-`boundary_rows` is the closed form of hetero.boundary_plan's row counts when media tokens are spread
+`boundary_rows` is the closed form of hetero.plan.boundary_plan's row counts when media tokens are spread
 evenly over the sequence (tests/test_planner_cost.py checks it against plan_boundary row for row), so the
 search can price thousands of layouts without building plans: per microbatch, how many rows the busiest
 destination rank receives and the busiest source rank sends (forward) and receives (backward).
@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetero.layout import ModuleLayout
-from hetero.planner.cluster import Cluster, Constants
+from tessera.hetero.plan.layout import ModuleLayout
+from tessera.hetero.plan.zigzag import zigzag_chunks
+from tessera.hetero.planner.cluster import Cluster, Constants
 
 
 @dataclass(frozen=True)
@@ -105,9 +106,10 @@ def boundary_rows(src: ModuleLayout, dst: ModuleLayout, samples: int, tokens: fl
                              ss[None, :] / src.dp_size, (ss[None, :] + 1) / src.dp_size)
     rc, sc = np.arange(dst.cp), np.arange(src.cp)
     lo, hi = sc[None, :] / src.cp, (sc[None, :] + 1) / src.cp
-    two = 2 * dst.cp  # zigzag: dst CP rank r holds chunks r and 2cp-1-r of 2cp
-    tok = (_interval_overlap(rc[:, None] / two, (rc[:, None] + 1) / two, lo, hi)
-           + _interval_overlap((two - 1 - rc[:, None]) / two, (two - rc[:, None]) / two, lo, hi))
+    two = 2 * dst.cp
+    first, second = zigzag_chunks(dst.cp, rc[:, None])  # dst CP rank r holds these two of 2cp chunks
+    tok = (_interval_overlap(first / two, (first + 1) / two, lo, hi)
+           + _interval_overlap(second / two, (second + 1) / two, lo, hi))
     total = samples * tokens
     need = total / (dst.dp_size * dst.cp)   # rows every destination rank needs (each TP replica)
     held = total / (src.dp_size * src.cp)   # rows every source rank holds

@@ -31,10 +31,10 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from hetero.layout import LANGUAGE, HeteroLayout, LayoutError, ModelShapes, ModuleLayout
-from hetero.planner import comm
-from hetero.planner.cluster import Cluster, Constants, Workload
-from hetero.planner.model import BF16, ModelDesc, ModuleDesc
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, ModelShapes, ModuleLayout
+from tessera.hetero.planner import comm
+from tessera.hetero.planner.cluster import Cluster, Constants, Workload
+from tessera.hetero.planner.model import BF16, ModelDesc, ModuleDesc
 
 HEADROOM = 0.9        # of HBM usable by tensors (the rest: allocator fragmentation, NCCL and CUDA buffers)
 OPTIM_BYTES = 30      # HBM traffic per local parameter of one Adam step (read 16 B, write 14 B)

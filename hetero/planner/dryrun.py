@@ -1,7 +1,7 @@
 """At-scale dry run: everything a layout needs at N ranks, checked in one process, before any GPU is booked.
 
-    .venv/bin/python -m hetero.planner.dryrun --recipe nemotron_vl_12b --world 1024
-    .venv/bin/python -m hetero.planner.dryrun --layout "vision=dp8@0-7;language=tp4,dp2@8-15" --world 1024 \
+    .venv/bin/python -m tessera.scripts.dryrun --recipe nemotron_vl_12b --world 1024
+    .venv/bin/python -m tessera.scripts.dryrun --layout "vision=dp8@0-7;language=tp4,dp2@8-15" --world 1024 \
         --llm nemotron_nano_12b_v2 --vision radio_vit_h
 
 1. process groups: every module's groups are created with torch's fake backend, as rank p sees them, for a
@@ -12,33 +12,31 @@
 2. boundary plans for every encoder -> language pair (a synthetic microbatch with the layout's real number
    of samples, few media tokens each, uneven and random positions): every element delivered exactly once
    to every rank that needs it in both directions, from a rank that holds it (checked against shard
-   membership derived here, independently of hetero.boundary_plan), and no more rows moved than needed.
-3. the pipeline schedule of every rank via hetero.schedule_plan (build_schedule, check_schedule), when
+   membership derived here, independently of hetero.plan.boundary_plan), and no more rows moved than needed.
+3. the pipeline schedule of every rank via hetero.plan.schedule_plan (build_schedule, check_schedule), when
    that module exists.
 4. per-rank memory from the cost model (hetero.planner.cost.predict).
-`scale_layout(layout, world)` grows a recipe's layout (hetero/planner/defaults.py) to N ranks by DP.
+`scale_layout(layout, world)` grows a recipe's layout (recipes/full_size.py) to N ranks by DP.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import inspect
 import itertools
 import math
 import multiprocessing as mp
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from hetero.boundary_plan import BoundaryBatch, BoundaryPlan, minimum_rows, plan_boundary
-from hetero.layout import LANGUAGE, HeteroLayout, LayoutError, ModuleLayout
-from hetero.planner.cluster import Workload, cluster
-from hetero.planner.cost import predict
-from hetero.planner.model import ModelDesc, describe_model
+from tessera.hetero.plan.boundary_plan import BoundaryBatch, BoundaryPlan, minimum_rows, plan_boundary
+from tessera.hetero.plan.schedule_plan import ScheduleError, build_schedule, check_schedule
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, ModuleLayout
+from tessera.hetero.planner.cluster import Workload, cluster
+from tessera.hetero.planner.cost import predict
+from tessera.hetero.planner.model import ModelDesc, describe_model
 
 
 def scale_layout(layout: HeteroLayout | str, world: int) -> HeteroLayout:
@@ -101,7 +99,7 @@ def check_groups(spec: str, world: int, probes: list[int]) -> list[str]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from hetero.groups import build_module_groups
+    from tessera.hetero.runtime.groups import build_module_groups
 
     layout = HeteroLayout.parse(spec)
     problems, orders = [], []
@@ -253,20 +251,13 @@ def dry_run(layout_str: str, world: int | None = None, microbatches: int = 4, mo
     report.seconds["boundary"] = time.perf_counter() - t
 
     t = time.perf_counter()
+    schedules = build_schedule(layout, microbatches)
     try:
-        from hetero import schedule_plan
-    except ImportError:
-        report.notes.append("schedule check: skipped (hetero.schedule_plan not available)")
-    else:
-        schedules = schedule_plan.build_schedule(layout, microbatches)
-        args = (schedules, layout) if len(inspect.signature(schedule_plan.check_schedule).parameters) > 1 else (
-            schedules,)
-        try:
-            ran = schedule_plan.check_schedule(*args)
-            report.notes.append(f"schedule: {microbatches} microbatches, {sum(map(len, schedules.values()))} ops on "
-                                f"{len(schedules)} ranks, no deadlock, every message received ({ran} run)")
-        except Exception as e:  # noqa: BLE001 - ScheduleError or any failure is the finding
-            report.problems.append(f"schedule: {e}")
+        ran = check_schedule(schedules, layout)
+        report.notes.append(f"schedule: {microbatches} microbatches, {sum(map(len, schedules.values()))} ops on "
+                            f"{len(schedules)} ranks, no deadlock, every message received ({ran} run)")
+    except ScheduleError as e:
+        report.problems.append(f"schedule: {e}")
     report.seconds["schedule"] = time.perf_counter() - t
 
     if future is not None:
@@ -277,33 +268,3 @@ def dry_run(layout_str: str, world: int | None = None, microbatches: int = 4, mo
         report.seconds["groups_wait"] = time.perf_counter() - t
     report.seconds["total"] = time.perf_counter() - t0
     return report
-
-
-def main(argv: list[str] | None = None) -> int:
-    from hetero.planner import defaults
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--recipe", choices=sorted(defaults.RECIPES), help="a recipe's default layout and model")
-    ap.add_argument("--layout", help="a layout string (hetero/layout.py grammar)")
-    ap.add_argument("--world", type=int, help="scale the layout by data parallelism to this many ranks")
-    ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--llm")
-    ap.add_argument("--vision")
-    ap.add_argument("--audio")
-    ap.add_argument("--cluster", default="h100")
-    a = ap.parse_args(argv)
-    if a.recipe:
-        r = defaults.RECIPES[a.recipe]
-        spec, model, workload = a.layout or r.layout, r.model(), r.workload
-    elif a.layout:
-        spec, workload = a.layout, Workload()
-        model = describe_model(a.llm, a.vision, a.audio) if a.llm else None
-    else:
-        ap.error("give --recipe or --layout")
-    report = dry_run(spec, a.world, a.microbatches, model, workload, a.cluster)
-    print(report)
-    return 0 if report.ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,11 +11,11 @@ one stage) and every module's DP dividing the run's rows per microbatch.
 
 from __future__ import annotations
 
-from hetero.layout import HeteroLayout, LayoutError, ModelShapes
-from hetero.planner.cluster import Workload, cluster
-from hetero.planner.defaults import RECIPES
-from hetero.planner.model import describe_model
-from hetero.planner.search import format_table, search
+from tessera.hetero.plan.layout import HeteroLayout, LayoutError, ModelShapes
+from tessera.hetero.planner.cluster import Workload, cluster
+from tessera.recipes.full_size import RECIPES
+from tessera.hetero.planner.model import describe_model
+from tessera.hetero.planner.search import format_table, search
 
 
 def workload_for_run(cfg) -> Workload:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models import configs, encoders
+from tessera.models import configs, encoders
 
 BF16 = 2
 

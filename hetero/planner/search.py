@@ -1,6 +1,6 @@
 """Search layouts for a GPU count, rank them by predicted throughput, compare with the best homogeneous one.
 
-    from hetero.planner import plan_layouts, format_table, describe_model, Workload, cluster
+    from tessera.hetero.planner import plan_layouts, format_table, describe_model, Workload, cluster
     preds = plan_layouts(describe_model("nemotron_nano_12b_v2", "radio_vit_h"), Workload(tiles=16), cluster("h100"), 64)
     print(format_table(preds))
 
@@ -27,10 +27,10 @@ import dataclasses
 import math
 from itertools import product
 
-from hetero.layout import LANGUAGE, HeteroLayout, ModuleLayout
-from hetero.planner.cluster import Cluster, Constants, Workload
-from hetero.planner.cost import GIB, HEADROOM, Prediction, module_cost, predict
-from hetero.planner.model import ModelDesc, ModuleDesc
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, ModuleLayout
+from tessera.hetero.planner.cluster import Cluster, Constants, Workload
+from tessera.hetero.planner.cost import GIB, HEADROOM, Prediction, module_cost, predict
+from tessera.hetero.planner.model import ModelDesc, ModuleDesc
 
 MAX_CP, MAX_PP, MAX_EP, MIN_TOKENS_PER_CP_RANK = 16, 8, 64, 4096
 SPLITS = (1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 5 / 16, 3 / 8, 1 / 2)
@@ -173,7 +173,7 @@ def plan_layouts(model_desc: ModelDesc, workload: Workload, cluster: Cluster, gp
 
 
 def best_layout(model_desc: ModelDesc, workload: Workload, cluster: Cluster, gpus: int) -> str:
-    """The best predicted layout as a hetero/layout.py string (for `layout=auto`)."""
+    """The best predicted layout as a hetero/plan/layout.py string (for `layout=auto`)."""
     preds = plan_layouts(model_desc, workload, cluster, gpus, top=1)
     if not preds:
         raise ValueError(f"no feasible layout for {model_desc.name} on {gpus} GPUs of {cluster.name}; "

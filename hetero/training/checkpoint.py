@@ -27,9 +27,9 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-from hetero.groups import ModuleGroups
-from hetero.layout import LANGUAGE
-from models.nemotron_h_hf import _mamba_parts
+from tessera.hetero.runtime.groups import ModuleGroups
+from tessera.hetero.plan.layout import LANGUAGE
+from tessera.models.nemotron_h_hf import _mamba_parts
 
 LATEST = "latest"
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import subprocess
 import sys
 import time
@@ -23,19 +22,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from data.loader import close_loader
-from data.sharding import decode_plan
-from hetero.boundary import BoundaryCommunicator
-from hetero.groups import build_module_groups, destroy_module_groups
-from hetero.layout import LANGUAGE, HeteroLayout, ModelShapes
-from hetero.schedules import hetero_step
-from hetero.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from hetero.training.metrics import RunMetrics
-from hetero.training.model_build import (build_rank_modules, encoder_names, full_hf_state, llm_fields,
+from tessera.data.loader import close_loader
+from tessera.data.sharding import decode_plan
+from tessera.hetero.runtime.boundary import BoundaryCommunicator
+from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, ModelShapes
+from tessera.hetero.runtime.step_executor import hetero_step
+from tessera.hetero.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tessera.hetero.training.loader_state import decode_loader_state, encode_loader_state
+from tessera.hetero.training.metrics import RunMetrics
+from tessera.hetero.training.model_build import (build_rank_modules, encoder_names, full_hf_state, llm_fields,
                                          load_full_state, module_configs)
-from hetero.training.optim import ModuleOptimizers, lr_at
-from hetero.training.stages import LanguageStage, MediaEncoderStage, global_token_count
-from models.encoders import encoder_config
+from tessera.hetero.training.optim import ModuleOptimizers, lr_at
+from tessera.hetero.training.stages import LanguageStage, MediaEncoderStage, global_token_count
+from tessera.models.encoders import encoder_config
 
 
 def default_layout(keys: list[str], world: int) -> str:
@@ -48,7 +48,7 @@ def resolve_layout(cfg, world: int, hf_fields: dict) -> HeteroLayout:
     keys = sorted(encoder_names(cfg.model)) + [LANGUAGE]
     spec = cfg.layout or default_layout(keys, world)
     if spec == "auto":
-        from hetero.planner.for_run import best_layout_for_run
+        from tessera.hetero.planner.for_run import best_layout_for_run
 
         spec = best_layout_for_run(cfg, world)
     layout = HeteroLayout.parse(spec)
@@ -64,7 +64,7 @@ def resolve_layout(cfg, world: int, hf_fields: dict) -> HeteroLayout:
 
 def _dataset(cfg, rank: int):
     """(dataset path, tokenizer path): the configured dataset, or the synthetic one (made by rank 0)."""
-    from data.pipeline import synthetic_dataset
+    from tessera.data.pipeline import synthetic_dataset
 
     if cfg.data.path is not None:
         tok = cfg.data.tokenizer or str(Path(cfg.data.path) / "tokenizer.model")
@@ -93,8 +93,8 @@ def _source_llm_fields(source: str | None) -> dict | None:
 
 
 def _export_hf(ckpt_root: Path, out: str) -> None:
-    """Rank 0, after the final checkpoint: scripts/convert_hf.py in its own one-rank process."""
-    cmd = [sys.executable, "-m", "scripts.convert_hf", "--checkpoint", str(ckpt_root), "--out", out]
+    """Rank 0, after the final checkpoint: hetero/training/hf_export.py in its own one-rank process."""
+    cmd = [sys.executable, "-m", "tessera.hetero.training.hf_export", str(ckpt_root), out]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode:
         raise RuntimeError(f"HF export failed ({' '.join(cmd)}):\n{res.stderr[-3000:]}")
@@ -110,8 +110,8 @@ def _maybe_fail(step: int, rank: int) -> None:
 
 
 def run_training(cfg, run_dir: Path) -> dict:
-    from data.pipeline import build_train_loader
-    from data.tokens import Tokenizer
+    from tessera.data.pipeline import build_train_loader
+    from tessera.data.tokens import Tokenizer
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
@@ -131,7 +131,7 @@ def run_training(cfg, run_dir: Path) -> dict:
         load_checkpoint(latest_checkpoint(cfg.model.checkpoint), modules, None, groups, configs)
     else:
         if cfg.model.checkpoint:
-            from models.nemotron_h_hf import load_hf_state_dict
+            from tessera.models.nemotron_h_hf import load_hf_state_dict
 
             full = load_hf_state_dict(cfg.model.checkpoint)
         else:
@@ -149,7 +149,7 @@ def run_training(cfg, run_dir: Path) -> dict:
     last = latest_checkpoint(ckpt_root) if cfg.trainer.resume else None
     if last is not None:
         common = load_checkpoint(last, modules, opt, groups, configs)
-        start, loader_state = common["step"], pickle.loads(common["loader"])
+        start, loader_state = common["step"], decode_loader_state(common["loader"])
         if rank == 0:
             print(f"resumed from {last} (step {start}, saved in layout {common['layout']})", flush=True)
 
@@ -195,8 +195,9 @@ def run_training(cfg, run_dir: Path) -> dict:
         done = step + 1 == cfg.trainer.max_steps
         if done or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
             save_checkpoint(ckpt_root, step + 1, modules, opt, groups, configs,
-                            # pickled and JSON so the common state stays torch.load(weights_only=True)-safe
-                            {"loader": pickle.dumps(loader.save_state_rank()), "layout": str(layout),
+                            # all text, so the common state is torch.load(weights_only=True)-safe and the
+                            # loader state is data, never a pickle (hetero/training/loader_state.py)
+                            {"loader": encode_loader_state(loader.save_state_rank()), "layout": str(layout),
                              "config": json.dumps(asdict(cfg)), "llm_hf_config": json.dumps(hf_fields)})
 
     close_loader(loader)

@@ -18,17 +18,17 @@ import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from hetero.groups import DENSE_GROUPS, EXPERT_GROUPS, ModuleGroups
-from hetero.kernels import select_kernels
-from hetero.layout import LANGUAGE, HeteroLayout
-from hetero.vocab_parallel_ce import vocab_parallel_cross_entropy_for
-from models.configs import REGISTRY as LLM_REGISTRY, hf_fields as llm_hf_fields
-from models.encoders import REGISTRY as ENCODER_REGISTRY
-from models.hybrid_llm import HybridLM
-from models.multimodal import MultimodalModel, build_media_module
-from models.multimodal_hf import (PROJECTOR_ROOT, export_hf, sound_from_hf, vision_from_hf, _load_params,
+from tessera.hetero.runtime.groups import DENSE_GROUPS, EXPERT_GROUPS, ModuleGroups
+from tessera.hetero.parallel.kernel_choice import select_kernels
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
+from tessera.hetero.parallel.vocab_parallel_ce import vocab_parallel_cross_entropy_for
+from tessera.models.configs import REGISTRY as LLM_REGISTRY, hf_fields as llm_hf_fields
+from tessera.models.encoders import REGISTRY as ENCODER_REGISTRY
+from tessera.models.hybrid_llm import HybridLM
+from tessera.models.multimodal import MultimodalModel, build_media_module
+from tessera.models.multimodal_hf import (PROJECTOR_ROOT, export_hf, sound_from_hf, vision_from_hf, _load_params,
                                   _params_only)
-from models.nemotron_h_hf import hybrid_config_from_hf, load_into
+from tessera.models.nemotron_h_hf import hybrid_config_from_hf, load_into
 
 _single_rank_pgs: ProcessGroupCollection | None = None
 
@@ -108,7 +108,7 @@ def build_rank_modules(model_cfg, layout: HeteroLayout, groups: dict[str, Module
         else:
             if layout[key].cp > 1 or layout[key].pp > 1:
                 raise ValueError(f"layout: {key}={layout[key].to_spec()}: training runs the real encoders as one "
-                                 f"pipeline stage without context parallelism (cp1, pp1; hetero.verify checks "
+                                 f"pipeline stage without context parallelism (cp1, pp1; hetero.tools.verify checks "
                                  f"encoder CP/PP on its reference chain); use tp/dp for {key}")
             if key != "vision" and layout[key].tp > 1:
                 raise ValueError(f"layout: {key}=tp{layout[key].tp}: the {names[key]} encoder has no tensor "

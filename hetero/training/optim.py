@@ -4,7 +4,7 @@
     ... hetero_step(...)                       # backward of every microbatch
     stats = opt.step(lr_scale)                 # sync, clip, update, zero; returns grad norm and lrs
 
-Why not megatron's DistributedDataParallel + get_megatron_optimizer (hetero/cpu_shims.py notes): on CPU
+Why not megatron's DistributedDataParallel + get_megatron_optimizer (hetero/runtime/cpu_shims.py notes): on CPU
 their optimizer creates tensors on 'cuda' (optimizer.py:481/907) and clip_grads asserts CUDA tensor types
 (clip_grads.py:167); their grad norm combines only the groups of one model, while modules on disjoint rank
 sets need a norm across modules; and their sharded optimizer state is keyed by parameter identity, which
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from hetero.groups import ModuleGroups
+from tessera.hetero.runtime.groups import ModuleGroups
 
 
 def lr_at(step: int, max_steps: int, warmup: int, min_ratio: float) -> float:

@@ -1,4 +1,4 @@
-"""Glue between the single-device models and the step executor (hetero/schedules.py).
+"""Glue between the single-device models and the step executor (hetero/runtime/step_executor.py).
 
 An encoder stage encodes the media of its DP rows of a microbatch; a language stage runs this rank's
 TP/CP/PP piece of the hybrid LLM on its DP rows and zigzag CP positions. The models never see a process
@@ -16,10 +16,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from data.packing import PackedBatch
-from data.sharding import dp_rows
-from hetero.cp_attention import zigzag_positions
-from hetero.layout import ModuleLayout, RankCoord
+from tessera.data.packing import PackedBatch
+from tessera.data.sharding import dp_rows
+from tessera.hetero.plan.zigzag import zigzag_positions
+from tessera.hetero.plan.layout import ModuleLayout, RankCoord
 
 IGNORE = -100
 
@@ -31,7 +31,7 @@ def global_token_count(batches: list[PackedBatch]) -> int:
 
 class MediaEncoderStage:
     """One encoder's stage (PP=1): [tokens, llm_hidden] embeddings of this rank's rows, in (row, position)
-    order — the source order hetero.boundary_plan expects."""
+    order — the source order hetero.plan.boundary_plan expects."""
 
     def __init__(self, module, key: str, layout: ModuleLayout, coord: RankCoord, batches: list[PackedBatch]):
         self.module, self.key, self.layout, self.coord, self.batches = module, key, layout, coord, batches

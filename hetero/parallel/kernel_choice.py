@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hetero.cp_core_attention import ZigzagCPCoreAttention
-from hetero.cp_mamba import ZigzagCPMamba2Mixer
-from models.core_attention import SDPACoreAttention
-from models.mamba2 import Mamba2Mixer
+from tessera.hetero.parallel.cp_attention_module import ZigzagCPCoreAttention
+from tessera.hetero.parallel.cp_mamba import ZigzagCPMamba2Mixer
+from tessera.models.sdpa_attention import SDPACoreAttention
+from tessera.models.mamba2 import Mamba2Mixer
 
 log = logging.getLogger("tessera.kernels")
 

@@ -1,8 +1,8 @@
-"""Recipe families' full-size modules, workloads and default layouts, as plain data (recipes import these).
+"""Full-size recipe families' modules, workloads and default layouts, as plain data (recipes/registry.py).
 
-Each default layout was picked with the planner (`python -m hetero.planner ...` at the recipe's GPU count,
+Each default layout was picked with the planner (`python -m tessera.hetero.planner ...` at the recipe's GPU count,
 best layout of the recipe's placement with power-of-two sizes) and passes HeteroLayout.validate; the dry
-run (`python -m hetero.planner.dryrun --recipe NAME --world 1024`) scales it by data parallelism.
+run (`python -m tessera.scripts.dryrun --recipe NAME --world 1024`) scales it by data parallelism.
 
     nemotron_vl_12b        RADIO ViT-H + Nemotron Nano 12B V2, images: 24 tiles (6144 tokens) per 16K row
     nemotron_video_12b     same modules, video: 32 frames (8192 tokens) per 16K row; the LLM pipelines (pp2)
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetero.planner.cluster import Workload
-from hetero.planner.model import ModelDesc, describe_model
+from tessera.hetero.planner.cluster import Workload
+from tessera.hetero.planner.model import ModelDesc, describe_model
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class RecipeDefaults:
     audio: str | None
     gpus: int
     workload: Workload
-    layout: str                 # hetero/layout.py grammar, on `gpus` ranks
+    layout: str                 # hetero/plan/layout.py grammar, on `gpus` ranks
 
     def model(self) -> ModelDesc:
         return describe_model(self.llm, self.vision, self.audio)

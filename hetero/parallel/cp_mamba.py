@@ -2,7 +2,7 @@
 (causal conv1d and SSD scan) made exact across CP ranks in the zigzag layout.
 
 Layout: the sequence is cut into 2*cp chunks; CP rank r holds chunks r and 2cp-1-r (as the CP attention,
-hetero/cp_core_attention.py). Everything in the mixer except the conv and the scan is per token, so only
+hetero/parallel/cp_attention_module.py). Everything in the mixer except the conv and the scan is per token, so only
 those two need the other ranks.
 
 Scheme chosen: state passing, computed in parallel, not gathering the sequence.
@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hetero.cp_attention import gather_rows
-from models.mamba2 import Mamba2Mixer, causal_depthwise_conv1d, ssd_chunk_scan
+from tessera.hetero.parallel.cp_gather_attention import gather_rows
+from tessera.models.mamba2 import Mamba2Mixer, causal_depthwise_conv1d, ssd_chunk_scan
 
 
 def _entry(chunk: int, cp: int) -> int:

@@ -1,13 +1,13 @@
 """Context-parallel core attention for the hybrid LLM: a megatron-core spec submodule on top of
-hetero/cp_attention.py, for the zigzag layout.
+hetero/parallel/cp_gather_attention.py, for the zigzag layout.
 
 megatron's own CP attention is Transformer Engine only (GPU). This class has the constructor and forward
-of a megatron core attention (see models/core_attention.py), so it plugs in through
+of a megatron core attention (see models/sdpa_attention.py), so it plugs in through
 `build_hybrid_layer_specs(config, core_attention=ZigzagCPCoreAttention)` and finds its CP group in the
 injected pg_collection; models/ never sees torch.distributed.
 
 Layout: the global sequence of length S = cp * s_local is cut into 2*cp equal chunks and CP rank r holds
-chunks r and 2cp-1-r, in that order (hetero.cp_attention.zigzag_positions). Every rank all-gathers K and
+chunks r and 2cp-1-r, in that order (hetero.parallel.cp_gather_attention.zigzag_positions). Every rank all-gathers K and
 V over the CP group (differentiable; backward sums each rank's K/V gradient over the group) and masks
 by *global* position: query at global position i sees keys at global positions <= i. The global
 positions of every rank follow from (S, cp), so they are computed, not communicated. The batch
@@ -24,22 +24,8 @@ import torch.distributed as dist
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from hetero.cp_attention import gather_rows, masked_attention, zigzag_positions
-
-
-def zigzag_rank_positions(local_len: int, cp: int) -> list[np.ndarray]:
-    """Global positions held by each CP rank when every rank holds `local_len` tokens."""
-    return [zigzag_positions(local_len * cp, cp, r) for r in range(cp)]
-
-
-def zigzag_unshard(gathered: torch.Tensor, cp: int, dim: int = 0) -> torch.Tensor:
-    """Inverse of zigzag sharding: `gathered` is every rank's slice concatenated in rank order along
-    `dim`; returns the tensor in natural sequence order."""
-    local = gathered.shape[dim] // cp
-    order = torch.as_tensor(np.concatenate(zigzag_rank_positions(local, cp)), device=gathered.device)
-    out = torch.empty_like(gathered)
-    out.index_copy_(dim, order, gathered)
-    return out
+from tessera.hetero.parallel.cp_gather_attention import gather_rows, masked_attention
+from tessera.hetero.plan.zigzag import zigzag_positions, zigzag_rank_positions
 
 
 class ZigzagCPCoreAttention(MegatronModule):

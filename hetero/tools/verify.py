@@ -1,9 +1,9 @@
 """Check a heterogeneous layout before a big job: hetero-parallel forward/backward == single device.
 
-    torchrun --nproc-per-node 4 -m hetero.verify --layout "vision=dp4@0-3;language=tp2,cp2@0-3"
-    torchrun --nproc-per-node 4 -m hetero.verify --layout "vision=tp2@0-1;audio=cp2@2-3;language=tp2,pp2@..."
+    torchrun --nproc-per-node 4 -m tessera.hetero.tools.verify --layout "vision=dp4@0-3;language=tp2,cp2@0-3"
+    torchrun --nproc-per-node 4 -m tessera.hetero.tools.verify --layout "vision=tp2@0-1;audio=cp2@2-3;language=tp2,pp2@..."
 
-Builds the small encoders -> projector -> boundary -> LLM chain of hetero.verify_chain in the layout (real
+Builds the small encoders -> projector -> boundary -> LLM chain of hetero.tools.verify_chain_model in the layout (real
 megatron-core TP layers, CP attention, PP stages, one boundary communicator per encoder), runs one
 forward and backward, runs the same model in this process on one device with the same weights and batch,
 and prints the max relative error of the output, the loss and every parameter gradient, plus the boundary
@@ -25,14 +25,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hetero.boundary import BoundaryCommunicator
-from hetero.boundary_plan import BoundaryBatch, source_shard
-from hetero.cp_attention import zigzag_positions
-from hetero.cpu_shims import apply_cpu_shims, default_backend
-from hetero.groups import build_module_groups, destroy_module_groups
-from hetero.schedules import hetero_step, reduce_gradients
-from hetero.layout import LANGUAGE, HeteroLayout, LayoutError, ModelShapes
-from hetero.verify_chain import (ChainDims, ParallelEncoder, ParallelLanguage, encoder_token_meta, make_weights,
+from tessera.hetero.runtime.boundary import BoundaryCommunicator
+from tessera.hetero.plan.boundary_plan import BoundaryBatch, source_shard
+from tessera.hetero.plan.zigzag import zigzag_positions
+from tessera.hetero.runtime.cpu_shims import apply_cpu_shims, default_backend
+from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
+from tessera.hetero.runtime.step_executor import hetero_step, reduce_gradients
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, ModelShapes
+from tessera.hetero.tools.verify_chain_model import (ChainDims, ParallelEncoder, ParallelLanguage, encoder_token_meta, make_weights,
                                  reference_forward, sharded_reference_grad)
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
@@ -81,7 +81,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class _EncoderStage:
-    """Glue: one rank's encoder stage reading its own rows of each microbatch (hetero.schedules)."""
+    """Glue: one rank's encoder stage reading its own rows of each microbatch (hetero.runtime.step_executor)."""
 
     def __init__(self, module, layout_m, coord, micro, key, dims, dev):
         self.module, self.m, self.c, self.micro, self.key, self.dims, self.dev = \
@@ -141,7 +141,7 @@ def run_verify(spec: str, seed: int = 1234, dtype=torch.float32, dims: ChainDims
                microbatches: int = 1) -> dict:
     """Run the check on every rank of an initialised world; results are global (identical on all ranks).
 
-    With several microbatches the step accumulates gradients over them through hetero.schedules, and the
+    With several microbatches the step accumulates gradients over them through hetero.runtime.step_executor, and the
     reference is the single-device model over the same microbatches."""
     layout = validated_layout(spec, dims, dist.get_world_size())
     lang, rank = layout[LANGUAGE], dist.get_rank()

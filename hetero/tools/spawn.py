@@ -18,7 +18,7 @@ def _worker(rank, world, store, fn, args, queue):
     import torch
     import torch.distributed as dist
 
-    from hetero.cpu_shims import apply_cpu_shims, default_backend
+    from tessera.hetero.runtime.cpu_shims import apply_cpu_shims, default_backend
 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)

@@ -1,15 +1,26 @@
-"""The distributed half of `python -m models.parity`: process groups, the TP/PP/CP forward of HybridLM on
-a fixed batch, and the comparison with transformers (models/parity.py holds the single-device parts and
-the command line, and imports this module by name when the command runs).
+"""Logit parity of our HybridLM against transformers' NemotronH on a local HF checkpoint.
 
-`compare(hf_dir, pg_collection)` only uses the groups it is given, so tests call it from their own gloo
-worlds; `run(args)` is the command: it sets up torch.distributed from torchrun's environment (or a
-one-rank world) and megatron's groups for tp x cp x pp ranks.
+    python -m tessera.hetero.tools.parity --hf-dir DIR                                        # one process
+    torchrun --nproc-per-node 2 -m tessera.hetero.tools.parity --hf-dir DIR --tp 2            # TP=2 (gloo on CPU)
+    torchrun --nproc-per-node 2 -m tessera.hetero.tools.parity --hf-dir DIR --cp 2            # CP=2, zigzag
+    torchrun --nproc-per-node 4 -m tessera.hetero.tools.parity --hf-dir DIR --tp 2 --cp 2     # (or --tp 2 --pp 2)
+
+Every rank loads its TP/PP shard of DIR into HybridLM and takes its zigzag CP slice of a fixed random
+batch; the batch runs through the stages, the last stage gathers the logits over TP (vocab) and CP
+(sequence) and compares them with NemotronHForCausalLM (float32, torch path) loaded from the same DIR.
+max_rel_err = max|ours - ref| / max|ref| over all logits. Rank 0 prints the verdict last:
+    parity: PASS max_rel_err=<float>      (exit 0)      parity: FAIL max_rel_err=<float> > tol (exit 1)
+
+models/hf_reference.py holds the single-device parts (batch, transformers' logits); this module the process
+groups, the TP/PP/CP forward of HybridLM and the comparison. `compare(hf_dir, pg_collection)` only uses the
+groups it is given, so tests call it from their own gloo worlds.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 import tempfile
 
 import torch
@@ -18,13 +29,13 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-from hetero.cp_attention import gather_rows, zigzag_shard
-from hetero.cp_core_attention import zigzag_unshard
-from hetero.cpu_shims import apply_cpu_shims, default_backend
-from hetero.kernels import select_kernels
-from models.hybrid_llm import HybridLM
-from models.nemotron_h_hf import hybrid_config_from_hf, load_hf_state_dict, load_into
-from models.parity import BATCH, fixed_batch, max_rel_err, reference_logits, seq_length
+from tessera.hetero.parallel.cp_gather_attention import gather_rows
+from tessera.hetero.plan.zigzag import zigzag_shard, zigzag_unshard
+from tessera.hetero.runtime.cpu_shims import apply_cpu_shims, default_backend
+from tessera.hetero.parallel.kernel_choice import select_kernels
+from tessera.models.hybrid_llm import HybridLM
+from tessera.models.nemotron_h_hf import hybrid_config_from_hf, load_hf_state_dict, load_into
+from tessera.models.hf_reference import BATCH, fixed_batch, max_rel_err, reference_logits, seq_length
 
 
 def _size(group) -> int:
@@ -33,7 +44,7 @@ def _size(group) -> int:
 
 def build_model(hf_dir: str, pg_collection: ProcessGroupCollection, kernels=None) -> HybridLM:
     """This rank's HybridLM with its TP/PP shard of the checkpoint and the kernels chosen for it
-    (`kernels`: a hetero.kernels.Kernels, chosen here when None)."""
+    (`kernels`: a hetero.parallel.kernel_choice.Kernels, chosen here when None)."""
     tp, pp, cp = _size(pg_collection.tp), _size(pg_collection.pp), _size(pg_collection.cp)
     config = hybrid_config_from_hf(hf_dir, tp=tp, pp=pp, cp=cp)
     kernels = kernels or select_kernels(pg_collection)
@@ -107,7 +118,7 @@ def _init_from_env(tp: int, pp: int, cp: int) -> ProcessGroupCollection:
 
 
 def run(args) -> int:
-    """`python -m models.parity` after argument parsing (see models/parity.py for the usage)."""
+    """The command after argument parsing."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     pg_collection = _init_from_env(args.tp, args.pp, args.cp)
     kernels = select_kernels(pg_collection)
@@ -121,3 +132,21 @@ def run(args) -> int:
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return 0 if ok else 1
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hf-dir", required=True, help="local dir with config.json + *.safetensors")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size (zigzag)")
+    parser.add_argument("--tol", type=float, default=1e-4, help="max relative error allowed (fp32)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

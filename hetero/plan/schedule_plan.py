@@ -3,7 +3,7 @@
     schedules = build_schedule(HeteroLayout.parse("vision=dp2@0-1;language=tp2,pp2@2-5"), microbatches=4)
     check_schedule(schedules, layout)     # raises ScheduleError on a deadlock or an unmatched message
 
-Pure function of (layout, number of microbatches): hetero/schedules.py executes it on real process
+Pure function of (layout, number of microbatches): hetero/runtime/step_executor.py executes it on real process
 groups, and the at-scale dry run checks it for thousands of ranks without any.
 
 The LLM runs one-forward-one-backward (1F1B) over its PP stages: stage s does min(P - s - 1, M) warm-up
@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-from hetero.layout import LANGUAGE, HeteroLayout
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ from typing import Sequence
 
 import numpy as np
 
-from hetero.layout import ModuleLayout
+from tessera.hetero.plan.zigzag import zigzag_local_offset, zigzag_owner
+from tessera.hetero.plan.layout import ModuleLayout
 
 
 class BoundaryError(ValueError):
@@ -176,12 +177,12 @@ def _elements(src: ModuleLayout, dst: ModuleLayout, batch: BoundaryBatch, dst_fo
     dst_dp = sample // (n // dst.dp_size)
     chunk_len = seq // (2 * dst.cp)
     chunk = pos // chunk_len
-    dst_cp = np.where(chunk < dst.cp, chunk, 2 * dst.cp - 1 - chunk)
+    dst_cp = zigzag_owner(chunk, dst.cp)
     if dst_format == "tokens":
         dst_row = _rank_in_group(dst_dp * dst.cp + dst_cp)
     elif dst_format == "dense":
         # local slot: the rank's first chunk then its mirrored chunk, each chunk_len long
-        slot = np.where(chunk < dst.cp, pos - chunk * chunk_len, chunk_len + pos - chunk * chunk_len)
+        slot = zigzag_local_offset(pos, seq, dst.cp)
         local_sample = sample - dst_dp * (n // dst.dp_size)
         dst_row = local_sample * (seq // dst.cp) + slot
     else:

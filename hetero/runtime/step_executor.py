@@ -1,4 +1,4 @@
-"""Executes one training step's schedule (hetero/schedule_plan.py) on this rank's process groups.
+"""Executes one training step's schedule (hetero/plan/schedule_plan.py) on this rank's process groups.
 
 The plan says what each rank runs and in which order (colocated three-phase step, non-colocated
 cross-module pipeline, LLM 1F1B); this module only carries tensors between the ops:
@@ -22,11 +22,11 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from hetero.boundary import BoundaryCommunicator
-from hetero.boundary_plan import BoundaryBatch
-from hetero.groups import ModuleGroups
-from hetero.layout import LANGUAGE, HeteroLayout
-from hetero.schedule_plan import rank_schedule
+from tessera.hetero.runtime.boundary import BoundaryCommunicator
+from tessera.hetero.plan.boundary_plan import BoundaryBatch
+from tessera.hetero.runtime.groups import ModuleGroups
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
+from tessera.hetero.plan.schedule_plan import rank_schedule
 
 
 class EncoderStage(Protocol):

@@ -17,20 +17,6 @@ import torch
 import torch.distributed as dist
 
 
-def zigzag_positions(seq_length: int, cp: int, cp_rank: int) -> np.ndarray:
-    """Global positions held by CP rank `cp_rank`: chunk r then chunk 2cp-1-r of 2cp equal chunks."""
-    chunk = seq_length // (2 * cp)
-    first = np.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
-    second = np.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk)
-    return np.concatenate([first, second]) if cp > 1 else np.arange(seq_length)
-
-
-def zigzag_shard(x: torch.Tensor, cp: int, cp_rank: int, dim: int) -> torch.Tensor:
-    """This CP rank's zigzag slice of a full-sequence tensor along `dim`."""
-    idx = torch.as_tensor(zigzag_positions(x.shape[dim], cp, cp_rank), device=x.device)
-    return x.index_select(dim, idx)
-
-
 class _GatherRows(torch.autograd.Function):
     """All-gather along dim 0 with per-rank row counts (ranks may hold different numbers of rows).
 

@@ -1,4 +1,4 @@
-"""The small encoders -> projector -> boundary -> LLM chain that `hetero.verify` runs two ways.
+"""The small encoders -> projector -> boundary -> LLM chain that `hetero.tools.verify` runs two ways.
 
 `reference_forward` is the single-device model: plain tensors, full weights. `ParallelEncoder` and
 `ParallelLanguage` build one rank's part of the same model in its module's layout from megatron-core
@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-from hetero.boundary_plan import BoundaryBatch
-from hetero.cp_attention import context_parallel_attention, masked_attention
-from hetero.layout import LANGUAGE, HeteroLayout
+from tessera.hetero.plan.boundary_plan import BoundaryBatch
+from tessera.hetero.parallel.cp_gather_attention import context_parallel_attention, masked_attention
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Boundary communicator: runs a boundary plan as an autograd op (thin executor of hetero.boundary_plan).
+"""Boundary communicator: runs a boundary plan as an autograd op (thin executor of hetero.plan.boundary_plan).
 
 Forward materialises the destination layout from the source layout; backward routes the gradient back
 so every source rank gets exactly the gradient a single-device model would give it. Point-to-point only,
@@ -21,9 +21,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hetero.boundary_plan import (BoundaryBatch, BoundaryPlan, DirectionPlan, Transfer, minimum_rows,
+from tessera.hetero.plan.boundary_plan import (BoundaryBatch, BoundaryPlan, DirectionPlan, Transfer, minimum_rows,
                                   plan_boundary)
-from hetero.layout import ModuleLayout
+from tessera.hetero.plan.layout import ModuleLayout
 
 
 MIN_SEGMENT_ROWS = 16  # below this mean run length, one gathered message beats many small ones

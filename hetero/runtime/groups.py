@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core.hyper_comm_grid import HyperCommGrid
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from hetero.layout import GRID_DIMS, HeteroLayout, ModuleLayout, RankCoord
+from tessera.hetero.plan.layout import GRID_DIMS, HeteroLayout, ModuleLayout, RankCoord
 
 # (collection field, grid dims); dims listed fastest first as in GRID_DIMS
 DENSE_GROUPS = (

@@ -1,0 +1,203 @@
+"""Dataset preparation as library code: a JSONL manifest, a media folder or a synthetic generator in,
+webdataset shards + energon's index out. scripts/prepare_data.py is its command line; the training loop's
+synthetic data set (data/pipeline.py) calls make_synthetic directly.
+
+Each sample becomes KEY.json ({"conversation", "media": [{"kind", "field"}]}) plus one member per media
+item (KEY.img0.jpg, KEY.vid0.mp4, KEY.aud0.flac). `energon prepare` (run in-process) then writes
+DIR/.nv-meta (tar indexes for random access, split.yaml, dataset.yaml with CrudeWebdataset).
+Items that cannot be read are skipped and counted with their reason; preparation never stops on one.
+"""
+
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import random
+import sys
+from collections import Counter
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import numpy as np
+import soundfile as sf
+import webdataset as wds
+from PIL import Image, ImageDraw
+
+KIND_OF_EXT = {".jpg": "image", ".jpeg": "image", ".png": "image", ".webp": "image", ".mp4": "video",
+               ".mkv": "video", ".webm": "video", ".wav": "audio", ".flac": "audio", ".ogg": "audio"}
+PROMPTS = {"image": "<image>\nDescribe the image.", "video": "<video>\nWhat happens in this video?",
+           "audio": "<audio>\nTranscribe or describe the audio."}
+FIELD_PREFIX = {"image": "img", "video": "vid", "audio": "aud"}
+
+
+def _media_item(kind: str, path: Path) -> tuple[str, str, bytes]:
+    return kind, path.suffix.lower().lstrip(".").replace("jpeg", "jpg"), path.read_bytes()
+
+
+def records_from_manifest(manifest: Path, skipped: Counter):
+    """Yield (key, conversation, [(kind, ext, bytes)]) per usable manifest line; count the rest."""
+    root = manifest.parent
+    for n, line in enumerate(manifest.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            key = str(rec.get("id", f"{manifest.stem}_{n:07d}"))
+            if "conversation" in rec:
+                media = [_media_item(m["kind"], root / m["path"]) for m in rec.get("media", [])]
+                yield key, rec["conversation"], media
+            else:
+                kind = next(k for k in ("image", "video", "audio") if k in rec)
+                yield key, caption_chat(kind, rec["caption"]), [_media_item(kind, root / rec[kind])]
+        except (OSError, KeyError, StopIteration, ValueError, TypeError) as e:
+            skipped[f"{type(e).__name__}"] += 1
+            print(f"[prepare] skip line {n + 1} of {manifest}: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def records_from_folder(folder: Path, skipped: Counter):
+    for path in sorted(folder.rglob("*")):
+        kind = KIND_OF_EXT.get(path.suffix.lower())
+        if kind is None:
+            if path.is_file() and path.suffix != ".txt":
+                skipped["unknown_extension"] += 1
+            continue
+        caption = path.with_suffix(".txt")
+        if not caption.exists():
+            skipped["no_caption"] += 1
+            print(f"[prepare] skip {path}: no caption file {caption.name}", file=sys.stderr)
+            continue
+        key = str(path.relative_to(folder).with_suffix("")).replace("/", "_").replace(".", "_")
+        yield key, caption_chat(kind, caption.read_text().strip()), [_media_item(kind, path)]
+
+
+def caption_chat(kind: str, caption: str) -> list[dict]:
+    return [{"role": "user", "content": PROMPTS[kind]}, {"role": "assistant", "content": caption}]
+
+
+def write_shards(records, out: Path, shard_size: int) -> Counter:
+    """Write samples with webdataset's ShardWriter; returns counts by media kind."""
+    out.mkdir(parents=True, exist_ok=True)
+    counts: Counter = Counter()
+    with wds.ShardWriter(str(out / "shard-%06d.tar"), maxcount=shard_size, verbose=0) as sink:
+        for key, conversation, media in records:
+            sample, fields = {"__key__": key}, []
+            for i, (kind, ext, data) in enumerate(media):
+                field = f"{FIELD_PREFIX[kind]}{i}.{ext}"
+                sample[field] = data
+                fields.append({"kind": kind, "field": field})
+                counts[kind] += 1
+            sample["json"] = json.dumps({"conversation": conversation, "media": fields}).encode()
+            sink.write(sample)
+            counts["samples"] += 1
+    return counts
+
+
+def energon_prepare(out: Path) -> None:
+    """`energon prepare` via its click command: one split (train), CrudeWebdataset samples."""
+    import contextlib
+
+    from megatron.energon.tools.prepare import command
+
+    # It echoes sample previews meant for interactive use; keep them out of the report unless it fails.
+    chatter = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(chatter):
+            command.main([str(out), "--non-interactive", "--split-ratio", "1,0,0", "--sample-type", "CrudeWebdataset",
+                          "--force-overwrite", "--no-progress", "--num-workers", "1"], standalone_mode=False)
+    except BaseException:
+        print(chatter.getvalue(), file=sys.stderr)
+        raise
+
+
+# --- synthetic data: small but real encoded media, varied shapes, rates and channel counts -------------
+
+COLORS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220), "yellow": (230, 210, 40),
+          "white": (245, 245, 245), "black": (15, 15, 15)}
+SIZES = [(640, 480), (300, 900), (1024, 256), (200, 200), (800, 600), (480, 640)]
+
+
+def synth_image(rng: random.Random) -> tuple[bytes, str, str]:
+    (w, h), (fg, bg) = rng.choice(SIZES), rng.sample(sorted(COLORS), 2)
+    img = Image.new("RGB", (w, h), COLORS[bg])
+    draw, shape = ImageDraw.Draw(img), rng.choice(["circle", "square", "stripe"])
+    box = (w // 4, h // 4, 3 * w // 4, 3 * h // 4)
+    {"circle": draw.ellipse, "square": draw.rectangle, "stripe": lambda b, fill: draw.rectangle(
+        (0, h // 2 - h // 10, w, h // 2 + h // 10), fill=fill)}[shape](box, fill=COLORS[fg])
+    fmt = rng.choice(["jpg", "png"])
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG" if fmt == "jpg" else "PNG", quality=85)
+    return buf.getvalue(), fmt, f"A {fg} {shape} on a {bg} background, {w} by {h} pixels."
+
+
+def synth_video(rng: random.Random) -> tuple[bytes, str, str]:
+    frames, (w, h), color = rng.randint(4, 24), rng.choice([(128, 96), (96, 128), (160, 90)]), rng.choice(
+        sorted(COLORS))
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        stream.time_base = Fraction(1, 8)
+        for t in range(frames):
+            arr = np.zeros((h, w, 3), dtype=np.uint8)
+            x = int((w - 24) * t / max(frames - 1, 1))
+            arr[h // 2 - 12:h // 2 + 12, x:x + 24] = COLORS[color]
+            frame = av.VideoFrame.from_ndarray(arr, format="rgb24")
+            frame.pts = t
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return buf.getvalue(), "mp4", f"A {color} square moves from left to right over {frames / 8:.1f} seconds."
+
+
+def synth_audio(rng: random.Random) -> tuple[bytes, str, str]:
+    rate, seconds, channels = rng.choice([16000, 22050, 44100, 8000]), rng.choice([0.5, 1.0, 1.7, 3.0]), rng.choice(
+        [1, 2])
+    freq = rng.choice([220, 330, 440, 660, 880])
+    t = np.arange(int(rate * seconds)) / rate
+    wave = 0.3 * np.sin(2 * math.pi * freq * t) * np.minimum(1, 10 * t)
+    wave = np.stack([wave] * channels, axis=1).astype(np.float32)
+    fmt = rng.choice(["wav", "flac"])
+    buf = io.BytesIO()
+    sf.write(buf, wave, rate, format=fmt.upper())
+    return buf.getvalue(), fmt, f"A steady {freq} hertz tone lasting {seconds} seconds."
+
+
+SYNTH = {"image": synth_image, "video": synth_video, "audio": synth_audio}
+
+
+def synthetic_records(n: int, seed: int, prefix: str = "syn", kinds=("image", "video", "audio", "chat")):
+    """n samples cycling through captions of each kind and multi-turn chats with two media items."""
+    rng = random.Random(seed)
+    for i in range(n):
+        kind = kinds[i % len(kinds)]
+        key = f"{prefix}_{i:06d}"
+        if kind != "chat":
+            data, ext, text = SYNTH[kind](rng)
+            yield key, caption_chat(kind, text), [(kind, ext, data)]
+            continue
+        a, b = rng.sample(["image", "video", "audio"], 2)
+        (da, ea, ta), (db, eb, tb) = SYNTH[a](rng), SYNTH[b](rng)
+        conversation = [
+            {"role": "system", "content": "You are a helpful multimodal assistant."},
+            {"role": "user", "content": f"Look at this: <{a}>"},
+            {"role": "assistant", "content": ta},
+            {"role": "user", "content": f"And this one? <{b}> How do they differ?"},
+            {"role": "assistant", "content": f"The second one: {tb}"},
+        ]
+        yield key, conversation, [(a, ea, da), (b, eb, db)]
+
+
+def make_synthetic(out: Path, samples: int = 96, seed: int = 0, shard_size: int = 16, prefix: str = "syn",
+                   tokenizer: bool = True) -> Counter:
+    """Synthetic shards + index (+ tokenizer.model trained on the texts); used by tests and the benchmark."""
+    records = list(synthetic_records(samples, seed, prefix))
+    counts = write_shards(iter(records), out, shard_size)
+    energon_prepare(out)
+    if tokenizer:
+        from tessera.data.tokens import train_sentencepiece
+
+        texts = [t["content"] for _, conv, _ in records for t in conv] * 4
+        train_sentencepiece(texts + ["user\n", "assistant\n", "system\n"], out / "tokenizer", vocab_size=400)
+    return counts
