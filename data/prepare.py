@@ -81,7 +81,9 @@ def write_shards(records, out: Path, shard_size: int) -> Counter:
     """Write samples with webdataset's ShardWriter; returns counts by media kind."""
     out.mkdir(parents=True, exist_ok=True)
     counts: Counter = Counter()
-    with wds.ShardWriter(str(out / "shard-%06d.tar"), maxcount=shard_size, verbose=0) as sink:
+    written: set[str] = set()
+    with wds.ShardWriter(str(out / "shard-%06d.tar"), maxcount=shard_size, verbose=0,
+                         post=lambda fname: written.add(Path(fname).name)) as sink:
         for key, conversation, media in records:
             sample, fields = {"__key__": key}, []
             for i, (kind, ext, data) in enumerate(media):
@@ -92,11 +94,67 @@ def write_shards(records, out: Path, shard_size: int) -> Counter:
             sample["json"] = json.dumps({"conversation": conversation, "media": fields}).encode()
             sink.write(sample)
             counts["samples"] += 1
+    for p in remove_stale_shards(out, written):
+        print(f"[prepare] removed {p} (left by an earlier run, not written by this one)", file=sys.stderr)
     return counts
 
 
+class ShardError(ValueError):
+    """A shard in the output folder that energon cannot index; the message names it and the fix."""
+
+
+def check_shard(path: Path) -> str | None:
+    """None if `path` is a complete tar with at least one sample; else what is wrong with it, in words.
+
+    Reads member headers only (tarfile seeks over the data); a member whose data runs past the end of the
+    file, a header cut in two and an archive with no members are what an interrupted write, a full disk
+    or a partial copy leave, and what energon otherwise reports as a bare `Shard ... has no samples`."""
+    import tarfile
+
+    size = path.stat().st_size
+    members = 0
+    try:
+        with tarfile.open(path, mode="r:") as tar:
+            for m in tar:
+                if m.offset_data + m.size > size:
+                    return (f"truncated: member {m.name} needs {m.offset_data + m.size} bytes but the file ends at "
+                            f"{size}")
+                members += m.isfile()
+    except (tarfile.TarError, EOFError, OSError) as e:
+        return f"unreadable ({type(e).__name__}: {e})" + (f" after {members} complete members" if members else "")
+    if members == 0:
+        return "no samples (an empty or cut-off tar)"
+    return None
+
+
+def check_shards(out: Path) -> list[str]:
+    """One line per bad shard-*.tar in `out`, each naming the shard, the problem and what to do."""
+    bad = []
+    for shard in sorted(Path(out).glob("*.tar")):
+        why = check_shard(shard)
+        if why:
+            bad.append(f"{shard}: {why}; delete it and re-run scripts/prepare_data.py into an empty --out "
+                       f"(or restore the shard from its source), then the index is rebuilt")
+    return bad
+
+
+def remove_stale_shards(out: Path, written: set[str]) -> list[Path]:
+    """shard-*.tar files in `out` this run did not write (a previous, larger or interrupted run): removed so
+    that energon prepare, which indexes every tar in the folder, sees only this run's shards."""
+    stale = [p for p in sorted(Path(out).glob("shard-*.tar")) if p.name not in written]
+    for p in stale:
+        p.unlink()
+    return stale
+
+
 def energon_prepare(out: Path) -> None:
-    """`energon prepare` via its click command: one split (train), CrudeWebdataset samples."""
+    """`energon prepare` via its click command: one split (train), CrudeWebdataset samples.
+
+    Every tar in `out` is checked first (check_shards): a bad one raises ShardError naming it, instead of
+    energon's bare assertion."""
+    bad = check_shards(out)
+    if bad:
+        raise ShardError(f"{len(bad)} shard(s) in {out} cannot be indexed:\n" + "\n".join(f"  {b}" for b in bad))
     import contextlib
 
     from megatron.energon.tools.prepare import command
@@ -107,8 +165,11 @@ def energon_prepare(out: Path) -> None:
         with contextlib.redirect_stdout(chatter):
             command.main([str(out), "--non-interactive", "--split-ratio", "1,0,0", "--sample-type", "CrudeWebdataset",
                           "--force-overwrite", "--no-progress", "--num-workers", "1"], standalone_mode=False)
-    except BaseException:
+    except BaseException as e:
         print(chatter.getvalue(), file=sys.stderr)
+        if isinstance(e, AssertionError):  # energon's checks are bare asserts: say where and what to do
+            raise ShardError(f"energon prepare failed on {out}: {e} Check the shards (a cut-off or empty tar), "
+                             f"or re-run scripts/prepare_data.py into an empty --out") from e
         raise
 
 

@@ -63,6 +63,15 @@ REGISTRY = {
 }
 
 
+# Families whose layers are megatron tensor-parallel (the ViTs); the conformers run with tp1.
+TENSOR_PARALLEL_FAMILIES = frozenset({"radio", "siglip"})
+
+
+def has_tensor_parallel(name: str) -> bool:
+    """Whether encoder `name` can be split over tensor-parallel ranks."""
+    return REGISTRY[name]["family"] in TENSOR_PARALLEL_FAMILIES
+
+
 def encoder_config(name: str, **overrides) -> dict:
     """A copy of the registered config `name` with `overrides` applied (unknown fields are refused,
     since a typo would otherwise silently build the default architecture)."""

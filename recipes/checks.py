@@ -1,11 +1,12 @@
 """Checks that run before anything is launched: registry names, override keys, the layout against the model.
 
     from tessera.recipes.checks import check_run
-    layout = check_run(cfg.model, cfg.data, cfg.layout, world_size=4)   # HeteroLayout, or a ValueError
+    layout = check_run(cfg, world_size=4)   # HeteroLayout, or a ValueError naming the field and the fix
 
 Every error names what was wrong and lists what exists, so a typo on the CLI fails in a second on the
-submitting machine instead of minutes later on every rank of a cluster job. Plain data only (no torch,
-no process groups): the registries are dicts and HeteroLayout.validate is a pure function.
+submitting machine instead of minutes later on every rank of a cluster job. The layout is resolved by the
+one function the trainer uses too (hetero/planner/run_layout.resolve_run_layout), so what passes here is
+exactly what trains. Plain data only (no torch, no process groups).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import dataclasses
 import re
 import typing
 
-from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, ModelShapes
+from tessera.hetero.plan.layout import HeteroLayout
+from tessera.hetero.planner.run_layout import resolve_run_layout
+from tessera.hetero.training.run_modules import ENCODER_KEYS, module_specs
 from tessera.models import configs, encoders
 
-MODALITIES = ("vision", "audio")  # the encoder module keys of a ModelConfig and of a layout
+MODALITIES = ENCODER_KEYS  # the encoder module keys of a ModelConfig and of a layout
 
 
 def encoder_names(modality: str | None = None) -> list[str]:
@@ -30,61 +33,13 @@ def llm_names() -> list[str]:
 
 def check_names(model) -> None:
     """model.llm / model.vision / model.audio must be registered names of the right modality."""
-    if model.llm not in configs.REGISTRY:
-        raise ValueError(f"unknown LLM model.llm={model.llm!r}; registered LLMs (models/configs.py): "
-                         f"{', '.join(llm_names())}")
-    for modality in MODALITIES:
-        name = getattr(model, modality)
-        if name is None:
-            continue
-        if name not in encoders.REGISTRY:
-            raise ValueError(f"unknown encoder model.{modality}={name!r}; registered {modality} encoders "
-                             f"(models/encoders.py): {', '.join(encoder_names(modality))}")
-        if encoders.REGISTRY[name]["modality"] != modality:
-            raise ValueError(f"model.{modality}={name!r} is an encoder of modality "
-                             f"{encoders.REGISTRY[name]['modality']!r}; {modality} encoders: "
-                             f"{', '.join(encoder_names(modality))}")
+    module_specs(model)
 
 
-def module_keys(model) -> list[str]:
-    """The layout's module keys this model needs: its encoders, then the LLM."""
-    return [m for m in MODALITIES if getattr(model, m) is not None] + [LANGUAGE]
-
-
-def resolve_layout(layout: str, model, world_size: int) -> HeteroLayout:
-    """The layout string as a HeteroLayout; "" means every module data-parallel on all `world_size` ranks."""
-    if not layout:
-        layout = ";".join(f"{k}=dp{world_size}@0-{world_size - 1}" for k in module_keys(model))
-    return HeteroLayout.parse(layout)
-
-
-def shapes(model, data) -> ModelShapes:
-    """What layout validation needs from the registered module sizes and the batch."""
-    heads, kv = {}, {}
-    llm = configs.REGISTRY[model.llm]
-    heads[LANGUAGE], kv[LANGUAGE] = llm["num_attention_heads"], llm["num_key_value_heads"]
-    for m in MODALITIES:
-        name = getattr(model, m)
-        if name is not None and "heads" in encoders.REGISTRY[name]:
-            heads[m] = encoders.REGISTRY[name]["heads"]
-    return ModelShapes(heads=heads, kv_heads=kv, seq_length=data.seq_length,
-                       samples_per_microbatch=data.rows_per_microbatch)
-
-
-def check_run(model, data, layout: str, world_size: int | None = None) -> HeteroLayout:
-    """Names, module keys, and the layout validated against the model and batch (optionally the world)."""
-    check_names(model)
-    if not layout and world_size is None:
-        raise ValueError('layout "" needs the launched world size to expand to every-module DP')
-    hl = resolve_layout(layout, model, world_size or 0)
-    want, have = set(module_keys(model)), set(hl.modules)
-    if want != have:
-        missing, extra = sorted(want - have), sorted(have - want)
-        raise LayoutError(
-            f"layout {layout!r} does not match the model's modules {module_keys(model)}"
-            + (f": no entry for {missing}" if missing else "") + (f": {extra} not in the model" if extra else "")
-            + "; give every module (model.vision / model.audio set to None drop theirs) one KEY=FIELDS@FIRST-LAST")
-    return hl.validate(shapes(model, data), world_size=world_size)
+def check_run(cfg, world_size: int) -> HeteroLayout:
+    """Names, module keys, and the layout resolved and validated for `world_size` ranks (trainability included)."""
+    check_names(cfg.model)
+    return resolve_run_layout(cfg, world_size)
 
 
 # ---- override keys --------------------------------------------------------------------------------------

@@ -15,12 +15,9 @@ and prints one line naming what is wrong and what exists (nemo-run's own errors 
 """
 
 
-import dataclasses
 import functools
 import inspect
 import re
-import types
-import typing
 from dataclasses import dataclass
 
 import fiddle as fdl
@@ -28,45 +25,13 @@ import nemo_run as run
 from nemo_run.cli import cli_parser
 from nemo_run.cli.api import RunContext
 
-from tessera.recipes import checks, executors, registry
-from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+from tessera.hetero.plan.layout import HeteroLayout
+from tessera.recipes import checks, executors, prelaunch, registry
+from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+from tessera.recipes.overrides import apply_overrides  # noqa: F401  (also teaches nemo-run's parser our field types)
 
 NAMESPACE = "tessera"
 
-
-
-def _teach_parser(*classes) -> None:
-    """Let nemo-run parse overrides of these dataclasses' fields.
-
-    nemo-run 0.11.1 parses a value by its field's annotation object. recipes/config.py has
-    `from __future__ import annotations`, so every annotation is a *string* ("int", "str | None"), which the
-    parser refuses in strict mode (`trainer.max_steps=20` -> "Unsupported type: int"); and it knows
-    typing.Union but not PEP 604's types.UnionType. So: register, for each annotation string, a parser
-    that parses with the resolved type, PEP 604 unions rewritten as typing.Union."""
-    tp = cli_parser.type_parser
-
-    def parse_as(t):
-        if isinstance(t, types.UnionType):
-            t = typing.Union[typing.get_args(t)]
-        if typing.get_origin(t) is tuple:  # tuples are given as lists: optim.betas=[0.9,0.99]
-            item = typing.List[typing.get_args(t)[0]]
-            return lambda value, _ann: tuple(tp.parse(value, item))
-        return lambda value, _ann: tp.parse(value, t)
-
-    for cls in classes:
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if isinstance(f.type, str) and f.type not in tp.custom_parsers:
-                tp.register_parser(f.type)(parse_as(hints[f.name]))
-
-
-_teach_parser(ModelConfig, DataConfig, OptimConfig, TrainerConfig, RunConfig)
-
-
-def apply_overrides(cfg: run.Config, overrides: list[str]) -> run.Config:
-    """`key=value` overrides applied to a recipe's run.Config[RunConfig] with the CLI's checks and parser."""
-    checks.check_overrides(RunConfig, overrides)
-    return cli_parser.parse_cli_args(cfg, list(overrides)) if overrides else cfg
 
 
 @dataclass(kw_only=True)
@@ -80,10 +45,48 @@ class TesseraRunContext(RunContext):
         checks.check_names(task.model)
         if fn.__name__ == "plan":  # nothing is launched: no executor to size
             return task
-        layout_world = checks.resolve_layout(task.layout, task.model, 1).world_size if task.layout else None
+        spec = (task.layout or "").strip()
+        layout_world = HeteroLayout.parse(spec).world_size if spec and spec != "auto" else None
         world = executors.fit_executor(getattr(self, "executor", None), layout_world)
-        checks.check_run(task.model, task.data, task.layout, world_size=world)
+        layout = checks.check_run(task, world)
+        if spec != str(layout):  # "", auto, a scaled or completed layout: every rank gets the resolved one
+            print(f"layout: {layout} ({world} ranks{', chosen by the planner' if spec == 'auto' else ''})",
+                  flush=True)
+            task.layout = str(layout)
+        prelaunch.check_inputs(task, getattr(self, "executor", None), dryrun=self.dryrun)
         return task
+
+    def _execute_task(self, fn, task_args):
+        """nemo-run's task path (parse, dry run, confirm, launch), but the job's outcome is the exit status.
+
+        nemo-run's run.run() waits for the job and returns nothing, so `nemo` exited 0 whatever the ranks
+        did. Here the same Experiment is run, and a job that did not end SUCCEEDED (local torchrun's exit
+        code, Slurm's sacct state) prints the failing rank's last lines and exits 1. Direct runs (no
+        executor: an exception already exits 1), --detach, --repl and --to-yaml/... stay nemo-run's."""
+        if self.direct or self.detach or self.repl or any([self.to_yaml, self.to_toml, self.to_json]) \
+                or getattr(self, "executor", None) is None:
+            return super()._execute_task(fn, task_args)
+        from nemo_run.cli.api import RunContextError
+        from rich.console import Console
+
+        console = Console()
+        task = self.parse_fn(fn, task_args)
+        if fn.__name__ != "plan":
+            executors.request_gpus(self.executor, task.model)
+        run.dryrun_fn(task, executor=self.executor)
+        if self.dryrun:
+            console.print(f"[bold cyan]Dry run for {self.name}:[/bold cyan]")
+            return
+        if not self._should_continue(self.skip_confirmation):
+            console.print("[bold cyan]Exiting...[/bold cyan]")
+            return
+        console.print(f"[bold cyan]Launching {self.name}...[/bold cyan]")
+        with run.Experiment(title=self.name, executor=self.executor) as exp:
+            exp.add(task, tail_logs=True, plugins=getattr(self, "plugins", None), name=self.name)
+            exp.run(detach=False)
+        failure = executors.job_failure(exp)
+        if failure:
+            raise RunContextError(failure)
 
     def parse_executor(self, name, *args):
         """`run.executor=NAME run.executor.k=v ...`: k that are the factory's arguments go to the factory
@@ -142,12 +145,11 @@ def plan(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: Trai
          name: str = "tessera", gpus: int = 0, cluster: str = "h100", top: int = 10) -> str:
     """Print the top layouts for `gpus` GPUs of `cluster` (0: the recipe's own layout size) with the
     predicted gain over the best homogeneous layout; nothing is launched."""
-    from tessera.hetero.plan.layout import HeteroLayout
-    from tessera.hetero.planner.for_run import plan_table_for_run
+    from tessera.hetero.planner.run_layout import plan_table_for_run
     from tessera.recipes.config import RunConfig
 
     cfg = RunConfig(name, layout, model, data, optim, trainer)
-    gpus = gpus or (HeteroLayout.parse(layout).world_size if layout else 8)
+    gpus = gpus or (HeteroLayout.parse(layout).world_size if layout and layout != "auto" else 8)
     table = plan_table_for_run(cfg, gpus, cluster, top)
     print(f"{name}: top layouts on {gpus} x {cluster}\n{table}", flush=True)
     return table

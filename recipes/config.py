@@ -36,6 +36,11 @@ class DataConfig:
     max_tiles: int = 2                      # image tiles per image (plus thumbnail)
     video_frames: int = 4
     seed: int = 1234
+    # media per packed row as the layout planner prices it (layout=auto, `nemo tessera plan`); None = from
+    # the fields above (max_tiles + thumbnail tiles, video_frames when pruning video, 30 s of audio)
+    tiles_per_row: float | None = None
+    frames_per_row: float | None = None
+    audio_seconds_per_row: float | None = None
 
 
 @dataclass

@@ -18,6 +18,7 @@ e.g. run.executor.mem=0 or run.executor.exclusive=true), as nemo-run does.
 """
 
 import os
+import re
 import sys
 from typing import Optional
 
@@ -25,6 +26,15 @@ import nemo_run as run
 from nemo_run.core.packaging import GitArchivePackager
 
 CPU_DEFAULT_WORLD = 4  # layout "" on a machine without GPUs: the 4-rank CPU layouts of the tiny recipes
+# Slurm defaults (nemo-run's SlurmExecutor fields): a 4-hour allocation (a common partition maximum; a 20,000-step
+# recipe spans several), requeued up to 3 times (nemo-run's sbatch script runs `scontrol requeue` after a
+# non-zero exit while SLURM_RESTART_COUNT < retries; it submits with --requeue, so preemption requeues too),
+# and SIGTERM to the ranks 5 minutes before the limit (--signal=TERM@300): the run then ends as a failure
+# that is requeued instead of being killed with its batch script. A requeued job keeps its id, and
+# recipes/train.py names the run directory after it, so it resumes from its last checkpoint (save_every).
+DEFAULT_TIME = "04:00:00"
+DEFAULT_RETRIES = 3
+DEFAULT_SIGNAL = "TERM@300"
 
 
 def gpu_count() -> int:
@@ -48,9 +58,12 @@ def local(ntasks_per_node: int = 0) -> run.Config[run.LocalExecutor]:
 
 @run.cli.factory(name="slurm")
 def slurm(account: str = "", partition: Optional[str] = None, nodes: int = 1, gpus_per_node: Optional[int] = None,
-          time: str = "01:00:00", container_image: Optional[str] = None, ssh_host: str = "", ssh_user: str = "",
+          time: str = DEFAULT_TIME, retries: int = DEFAULT_RETRIES, signal: Optional[str] = DEFAULT_SIGNAL,
+          container_image: Optional[str] = None, ssh_host: str = "", ssh_user: str = "",
           ssh_identity: Optional[str] = None, remote_job_dir: str = "") -> run.Config[run.SlurmExecutor]:
-    """sbatch + torchrun; LocalTunnel on the cluster, SSHTunnel when ssh_host is set."""
+    """sbatch + torchrun; LocalTunnel on the cluster, SSHTunnel when ssh_host is set. time: the job's limit;
+    retries: requeues after a failed, timed-out or preempted run (each resumes from the last checkpoint);
+    signal: sent to the ranks ahead of the limit so the run ends as a failure that is requeued."""
     env = {} if gpus_per_node else {"OMP_NUM_THREADS": "1"}
     if ssh_host:
         if not remote_job_dir:
@@ -68,8 +81,9 @@ def slurm(account: str = "", partition: Optional[str] = None, nodes: int = 1, gp
         env["PATH"] = f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"
     # ntasks_per_node=0: filled in from the layout (or gpus_per_node) by fit_executor before submission
     return run.Config(run.SlurmExecutor, account=account, partition=partition, nodes=nodes,
-                      gpus_per_node=gpus_per_node, ntasks_per_node=0, time=time, container_image=container_image,
-                      launcher="torchrun", tunnel=tunnel, packager=packager, env_vars=env)
+                      gpus_per_node=gpus_per_node, ntasks_per_node=0, time=time, retries=retries, signal=signal,
+                      container_image=container_image, launcher="torchrun", tunnel=tunnel, packager=packager,
+                      env_vars=env)
 
 
 EXECUTORS = {"local": local, "slurm": slurm}
@@ -114,3 +128,97 @@ def _fit_slurm(ex, layout_world: int | None) -> int:
             f"ntasks_per_node) so they multiply to {layout_world}, or change the layout")
     ex.ntasks_per_node = tasks  # torchrun launcher turns this into 1 task running `torchrun --nproc-per-node tasks`
     return nodes * tasks
+
+
+
+def request_gpus(executor, model) -> None:
+    """GPUs per node for a Slurm job, from the layout: a GPU recipe (full-size model, or bf16) without
+    run.executor.gpus_per_node requests one GPU per rank (the ranks per node fit_executor derived from the
+    layout); one with gpus_per_node=0 is refused. A CPU recipe without it runs on CPUs, and says so."""
+    if not isinstance(executor, run.SlurmExecutor):
+        return
+    from tessera.recipes.prelaunch import is_full_size
+
+    gpu_recipe = is_full_size(model) or model.dtype != "float32"
+    tasks = executor.ntasks_per_node
+    if executor.gpus_per_node is None and not executor.gpus_per_task:
+        if gpu_recipe:
+            if not tasks:
+                raise ValueError(f"{model.llm} ({model.dtype}) is a GPU recipe but run.executor=slurm knows no "
+                                 f"GPUs per node: set run.executor.gpus_per_node=N")
+            executor.gpus_per_node = tasks
+            executor.env_vars.pop("OMP_NUM_THREADS", None)
+            print(f"slurm: requesting {tasks} GPUs per node (one per rank of the layout); "
+                  f"run.executor.gpus_per_node=N overrides", file=sys.stderr, flush=True)
+        else:
+            print(f"slurm: no GPUs requested ({model.llm} is a CPU-sized recipe); set "
+                  f"run.executor.gpus_per_node={tasks or 'N'} to run it on GPUs", file=sys.stderr, flush=True)
+    elif executor.gpus_per_node == 0 and gpu_recipe:
+        raise ValueError(f"{model.llm} ({model.dtype}) is a GPU recipe but run.executor.gpus_per_node=0; set it to "
+                         f"the GPUs per node ({tasks or 'N'}: one per rank)")
+
+
+# ---- the outcome of a launched job ------------------------------------------------------------------------
+
+_LINE_PREFIX = re.compile(r"^(?:\S+/\d+ )?\[default(\d+)\]:(?:\[rank\d+\]:)?")  # "role/0 [default1]:[rank1]: "
+_ROOT = re.compile(r"Root Cause.*?rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\).*?exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def failing_rank_report(logs: str, tail: int = 15) -> str:
+    """From a torchrun job's combined log: the root-cause rank (torchrun's summary), its exit code and its
+    last lines, plus the last error line of every other rank that raised."""
+    lines = logs.splitlines()
+    m = _ROOT.search(logs)
+    out = []
+    by_rank: dict[int, list[str]] = {}
+    for line in lines:
+        pm = _LINE_PREFIX.match(line.strip("\r"))
+        if pm:
+            text = line[pm.end():].rstrip()
+            if text.strip():
+                by_rank.setdefault(int(pm.group(1)), []).append(text)
+    if m:
+        rank, local, code = int(m.group(1)), int(m.group(2)), int(m.group(3))
+        how = (f"killed by signal {-code}" + (" (SIGKILL: out of memory, or killed from outside?)" if code == -9 else "")
+               if code < 0 else f"exit code {code}")
+        out.append(f"failing rank {rank} (torchrun's first failure): {how}; its last lines:")
+        out += [f"  [rank {rank}] {t}" for t in by_rank.get(local, [])[-tail:]] or ["  (it printed nothing)"]
+    for r, texts in sorted(by_rank.items()):
+        errs = [t for t in texts if re.match(r"^\s*[\w.]*(Error|Exception|Interrupt)\b.*:", t)]
+        if errs and not (m and r == int(m.group(2))):
+            out.append(f"  rank {r} raised: {errs[-1].strip()[:300]}")
+    if not out:  # not a torchrun summary (the launcher itself failed): the log's last lines
+        out = ["last lines of the job's log:"] + [f"  {t}" for t in [l for l in lines if l.strip()][-tail:]]
+    return "\n".join(out)
+
+
+def job_failure(exp) -> str | None:
+    """None when every job of a finished nemo-run Experiment SUCCEEDED; else a message with the failing
+    rank's last lines (printed to stderr as well). States come from nemo-run: torchrun's exit code for
+    run.LocalExecutor, sacct for run.SlurmExecutor."""
+    import io
+
+    from nemo_run.run.logs import get_logs
+    from torchx.specs import AppState
+
+    problems = []
+    for job in exp.jobs:
+        states = list(getattr(job, "states", None) or [getattr(job, "state", None)])
+        if states and all(s == AppState.SUCCEEDED for s in states):
+            continue
+        handles = list(getattr(job, "handles", None) or [job.handle])
+        report = ""
+        for handle in handles:
+            buf = io.StringIO()
+            try:
+                get_logs(buf, identifier=handle, regex=None, should_tail=False)
+            except Exception as e:  # no logs to read back (never started): say so, the state still counts
+                buf.write(f"(could not read the job's logs: {e})")
+            report += failing_rank_report(buf.getvalue())
+        state = ", ".join(str(s).split(".")[-1] for s in states)
+        problems.append(f"job {job.id} ended {state} (logs: {job.executor.job_dir})\n{report}")
+    if not problems:
+        return None
+    text = "\n".join(problems)
+    print(text, file=sys.stderr, flush=True)
+    return f"the job did not succeed: {text.splitlines()[0]}"

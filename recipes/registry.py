@@ -25,7 +25,7 @@ from typing import Callable
 
 import nemo_run as run
 
-from tessera.hetero.plan.layout import HeteroLayout
+from tessera.hetero.plan.layout import HeteroLayout, scale_layout
 from tessera.recipes.full_size import RECIPES as PLANNED  # the planner's layout per full-size recipe
 from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
@@ -51,11 +51,9 @@ _FALLBACK_LAYOUTS: dict[str, dict[int, str]] = {
 
 def full_layout(recipe_name: str, gpus: int) -> str:
     """The default layout of a full-size recipe on `gpus` GPUs: the planner's, grown by DP when `gpus` is a
-    multiple of its GPU count (hetero.planner.dryrun.scale_layout), else the fallback table's."""
+    multiple of its GPU count (hetero.plan.layout.scale_layout), else the fallback table's."""
     planned = PLANNED.get(recipe_name)
     if planned is not None and gpus % planned.gpus == 0:
-        from tessera.hetero.planner.dryrun import scale_layout
-
         return str(scale_layout(planned.layout, gpus))
     table = _FALLBACK_LAYOUTS[recipe_name]
     if gpus not in table:
@@ -157,7 +155,11 @@ def _full(name: str, gpus: int, llm: str, audio: str | None) -> run.Config[RunCo
         layout=layout,
         # the global batch stays the planner's as GPUs grow: more DP means fewer microbatches per step
         data=run.Config(DataConfig, path=None, seq_length=seq_length, rows_per_microbatch=rows,
-                        microbatches=max(1, global_batch // rows), num_workers=2, max_tiles=12, video_frames=8),
+                        microbatches=max(1, global_batch // rows), num_workers=2, max_tiles=12, video_frames=8,
+                        # what the planner prices (layout=auto, nemo tessera plan): the family's media per row
+                        tiles_per_row=planned.workload.tiles if planned else None,
+                        frames_per_row=planned.workload.frames if planned else None,
+                        audio_seconds_per_row=planned.workload.audio_seconds if planned else None),
         optim=run.Config(OptimConfig, lr=1e-4, weight_decay=0.05, warmup_steps=200, clip_grad=1.0),
         trainer=run.Config(TrainerConfig, max_steps=20000, log_every=10, save_every=1000, timeout_s=1800),
     )
@@ -214,7 +216,7 @@ def build_recipe_kwargs(name: str, overrides: list[str] = ()) -> dict:
     goes to a full-size base; the rest are checked and parsed as on the CLI."""
     import fiddle as fdl
 
-    from tessera.recipes.cli import apply_overrides  # lazily: recipes.cli imports this module
+    from tessera.recipes.overrides import apply_overrides  # lazily: nemo-run's parser loads only when used
 
     kwargs = {}
     rest = []

@@ -8,6 +8,13 @@ Runs under torchrun (one process per rank; gloo on CPU, NCCL on GPU) or as one p
 (`nemo tessera pretrain|finetune --factory ...` is the user-facing command; it ends up here.)
 The first line a run prints is `run_dir: <path>`; torch.distributed is set up and the run directory agreed
 on before anything heavy is imported, so nothing can print before it.
+
+A launched rank (RANK in the environment: torchrun, Slurm) leaves no process behind however it ends: it
+starts a small reaper first (_start_reaper), which outlives it and, once the rank is gone (normal end,
+exception, SIGKILL), kills what the rank started and left running (the checkpoint writer's multiprocessing
+children, ...): every process carrying the rank's token in its environment or in the rank's process group.
+Under Slurm, run_dir defaults to runs/<name>-slurm<job id>, so a requeued job (time-out, preemption,
+run.executor.retries) resumes from its own last checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +30,68 @@ import torch
 import torch.distributed as dist
 
 from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+
+
+REAPER_TOKEN = "TESSERA_REAPER_TOKEN"  # set by a rank for its descendants: "<rank pid>-<random>"
+REAPER_GRACE_S = 3.0  # after the rank is gone, how long its leftovers get to exit on their own
+
+# The reaper: stdlib only (python -I -S: no site, no venv import cost). Ignores the signals a launcher sends
+# a process group (torchrun: SIGTERM; Ctrl-C: SIGINT) so it outlives the rank, polls for the rank's death
+# (its parent changes), waits REAPER_GRACE_S for helpers to exit on their own, then SIGKILLs the rest: every
+# process whose environment holds the token (what the rank exec'd after setting it: spawn/forkserver
+# children, subprocesses) or, when the rank led its own session (torchrun workers, Slurm tasks), whose
+# process group is the rank's (plain fork children, whose /proc environ is the rank's original one).
+_REAPER = r"""
+import os, signal, sys, time
+rank, entry, group, grace = int(sys.argv[1]), sys.argv[2].encode(), sys.argv[3] == "1", float(sys.argv[4])
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)
+while os.getppid() == rank:
+    time.sleep(0.2)
+
+def leftovers():
+    me, out = os.getpid(), []
+    for p in os.listdir("/proc"):
+        if not p.isdigit() or int(p) == me:
+            continue
+        try:
+            if group and os.getpgid(int(p)) == rank:
+                out.append(int(p))
+                continue
+            with open(f"/proc/{p}/environ", "rb") as f:
+                if entry in f.read().split(b"\0"):
+                    out.append(int(p))
+        except OSError:
+            pass
+    return out
+
+end = time.monotonic() + grace
+while leftovers() and time.monotonic() < end:
+    time.sleep(0.1)
+for pid in leftovers():
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+def _start_reaper() -> None:
+    """Once per launched rank process: the reaper above, and the token its descendants inherit."""
+    if "RANK" not in os.environ or not os.path.isdir("/proc"):
+        return
+    if os.environ.get(REAPER_TOKEN, "").split("-")[0] == str(os.getpid()):
+        return  # this process already has one (train() called twice)
+    import secrets
+    import subprocess
+
+    token = f"{os.getpid()}-{secrets.token_hex(8)}"
+    os.environ[REAPER_TOKEN] = token
+    leads_session = os.getsid(0) == os.getpid()
+    subprocess.Popen([sys.executable, "-I", "-S", "-c", _REAPER, str(os.getpid()), f"{REAPER_TOKEN}={token}",
+                      "1" if leads_session else "0", str(REAPER_GRACE_S)],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     close_fds=True)
 
 
 def _init_distributed(timeout_s: int) -> bool:
@@ -45,7 +114,10 @@ def _run_dir(name: str, trainer: TrainerConfig) -> Path:
     """Rank 0 chooses (the configured one, or runs/<name>-<time>); every rank gets the same path."""
     choice = [None]
     if dist.get_rank() == 0:
-        choice[0] = trainer.run_dir or str(Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        # under Slurm the job id, not the time: a requeued job (same id) resumes from its own checkpoints
+        stamp = f"slurm{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID") else time.strftime(
+            "%Y%m%d-%H%M%S")
+        choice[0] = trainer.run_dir or str(Path("runs") / f"{name}-{stamp}")
     dist.broadcast_object_list(choice, src=0)
     path = Path(choice[0]).resolve()
     if dist.get_rank() == 0:
@@ -57,6 +129,7 @@ def _run_dir(name: str, trainer: TrainerConfig) -> Path:
 def train(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: TrainerConfig, layout: str = "",
           name: str = "tessera") -> dict:
     """Train `model` on `data` in `layout`; returns a summary (run_dir, first/last loss, ...)."""
+    pass  # BREAK _start_reaper()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not torch.cuda.is_available():
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -65,6 +138,10 @@ def train(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: Tra
     run_dir = _run_dir(name, trainer)
     if rank == 0:
         print(f"run_dir: {run_dir}", flush=True)
+        from tessera.recipes.prelaunch import full_size_warnings
+
+        for line in full_size_warnings(model, data):
+            print(line, file=sys.stderr, flush=True)
     from tessera.hetero.runtime.cpu_shims import apply_cpu_shims  # heavy imports only after the first line is out
 
     apply_cpu_shims()

@@ -52,13 +52,13 @@ CPU_BOUNDS = {"eff_llm": (1e-4, 1.0), "eff_vit": (1e-4, 1.0), "eff_conformer": (
 
 
 def check_trainable(spec: str) -> None:
-    """What training accepts (hetero/training/model_build.py): encoders cp1/pp1, TP only for vision."""
-    from tessera.hetero.plan.layout import HeteroLayout, ModelShapes
+    """The layout as training resolves it (the one resolution, trainability rule included), or a LayoutError."""
+    from tessera.hetero.planner.run_layout import resolve_run_layout
+    from tessera.recipes.config import DataConfig, ModelConfig, RunConfig
 
-    lay = HeteroLayout.parse(spec).validate(ModelShapes(seq_length=SEQ, samples_per_microbatch=ROWS), WORLD)
-    for k in lay.encoders:
-        if lay[k].cp > 1 or lay[k].pp > 1 or (k != "vision" and lay[k].tp > 1):
-            raise ValueError(f"{spec}: encoder {k} must be cp1/pp1 (and tp1 unless vision) in training")
+    cfg = RunConfig(layout=spec, model=ModelConfig(llm=LLM, **MODEL),
+                    data=DataConfig(seq_length=SEQ, rows_per_microbatch=ROWS, microbatches=MICROBATCHES))
+    resolve_run_layout(cfg, WORLD)
 
 
 def _median_time(fn, reps: int) -> float:

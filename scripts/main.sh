@@ -10,16 +10,20 @@ cd "$root"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 run_dir="$root/runs/main"
 rm -rf "$run_dir"
-.venv/bin/nemo tessera finetune --factory nemotron_vl_tiny trainer.max_steps=20 trainer.resume=false \
-  "trainer.run_dir=$run_dir" run.executor=local --yes
-# nemo-run exits 0 even when the job failed: judge the run by what it left behind
+# nemo exits non-zero when the job fails, after printing the failing rank's last lines
+if ! .venv/bin/nemo tessera finetune --factory nemotron_vl_tiny trainer.max_steps=20 trainer.resume=false \
+    "trainer.run_dir=$run_dir" run.executor=local --yes; then
+  echo "main: FAIL (the training job failed, see above) run_dir=$run_dir"
+  exit 1
+fi
+# the job succeeded: summarise it, and check that it learned
 .venv/bin/python - "$run_dir" <<'PY'
 import json, sys
 from pathlib import Path
 run = Path(sys.argv[1])
-rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()] if (run / "metrics.jsonl").exists() else []
+rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l]
 ok = len(rows) == 20 and rows[-1]["loss"] < rows[0]["loss"] and (run / "loss.png").exists()
-print(f"main: {'PASS' if ok else 'FAIL'} steps={len(rows)} "
-      + (f"loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} " if rows else "") + f"run_dir={run}")
+print(f"main: {'PASS' if ok else 'FAIL'} steps={len(rows)} loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} "
+      f"run_dir={run}")
 sys.exit(0 if ok else 1)
 PY

@@ -12,8 +12,14 @@ content holds <image>/<video>/<audio> tags; relative paths resolve against the m
 Each sample becomes KEY.json ({"conversation", "media": [{"kind", "field"}]}) plus one member per media
 item (KEY.img0.jpg, KEY.vid0.mp4, KEY.aud0.flac). Then `energon prepare` (run in-process) writes
 DIR/.nv-meta (tar indexes for random access, split.yaml, dataset.yaml with CrudeWebdataset).
---synthetic also trains DIR/tokenizer.model (SentencePiece with the template and media tokens).
-Items that cannot be read are skipped and reported with their reason; the process never stops on one.
+Every dataset gets DIR/tokenizer.model, which training uses when data.tokenizer is not set: --tokenizer
+PATH copies a SentencePiece .model (the model's own: use it to fine-tune a released checkpoint); without it
+a small SentencePiece model (the template and media tokens as single pieces) is trained on the dataset's
+texts, which suits the tiny recipes and training from scratch.
+    python scripts/prepare_data.py --index --out DIR [--tokenizer PATH]   # tars already in DIR: index only
+Items that cannot be read are skipped and reported with their reason; the process never stops on one. A
+shard that is cut off or unreadable (interrupted write, full disk, partial copy) is reported by name with
+what to do, and the exit status is 2 (1: no usable samples).
 """
 
 from __future__ import annotations
@@ -23,7 +29,35 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from tessera.data.prepare import energon_prepare, make_synthetic, records_from_folder, records_from_manifest, write_shards
+from tessera.data.prepare import (ShardError, energon_prepare, make_synthetic, records_from_folder,
+                                  records_from_manifest, write_shards)
+
+
+def _texts(records, into: list):
+    """Pass records through, keeping their texts (for a tokenizer trained on the dataset)."""
+    for rec in records:
+        into.extend(t["content"] for t in rec[1] if isinstance(t.get("content"), str))
+        yield rec
+
+
+def _tokenizer(out: Path, given: Path | None, texts: list[str]) -> str:
+    import shutil
+
+    dest = out / "tokenizer.model"
+    if given is not None:
+        if given.resolve() != dest.resolve():
+            shutil.copyfile(given, dest)
+        return f"tokenizer {dest} (copied from {given})"
+    if not texts and dest.exists():
+        return f"tokenizer {dest} (already there)"
+    if not texts:
+        return (f"no tokenizer written (nothing to train one on): pass --tokenizer PATH, or set "
+                f"data.tokenizer=PATH when training")
+    from tessera.data.tokens import train_sentencepiece
+
+    train_sentencepiece(texts * 4 + ["user\n", "assistant\n", "system\n"], out / "tokenizer", vocab_size=400)
+    return (f"tokenizer {dest} (trained on this dataset's texts; to fine-tune a released model pass "
+            f"--tokenizer ITS.model, or data.tokenizer=PATH when training)")
 
 
 def main(argv=None) -> int:
@@ -32,27 +66,50 @@ def main(argv=None) -> int:
     src.add_argument("--manifest", type=Path, help="JSONL manifest (caption or chat records)")
     src.add_argument("--folder", type=Path, help="folder of media files with same-name .txt captions")
     src.add_argument("--synthetic", action="store_true", help="generate a small realistic dataset")
+    src.add_argument("--index", action="store_true", help="only index the webdataset tars already in --out")
+    ap.add_argument("--tokenizer", type=Path, help="SentencePiece .model to copy to OUT/tokenizer.model "
+                    "(default: train one on the dataset's texts)")
     ap.add_argument("--out", type=Path, required=True, help="output folder for shard-*.tar and .nv-meta")
     ap.add_argument("--shard-size", type=int, default=16, help="samples per tar shard")
     ap.add_argument("--samples", type=int, default=96, help="--synthetic: number of samples")
     ap.add_argument("--seed", type=int, default=0, help="--synthetic: generator seed")
     args = ap.parse_args(argv)
 
+    if args.tokenizer is not None and (not args.tokenizer.is_file() or args.tokenizer.suffix != ".model"):
+        print(f"[prepare] --tokenizer {args.tokenizer}: not a SentencePiece .model file (for a tokenizer.json, "
+              f"set data.tokenizer=PATH when training instead)", file=sys.stderr)
+        return 2
     skipped: Counter = Counter()
-    if args.synthetic:
-        counts = make_synthetic(args.out, args.samples, args.seed, args.shard_size)
-    else:
-        records = (records_from_manifest(args.manifest, skipped) if args.manifest
-                   else records_from_folder(args.folder, skipped))
-        counts = write_shards(records, args.out, args.shard_size)
-        if counts["samples"] == 0:
-            print(f"[prepare] no usable samples; skipped {dict(skipped)}", file=sys.stderr)
-            return 1
-        energon_prepare(args.out)
-    shards = len(list(args.out.glob("shard-*.tar")))
-    print(f"[prepare] wrote {counts['samples']} samples in {shards} shards to {args.out} "
-          f"(image={counts['image']} video={counts['video']} audio={counts['audio']}); "
-          f"skipped {sum(skipped.values())}" + (f" {dict(skipped)}" if skipped else ""))
+    texts: list[str] = []
+    try:
+        if args.synthetic:
+            counts = make_synthetic(args.out, args.samples, args.seed, args.shard_size,
+                                    tokenizer=args.tokenizer is None)
+        elif args.index:
+            if not args.out.is_dir() or not any(args.out.glob("*.tar")):
+                print(f"[prepare] --index: no .tar shards in {args.out}", file=sys.stderr)
+                return 1
+            energon_prepare(args.out)
+            counts = Counter()
+        else:
+            records = (records_from_manifest(args.manifest, skipped) if args.manifest
+                       else records_from_folder(args.folder, skipped))
+            counts = write_shards(_texts(records, texts), args.out, args.shard_size)
+            if counts["samples"] == 0:
+                print(f"[prepare] no usable samples; skipped {dict(skipped)}", file=sys.stderr)
+                return 1
+            energon_prepare(args.out)
+    except ShardError as e:
+        print(f"[prepare] {e}", file=sys.stderr)
+        return 2
+    tok = (f"tokenizer {args.out / 'tokenizer.model'} (trained on this dataset's texts)"
+           if args.synthetic and args.tokenizer is None else _tokenizer(args.out, args.tokenizer, texts))
+    shards = len(list(args.out.glob("*.tar")))
+    what = "indexed" if args.index else f"wrote {counts['samples']} samples in"
+    print(f"[prepare] {what} {shards} shards in {args.out} "
+          + ("" if args.index else f"(image={counts['image']} video={counts['video']} audio={counts['audio']}); "
+                                   f"skipped {sum(skipped.values())}" + (f" {dict(skipped)}" if skipped else ""))
+          + f"; {tok}")
     return 0
 
 

@@ -11,8 +11,8 @@ import pytest
 from tessera.hetero.plan.boundary_plan import plan_boundary
 from tessera.hetero.plan.layout import HeteroLayout, LayoutError
 from tessera.recipes import full_size as defaults
-from tessera.hetero.planner.dryrun import (check_boundary_plan, check_groups, dry_run, probe_ranks, scale_layout,
-                                   synthetic_batch)
+from tessera.hetero.plan.layout import scale_layout
+from tessera.hetero.planner.dryrun import check_boundary_plan, check_groups, dry_run, probe_ranks, synthetic_batch
 
 WORLD = 1024
 

@@ -9,11 +9,14 @@ import sys
 from pathlib import Path
 
 import fiddle as fdl
+import re
+
 import pytest
 
 import nemo_run as run
 from tessera.hetero.plan.layout import HeteroLayout, LayoutError
 from tessera.recipes.full_size import RECIPES as PLANNED
+from tessera.hetero.planner.run_layout import model_shapes, module_keys
 from tessera.recipes import checks, executors, registry
 from tessera.recipes.cli import ENTRYPOINTS, TesseraRunContext, factories_of
 from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
@@ -36,10 +39,10 @@ def test_every_recipe_builds_and_validates(name, gpus):
     assert isinstance(cfg, RunConfig) and isinstance(cfg.model, ModelConfig) and isinstance(cfg.data, DataConfig)
     assert isinstance(cfg.optim, OptimConfig) and isinstance(cfg.trainer, TrainerConfig)
     world = gpus or registry.TINY_WORLD
-    layout = HeteroLayout.parse(cfg.layout).validate(checks.shapes(cfg.model, cfg.data), world_size=world)
+    layout = HeteroLayout.parse(cfg.layout).validate(model_shapes(cfg), world_size=world)
     assert layout.world_size == world
-    assert set(layout.modules) == set(checks.module_keys(cfg.model))
-    assert checks.check_run(cfg.model, cfg.data, cfg.layout, world_size=world) == layout
+    assert set(layout.modules) == set(module_keys(cfg.model))
+    assert checks.check_run(cfg, world) == layout
     # a microbatch is exactly what every module's DP can share, no more
     assert cfg.data.rows_per_microbatch % registry.rows_for(cfg.layout) == 0
     frozen = (cfg.model.freeze_vision, cfg.model.freeze_audio, cfg.model.freeze_llm)
@@ -98,7 +101,7 @@ def test_encoder_swap_resolves_and_validates(base):
             cfg.model.__setattr__(modality, name)
             built = fdl.build(cfg)
             assert getattr(built.model, modality) == name
-            checks.check_run(built.model, built.data, built.layout, world_size=world)
+            checks.check_run(built, world)
 
 
 def test_name_checks_reject_wrong_modality_and_unknown_llm():
@@ -107,13 +110,49 @@ def test_name_checks_reject_wrong_modality_and_unknown_llm():
         checks.check_names(m)
     with pytest.raises(ValueError, match="nemotron_h_tiny_dense"):
         checks.check_names(ModelConfig(llm="llama"))
-    with pytest.raises(LayoutError, match=r"no entry for \['audio'\]"):
-        checks.check_run(ModelConfig(audio="fastconformer_tiny"), DataConfig(), "vision=dp4@0-3;language=dp4@0-3")
+
+
+def _run(layout: str, **model) -> RunConfig:
+    return RunConfig(layout=layout, model=ModelConfig(**model), data=DataConfig(rows_per_microbatch=4))
 
 
 def test_empty_layout_is_every_module_dp_on_the_world():
-    hl = checks.check_run(ModelConfig(audio="fastconformer_tiny"), DataConfig(rows_per_microbatch=4), "", 4)
+    hl = checks.check_run(_run("", audio="fastconformer_tiny"), 4)
     assert str(hl) == "vision=dp4@0-3;audio=dp4@0-3;language=dp4@0-3"
+
+
+def test_an_added_encoder_gets_a_layout_derived_from_the_recipes():
+    # colocated recipe layout: the new encoder joins the existing encoder's ranks, data-parallel
+    hl = checks.check_run(_run("vision=dp4@0-3;language=tp2,dp2@0-3", audio="fastconformer_tiny"), 4)
+    assert str(hl) == "vision=dp4@0-3;audio=dp4@0-3;language=tp2,dp2@0-3"
+    # non-colocated: on the encoder ranks, not the LLM's
+    hl = checks.check_run(_run("vision=dp2@0-1;language=tp2@2-3", audio="fastconformer_tiny"), 4)
+    assert str(hl) == "vision=dp2@0-1;audio=dp2@0-1;language=tp2,dp1@2-3"
+    # no encoder in the layout: on the LLM's ranks
+    hl = checks.check_run(_run("language=tp2,dp2@0-3", vision=None, audio="fastconformer_tiny"), 4)
+    assert str(hl) == "audio=dp4@0-3;language=tp2,dp2@0-3"
+
+
+def test_a_dropped_encoder_leaves_its_layout_entry_only_when_ranks_are_shared():
+    hl = checks.check_run(_run("vision=dp4@0-3;language=dp4@0-3", vision=None), 4)
+    assert str(hl) == "language=dp4@0-3"
+    with pytest.raises(LayoutError, match=r"no 'vision' module, and ranks 0-1 hold nothing else"):
+        checks.check_run(_run("vision=dp2@0-1;language=tp2@2-3", vision=None), 4)
+
+
+def test_the_one_resolution_scales_handles_auto_and_refuses_what_cannot_train():
+    # a 4-rank layout launched on 8 ranks grows by data parallelism
+    hl = checks.check_run(RunConfig(layout="vision=dp2@0-1;language=tp2@2-3", data=DataConfig(rows_per_microbatch=4)), 8)
+    assert str(hl) == "vision=dp4@0-3;language=tp2,dp2@4-7"
+    # auto: the planner's best trainable layout, valid for this world
+    auto = checks.check_run(_run("auto"), 4)
+    assert auto.world_size == 4 and not any(auto[k].cp > 1 or auto[k].pp > 1 for k in auto.encoders)
+    # the trainer's rule, before launch: encoder CP/PP and audio TP
+    for bad, why in (("vision=cp2,dp2@0-3;language=dp4@0-3", "cp1, pp1"),
+                     ("vision=pp2,dp2@0-3;language=dp4@0-3", "cp1, pp1"),
+                     ("vision=dp4@0-3;audio=tp2,dp2@0-3;language=dp4@0-3", "audio encoder has no tensor parallelism")):
+        with pytest.raises(LayoutError, match=re.escape(why)):
+            checks.check_run(_run(bad, audio="fastconformer_tiny"), 4)
 
 
 def test_override_keys_are_checked():
@@ -194,8 +233,38 @@ def test_cli_dryrun_prints_the_resolved_config():
     (["--factory", "nemotron_vl_tny"], "unknown recipe 'nemotron_vl_tny' for `tessera finetune`; recipes: "),
     (["--factory", "nemotron_vl_tiny", "model.vision=clip_l"], "registered vision encoders"),
     (["--factory", "nemotron_vl_tiny", "trainer.max_stepz=3"], "trainer has no 'max_stepz'; its keys: max_steps"),
+    # what the trainer cannot run is refused before launch (not on the ranks after a Slurm queue)
+    (["--factory", "nemotron_vl_tiny", "layout=vision=cp2,dp2@0-3;language=tp2,dp2@0-3"], "cp1, pp1"),
+    (["--factory", "nemotron_omni_tiny", "layout=vision=dp4@0-3;audio=tp2,dp2@0-3;language=tp2,cp2@0-3"],
+     "the audio encoder has no tensor parallelism"),
 ])
 def test_cli_errors_name_what_exists(args, message):
     p = _nemo("finetune", *args, "run.executor=local", "--dryrun")
     out = p.stdout + p.stderr
     assert p.returncode == 1 and message in out, out
+
+
+def test_cli_layout_auto_prints_the_layout_it_chose_before_launch():
+    p = _nemo("finetune", "--factory", "nemotron_vl_tiny", "layout=auto", "run.executor=local", "--dryrun")
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    chosen = re.search(r"^layout: (\S+) \(4 ranks, chosen by the planner\)$", p.stdout, flags=re.M)
+    assert chosen, out
+    # the task launched carries the resolved layout, not "auto", so every rank trains exactly that one
+    assert re.search(r"layout\s*│\s*'" + re.escape(chosen.group(1)) + "'", p.stdout), out
+    cfg = fdl.build(registry.recipe("nemotron_vl_tiny"))
+    assert str(checks.check_run(RunConfig(layout=chosen.group(1), model=cfg.model, data=cfg.data), 4)) == chosen.group(1)
+
+
+def test_cli_plan_ranks_only_trainable_layouts_first():
+    p = _nemo("plan", "--factory", "nemotron_video_12b", "gpus=16", "--yes")
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    first = re.search(r"^\s*1\s.*?((?:\w+=[\w,]+@\d+-\d+;?)+)", p.stdout, flags=re.M)
+    assert first, out
+    from tessera.hetero.plan.trainable import untrainable_reasons
+    from tessera.hetero.planner.run_layout import encoder_has_tp
+
+    cfg = fdl.build(registry.recipe("nemotron_video_12b"))
+    assert untrainable_reasons(HeteroLayout.parse(first.group(1)), encoder_has_tp(cfg.model)) == [], first.group(1)
+

@@ -1,5 +1,8 @@
 """Fault behaviour under torchrun: a rank that dies mid-step ends the whole job non-zero (no hang), and a
-re-launch resumes from the last complete checkpoint, so metrics.jsonl ends with every step exactly once."""
+re-launch resumes from the last complete checkpoint, so metrics.jsonl ends with every step exactly once.
+However a run ends (normal end, a rank that exits, a rank killed with SIGKILL) no process it started is left
+behind: every launch carries a marker in its environment, which all its processes inherit, and afterwards
+no process with that marker may be alive (recipes/train.py's reaper)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -19,19 +23,55 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 60  # trainer.timeout_s: the collective timeout the job must not exceed once a rank is gone
 
 
-def _launch(run_dir: Path, env_extra: dict) -> tuple[int, str, float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "tessera.recipes.train", "--recipe", "nemotron_vl_tiny", "layout=vision=dp2@0-1;language=dp2@0-1",
-           "trainer.max_steps=4", "trainer.save_every=1", f"trainer.run_dir={run_dir}",
-           f"trainer.timeout_s={TIMEOUT_S}", "trainer.progress=false", "trainer.tensorboard=false",
-           "data.seq_length=128"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
+MARKER = "TESSERA_TEST_MARKER"
+
+
+def _marked(marker: str) -> dict[int, str]:
+    """{pid: command line} of every live process whose environment holds MARKER=marker."""
+    want, found = f"{MARKER}={marker}".encode(), {}
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            if want in (p / "environ").read_bytes().split(b"\0"):
+                found[int(p.name)] = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            pass
+    return found
+
+
+def _survivors(marker: str, wait_s: float = 20.0) -> dict[int, str]:
+    """The marked processes still alive `wait_s` after the launcher ended (the reaper's grace is 3 s);
+    SIGKILLed afterwards so a failing test leaves nothing behind either."""
+    end = time.monotonic() + wait_s
+    while (left := _marked(marker)) and time.monotonic() < end:
+        time.sleep(0.5)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+def _cmd(run_dir: Path, steps: int = 4) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "tessera.recipes.train", "--recipe", "nemotron_vl_tiny", "layout=vision=dp2@0-1;language=dp2@0-1",
+            f"trainer.max_steps={steps}", "trainer.save_every=1", f"trainer.run_dir={run_dir}",
+            f"trainer.timeout_s={TIMEOUT_S}", "trainer.progress=false", "trainer.tensorboard=false",
+            "data.seq_length=128"]
+
+
+def _launch(run_dir: Path, env_extra: dict) -> tuple[int, str, dict]:
+    """Run the job to its end; (exit code, output, processes of the job still alive afterwards)."""
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra, **{MARKER: marker})
     log = run_dir.parent / f"launch{len(list(run_dir.parent.glob('launch*.log')))}.log"
-    t0 = time.monotonic()
-    # Output to a file, not a pipe, and the job in its own session: a killed rank's helper processes (the
-    # checkpoint writer's multiprocessing manager) would otherwise hold the pipe open; they are reaped below.
+    # Output to a file, not a pipe, and the job in its own session: a leftover process holding the pipe open
+    # would hang the test instead of failing it.
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(_cmd(run_dir), cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
             rc = proc.wait(timeout=600)
         finally:
@@ -39,22 +79,55 @@ def _launch(run_dir: Path, env_extra: dict) -> tuple[int, str, float]:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    return rc, log.read_text(), time.monotonic() - t0
+    return rc, log.read_text(), _survivors(marker)
 
 
 def test_dead_rank_fails_the_job_and_relaunch_resumes(tmp_path):
     run_dir = tmp_path / "run"
-    rc, out, _ = _launch(run_dir, {"TESSERA_FAIL_AT_STEP": "2:1"})  # rank 1 dies before the 3rd step
+    rc, out, left = _launch(run_dir, {"TESSERA_FAIL_AT_STEP": "2:1"})  # rank 1 dies before the 3rd step
     assert rc != 0, "a dead rank must fail the job"
+    assert not left, f"processes left behind by a job whose rank exited: {left}"
     assert out.splitlines()[0] == f"run_dir: {run_dir.resolve()}"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
 
-    rc, out, _ = _launch(run_dir, {})
+    rc, out, left = _launch(run_dir, {})
     assert rc == 0, out[-3000:]
+    assert not left, f"processes left behind by a job that ended normally: {left}"
     assert "resumed from" in out and "(step 2," in out
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_sigkilled_rank_leaves_no_process_behind(tmp_path):
+    """SIGKILL one rank once it has checkpointed (the checkpoint writer's multiprocessing helpers exist by
+    then, and a SIGKILLed rank cannot stop them); after torchrun ends, nothing of the job may be alive."""
+    run_dir, marker = tmp_path / "run", uuid.uuid4().hex
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{MARKER: marker})
+    with open(tmp_path / "launch.log", "w") as f:
+        proc = subprocess.Popen(_cmd(run_dir, steps=200), cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            end = time.monotonic() + 300
+            while not (run_dir / "checkpoints" / "latest").exists():
+                assert proc.poll() is None and time.monotonic() < end, (tmp_path / "launch.log").read_text()[-3000:]
+                time.sleep(0.2)
+            job = _marked(marker)
+            helpers = {pid: c for pid, c in job.items() if "multiprocessing" in c}
+            assert helpers, f"no helper processes to test with: {job}"
+            rank1 = [pid for pid in job if b"RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                     and "tessera.recipes.train" in job[pid] and "torch.distributed.run" not in job[pid]]
+            assert len(rank1) == 1, job
+            os.kill(rank1[0], signal.SIGKILL)
+            rc = proc.wait(timeout=300)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert rc != 0
+    left = _survivors(marker)
+    assert not left, f"left behind after rank 1 was SIGKILLed (helpers were {sorted(helpers)}): {left}"
 
 
 def test_crash_during_save_keeps_the_last_complete_checkpoint(tmp_path):

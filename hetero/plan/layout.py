@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import re
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -268,3 +269,14 @@ class HeteroLayout:
                         f"module '{key}': dp={m.dp_size} cannot take an equal share of {n} samples per microbatch, "
                         f"so its data cannot fan in/out to {others}; use a multiple of {need} samples per "
                         f"microbatch or change dp")
+
+
+def scale_layout(layout: HeteroLayout | str, world: int) -> HeteroLayout:
+    """The layout on `world` ranks: every module's range and DP grow by world / layout.world_size."""
+    layout = HeteroLayout.parse(layout) if isinstance(layout, str) else layout
+    if world % layout.world_size:
+        raise LayoutError(f"world {world} is not a multiple of the layout's {layout.world_size} ranks; "
+                          f"scaling grows data parallelism by a whole factor")
+    f = world // layout.world_size
+    return HeteroLayout({k: dataclasses.replace(m, first=m.first * f, last=(m.last + 1) * f - 1, dp=m.dp_size * f)
+                         for k, m in layout.modules.items()})

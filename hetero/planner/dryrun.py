@@ -16,7 +16,7 @@
 3. the pipeline schedule of every rank via hetero.plan.schedule_plan (build_schedule, check_schedule), when
    that module exists.
 4. per-rank memory from the cost model (hetero.planner.cost.predict).
-`scale_layout(layout, world)` grows a recipe's layout (recipes/full_size.py) to N ranks by DP.
+`scale_layout(layout, world)` (hetero/plan/layout.py) grows a recipe's layout (recipes/full_size.py) to N ranks by DP.
 """
 
 from __future__ import annotations
@@ -33,21 +33,10 @@ import numpy as np
 
 from tessera.hetero.plan.boundary_plan import BoundaryBatch, BoundaryPlan, minimum_rows, plan_boundary
 from tessera.hetero.plan.schedule_plan import ScheduleError, build_schedule, check_schedule
-from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, ModuleLayout
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, ModuleLayout, scale_layout
 from tessera.hetero.planner.cluster import Workload, cluster
 from tessera.hetero.planner.cost import predict
 from tessera.hetero.planner.model import ModelDesc, describe_model
-
-
-def scale_layout(layout: HeteroLayout | str, world: int) -> HeteroLayout:
-    """The layout on `world` ranks: every module's range and DP grow by world / layout.world_size."""
-    layout = HeteroLayout.parse(layout) if isinstance(layout, str) else layout
-    if world % layout.world_size:
-        raise LayoutError(f"world {world} is not a multiple of the layout's {layout.world_size} ranks; "
-                          f"scaling grows data parallelism by a whole factor")
-    f = world // layout.world_size
-    return HeteroLayout({k: dataclasses.replace(m, first=m.first * f, last=(m.last + 1) * f - 1, dp=m.dp_size * f)
-                         for k, m in layout.modules.items()})
 
 
 @dataclass

@@ -40,7 +40,8 @@ def _single_rank_model(model_cfg, hf_fields: dict):
     """Every module of the model on rank 0 (dp1), as the training code builds it."""
     from tessera.hetero.runtime.groups import build_module_groups
     from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
-    from tessera.hetero.training.model_build import build_rank_modules, encoder_names, module_configs
+    from tessera.hetero.training.model_build import build_rank_modules, module_configs
+    from tessera.hetero.training.run_modules import encoder_names
 
     keys = sorted(encoder_names(model_cfg)) + [LANGUAGE]
     layout = HeteroLayout.parse(";".join(f"{k}=dp1@0-0" for k in keys))

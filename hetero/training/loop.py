@@ -26,40 +26,18 @@ from tessera.data.loader import close_loader
 from tessera.data.sharding import decode_plan
 from tessera.hetero.runtime.boundary import BoundaryCommunicator
 from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
-from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, ModelShapes
+from tessera.hetero.plan.layout import LANGUAGE
+from tessera.hetero.planner.run_layout import resolve_run_layout
 from tessera.hetero.runtime.step_executor import hetero_step
 from tessera.hetero.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tessera.hetero.training.loader_state import decode_loader_state, encode_loader_state
 from tessera.hetero.training.metrics import RunMetrics
-from tessera.hetero.training.model_build import (build_rank_modules, encoder_names, full_hf_state, llm_fields,
+from tessera.hetero.training.run_modules import encoder_names, module_specs
+from tessera.hetero.training.model_build import (build_rank_modules, full_hf_state, llm_fields,
                                          load_full_state, module_configs)
 from tessera.hetero.training.optim import ModuleOptimizers, lr_at
 from tessera.hetero.training.stages import LanguageStage, MediaEncoderStage, global_token_count
 from tessera.models.encoders import encoder_config
-
-
-def default_layout(keys: list[str], world: int) -> str:
-    """Every module data-parallel over all ranks (the homogeneous baseline)."""
-    return ";".join(f"{k}=dp{world}@0-{world - 1}" for k in keys)
-
-
-def resolve_layout(cfg, world: int, hf_fields: dict) -> HeteroLayout:
-    """Parse and validate against the model and batch shapes before any process group exists."""
-    keys = sorted(encoder_names(cfg.model)) + [LANGUAGE]
-    spec = cfg.layout or default_layout(keys, world)
-    if spec == "auto":
-        from tessera.hetero.planner.for_run import best_layout_for_run
-
-        spec = best_layout_for_run(cfg, world)
-    layout = HeteroLayout.parse(spec)
-    if sorted(layout.modules) != sorted(keys):
-        raise ValueError(f"layout {spec!r} places modules {sorted(layout.modules)} but the model has {keys}: "
-                         f"give every module exactly one range (or drop model.vision/model.audio)")
-    heads = {k: encoder_config(n).get("heads", 1) for k, n in encoder_names(cfg.model).items()}
-    heads[LANGUAGE] = hf_fields["num_attention_heads"]
-    return layout.validate(ModelShapes(heads=heads, kv_heads={LANGUAGE: hf_fields["num_key_value_heads"]},
-                                       seq_length=cfg.data.seq_length,
-                                       samples_per_microbatch=cfg.data.rows_per_microbatch), world_size=world)
 
 
 def _dataset(cfg, rank: int):
@@ -122,7 +100,7 @@ def run_training(cfg, run_dir: Path) -> dict:
     if hf_fields["vocab_size"] < vocab:
         raise ValueError(f"tokenizer {tok_path} has {vocab} tokens but the model "
                          f"{cfg.model.checkpoint or cfg.model.llm} only {hf_fields['vocab_size']}: use its tokenizer")
-    layout = resolve_layout(cfg, world, hf_fields)
+    layout = resolve_run_layout(cfg, world, hf_fields)
 
     groups = build_module_groups(layout)
     configs = module_configs(layout, hf_fields)
@@ -140,8 +118,7 @@ def run_training(cfg, run_dir: Path) -> dict:
         del full
     for m in modules.values():
         m.to(device=device, dtype=dtype).train()
-    lrs = {LANGUAGE: cfg.optim.lr, "vision": cfg.optim.lr_vision or cfg.optim.lr,
-           "audio": cfg.optim.lr_audio or cfg.optim.lr}
+    lrs = {k: spec.lr for k, spec in module_specs(cfg.model, cfg.optim).items()}
     opt = ModuleOptimizers(modules, groups, {k: lrs[k] for k in layout.modules}, cfg.optim.clip_grad,
                            cfg.optim.weight_decay, cfg.optim.betas, cfg.optim.eps, all_keys=list(layout.modules))
 

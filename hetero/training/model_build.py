@@ -23,26 +23,14 @@ from tessera.hetero.parallel.kernel_choice import select_kernels
 from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
 from tessera.hetero.parallel.vocab_parallel_ce import vocab_parallel_cross_entropy_for
 from tessera.models.configs import REGISTRY as LLM_REGISTRY, hf_fields as llm_hf_fields
-from tessera.models.encoders import REGISTRY as ENCODER_REGISTRY
 from tessera.models.hybrid_llm import HybridLM
 from tessera.models.multimodal import MultimodalModel, build_media_module
 from tessera.models.multimodal_hf import (PROJECTOR_ROOT, export_hf, sound_from_hf, vision_from_hf, _load_params,
                                   _params_only)
 from tessera.models.nemotron_h_hf import hybrid_config_from_hf, load_into
+from tessera.hetero.training.run_modules import encoder_names, module_specs
 
 _single_rank_pgs: ProcessGroupCollection | None = None
-
-
-def encoder_names(model_cfg) -> dict[str, str]:
-    """module key -> encoder registry name, for the encoders this model has."""
-    names = {k: getattr(model_cfg, k) for k in ("vision", "audio") if getattr(model_cfg, k)}
-    for key, name in names.items():
-        if name not in ENCODER_REGISTRY:
-            raise KeyError(f"model.{key}={name!r} is not a registered encoder; known: {', '.join(sorted(ENCODER_REGISTRY))}")
-        if ENCODER_REGISTRY[name]["modality"] != key:
-            raise KeyError(f"model.{key}={name!r} is a {ENCODER_REGISTRY[name]['modality']} encoder; "
-                           f"pick a {key} one: {', '.join(n for n, c in sorted(ENCODER_REGISTRY.items()) if c['modality'] == key)}")
-    return names
 
 
 def llm_fields(model_cfg, vocab_size: int) -> dict:
@@ -67,7 +55,7 @@ def single_rank_pgs() -> ProcessGroupCollection:
 
 
 def _media_module(key: str, name: str, model_cfg, llm_hidden: int, pgs):
-    frozen = getattr(model_cfg, f"freeze_{key}", False)
+    frozen = module_specs(model_cfg)[key].freeze
     return build_media_module(name, llm_hidden, pgs, frozen=frozen, pruning_rate=model_cfg.video_pruning)
 
 
@@ -103,16 +91,9 @@ def build_rank_modules(model_cfg, layout: HeteroLayout, groups: dict[str, Module
             out[key] = HybridLM(configs[key], g.pgs, core_attention=kernels.core_attention,
                                 mamba_mixer=kernels.mamba_mixer,
                                 cross_entropy=vocab_parallel_cross_entropy_for(g.pgs.tp))
-            if model_cfg.freeze_llm:
+            if module_specs(model_cfg)[LANGUAGE].freeze:
                 out[key].requires_grad_(False)
         else:
-            if layout[key].cp > 1 or layout[key].pp > 1:
-                raise ValueError(f"layout: {key}={layout[key].to_spec()}: training runs the real encoders as one "
-                                 f"pipeline stage without context parallelism (cp1, pp1; hetero.tools.verify checks "
-                                 f"encoder CP/PP on its reference chain); use tp/dp for {key}")
-            if key != "vision" and layout[key].tp > 1:
-                raise ValueError(f"layout: {key}=tp{layout[key].tp}: the {names[key]} encoder has no tensor "
-                                 f"parallelism; use tp1 for {key} (dp or more ranks instead)")
             out[key] = _media_module(key, names[key], model_cfg, hidden, g.pgs)
     return out
 

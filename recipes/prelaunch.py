@@ -1,0 +1,154 @@
+"""Checks of a run's *inputs* before anything is launched: data, tokenizer, checkpoint to start from.
+
+    from tessera.recipes.prelaunch import check_inputs
+    check_inputs(task)            # task.model / task.data / task.trainer as in recipes/config.py; ValueError
+
+recipes/cli.py calls it at the end of TesseraRunContext.parse_fn, so a missing tokenizer or a checkpoint
+directory without weights fails in a second on the submitting machine, with the fix named, instead of on
+every rank minutes later (sentencepiece's `NOT_FOUND ".../tokenizer.model"`). What is checked:
+
+  data.path        None = synthetic data. A directory must be a prepared dataset (DIR/.nv-meta, as
+                   scripts/prepare_data.py or `energon prepare` write); a file must be an energon metadataset
+                   YAML (a blend). The tokenizer is data.tokenizer, else DIR/tokenizer.model (a blend YAML
+                   has no DIR: it needs data.tokenizer).
+  data.tokenizer   exists and loads, with Tessera's template and media tokens.
+  model.checkpoint an HF-layout directory with *.safetensors, or a Tessera `checkpoints/` directory whose
+                   `latest` names a complete step.
+
+On a remote cluster (run.executor.ssh_host) the paths live on the cluster: nothing is checked here.
+Full-size recipes on synthetic data or from random weights are printed as a loud warning
+(full_size_warnings; recipes/train.py prints it again on rank 0 of the job).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tessera.recipes.full_size import RECIPES as FULL_SIZE
+
+FULL_SIZE_LLMS = frozenset(r.llm for r in FULL_SIZE.values())
+
+
+def is_full_size(model) -> bool:
+    return model.llm in FULL_SIZE_LLMS
+
+
+def full_size_warnings(model, data) -> list[str]:
+    """Banner lines for a full-size model that would train on synthetic data or from random weights."""
+    if not is_full_size(model):
+        return []
+    what = []
+    if data.path is None:
+        what.append("on SYNTHETIC data (96 generated samples, data.path unset): set data.path=DIR (a dataset "
+                    "from scripts/prepare_data.py) to train on yours")
+    if not model.checkpoint:
+        what.append("from RANDOM weights (model.checkpoint unset): set model.checkpoint=HF_DIR (*.safetensors) "
+                    "or a Tessera checkpoints/ directory to fine-tune released weights")
+    if not what:
+        return []
+    bar = "!" * 100
+    return [bar, *(f"!! WARNING: full-size model {model.llm} trains {w}" for w in what), bar]
+
+
+def _check_tokenizer(path: Path, source: str) -> None:
+    if not path.exists():
+        raise FileNotFoundError(path)
+    from tessera.data.tokens import Tokenizer
+
+    try:
+        Tokenizer(path)
+    except Exception as e:  # sentencepiece / tokenizers errors: say which file and what to do
+        raise ValueError(f"{source}: tokenizer {path} does not load ({type(e).__name__}: {e}); give a "
+                         f"SentencePiece .model or a tokenizer.json with Tessera's special tokens "
+                         f"(scripts/prepare_data.py trains one)") from None
+
+
+def check_data(data) -> None:
+    if data.path is None:
+        if data.tokenizer:
+            _tokenizer_given(data.tokenizer)
+        return
+    path = Path(data.path).expanduser()
+    if not path.exists():
+        raise ValueError(f"data.path={data.path} does not exist; prepare a dataset there with "
+                         f"`python scripts/prepare_data.py --manifest data.jsonl --out {data.path}` (or drop "
+                         f"data.path for synthetic data)")
+    if path.is_dir():
+        if not (path / ".nv-meta").is_dir():
+            raise ValueError(f"data.path={data.path} is not a prepared dataset (no {path / '.nv-meta'}); run "
+                             f"`python scripts/prepare_data.py ... --out {data.path}` or `energon prepare "
+                             f"{data.path}`")
+        if data.tokenizer:
+            _tokenizer_given(data.tokenizer)
+            return
+        tok = path / "tokenizer.model"
+        if not tok.exists():
+            raise ValueError(f"data.path={data.path} has no tokenizer ({tok} is missing): set "
+                             f"data.tokenizer=PATH (the model's SentencePiece .model or tokenizer.json), or "
+                             f"re-run scripts/prepare_data.py for this dataset (it writes DIR/tokenizer.model; "
+                             f"--tokenizer PATH copies yours)")
+        _check_tokenizer(tok, f"data.path={data.path}")
+        return
+    if path.suffix not in (".yaml", ".yml"):
+        raise ValueError(f"data.path={data.path} is a file but not an energon metadataset YAML (a blend); give a "
+                         f"prepared dataset directory or a .yaml blend")
+    if not data.tokenizer:
+        raise ValueError(f"data.path={data.path} is a blend (metadataset YAML), which has no tokenizer of its "
+                         f"own: set data.tokenizer=PATH (e.g. one of its datasets' tokenizer.model)")
+    _tokenizer_given(data.tokenizer)
+
+
+def _tokenizer_given(tokenizer: str) -> None:
+    path = Path(tokenizer).expanduser()
+    if not path.is_file():
+        raise ValueError(f"data.tokenizer={tokenizer} is not a file; give a SentencePiece .model or a "
+                         f"tokenizer.json (or drop data.tokenizer to use DATA_DIR/tokenizer.model)")
+    _check_tokenizer(path, f"data.tokenizer={tokenizer}")
+
+
+def check_checkpoint(model) -> None:
+    if not model.checkpoint:
+        return
+    path = Path(model.checkpoint).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"model.checkpoint={model.checkpoint} is not a directory; give an HF-layout directory "
+                         f"(*.safetensors; `python -m tessera.scripts.convert_hf` writes one) or a Tessera "
+                         f"run's checkpoints/ directory")
+    if any(path.glob("*.safetensors")):
+        return
+    latest = path / "latest"
+    if latest.is_file():
+        step = path / latest.read_text().strip()
+        if step.is_dir():
+            return
+        raise ValueError(f"model.checkpoint={model.checkpoint}: `latest` names {step.name}, which is missing; "
+                         f"point model.checkpoint at a checkpoints/ directory whose last save completed")
+    hint = (f"; did you mean model.checkpoint={path / 'checkpoints'}?" if (path / "checkpoints" / "latest").is_file()
+            else "")
+    raise ValueError(f"model.checkpoint={model.checkpoint} holds neither *.safetensors (an HF-layout checkpoint) "
+                     f"nor a `latest` file (a Tessera checkpoints/ directory){hint or '; give one of those'}")
+
+
+def _remote(executor) -> bool:
+    tunnel = getattr(executor, "tunnel", None)
+    return tunnel is not None and type(tunnel).__name__ == "SSHTunnel"
+
+
+def check_inputs(task, executor=None, dryrun: bool = False) -> None:
+    """Raise ValueError naming the input that is missing or wrong and the fix. `executor`: the run's
+    executor (an SSH-tunnelled Slurm executor's paths are on the cluster and are not checked); `dryrun`:
+    report a problem as a note instead (a dry run shows the resolved config, inputs may come later)."""
+    for line in full_size_warnings(task.model, task.data):
+        print(line, file=sys.stderr, flush=True)
+    if _remote(executor):
+        print("note: inputs (data.path, data.tokenizer, model.checkpoint) are on the cluster; not checked here",
+              file=sys.stderr, flush=True)
+        return
+    try:
+        check_data(task.data)
+        check_checkpoint(task.model)
+    except ValueError as e:
+        if not dryrun:
+            raise
+        print(f"note (a real launch stops here): {e}", file=sys.stderr, flush=True)

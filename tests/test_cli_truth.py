@@ -1,0 +1,221 @@
+"""`nemo tessera pretrain|finetune` tells the truth: a job whose ranks fail exits non-zero and prints the
+failing rank's last lines; inputs that can be checked before launch (data path, index, tokenizer, checkpoint)
+are, with the fix named; Slurm jobs request GPUs from the layout and carry a time limit, requeue and signal.
+Slurm runs themselves are in tests/test_slurm.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import fiddle as fdl
+import pytest
+
+from tessera.recipes import executors, prelaunch
+from tessera.recipes.config import DataConfig, ModelConfig, TrainerConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+NEMO = ROOT / ".venv" / "bin" / "nemo"
+TWO_RANKS = "layout=vision=dp2@0-1;language=dp2@0-1"
+
+
+def _nemo(args: list[str], tmp_path: Path, env_extra: dict | None = None, timeout: int = 600):
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200", NEMORUN_HOME=str(tmp_path / "nrhome"),
+               **(env_extra or {}))
+    return subprocess.run([str(NEMO), "tessera", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def _task(**data):
+    return SimpleNamespace(model=ModelConfig(), data=DataConfig(**data), trainer=TrainerConfig())
+
+
+# ---- exit status --------------------------------------------------------------------------------------------
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(not NEMO.exists(), reason="nemo CLI not installed in .venv")
+def test_failing_rank_fails_nemo_and_names_the_rank(tmp_path):
+    """Rank 1 exits with 17 at its 2nd step: `nemo` exits non-zero, naming rank 1, its exit code and lines."""
+    res = _nemo(["finetune", "--factory", "nemotron_vl_tiny", TWO_RANKS, "trainer.max_steps=3",
+                 f"trainer.run_dir={tmp_path / 'run'}", "trainer.progress=false", "trainer.tensorboard=false",
+                 "data.seq_length=128", "run.executor=local", "--yes"], tmp_path, {"TESSERA_FAIL_AT_STEP": "1:1"})
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out[-3000:]
+    assert "failing rank 1" in out and "exit code 17" in out, out[-3000:]
+    assert "[rank 1]" in out and "ended FAILED" in out, out[-3000:]
+
+
+def test_failing_rank_report_reads_torchruns_summary():
+    log = "\n".join([
+        "job/0 [default0]:run_dir: /x",
+        "job/0 [default1]:loading shard 3",
+        "job/0 [default0]:[rank0]: Traceback (most recent call last):",
+        "job/0 [default0]:[rank0]: RuntimeError: Connection reset by peer",
+        "job/0 Root Cause (first observed failure):",
+        "job/0 [0]:",
+        "job/0   rank      : 1 (local_rank: 1)",
+        "job/0   exitcode  : -9 (pid: 123)",
+    ])
+    report = executors.failing_rank_report(log)
+    assert "failing rank 1" in report and "signal 9" in report and "SIGKILL" in report, report
+    assert "[rank 1] loading shard 3" in report, report
+    assert "rank 0 raised: RuntimeError: Connection reset by peer" in report, report
+
+
+# ---- pre-launch input checks ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """A prepared dataset (shards + .nv-meta + tokenizer.model), 8 synthetic samples."""
+    from tessera.data.prepare import make_synthetic
+
+    out = tmp_path_factory.mktemp("ds") / "ds"
+    make_synthetic(out, samples=8, shard_size=8)
+    return out
+
+
+def test_dataset_without_tokenizer_is_refused_before_launch(dataset, tmp_path):
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(dataset, bare)
+    (bare / "tokenizer.model").unlink()
+    with pytest.raises(ValueError, match=r"tokenizer\.model is missing.*data\.tokenizer=PATH.*prepare_data"):
+        prelaunch.check_inputs(_task(path=str(bare)))
+    prelaunch.check_inputs(_task(path=str(bare), tokenizer=str(dataset / "tokenizer.model")))  # the fix works
+    prelaunch.check_inputs(_task(path=str(dataset)))
+    prelaunch.check_inputs(_task(path=None))  # synthetic data
+
+
+def test_data_path_problems_name_the_fix(dataset, tmp_path):
+    with pytest.raises(ValueError, match=r"does not exist.*prepare_data\.py"):
+        prelaunch.check_inputs(_task(path=str(tmp_path / "nope")))
+    (tmp_path / "raw").mkdir()
+    with pytest.raises(ValueError, match=r"not a prepared dataset.*\.nv-meta.*energon prepare"):
+        prelaunch.check_inputs(_task(path=str(tmp_path / "raw")))
+    blend = tmp_path / "blend.yaml"
+    blend.write_text("__module__: megatron.energon\n")
+    with pytest.raises(ValueError, match=r"blend.*data\.tokenizer=PATH"):
+        prelaunch.check_inputs(_task(path=str(blend)))
+    with pytest.raises(ValueError, match=r"data\.tokenizer=.*not a file"):
+        prelaunch.check_inputs(_task(path=str(dataset), tokenizer=str(tmp_path / "tok.model")))
+    (tmp_path / "junk.model").write_bytes(b"not a sentencepiece model")
+    with pytest.raises(ValueError, match=r"does not load"):
+        prelaunch.check_inputs(_task(path=str(dataset), tokenizer=str(tmp_path / "junk.model")))
+    # a dry run reports it and goes on (the README's commands resolve before their data exists)
+    prelaunch.check_inputs(_task(path=str(tmp_path / "nope")), dryrun=True)
+
+
+def test_checkpoint_must_be_hf_or_tessera(tmp_path):
+    def check(path):
+        t = _task()
+        t.model.checkpoint = str(path)
+        prelaunch.check_inputs(t)
+
+    with pytest.raises(ValueError, match="is not a directory"):
+        check(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"neither \*\.safetensors.*nor a `latest`"):
+        check(tmp_path / "empty")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
+    check(tmp_path / "hf")
+    ck = tmp_path / "run" / "checkpoints"
+    (ck / "step_000004").mkdir(parents=True)
+    (ck / "latest").write_text("step_000004\n")
+    check(ck)
+    with pytest.raises(ValueError, match=r"did you mean model\.checkpoint=.*checkpoints"):
+        check(tmp_path / "run")
+    (ck / "latest").write_text("step_000009\n")
+    with pytest.raises(ValueError, match="step_000009, which is missing"):
+        check(ck)
+
+
+def test_full_size_recipe_says_loudly_synthetic_and_random(capsys):
+    from tessera.recipes.registry import recipe
+
+    cfg = fdl.build(recipe("nemotron_vl_12b"))
+    prelaunch.check_inputs(cfg)
+    err = capsys.readouterr().err
+    assert "WARNING" in err and "SYNTHETIC data" in err and "RANDOM weights" in err, err
+    prelaunch.check_inputs(fdl.build(recipe("nemotron_vl_tiny")))
+    assert "WARNING" not in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not NEMO.exists(), reason="nemo CLI not installed in .venv")
+def test_cli_refuses_a_dataset_without_tokenizer_before_launch(dataset, tmp_path):
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(dataset, bare)
+    (bare / "tokenizer.model").unlink()
+    res = _nemo(["finetune", "--factory", "nemotron_vl_tiny", f"data.path={bare}", "run.executor=local", "--yes"],
+                tmp_path, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "tokenizer.model is missing" in out and "data.tokenizer=PATH" in out, out[-3000:]
+    assert "Launching" not in out, out[-3000:]
+
+
+# ---- Slurm: GPUs, time limit, requeue --------------------------------------------------------------------------
+
+def _slurm(world: int, **kw):
+    ex = fdl.build(executors.slurm(**kw))
+    executors.fit_executor(ex, world)
+    return ex
+
+
+def test_slurm_gpus_come_from_the_layout_for_gpu_recipes():
+    from tessera.recipes.registry import recipe
+
+    big = fdl.build(recipe("nemotron_vl_12b", gpus=16)).model
+    ex = _slurm(16, nodes=2)
+    executors.request_gpus(ex, big)
+    assert ex.gpus_per_node == 8 and ex.ntasks_per_node == 8
+    ex = _slurm(16, nodes=2, gpus_per_node=0)
+    with pytest.raises(ValueError, match="GPU recipe.*gpus_per_node=0"):
+        executors.request_gpus(ex, big)
+    tiny = fdl.build(recipe("nemotron_vl_tiny")).model
+    ex = _slurm(4)
+    executors.request_gpus(ex, tiny)
+    assert ex.gpus_per_node is None  # CPU recipe on CPUs (the local Slurm of tests/test_slurm.py)
+
+
+def test_slurm_defaults_time_limit_requeue_and_signal():
+    ex = _slurm(4)
+    assert ex.time == executors.DEFAULT_TIME == "04:00:00"
+    assert ex.retries == executors.DEFAULT_RETRIES > 0
+    assert ex.signal == executors.DEFAULT_SIGNAL == "TERM@300"
+
+
+@pytest.mark.skipif(not NEMO.exists(), reason="nemo CLI not installed in .venv")
+def test_slurm_sbatch_script_of_a_full_size_recipe(tmp_path):
+    """The sbatch script nemo-run writes for nemotron_vl_12b on 2 x 8: GPUs, limit, signal, requeue."""
+    res = _nemo(["finetune", "--factory", "nemotron_vl_12b(gpus=16)", "run.executor=slurm", "run.executor.nodes=2",
+                 "run.executor.account=acc", "run.executor.time=08:00:00", "--dryrun"], tmp_path, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    for line in ("#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1", "#SBATCH --nodes=2",
+                 "#SBATCH --time=08:00:00", "#SBATCH --signal=TERM@300", "TORCHX_MAX_RETRIES=3",
+                 'scontrol requeue "$SLURM_JOB_ID"'):
+        assert line in out, f"{line!r} not in:\n{out[-4000:]}"
+    assert "SYNTHETIC data" in out and "RANDOM weights" in out, out[-3000:]
+
+
+def test_slurm_run_dir_is_the_job_id(monkeypatch, tmp_path):
+    """A requeued job keeps its id: the default run directory is named after it, so the job resumes."""
+    import torch.distributed as dist
+
+    from tessera.recipes import train as train_mod
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.chdir(tmp_path)
+    store = tmp_path / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        path = train_mod._run_dir("vl", TrainerConfig())
+    finally:
+        dist.destroy_process_group()
+    assert path == (tmp_path / "runs" / "vl-slurm4242").resolve()

@@ -1,0 +1,129 @@
+"""Imports point one way: scripts -> recipes -> hetero (runtime, parallel, training, planner, tools) -> data ->
+models -> hetero/plan (pure descriptions), and never in a cycle.
+
+Every file's imports are read with ast, function-level (lazy) imports included, and so are strings that name a
+Tessera module (what `importlib.import_module(...)` or `python -m ...` would load), so no edge hides. Also: every
+import goes through the installed `tessera.` namespace (a bare `import data` would pick up any other project's
+`data` package), and the pure layer and models/ never touch torch.distributed.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("hetero", "models", "data", "recipes", "scripts")
+# lower number = lower layer; an import may only point to the same or a lower layer
+LAYERS = [("tessera.hetero.plan", 0), ("tessera.models", 1), ("tessera.data", 2), ("tessera.hetero", 3),
+          ("tessera.recipes", 4), ("tessera.scripts", 5)]
+MODULE_STRING = re.compile(r"^tessera(\.[A-Za-z_]\w*)+$")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["tessera", *parts])
+
+
+def layer(module: str) -> int:
+    for prefix, rank in LAYERS:
+        if module == prefix or module.startswith(prefix + "."):
+            return rank
+    raise AssertionError(f"{module} belongs to no layer")
+
+
+def source_files() -> list[Path]:
+    return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every import and every module-naming string constant in `path`."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+            # `from tessera.models import configs` imports the module tessera.models.configs
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and MODULE_STRING.match(node.value):
+            out.append((node.lineno, node.value))
+    return out
+
+
+def tessera_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in source_files()}
+
+
+def resolve(name: str, known: dict[str, Path]) -> str | None:
+    """The Tessera module `name` refers to (a module, or the module holding an imported attribute)."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def edges() -> dict[str, set[tuple[str, int]]]:
+    known = tessera_modules()
+    graph: dict[str, set[tuple[str, int]]] = {m: set() for m in known}
+    for mod, path in known.items():
+        for line, name in imports_of(path):
+            if not name.startswith("tessera."):
+                continue
+            target = resolve(name, known)
+            if target is not None and target != mod and not known[target].name == "__init__.py":
+                graph[mod].add((target, line))
+    return graph
+
+
+def test_every_import_uses_the_tessera_namespace():
+    bad = [f"{p.relative_to(ROOT)}:{line}: {name}" for p in [*source_files(), *(ROOT / "tests").glob("*.py")]
+           for line, name in imports_of(p) if name.split(".")[0] in PACKAGES]
+    assert not bad, "import these as tessera.<package>:\n" + "\n".join(bad)
+
+
+def test_imports_point_only_down():
+    up = [f"{mod} ({layer(mod)}) -> {dst} ({layer(dst)}) at line {line}"
+          for mod, targets in edges().items() for dst, line in targets if layer(dst) > layer(mod)]
+    assert not up, "upward imports:\n" + "\n".join(sorted(up))
+
+
+def test_no_import_cycles():
+    graph = {m: {d for d, _ in ts} for m, ts in edges().items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d):] + [d])
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_pure_layer_and_models_never_touch_torch_distributed():
+    bad = [f"{p.relative_to(ROOT)}:{line}" for p in source_files()
+           if layer(module_name(p)) <= layer("tessera.models")
+           for line, name in imports_of(p) if name.startswith("torch.distributed")]
+    assert not bad, "process groups are injected; these import torch.distributed:\n" + "\n".join(bad)
+
+
+def test_the_checker_sees_lazy_imports_and_module_strings(tmp_path):
+    # the checker itself must see what the old tree hid: a function-level import and an importlib string
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    from tessera.scripts.prepare_data import main\n\nLAUNCHER = 'tessera.hetero.tools.parity'\n")
+    assert [n for _, n in imports_of(f)] == ["tessera.scripts.prepare_data", "tessera.scripts.prepare_data.main",
+                                               "tessera.hetero.tools.parity"]
