@@ -129,7 +129,7 @@ def _run_dir(name: str, trainer: TrainerConfig) -> Path:
 def train(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: TrainerConfig, layout: str = "",
           name: str = "tessera") -> dict:
     """Train `model` on `data` in `layout`; returns a summary (run_dir, first/last loss, ...)."""
-    pass  # BREAK _start_reaper()
+    _start_reaper()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not torch.cuda.is_available():
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

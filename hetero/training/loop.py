@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,7 +37,6 @@ from tessera.hetero.training.model_build import (build_rank_modules, full_hf_sta
                                          load_full_state, module_configs)
 from tessera.hetero.training.optim import ModuleOptimizers, lr_at
 from tessera.hetero.training.stages import LanguageStage, MediaEncoderStage, global_token_count
-from tessera.models.encoders import encoder_config
 
 
 def _dataset(cfg, rank: int):
@@ -87,101 +86,157 @@ def _maybe_fail(step: int, rank: int) -> None:
             os._exit(17)  # an abrupt death: no cleanup, no collective goodbye
 
 
-def run_training(cfg, run_dir: Path) -> dict:
-    from tessera.data.pipeline import build_train_loader
+@dataclass
+class _Run:
+    """What one rank trains with, built in the order below and read by every step."""
+
+    cfg: object
+    run_dir: Path
+    rank: int
+    world: int
+    device: torch.device
+    dtype: torch.dtype
+    data_path: str = ""
+    tok_path: str = ""
+    hf_fields: dict = field(default_factory=dict)
+    layout: object = None
+    groups: dict = field(default_factory=dict)
+    configs: dict = field(default_factory=dict)
+    modules: dict = field(default_factory=dict)
+    opt: object = None
+    start: int = 0
+    loader_state: object = None
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+
+def _resolve(run: _Run) -> None:
+    """Data set, tokenizer, the LLM's shape (from the checkpoint when fine-tuning) and the layout."""
     from tessera.data.tokens import Tokenizer
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    data_path, tok_path = _dataset(cfg, rank)
-    vocab = Tokenizer(tok_path).vocab_size
-    hf_fields = _source_llm_fields(cfg.model.checkpoint) or llm_fields(cfg.model, vocab)
-    if hf_fields["vocab_size"] < vocab:
-        raise ValueError(f"tokenizer {tok_path} has {vocab} tokens but the model "
-                         f"{cfg.model.checkpoint or cfg.model.llm} only {hf_fields['vocab_size']}: use its tokenizer")
-    layout = resolve_run_layout(cfg, world, hf_fields)
+    cfg = run.cfg
+    run.data_path, run.tok_path = _dataset(cfg, run.rank)
+    vocab = Tokenizer(run.tok_path).vocab_size
+    run.hf_fields = _source_llm_fields(cfg.model.checkpoint) or llm_fields(cfg.model, vocab)
+    if run.hf_fields["vocab_size"] < vocab:
+        raise ValueError(f"tokenizer {run.tok_path} has {vocab} tokens but the model "
+                         f"{cfg.model.checkpoint or cfg.model.llm} only {run.hf_fields['vocab_size']}: use its tokenizer")
+    run.layout = resolve_run_layout(cfg, run.world, run.hf_fields)
 
-    groups = build_module_groups(layout)
-    configs = module_configs(layout, hf_fields)
-    modules = build_rank_modules(cfg.model, layout, groups, configs)
+
+def _build_model(run: _Run) -> None:
+    """Groups, this rank's modules with their initial weights (checkpoint or seed), and the optimizers."""
+    cfg = run.cfg
+    run.groups = build_module_groups(run.layout)
+    run.configs = module_configs(run.layout, run.hf_fields)
+    run.modules = build_rank_modules(cfg.model, run.layout, run.groups, run.configs)
     if cfg.model.checkpoint and latest_checkpoint(cfg.model.checkpoint) is not None:
-        load_checkpoint(latest_checkpoint(cfg.model.checkpoint), modules, None, groups, configs)
+        load_checkpoint(latest_checkpoint(cfg.model.checkpoint), run.modules, None, run.groups, run.configs)
     else:
         if cfg.model.checkpoint:
             from tessera.models.nemotron_h_hf import load_hf_state_dict
 
             full = load_hf_state_dict(cfg.model.checkpoint)
         else:
-            full = full_hf_state(cfg.model, hf_fields, cfg.trainer.seed)
-        load_full_state(modules, full, groups)
+            full = full_hf_state(cfg.model, run.hf_fields, cfg.trainer.seed)
+        load_full_state(run.modules, full, run.groups)
         del full
-    for m in modules.values():
-        m.to(device=device, dtype=dtype).train()
+    for m in run.modules.values():
+        m.to(device=run.device, dtype=run.dtype).train()
     lrs = {k: spec.lr for k, spec in module_specs(cfg.model, cfg.optim).items()}
-    opt = ModuleOptimizers(modules, groups, {k: lrs[k] for k in layout.modules}, cfg.optim.clip_grad,
-                           cfg.optim.weight_decay, cfg.optim.betas, cfg.optim.eps, all_keys=list(layout.modules))
+    run.opt = ModuleOptimizers(run.modules, run.groups, {k: lrs[k] for k in run.layout.modules}, cfg.optim.clip_grad,
+                               cfg.optim.weight_decay, cfg.optim.betas, cfg.optim.eps,
+                               all_keys=list(run.layout.modules))
 
-    ckpt_root, start, loader_state = run_dir / "checkpoints", 0, None
-    last = latest_checkpoint(ckpt_root) if cfg.trainer.resume else None
+
+def _resume(run: _Run) -> None:
+    """Continue from the run directory's last complete checkpoint (model, optimizer, loader position)."""
+    last = latest_checkpoint(run.ckpt_root) if run.cfg.trainer.resume else None
     if last is not None:
-        common = load_checkpoint(last, modules, opt, groups, configs)
-        start, loader_state = common["step"], decode_loader_state(common["loader"])
-        if rank == 0:
-            print(f"resumed from {last} (step {start}, saved in layout {common['layout']})", flush=True)
+        common = load_checkpoint(last, run.modules, run.opt, run.groups, run.configs)
+        run.start, run.loader_state = common["step"], decode_loader_state(common["loader"])
+        if run.rank == 0:
+            print(f"resumed from {last} (step {run.start}, saved in layout {common['layout']})", flush=True)
 
-    encoders = encoder_names(cfg.model)
-    loader = build_train_loader(data_path, tok_path, encoders, cfg.data.seq_length, cfg.data.rows_per_microbatch,
-                                decode=decode_plan(layout, rank, cfg.data.rows_per_microbatch),
-                                num_workers=cfg.data.num_workers, seed=cfg.data.seed, max_tiles=cfg.data.max_tiles,
-                                video_frames=cfg.data.video_frames, video_pruning=cfg.model.video_pruning,
-                                state=loader_state)
-    comms = {k: BoundaryCommunicator(layout[k], layout[LANGUAGE], configs[LANGUAGE].hidden_size, dtype, device,
-                                     dst_format="dense") for k in sorted(layout.encoders)}
-    like = torch.empty(0, dtype=dtype, device=device)
-    metrics = RunMetrics(run_dir, cfg.trainer.max_steps, start, cfg.trainer.progress,
-                         cfg.trainer.tensorboard) if rank == 0 else None
-    hosts_loss = LANGUAGE in modules and groups[LANGUAGE].last_stage and groups[LANGUAGE].coord.tp == 0
+
+def _build_loader(run: _Run):
+    from tessera.data.pipeline import build_train_loader
+
+    d = run.cfg.data
+    return build_train_loader(run.data_path, run.tok_path, encoder_names(run.cfg.model), d.seq_length,
+                              d.rows_per_microbatch, decode=decode_plan(run.layout, run.rank, d.rows_per_microbatch),
+                              num_workers=d.num_workers, seed=d.seed, max_tiles=d.max_tiles,
+                              video_frames=d.video_frames, video_pruning=run.cfg.model.video_pruning,
+                              state=run.loader_state)
+
+
+def _train_step(run: _Run, step: int, it, comms: dict, like: torch.Tensor, hosts_loss: bool) -> dict:
+    """One optimizer step over `data.microbatches` microbatches; returns the metrics record (every rank)."""
+    cfg, layout, groups, modules = run.cfg, run.layout, run.groups, run.modules
+    t0 = time.perf_counter()
+    batches = [next(it) for _ in range(cfg.data.microbatches)]
+    total = global_token_count(batches)
+    enc = {k: MediaEncoderStage(modules[k], k, layout[k], groups[k].coord, batches)
+           for k in modules if k != LANGUAGE}
+    lang = (LanguageStage(modules[LANGUAGE], layout[LANGUAGE], groups[LANGUAGE].coord, batches, total)
+            if LANGUAGE in modules else None)
+    sent0 = sum(c.bytes_sent for c in comms.values())
+    result = hetero_step(layout, groups, enc, lang, comms,
+                         [b.boundary_batches(sorted(layout.encoders)) for b in batches], like)
+    stats = run.opt.step(lr_at(step, cfg.trainer.max_steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio))
+    sums = torch.tensor([float(result.loss) if hosts_loss else 0.0,
+                         sum(c.bytes_sent for c in comms.values()) - sent0], dtype=torch.float64)
+    dist.all_reduce(sums)
+    dt = time.perf_counter() - t0
+    rows = cfg.data.rows_per_microbatch * cfg.data.microbatches
+    return {"step": step + 1, "loss": float(sums[0]), "lr": stats["lr"], "grad_norm": stats["grad_norm"],
+            "tokens_per_s": rows * cfg.data.seq_length / dt, "samples_per_s": rows / dt,
+            "target_tokens": total, "boundary_bytes": int(sums[1]), "step_time_s": dt,
+            "skipped": sum(sum(b.skipped.values()) for b in batches)}
+
+
+def _save(run: _Run, step: int, loader) -> None:
+    save_checkpoint(run.ckpt_root, step, run.modules, run.opt, run.groups, run.configs,
+                    # all text, so the common state is torch.load(weights_only=True)-safe and the
+                    # loader state is data, never a pickle (hetero/training/loader_state.py)
+                    {"loader": encode_loader_state(loader.save_state_rank()), "layout": str(run.layout),
+                     "config": json.dumps(asdict(run.cfg)), "llm_hf_config": json.dumps(run.hf_fields)})
+
+
+def run_training(cfg, run_dir: Path) -> dict:
+    """Train `cfg` on this rank: resolve, build, resume, then steps with metrics and checkpoints."""
+    run = _Run(cfg, run_dir, dist.get_rank(), dist.get_world_size(),
+               torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"),
+               {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype])
+    _resolve(run)
+    _build_model(run)
+    _resume(run)
+    loader = _build_loader(run)
+    comms = {k: BoundaryCommunicator(run.layout[k], run.layout[LANGUAGE], run.configs[LANGUAGE].hidden_size,
+                                     run.dtype, run.device, dst_format="dense") for k in sorted(run.layout.encoders)}
+    like = torch.empty(0, dtype=run.dtype, device=run.device)
+    metrics = RunMetrics(run_dir, cfg.trainer.max_steps, run.start, cfg.trainer.progress,
+                         cfg.trainer.tensorboard) if run.rank == 0 else None
+    hosts_loss = (LANGUAGE in run.modules and run.groups[LANGUAGE].last_stage
+                  and run.groups[LANGUAGE].coord.tp == 0)
 
     it, record, first_loss = iter(loader), {}, None
-    for step in range(start, cfg.trainer.max_steps):
-        _maybe_fail(step, rank)
-        t0 = time.perf_counter()
-        batches = [next(it) for _ in range(cfg.data.microbatches)]
-        total = global_token_count(batches)
-        enc = {k: MediaEncoderStage(modules[k], k, layout[k], groups[k].coord, batches)
-               for k in modules if k != LANGUAGE}
-        lang = (LanguageStage(modules[LANGUAGE], layout[LANGUAGE], groups[LANGUAGE].coord, batches, total)
-                if LANGUAGE in modules else None)
-        sent0 = sum(c.bytes_sent for c in comms.values())
-        result = hetero_step(layout, groups, enc, lang, comms,
-                             [b.boundary_batches(sorted(layout.encoders)) for b in batches], like)
-        stats = opt.step(lr_at(step, cfg.trainer.max_steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio))
-        sums = torch.tensor([float(result.loss) if hosts_loss else 0.0,
-                             sum(c.bytes_sent for c in comms.values()) - sent0], dtype=torch.float64)
-        dist.all_reduce(sums)
-        dt = time.perf_counter() - t0
-        rows = cfg.data.rows_per_microbatch * cfg.data.microbatches
-        record = {"step": step + 1, "loss": float(sums[0]), "lr": stats["lr"], "grad_norm": stats["grad_norm"],
-                  "tokens_per_s": rows * cfg.data.seq_length / dt, "samples_per_s": rows / dt,
-                  "target_tokens": total, "boundary_bytes": int(sums[1]), "step_time_s": dt,
-                  "skipped": sum(sum(b.skipped.values()) for b in batches)}
+    for step in range(run.start, cfg.trainer.max_steps):
+        _maybe_fail(step, run.rank)
+        record = _train_step(run, step, it, comms, like, hosts_loss)
         first_loss = record["loss"] if first_loss is None else first_loss
         if metrics is not None:
             metrics.log(record)
-        done = step + 1 == cfg.trainer.max_steps
-        if done or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
-            save_checkpoint(ckpt_root, step + 1, modules, opt, groups, configs,
-                            # all text, so the common state is torch.load(weights_only=True)-safe and the
-                            # loader state is data, never a pickle (hetero/training/loader_state.py)
-                            {"loader": encode_loader_state(loader.save_state_rank()), "layout": str(layout),
-                             "config": json.dumps(asdict(cfg)), "llm_hf_config": json.dumps(hf_fields)})
+        if step + 1 == cfg.trainer.max_steps or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
+            _save(run, step + 1, loader)
 
     close_loader(loader)
     plot = metrics.close() if metrics is not None else None
-    if cfg.trainer.export_hf and rank == 0:
-        _export_hf(ckpt_root, cfg.trainer.export_hf)
+    if cfg.trainer.export_hf and run.rank == 0:
+        _export_hf(run.ckpt_root, cfg.trainer.export_hf)
     dist.barrier()
-    destroy_module_groups(groups)
-    return {"run_dir": str(run_dir), "layout": str(layout), "steps": cfg.trainer.max_steps,
+    destroy_module_groups(run.groups)
+    return {"run_dir": str(run_dir), "layout": str(run.layout), "steps": cfg.trainer.max_steps,
             "first_loss": first_loss, "last_loss": record.get("loss"), "loss_png": str(plot) if plot else None}
