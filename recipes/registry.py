@@ -26,6 +26,7 @@ from typing import Callable
 import nemo_run as run
 
 from tessera.hetero.plan.layout import HeteroLayout, scale_layout
+from tessera.hetero.training.run_modules import ENCODER_KEYS
 from tessera.recipes.full_size import RECIPES as PLANNED  # the planner's layout per full-size recipe
 from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
@@ -99,8 +100,8 @@ def pretrain_stage(cfg: run.Config[RunConfig]) -> run.Config[RunConfig]:
     """Projector alignment (VLM stage 1): encoders and LLM frozen, only projectors learn, at 10x the lr."""
     cfg.name = f"{cfg.name}_pretrain"
     m = cfg.model
-    m.freeze_vision = m.vision is not None
-    m.freeze_audio = m.audio is not None
+    for key in ENCODER_KEYS:
+        setattr(m, f"freeze_{key}", getattr(m, key) is not None)
     m.freeze_llm = True
     cfg.optim.lr = cfg.optim.lr * 10
     return cfg
