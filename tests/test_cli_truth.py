@@ -191,16 +191,15 @@ def test_slurm_defaults_time_limit_requeue_and_signal():
 
 
 @pytest.mark.skipif(not NEMO.exists(), reason="nemo CLI not installed in .venv")
-def test_slurm_sbatch_script_of_a_full_size_recipe(tmp_path):
-    """The sbatch script nemo-run writes for nemotron_vl_12b on 2 x 8: GPUs, limit, signal, requeue."""
+def test_cli_full_size_slurm_dry_run_requests_gpus_and_warns(tmp_path):
+    """nemotron_vl_12b on 2 x 8 without gpus_per_node: GPUs from the layout, limit, signal, retries, and
+    the loud synthetic-data / random-weights warning (the sbatch script itself: tests/test_slurm.py)."""
     res = _nemo(["finetune", "--factory", "nemotron_vl_12b(gpus=16)", "run.executor=slurm", "run.executor.nodes=2",
                  "run.executor.account=acc", "run.executor.time=08:00:00", "--dryrun"], tmp_path, timeout=300)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
-    for line in ("#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1", "#SBATCH --nodes=2",
-                 "#SBATCH --time=08:00:00", "#SBATCH --signal=TERM@300", "TORCHX_MAX_RETRIES=3",
-                 'scontrol requeue "$SLURM_JOB_ID"'):
-        assert line in out, f"{line!r} not in:\n{out[-4000:]}"
+    assert "requesting 8 GPUs per node" in out and "gpus_per_node=8" in out, out[-3000:]
+    assert "time='08:00:00'" in out and "signal='TERM@300'" in out and "retries=3" in out, out[-3000:]
     assert "SYNTHETIC data" in out and "RANDOM weights" in out, out[-3000:]
 
 

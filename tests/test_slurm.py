@@ -113,3 +113,50 @@ def test_slurm_trains_tiny_recipe(slurm_cluster, nemorun_home, tmp_path):
     assert rows[-1]["step"] == 6, rows
     losses = [r["loss"] for r in rows]
     assert losses[-1] < losses[0], losses
+
+
+SBATCH_SCRIPT = """
+import fiddle as fdl, nemo_run as run
+from tessera.recipes import executors
+from tessera.recipes.cli import as_task, finetune
+from tessera.recipes.registry import recipe
+cfg = recipe("nemotron_vl_12b", gpus=16)
+ex = fdl.build(executors.slurm(nodes=2, account="acc"))   # no gpus_per_node, default time/retries/signal
+executors.fit_executor(ex, 16)
+executors.request_gpus(ex, fdl.build(cfg).model)
+with run.Experiment("sbatch", executor=ex, log_level="WARN") as exp:
+    exp.add(as_task(cfg, finetune), name="job")
+    exp.dryrun()
+"""
+
+
+def test_sbatch_script_of_a_full_size_recipe(tmp_path):
+    """No cluster needed: the sbatch script nemo-run writes for nemotron_vl_12b on 2 nodes requests the
+    layout's 8 GPUs per node, the default time limit, SIGTERM 5 minutes before it, and requeues (nemo-run's
+    `scontrol requeue` while SLURM_RESTART_COUNT < retries; `sbatch --requeue` for preemption)."""
+    (tmp_path / "sbatch.py").write_text(SBATCH_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="250", NEMORUN_HOME=str(tmp_path / "nrhome"))
+    res = subprocess.run([sys.executable, str(tmp_path / "sbatch.py")], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300, stdin=subprocess.DEVNULL)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    for line in ("#SBATCH --gpus-per-node=8", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
+                 f"#SBATCH --time={executors.DEFAULT_TIME}", f"#SBATCH --signal={executors.DEFAULT_SIGNAL}",
+                 f"TORCHX_MAX_RETRIES={executors.DEFAULT_RETRIES}", 'scontrol requeue "$SLURM_JOB_ID"',
+                 "sbatch --requeue", "--nproc-per-node 8"):
+        assert line in out, f"{line!r} not in:\n{out[-5000:]}"
+
+
+def test_slurm_failed_job_is_reported(slurm_cluster, nemorun_home):
+    """A Slurm job whose rank fails (hetero.tools.verify refusing a layout whose sizes do not fit its ranks)
+    ends FAILED in sacct, and job_failure (what makes `nemo` exit 1) says so and shows the rank's error;
+    retries=0 so it is not requeued."""
+    from tessera.hetero.tools import verify
+
+    ex = fdl.build(executors.slurm(time="00:05:00", retries=0))
+    executors.fit_executor(ex, 1)
+    with run.Experiment("tessera-fail", executor=ex, log_level="WARN") as exp:
+        exp.add(run.Partial(verify.main, argv=["--layout", "vision=dp3@0-1;language=tp2@0-1"]), name="job")
+        exp.run(detach=False)
+    failure = executors.job_failure(exp)
+    assert failure is not None and "FAILED" in failure, failure

@@ -23,6 +23,9 @@ Memory per GPU: bf16 weights (2 B/param), fp32 main grads (4 B), fp32 Adam maste
 over the module's DP x CP ranks (experts over their expert-DP ranks), activations of the microbatches in
 flight (1F1B's first stage holds pp of them), fp32 logits on the LLM's last stage. A layout that does not
 fit in HEADROOM of HBM, or fails HeteroLayout.validate, comes back with feasible=False and the reason.
+
+This file prices modules (module_cost) and a layout (predict); how the placements combine module costs
+into a step is in step_time.py.
 """
 
 from __future__ import annotations
@@ -35,69 +38,11 @@ from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, Mode
 from tessera.hetero.planner import comm
 from tessera.hetero.planner.cluster import Cluster, Constants, Workload
 from tessera.hetero.planner.model import BF16, ModelDesc, ModuleDesc
+from tessera.hetero.planner.step_time import (GIB, Memory, ModuleCost, Stage, StepParts, colocated_encoders,
+                                              encoder_pipeline, homogeneous_step, remote_encoders)
 
 HEADROOM = 0.9        # of HBM usable by tensors (the rest: allocator fragmentation, NCCL and CUDA buffers)
 OPTIM_BYTES = 30      # HBM traffic per local parameter of one Adam step (read 16 B, write 14 B)
-GIB = 2 ** 30
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One pipeline stage, one microbatch, forward + backward (seconds)."""
-
-    compute: float = 0.0
-    tp: float = 0.0
-    cp: float = 0.0
-    ep: float = 0.0
-    pp: float = 0.0
-    fwd_frac: float = 1 / 3   # share of the time spent in the forward pass
-
-    @property
-    def total(self) -> float:
-        return self.compute + self.tp + self.cp + self.ep + self.pp
-
-    def __add__(self, o: "Stage") -> "Stage":
-        t = self.total + o.total
-        frac = (self.fwd_frac * self.total + o.fwd_frac * o.total) / t if t else self.fwd_frac
-        return Stage(self.compute + o.compute, self.tp + o.tp, self.cp + o.cp, self.ep + o.ep, self.pp + o.pp, frac)
-
-
-@dataclass(frozen=True)
-class Memory:
-    weights: float = 0.0
-    grads: float = 0.0
-    optim: float = 0.0
-    act: float = 0.0
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.grads + self.optim + self.act
-
-    def __add__(self, o: "Memory") -> "Memory":
-        return Memory(self.weights + o.weights, self.grads + o.grads, self.optim + o.optim, self.act + o.act)
-
-    def describe(self) -> str:
-        return (f"{self.total / GIB:.1f} GiB (weights {self.weights / GIB:.1f}, grads {self.grads / GIB:.1f}, "
-                f"adam {self.optim / GIB:.1f}, activations {self.act / GIB:.1f})")
-
-
-@dataclass(frozen=True)
-class ModuleCost:
-    key: str
-    stages: tuple[Stage, ...]
-    dp_s: float              # gradient reduce-scatter + parameter all-gather per step
-    optim_s: float
-    mem_first: Memory        # first and last PP stage (the same stage when pp == 1)
-    mem_last: Memory
-    model_flops: float       # 3 x forward FLOPs of one microbatch, all ranks (useful work only)
-
-    @property
-    def slowest(self) -> Stage:
-        return max(self.stages, key=lambda s: s.total)
-
-    @property
-    def memory(self) -> Memory:
-        return max(self.mem_first, self.mem_last, key=lambda mm: mm.total)
 
 
 @dataclass
@@ -245,12 +190,6 @@ def placement(layout: HeteroLayout) -> str:
     return layout.placement
 
 
-def _pipeline(chain: list[Stage], m: int) -> tuple[float, Stage]:
-    """1F1B over stages with per-microbatch times: (step, the slowest stage)."""
-    slow = max(chain, key=lambda s: s.total)
-    return m * slow.total + sum(s.total for s in chain) - slow.total, slow
-
-
 def _boundary(src: ModuleLayout, dst: ModuleLayout, enc: ModuleDesc, w: Workload, samples: int,
               cl: Cluster, k: Constants) -> tuple[float, float]:
     """Forward and backward boundary time per microbatch (busiest rank)."""
@@ -270,116 +209,57 @@ def predict(layout: HeteroLayout | str, model: ModelDesc, w: Workload, cl: Clust
     the first that fits in memory."""
     layout = HeteroLayout.parse(layout) if isinstance(layout, str) else layout
     if recompute is None:
-        options = [(), tuple(model.keys[:-1]), tuple(model.keys)]
-        for opt in options:
-            p = predict(layout, model, w, cl, k, opt)
-            if p.feasible or not p.reason.startswith("memory"):
-                return p
-        return p
-    gpus = layout.world_size
-    kind = placement(layout)
-    out = Prediction(str(layout), kind, False, gpus=gpus, recompute=recompute, micro_batch=w.micro_batch,
-                     global_batch=w.global_batch)
+        return _least_recompute(layout, model, w, cl, k)
+    out = Prediction(str(layout), placement(layout), False, gpus=layout.world_size, recompute=recompute,
+                     micro_batch=w.micro_batch, global_batch=w.global_batch)
     lang = layout[LANGUAGE]
     samples = w.micro_batch * lang.dp_size
     try:
-        _check(layout, model, w, gpus, samples)
+        _check(layout, model, w, out.gpus, samples)
     except LayoutError as e:
         out.reason = str(e)
         return out
-    m = w.global_batch // samples
-    out.microbatches = m
-    cost = lambda key, lay, flight, group=None: _module_cost(  # noqa: E731
+    m = out.microbatches = w.global_batch // samples
+    price = lambda key, lay, flight, group=None: _module_cost(  # noqa: E731
         model[key], _sizes(lay), samples, w, cl, k, key in recompute, flight, group)
-    L = cost(LANGUAGE, lang, min(lang.pp, m))
-    parts = {n: 0.0 for n in ("compute", "tp", "cp", "ep", "pp", "boundary", "bubble", "dp", "optimizer")}
-    busy = {LANGUAGE: m * L.slowest.total}
-    mem = {f"{lang.first}-{lang.last}": L.memory}
-    dp_exposed = {f"{lang.first}-{lang.last}": max(0.0, L.dp_s - L.slowest.total)}
-    optim = {f"{lang.first}-{lang.last}": L.optim_s}
-    llm_range = f"{lang.first}-{lang.last}"
-
-    def add(stage: Stage, times: float, share: float = 1.0):
-        for n in ("compute", "tp", "cp", "ep", "pp"):
-            parts[n] += getattr(stage, n) * times * share
-
-    if kind == "homogeneous":
-        # Megatron's baseline: encoders at the LLM's TP and DP on its first stage, replicated over CP
-        stage0 = L.stages[0]
-        enc_mem = Memory()
-        for enc in model.encoders:
-            e = cost(enc.key, ModuleLayout(lang.first, lang.first + lang.tp * lang.dp_size - 1, tp=lang.tp,
-                                           dp=lang.dp_size), min(lang.pp, m), lang.dp_size * lang.cp)
-            stage0 = stage0 + e.slowest
-            enc_mem = enc_mem + e.memory
-            busy[enc.key] = m * e.slowest.total
-            dp_exposed[llm_range] += max(0.0, e.dp_s - L.stages[0].total)
-            optim[llm_range] += e.optim_s
-            out.tflops_per_gpu += m * e.model_flops
-        mem[llm_range] = max(L.mem_first + enc_mem, L.mem_last, key=lambda mm: mm.total)
-        chain = [stage0, *L.stages[1:]]
-        pipe, slow = _pipeline(chain, m)
-        add(slow, m)
-        parts["bubble"] = pipe - m * slow.total
-        step_core = pipe
+    boundary = lambda key, lay: _boundary(lay, lang, model[key], w, samples, cl, k)  # noqa: E731
+    llm = price(LANGUAGE, lang, min(lang.pp, m))
+    acc = StepParts.start(llm, lang, m)
+    if out.placement == "homogeneous":
+        core = homogeneous_step(acc, llm, lang, [e.key for e in model.encoders], m, price)
     else:
-        coloc = [e for e in model.encoders if layout.colocated(e.key, LANGUAGE)]
-        remote = [e for e in model.encoders if not layout.colocated(e.key, LANGUAGE)]
-        phase1 = phase3 = 0.0
-        for enc in coloc:
-            lay = layout[enc.key]
-            e = cost(enc.key, lay, m)  # three phases: every microbatch's activations live until phase 3
-            fb, bb = _boundary(lay, lang, enc, w, samples, cl, k)
-            s = e.slowest
-            fill = (lay.pp - 1) * s.total
-            phase1 += (m * s.total + fill) * s.fwd_frac + m * fb
-            phase3 += (m * s.total + fill) * (1 - s.fwd_frac) + m * bb
-            add(s, m)
-            parts["bubble"] += fill
-            parts["boundary"] += m * (fb + bb)
-            busy[enc.key] = m * s.total
-            mem[llm_range] = mem[llm_range] + e.memory
-            dp_exposed[llm_range] += max(0.0, e.dp_s - m * s.total * (1 - s.fwd_frac))
-            optim[llm_range] += e.optim_s
-            out.tflops_per_gpu += m * e.model_flops
-        enc_side: list[Stage] = []
-        bound = Stage()
-        for enc in remote:
-            lay = layout[enc.key]
-            key = f"{lay.first}-{lay.last}"
-            e = cost(enc.key, lay, min(m, lay.pp + lang.pp + 1))
-            fb, bb = _boundary(lay, lang, enc, w, samples, cl, k)
-            bound = Stage(pp=bound.pp + fb + bb, fwd_frac=0.5)
-            # parallel encoders feed the same boundary: align their last stages, keep the slower per slot
-            n = max(len(enc_side), lay.pp)
-            ours = [Stage()] * (n - lay.pp) + list(e.stages)
-            enc_side = [max(a, b, key=lambda s: s.total) for a, b in
-                        zip([Stage()] * (n - len(enc_side)) + enc_side, ours)]
-            busy[enc.key] = m * e.slowest.total
-            mem[key] = e.memory
-            dp_exposed[key] = max(0.0, e.dp_s - e.slowest.total)
-            optim[key] = e.optim_s
-            out.tflops_per_gpu += m * e.model_flops
-        chain = enc_side + ([bound] if remote else []) + list(L.stages)
-        pipe, slow = _pipeline(chain, m)
-        hidden = min(phase1, sum(s.total * s.fwd_frac for s in enc_side))
-        if slow is bound:
-            parts["boundary"] += m * bound.total
-        else:
-            add(slow, m)
-            parts["boundary"] += bound.total
-        parts["bubble"] += pipe - m * slow.total - (bound.total if slow is not bound else 0.0) - hidden
-        step_core = phase1 + pipe - hidden + phase3
-    parts["dp"] = max(dp_exposed.values())
-    parts["optimizer"] = max(optim.values())
-    out.step_s = step_core + parts["dp"] + parts["optimizer"]
+        coloc = {e.key: layout[e.key] for e in model.encoders if layout.colocated(e.key, LANGUAGE)}
+        remote = {e.key: layout[e.key] for e in model.encoders if e.key not in coloc}
+        phase1, phase3 = colocated_encoders(acc, coloc, m, price, boundary)
+        enc_side, bound = remote_encoders(acc, remote, lang.pp, m, price, boundary)
+        core = encoder_pipeline(acc, llm, enc_side, bound, m, phase1, phase3)
+    return _finish(out, acc, core, llm, layout, w, cl)
+
+
+def _least_recompute(layout: HeteroLayout, model: ModelDesc, w: Workload, cl: Cluster, k: Constants) -> Prediction:
+    """The first of no recompute, encoders only, every module that fits (or fails for a reason other than memory)."""
+    for opt in [(), tuple(model.keys[:-1]), tuple(model.keys)]:
+        p = predict(layout, model, w, cl, k, opt)
+        if p.feasible or not p.reason.startswith("memory"):
+            return p
+    return p
+
+
+def _finish(out: Prediction, acc: StepParts, core: float, llm: ModuleCost, layout: HeteroLayout, w: Workload,
+            cl: Cluster) -> Prediction:
+    """Step time (the pipeline's core, plus the worst rank range's exposed DP and optimizer), idle time and
+    memory per rank range, throughput, and whether the fullest rank range fits in HBM."""
+    parts, mem = acc.parts, acc.mem
+    parts["dp"] = max(acc.dp_exposed.values())
+    parts["optimizer"] = max(acc.optim.values())
+    out.step_s = core + parts["dp"] + parts["optimizer"]
     out.breakdown = parts
-    ranges = {key: f"{layout[key].first}-{layout[key].last}" for key in busy}
-    out.idle_s = {r: max(0.0, out.step_s - sum(b for key, b in busy.items() if ranges[key] == r))
+    ranges = {key: f"{layout[key].first}-{layout[key].last}" for key in acc.busy}
+    out.idle_s = {r: max(0.0, out.step_s - sum(b for key, b in acc.busy.items() if ranges[key] == r))
                   for r in set(ranges.values())}
     out.memory_gib = {r: mm.total / GIB for r, mm in mem.items()}
     out.memory_detail = {r: mm.describe() for r, mm in mem.items()}
-    out.tflops_per_gpu = (out.tflops_per_gpu + m * L.model_flops) / out.step_s / gpus / 1e12
+    out.tflops_per_gpu = (acc.flops + out.microbatches * llm.model_flops) / out.step_s / out.gpus / 1e12
     out.tokens_per_s = w.global_batch * w.seq_length / out.step_s
     limit = cl.hbm_gib * HEADROOM
     worst = max(mem, key=lambda r: mem[r].total)
@@ -389,4 +269,3 @@ def predict(layout: HeteroLayout | str, model: ModelDesc, w: Workload, cl: Clust
         return out
     out.feasible = True
     return out
-

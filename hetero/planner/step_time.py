@@ -1,0 +1,202 @@
+"""How one layout's module costs add up to a step (the model itself is described in cost.py's docstring).
+
+Stage, Memory and ModuleCost are what cost.module_cost prices per module; StepParts collects the step's
+breakdown, busy time and per-rank-range memory, exposed DP and optimizer time while one function per
+placement adds its modules: homogeneous_step (Megatron's baseline), or colocated_encoders (phases 1 and 3)
+and remote_encoders (the encoder side of the pipeline) followed by encoder_pipeline (the 1F1B pipeline
+between the phases). cost.predict calls them and turns the result into a Prediction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tessera.hetero.plan.layout import LANGUAGE, ModuleLayout
+
+GIB = 2 ** 30
+STAGE_PARTS = ("compute", "tp", "cp", "ep", "pp")
+BREAKDOWN = (*STAGE_PARTS, "boundary", "bubble", "dp", "optimizer")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage, one microbatch, forward + backward (seconds)."""
+
+    compute: float = 0.0
+    tp: float = 0.0
+    cp: float = 0.0
+    ep: float = 0.0
+    pp: float = 0.0
+    fwd_frac: float = 1 / 3   # share of the time spent in the forward pass
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp + self.cp + self.ep + self.pp
+
+    def __add__(self, o: "Stage") -> "Stage":
+        t = self.total + o.total
+        frac = (self.fwd_frac * self.total + o.fwd_frac * o.total) / t if t else self.fwd_frac
+        return Stage(self.compute + o.compute, self.tp + o.tp, self.cp + o.cp, self.ep + o.ep, self.pp + o.pp, frac)
+
+
+@dataclass(frozen=True)
+class Memory:
+    weights: float = 0.0
+    grads: float = 0.0
+    optim: float = 0.0
+    act: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optim + self.act
+
+    def __add__(self, o: "Memory") -> "Memory":
+        return Memory(self.weights + o.weights, self.grads + o.grads, self.optim + o.optim, self.act + o.act)
+
+    def describe(self) -> str:
+        return (f"{self.total / GIB:.1f} GiB (weights {self.weights / GIB:.1f}, grads {self.grads / GIB:.1f}, "
+                f"adam {self.optim / GIB:.1f}, activations {self.act / GIB:.1f})")
+
+
+@dataclass(frozen=True)
+class ModuleCost:
+    key: str
+    stages: tuple[Stage, ...]
+    dp_s: float              # gradient reduce-scatter + parameter all-gather per step
+    optim_s: float
+    mem_first: Memory        # first and last PP stage (the same stage when pp == 1)
+    mem_last: Memory
+    model_flops: float       # 3 x forward FLOPs of one microbatch, all ranks (useful work only)
+
+    @property
+    def slowest(self) -> Stage:
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def memory(self) -> Memory:
+        return max(self.mem_first, self.mem_last, key=lambda mm: mm.total)
+
+
+# price(module key, its layout, microbatches in flight, gradient group or None) and
+# boundary(encoder key, its layout) -> (forward, backward) seconds per microbatch; cost.predict binds both
+Price = Callable[..., ModuleCost]
+Boundary = Callable[[str, ModuleLayout], tuple[float, float]]
+
+
+@dataclass
+class StepParts:
+    """The step as the placement functions add it up; memory, DP and optimizer are kept per rank range
+    because the slowest range sets the step and the fullest one decides feasibility."""
+
+    llm: str                        # the LLM's rank range "first-last", shared by colocated encoders
+    parts: dict[str, float]         # the breakdown; dp and optimizer are filled in last
+    busy: dict[str, float]          # per module: seconds of the step its GPUs compute
+    mem: dict[str, Memory]
+    dp_exposed: dict[str, float]
+    optim: dict[str, float]
+    flops: float = 0.0              # useful FLOPs of the encoders' microbatches (the LLM's are added last)
+
+    @classmethod
+    def start(cls, llm: ModuleCost, lang: ModuleLayout, m: int) -> "StepParts":
+        """The LLM alone: its busy time, memory, and the DP traffic one microbatch does not hide."""
+        r = f"{lang.first}-{lang.last}"
+        return cls(r, {n: 0.0 for n in BREAKDOWN}, {LANGUAGE: m * llm.slowest.total}, {r: llm.memory},
+                   {r: max(0.0, llm.dp_s - llm.slowest.total)}, {r: llm.optim_s})
+
+    def add(self, stage: Stage, times: float) -> None:
+        for n in STAGE_PARTS:
+            self.parts[n] += getattr(stage, n) * times
+
+
+def pipeline(chain: list[Stage], m: int) -> tuple[float, Stage]:
+    """1F1B over stages with per-microbatch times: (step, the slowest stage)."""
+    slow = max(chain, key=lambda s: s.total)
+    return m * slow.total + sum(s.total for s in chain) - slow.total, slow
+
+
+def homogeneous_step(acc: StepParts, llm: ModuleCost, lang: ModuleLayout, encoders: list[str], m: int,
+                     price: Price) -> float:
+    """Megatron's baseline: encoders at the LLM's TP and DP on its first PP stage, replicated over its CP
+    ranks; returns the pipeline's time."""
+    as_llm = ModuleLayout(lang.first, lang.first + lang.tp * lang.dp_size - 1, tp=lang.tp, dp=lang.dp_size)
+    stage0, enc_mem = llm.stages[0], Memory()
+    for key in encoders:
+        # replicated over the LLM's CP ranks, so its gradients are reduced over DP x CP
+        e = price(key, as_llm, min(lang.pp, m), lang.dp_size * lang.cp)
+        stage0 = stage0 + e.slowest
+        enc_mem = enc_mem + e.memory
+        acc.busy[key] = m * e.slowest.total
+        acc.dp_exposed[acc.llm] += max(0.0, e.dp_s - llm.stages[0].total)
+        acc.optim[acc.llm] += e.optim_s
+        acc.flops += m * e.model_flops
+    acc.mem[acc.llm] = max(llm.mem_first + enc_mem, llm.mem_last, key=lambda mm: mm.total)
+    pipe, slow = pipeline([stage0, *llm.stages[1:]], m)
+    acc.add(slow, m)
+    acc.parts["bubble"] = pipe - m * slow.total
+    return pipe
+
+
+def colocated_encoders(acc: StepParts, encoders: dict[str, ModuleLayout], m: int, price: Price,
+                       boundary: Boundary) -> tuple[float, float]:
+    """Encoders on the LLM's ranks: (phase 1, phase 3) seconds, every microbatch's forward + boundary
+    before the LLM's pipeline and boundary + backward after it."""
+    phase1 = phase3 = 0.0
+    for key, lay in encoders.items():
+        e = price(key, lay, m)  # three phases: every microbatch's activations live until phase 3
+        fb, bb = boundary(key, lay)
+        s = e.slowest
+        fill = (lay.pp - 1) * s.total
+        phase1 += (m * s.total + fill) * s.fwd_frac + m * fb
+        phase3 += (m * s.total + fill) * (1 - s.fwd_frac) + m * bb
+        acc.add(s, m)
+        acc.parts["bubble"] += fill
+        acc.parts["boundary"] += m * (fb + bb)
+        acc.busy[key] = m * s.total
+        acc.mem[acc.llm] = acc.mem[acc.llm] + e.memory
+        # its DP traffic hides behind its own phase-3 backward
+        acc.dp_exposed[acc.llm] += max(0.0, e.dp_s - m * s.total * (1 - s.fwd_frac))
+        acc.optim[acc.llm] += e.optim_s
+        acc.flops += m * e.model_flops
+    return phase1, phase3
+
+
+def remote_encoders(acc: StepParts, encoders: dict[str, ModuleLayout], llm_pp: int, m: int, price: Price,
+                    boundary: Boundary) -> tuple[list[Stage], Stage]:
+    """Encoders on their own ranks: (their stages, the boundary stage) at the head of the LLM's pipeline."""
+    enc_side: list[Stage] = []
+    bound = Stage()
+    for key, lay in encoders.items():
+        r = f"{lay.first}-{lay.last}"
+        # its first stage heads a pipeline of lay.pp + boundary + LLM stages, as many microbatches in flight
+        e = price(key, lay, min(m, lay.pp + llm_pp + 1))
+        fb, bb = boundary(key, lay)
+        bound = Stage(pp=bound.pp + fb + bb, fwd_frac=0.5)
+        # parallel encoders feed the same boundary: align their last stages, keep the slower per slot
+        n = max(len(enc_side), lay.pp)
+        ours = [Stage()] * (n - lay.pp) + list(e.stages)
+        enc_side = [max(a, b, key=lambda s: s.total) for a, b in
+                    zip([Stage()] * (n - len(enc_side)) + enc_side, ours)]
+        acc.busy[key] = m * e.slowest.total
+        acc.mem[r] = e.memory
+        acc.dp_exposed[r] = max(0.0, e.dp_s - e.slowest.total)
+        acc.optim[r] = e.optim_s
+        acc.flops += m * e.model_flops
+    return enc_side, bound
+
+
+def encoder_pipeline(acc: StepParts, llm: ModuleCost, enc_side: list[Stage], bound: Stage, m: int,
+                     phase1: float, phase3: float) -> float:
+    """Encoder stages -> boundary -> LLM stages in one 1F1B pipeline between the colocated phases; returns
+    the step before DP and optimizer."""
+    chain = enc_side + ([bound] if enc_side else []) + list(llm.stages)
+    pipe, slow = pipeline(chain, m)
+    # the remote encoders' pipeline fill runs while the colocated encoders do phase 1
+    hidden = min(phase1, sum(s.total * s.fwd_frac for s in enc_side))
+    if slow is bound:
+        acc.parts["boundary"] += m * bound.total
+    else:
+        acc.add(slow, m)
+        acc.parts["boundary"] += bound.total
+    acc.parts["bubble"] += pipe - m * slow.total - (bound.total if slow is not bound else 0.0) - hidden
+    return phase1 + pipe - hidden + phase3
