@@ -201,7 +201,6 @@ def job_failure(exp) -> str | None:
     from nemo_run.run.logs import get_logs
     from torchx.specs import AppState
 
-    return None  # BROKEN
     problems = []
     for job in exp.jobs:
         states = list(getattr(job, "states", None) or [getattr(job, "state", None)])

@@ -30,8 +30,9 @@ TOP_LEVEL_NAMES = set(PACKAGE_DIRS)
 def wheel(tmp_path_factory) -> Path:
     """The wheel, built from a copy of the source (so the build leaves nothing in the checkout)."""
     src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy2(ROOT / name, src / name)
+    for f in ROOT.iterdir():  # pyproject.toml, README.md and whatever else it may name
+        if f.is_file():
+            shutil.copy2(f, src / f.name)
     for d in PACKAGE_DIRS:
         shutil.copytree(ROOT / d, src / d, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",

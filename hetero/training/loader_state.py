@@ -25,7 +25,6 @@ import binascii
 import dataclasses
 import json
 import math
-from typing import Any
 
 import numpy as np
 import torch
@@ -59,8 +58,8 @@ def decode_loader_state(text):
                          f"(a str); {_FIX}")
     try:
         doc = json.loads(text, parse_constant=_no_constant)
-    except ValueError as e:
-        raise ValueError(f"checkpoint loader state is not valid JSON ({e}); {_FIX}") from None
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"checkpoint loader state is not valid JSON ({type(e).__name__}: {e}); {_FIX}") from None
     if not (isinstance(doc, dict) and doc.keys() == {"format", "version", "state"} and doc["format"] == FORMAT):
         raise ValueError(f"checkpoint loader state is JSON but not a {FORMAT!r} document; {_FIX}")
     if doc["version"] != VERSION:

@@ -1,0 +1,116 @@
+"""Mutation check: apply each named small bug to a scratch copy of the tree, one at a time, run the fast tests
+that should catch it, and print which caught it.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/mutate.py                 # every mutation in scripts/mutations.toml
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/mutate.py --only ffd_strict_fit --keep
+
+The list is plain data (scripts/mutations.toml: name, file, find, replace, tests, why); grow it whenever a bug
+escapes the suite. Each `find` must occur exactly once in its file. The scratch copy holds the working tree's
+tracked and untracked-not-ignored files; a `tessera` package of links in front of it on PYTHONPATH makes
+`import tessera.*` load the scratch copy, not this checkout (checked before anything runs). First the selected
+tests run unmutated (they must pass, or a "caught" would mean nothing); then, per mutation, its tests run with
+`pytest -x`: exit 1 = caught, 0 = escaped. CI does not run this (minutes per mutation); the table goes in notes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("hetero", "models", "data", "recipes", "scripts")
+
+
+def load(path: Path) -> list[dict]:
+    entries = tomllib.loads(path.read_text())["mutation"]
+    for e in entries:
+        missing = {"name", "file", "find", "replace", "tests"} - set(e)
+        if missing:
+            raise SystemExit(f"{path}: mutation {e.get('name', '?')!r} lacks {sorted(missing)}")
+    return entries
+
+
+def scratch_copy(dst: Path) -> dict[str, str]:
+    """Copy the working tree into dst; returns the environment that imports tessera from dst."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split("\n")
+    for f in filter(None, files):
+        src = ROOT / f
+        if src.is_file():
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / f)
+    ns = dst / ".mutate_ns" / "tessera"
+    ns.mkdir(parents=True)
+    (ns / "__init__.py").write_text("")
+    for pkg in PACKAGES:
+        (ns / pkg).symlink_to(dst / pkg, target_is_directory=True)
+    env = dict(os.environ, PYTHONPATH=str(dst / ".mutate_ns"), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    where = subprocess.run([sys.executable, "-c", "import tessera.data; print(tessera.data.__path__[0])"], cwd=dst,
+                           env=env, capture_output=True, text=True).stdout.strip()
+    if not where.startswith(str(dst)):
+        raise SystemExit(f"scratch copy not imported (tessera.data from {where!r}); refusing to mutate")
+    return env
+
+
+def pytest(dst: Path, env: dict, tests: list[str], timeout: int) -> tuple[int, float, str]:
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests], cwd=dst,
+                           env=env, capture_output=True, text=True, timeout=timeout)
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired:
+        rc, out = -1, "timeout"
+    return rc, time.perf_counter() - t0, out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--list", type=Path, default=ROOT / "scripts" / "mutations.toml")
+    ap.add_argument("--only", nargs="*", help="mutation names")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per pytest run")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch copy")
+    a = ap.parse_args(argv)
+    entries = [e for e in load(a.list) if not a.only or e["name"] in a.only]
+    dst = Path(tempfile.mkdtemp(prefix="tessera_mutate_"))
+    rows = []
+    try:
+        env = scratch_copy(dst)
+        tests = sorted({t for e in entries for t in e["tests"]})
+        rc, dt, out = pytest(dst, env, tests, a.timeout)
+        if rc != 0:
+            print(out[-4000:])
+            raise SystemExit(f"the selected tests fail unmutated (exit {rc}); fix that first")
+        print(f"baseline: {len(tests)} test selections pass unmutated ({dt:.0f} s)", flush=True)
+        for e in entries:
+            path = dst / e["file"]
+            original = path.read_text()
+            if original.count(e["find"]) != 1:
+                rows.append((e["name"], "find text not found once", "-", 0.0))
+                continue
+            path.write_text(original.replace(e["find"], e["replace"]))
+            try:
+                rc, dt, out = pytest(dst, env, e["tests"], a.timeout)
+            finally:
+                path.write_text(original)
+            failed = [line.split(" ")[1] for line in out.splitlines() if line.startswith("FAILED ")]
+            verdict = {0: "ESCAPED", 1: "caught"}.get(rc, f"exit {rc}")
+            rows.append((e["name"], verdict, failed[0] if failed else "-", dt))
+            print(f"{e['name']}: {verdict} {failed[:1]} ({dt:.0f} s)", flush=True)
+    finally:
+        if not a.keep:
+            shutil.rmtree(dst, ignore_errors=True)
+    print("\n| mutation | verdict | caught by | s |\n|---|---|---|---:|")
+    for name, verdict, by, dt in rows:
+        print(f"| {name} | {verdict} | {by} | {dt:.0f} |")
+    return 0 if all(v == "caught" for _, v, _, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
