@@ -41,8 +41,8 @@ def prepared(tmp_path_factory):
                          text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     line = next(l for l in res.stdout.splitlines() if l.startswith("[prepare] wrote"))
-    m = re.fullmatch(r"\[prepare\] wrote (\d+) samples in (\d+) shards to (\S+) "
-                     r"\(image=(\d+) video=(\d+) audio=(\d+)\); skipped 0", line)
+    m = re.fullmatch(r"\[prepare\] wrote (\d+) samples in (\d+) shards in (\S+) "
+                     r"\(image=(\d+) video=(\d+) audio=(\d+)\); skipped 0; tokenizer (\S+) .*", line)
     assert m, line
     counts, keys = Counter(), set()
     for shard in sorted(out.glob("shard-*.tar")):
@@ -54,6 +54,7 @@ def prepared(tmp_path_factory):
     assert (int(m[1]), int(m[2]), m[3]) == (SAMPLES, len(list(out.glob("shard-*.tar"))), str(out)) == (len(keys), 4, str(out))
     assert (int(m[4]), int(m[5]), int(m[6])) == (counts["image"], counts["video"], counts["audio"])
     assert (out / ".nv-meta" / "index.sqlite").exists() and (out / "tokenizer.model").exists()
+    assert m[7] == str(out / "tokenizer.model")
     return out
 
 

@@ -7,13 +7,14 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from _blend import make_blend
 import webdataset as wds
 from PIL import Image
 
 from tessera.data.loader import ChatTaskEncoder, SkipStats, build_loader, close_loader
 from tessera.data.packing import IGNORE
 from tessera.data.tokens import EncoderTokens, Tokenizer
-from tessera.data.prepare import (FIELD_PREFIX, caption_chat, energon_prepare, make_synthetic, synth_audio,
+from tessera.data.prepare import (FIELD_PREFIX, caption_chat, energon_prepare, synth_audio,
                                   synth_image, synth_video)
 
 ENC = EncoderTokens(patch=64)  # 16 tokens per tile keeps rows small; the arithmetic is the same
@@ -27,13 +28,7 @@ def count_tokens(kind, item):
 
 @pytest.fixture(scope="module")
 def blend(tmp_path_factory):
-    root = tmp_path_factory.mktemp("blend")
-    make_synthetic(root / "a", samples=24, seed=1, shard_size=8, prefix="a")
-    make_synthetic(root / "b", samples=16, seed=2, shard_size=8, prefix="b", tokenizer=False)
-    (root / "blend.yaml").write_text(
-        "__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
-        f"      - weight: 3\n        path: {root / 'a'}\n      - weight: 1\n        path: {root / 'b'}\n")
-    return root
+    return make_blend(tmp_path_factory.mktemp("blend"), 24, 16)
 
 
 def _encoder(root, strict=False):

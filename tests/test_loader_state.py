@@ -11,10 +11,11 @@ import shlex
 
 import numpy as np
 import pytest
+from _blend import make_blend
 import torch
 
 from tessera.data.loader import ChatTaskEncoder, build_loader, close_loader
-from tessera.data.prepare import make_synthetic
+
 from tessera.data.tokens import EncoderTokens, Tokenizer
 from tessera.hetero.training.loader_state import decode_loader_state, encode_loader_state
 
@@ -24,13 +25,7 @@ SEQ, ROWS = 512, 2
 
 @pytest.fixture(scope="module")
 def blend(tmp_path_factory):
-    root = tmp_path_factory.mktemp("blend")
-    make_synthetic(root / "a", samples=16, seed=1, shard_size=8, prefix="a")
-    make_synthetic(root / "b", samples=8, seed=2, shard_size=8, prefix="b", tokenizer=False)
-    (root / "blend.yaml").write_text(
-        "__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
-        f"      - weight: 3\n        path: {root / 'a'}\n      - weight: 1\n        path: {root / 'b'}\n")
-    return root
+    return make_blend(tmp_path_factory.mktemp("blend"), 16, 8)
 
 
 def _loader(root, workers, state=None):
