@@ -182,3 +182,91 @@ def test_bad_metadata_is_rejected_with_a_fix():
         plan_boundary(lay["vision"], lay["language"], BoundaryBatch.from_lists(8, [[1], [9]]))
     with pytest.raises(BoundaryError, match="strictly increasing"):
         plan_boundary(lay["vision"], lay["language"], BoundaryBatch.from_lists(8, [[3, 1], [2]]))
+
+
+# ------------------------------------------------------------------------------- TP replicas share sending
+def _check_round_robin(plan, src: ModuleLayout, dst: ModuleLayout):
+    """_receivers' rule: receiving TP replica t reads every row it does not hold from sending replica
+    t % (sender's tp) of the shard that holds it (forward: source replicas; backward: destination ones)."""
+    for direction, send, recv in ((plan.forward, src, dst), (plan.backward, dst, src)):
+        for t in direction.transfers:
+            if t.local:
+                continue
+            s, r = send.coord(t.src_rank), recv.coord(t.dst_rank)
+            assert s.tp == r.tp % send.tp, (t.src_rank, t.dst_rank, s, r)
+
+
+def _sent_rows(direction) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for t in direction.transfers:
+        if not t.local:
+            out[t.src_rank] = out.get(t.src_rank, 0) + len(t.src_index)
+    return out
+
+
+def test_source_tp_replicas_share_the_sending():
+    # vision tp2,dp2 on 0-3 -> language tp4 on 4-7: language TP rank t reads from vision TP rank t % 2.
+    lay = HeteroLayout.parse("vision=tp2,dp2@0-3;language=tp4@4-7")
+    src, dst = lay["vision"], lay["language"]
+    batch = BoundaryBatch.from_lists(16, [[0, 3, 5], [2, 7, 8, 9, 15]])  # sample 0 on vision dp0, 1 on dp1
+    plan = plan_boundary(src, dst, batch)
+    _check_round_robin(plan, src, dst)
+    senders = {(t.dst_rank, t.src_rank): len(t.src_index) for t in plan.forward.transfers}
+    # vision ranks: 0 = (tp0, dp0), 1 = (tp1, dp0), 2 = (tp0, dp1), 3 = (tp1, dp1)
+    assert senders == {(4, 0): 3, (4, 2): 5, (5, 1): 3, (5, 3): 5, (6, 0): 3, (6, 2): 5, (7, 1): 3, (7, 3): 5}
+    # every vision rank sends its shard to two of the four language replicas: balanced across TP replicas
+    assert _sent_rows(plan.forward) == {0: 6, 1: 6, 2: 10, 3: 10}
+    # backward: vision TP rank s gets its gradient rows from language TP rank s % 4 (= s): ranks 4 and 5
+    back = {(t.src_rank, t.dst_rank): len(t.src_index) for t in plan.backward.transfers}
+    assert back == {(4, 0): 3, (4, 2): 5, (5, 1): 3, (5, 3): 5}
+
+
+def test_destination_tp_replicas_share_the_gradient_sending():
+    # vision tp4 on 0-3 -> language tp2 on 4-5: forward uses vision TP ranks 0 and 1 (t % 4 for t < 2);
+    # backward vision TP rank s reads from language TP rank s % 2, so both language ranks send twice.
+    lay = HeteroLayout.parse("vision=tp4@0-3;language=tp2@4-5")
+    src, dst = lay["vision"], lay["language"]
+    plan = plan_boundary(src, dst, BoundaryBatch.from_lists(8, [[1, 2, 6]]))
+    _check_round_robin(plan, src, dst)
+    assert {(t.src_rank, t.dst_rank) for t in plan.forward.transfers} == {(0, 4), (1, 5)}
+    assert {(t.src_rank, t.dst_rank) for t in plan.backward.transfers} == {(4, 0), (5, 1), (4, 2), (5, 3)}
+    assert _sent_rows(plan.backward) == {4: 6, 5: 6}
+
+
+def test_colocated_tp_replicas_keep_their_own_rows_and_share_the_rest():
+    # vision tp2,dp2 and language tp4 on the same ranks 0-3: rank r holds vision (tp r%2, dp r//2); it keeps
+    # that shard's rows locally and reads the other dp shard from the vision rank of its own TP parity.
+    lay = HeteroLayout.parse("vision=tp2,dp2@0-3;language=tp4@0-3")
+    src, dst = lay["vision"], lay["language"]
+    plan = plan_boundary(src, dst, BoundaryBatch.from_lists(8, [[0, 3], [1, 4, 6]]))
+    _check_round_robin(plan, src, dst)
+    moved = {(t.src_rank, t.dst_rank): len(t.src_index) for t in plan.forward.transfers if not t.local}
+    kept = {t.dst_rank: len(t.src_index) for t in plan.forward.transfers if t.local}
+    assert kept == {0: 2, 1: 2, 2: 3, 3: 3}
+    assert moved == {(2, 0): 3, (3, 1): 3, (0, 2): 2, (1, 3): 2}
+
+
+def test_round_robin_sender_over_generated_layouts():
+    """Every generated layout follows the rule, and when the receiving TP is a multiple of the sending TP
+    each (dp, cp) shard's TP replicas send exactly the same number of rows."""
+    balanced = 0
+    for src, dst, rng in random_layouts(150, seed=3):
+        batch = random_batch(src, dst, rng)
+        plan = plan_boundary(src, dst, batch)
+        _check_round_robin(plan, src, dst)
+        colocated = src.first == dst.first
+        for direction, send, recv in ((plan.forward, src, dst), (plan.backward, dst, src)):
+            if colocated or recv.tp % send.tp:
+                continue
+            sent = _sent_rows(direction)
+            rows_of: dict[tuple, set] = {}
+            replicas: dict[tuple, set] = {}
+            for rank, rows in sent.items():
+                c = send.coord(rank)
+                rows_of.setdefault((c.dp, c.cp, c.pp), set()).add(rows)
+                replicas.setdefault((c.dp, c.cp, c.pp), set()).add(c.tp)
+            for shard in rows_of:
+                # all TP replicas of a sending shard send, and the same number of rows each
+                assert replicas[shard] == set(range(send.tp)) and len(rows_of[shard]) == 1, (send, recv, shard, sent)
+                balanced += send.tp > 1
+    assert balanced > 50

@@ -1,0 +1,146 @@
+"""Packing: the first-fit-decreasing packer's exact bins, and the loss mask of packed rows.
+
+The loss mask is checked against the token stream itself: in every packed sample the labelled positions
+are exactly the positions *before* each assistant content token and its closing <|im_end|> (position k-1
+predicts token k), the label is that next token, and nothing is labelled across a sample boundary or in
+the padding. The assistant spans are found independently of `EncodedPrompt.target`, by locating
+"<|im_start|>assistant\\n" in the tokens and reading up to the next <|im_end|>.
+"""
+
+import numpy as np
+import pytest
+
+from tessera.data.packing import IGNORE, EncodedSample, first_fit_decreasing, pack_row
+from tessera.data.tokens import IM_END, IM_START, EncoderTokens, Tokenizer, encode_conversation, train_sentencepiece
+
+TEXTS = ["Describe the image.", "A red circle on a blue background.", "What happens in this video?",
+         "user\n", "assistant\n", "system\n", "The tone is steady and the square moves.", "Yes.", "No, it is green."] * 20
+
+ENC = EncoderTokens(patch=64)  # 16 tokens per tile, as tests/test_data_loader.py
+
+# (turns, media kinds, media units) — units are tiles / frames / 16 kHz samples, sized by ENC as the loader does.
+CONVERSATIONS = [
+    ([{"role": "user", "content": "<image>\nDescribe the image."},
+      {"role": "assistant", "content": "A red circle on a blue background."}], ["image"], [2]),
+    ([{"role": "system", "content": "You describe media."},
+      {"role": "user", "content": "What happens in this video? <video>"},
+      {"role": "assistant", "content": "The square moves."},
+      {"role": "user", "content": "<audio> and the tone?"},
+      {"role": "assistant", "content": "The tone is steady."}], ["video", "audio"], [2, 16000]),
+    ([{"role": "user", "content": "Is it red?"}, {"role": "assistant", "content": "Yes."}], [], []),
+    ([{"role": "user", "content": "<image> Is it blue?"},
+      {"role": "assistant", "content": "No, it is green."}], ["image"], [1]),
+    ([{"role": "user", "content": "Describe the image."},
+      {"role": "assistant", "content": "A red circle."},
+      {"role": "user", "content": "And then?"},
+      {"role": "assistant", "content": "The square moves."}], [], []),
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return Tokenizer(train_sentencepiece(TEXTS, tmp_path_factory.mktemp("tok") / "sp", vocab_size=200))
+
+
+def _encoded(tok, i, turns, kinds, units) -> EncodedSample:
+    prompt = encode_conversation(tok, turns, kinds, [ENC.tokens(k, u) for k, u in zip(kinds, units)])
+    return EncodedSample(__key__=f"s{i}", __restore_key__=(), prompt=prompt,
+                         raw_media=[(k, b"") for k in kinds], media=[], units=list(units), shard="shard0")
+
+
+def _assistant_targets(tok, tokens: np.ndarray) -> list[int]:
+    """Positions (in `tokens`) of every assistant content token and its closing <|im_end|>."""
+    head = [tok.special[IM_START]] + tok.encode("assistant\n")
+    end = tok.special[IM_END]
+    out, t = [], tokens.tolist()
+    for s in range(len(t) - len(head) + 1):
+        if t[s:s + len(head)] == head:
+            k = s + len(head)
+            while t[k] != end:
+                out.append(k)
+                k += 1
+            out.append(k)  # the closing <|im_end|> is a target too
+    return out
+
+
+def test_labels_are_exactly_each_samples_next_assistant_token(tok):
+    samples = [_encoded(tok, i, *c) for i, c in enumerate(CONVERSATIONS)]
+    lengths = [len(s) for s in samples]
+    seq = 64 * ((max(lengths) + 40) // 64 + 1)
+    bins = first_fit_decreasing(lengths, seq)
+    assert len(bins) < len(samples), "the fixture should put several samples into one row"
+    seen = []
+    for b in bins:
+        row = pack_row([samples[i] for i in b], seq, tok.pad_id)
+        cu = row.cu_seqlens.tolist()
+        want = np.full(seq, IGNORE, dtype=np.int64)
+        for k, i in enumerate(b):
+            s, o = samples[i], cu[k]
+            assert cu[k + 1] - o == len(s) and row.keys[k] == s.__key__
+            np.testing.assert_array_equal(row.tokens[o:o + len(s)], s.prompt.tokens)
+            targets = _assistant_targets(tok, s.prompt.tokens)
+            # the assistant answers of this sample, in order, each closed by <|im_end|>
+            answers = [t for turn in CONVERSATIONS[i][0] if turn["role"] == "assistant"
+                       for t in tok.encode(turn["content"]) + [tok.special[IM_END]]]
+            assert s.prompt.tokens[targets].tolist() == answers
+            for k_tok in targets:
+                assert k_tok >= 1
+                want[o + k_tok - 1] = s.prompt.tokens[k_tok]  # position k-1 predicts token k
+            seen.append(i)
+        labelled = np.flatnonzero(row.labels != IGNORE).tolist()
+        assert labelled == np.flatnonzero(want != IGNORE).tolist(), "loss mask is not the assistant tokens"
+        np.testing.assert_array_equal(row.labels, want)
+        # never across a boundary: each sample's last position (and all padding) predicts nothing
+        for end in cu[1:]:
+            assert row.labels[end - 1] == IGNORE
+        assert (row.labels[cu[len(b)]:] == IGNORE).all() and (row.tokens[cu[len(b)]:] == tok.pad_id).all()
+        media = {tok.special[t] for t in ("<image>", "<video>", "<audio>")}
+        assert not media & set(row.labels[row.labels != IGNORE].tolist())
+    assert sorted(seen) == list(range(len(samples)))
+
+
+# ---------------------------------------------------------------------------------- first_fit_decreasing
+def _check_bins(lengths, capacity, bins):
+    flat = [i for b in bins for i in b]
+    assert sorted(flat) == list(range(len(lengths))), "every item exactly once"
+    assert all(sum(lengths[i] for i in b) <= capacity for b in bins), "a bin over capacity"
+    assert all(b == sorted(b) for b in bins), "items keep stream order inside a bin"
+
+
+@pytest.mark.parametrize("lengths,capacity,bins", [
+    # sorted: 7(5) 6(0) 5(2) 5(3) 4(1) 3(4); the second 5 exactly fills bin 2, the 4 exactly fills bin 1
+    # (room 4 after the 6) and the 3 exactly fills bin 0 (room 3 after the 7): three full bins.
+    ([6, 4, 5, 5, 3, 7], 10, [[4, 5], [0, 1], [2, 3]]),
+    # one item of exactly the capacity gets a bin of its own, and nothing else fits next to it
+    ([10, 3, 7, 10], 10, [[0], [3], [1, 2]]),
+    # first fit, not best fit: after 12 | 10+9 the 1 goes to the first bin with room (bin 0, room 8), not to
+    # the tighter bin 1 (room 1)
+    ([12, 10, 9, 1], 20, [[0, 3], [1, 2]]),
+    # ties by index: the equal 5s are placed in index order (5 at index 1 opens bin 0)
+    ([4, 5, 5, 5, 1], 10, [[1, 2], [0, 3, 4]]),
+    ([], 8, []),
+])
+def test_first_fit_decreasing_exact_bins(lengths, capacity, bins):
+    got = first_fit_decreasing(lengths, capacity)
+    assert got == bins
+    _check_bins(lengths, capacity, got)
+
+
+def test_first_fit_decreasing_is_first_fit_over_decreasing_lengths():
+    """Random lengths: besides the invariants, every item went to the first bin it fitted in at its turn
+    (replaying the placements in decreasing-length order), and a new bin only when none had room."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        capacity = int(rng.integers(8, 40))
+        lengths = [int(v) for v in rng.integers(1, capacity + 1, size=int(rng.integers(1, 25)))]
+        bins = first_fit_decreasing(lengths, capacity)
+        _check_bins(lengths, capacity, bins)
+        where = {i: k for k, b in enumerate(bins) for i in b}
+        # bins are opened in placement order: by their longest item (lowest index among ties)
+        firsts = [min(b, key=lambda i: (-lengths[i], i)) for b in bins]
+        assert firsts == sorted(firsts, key=lambda i: (-lengths[i], i))
+        used = [0] * len(bins)
+        for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+            fits = [k for k in range(len(bins)) if used[k] and used[k] + lengths[i] <= capacity]
+            assert where[i] == (fits[0] if fits else used.index(0)), (lengths, capacity, bins, i)
+            used[where[i]] += lengths[i]
