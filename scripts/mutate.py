@@ -6,7 +6,7 @@ that should catch it, and print which caught it.
 
 The list is plain data (scripts/mutations.toml: name, file, find, replace, tests, why); grow it whenever a bug
 escapes the suite. Each `find` must occur exactly once in its file. The scratch copy holds the working tree's
-tracked and untracked-not-ignored files; a `tessera` package of links in front of it on PYTHONPATH makes
+tracked and untracked-not-ignored files (and a link to .venv); a `tessera` package of links in front of it on PYTHONPATH makes
 `import tessera.*` load the scratch copy, not this checkout (checked before anything runs). First the selected
 tests run unmutated (they must pass, or a "caught" would mean nothing); then, per mutation, its tests run with
 `pytest -x`: exit 1 = caught, 0 = escaped. CI does not run this (minutes per mutation); the table goes in notes.
@@ -46,6 +46,7 @@ def scratch_copy(dst: Path) -> dict[str, str]:
         if src.is_file():
             (dst / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst / f)
+    (dst / ".venv").symlink_to(ROOT / ".venv", target_is_directory=True)  # tests run .venv/bin/nemo, torchrun
     ns = dst / ".mutate_ns" / "tessera"
     ns.mkdir(parents=True)
     (ns / "__init__.py").write_text("")
@@ -101,6 +102,8 @@ def main(argv=None) -> int:
                 path.write_text(original)
             failed = [line.split(" ")[1] for line in out.splitlines() if line.startswith("FAILED ")]
             verdict = {0: "ESCAPED", 1: "caught"}.get(rc, f"exit {rc}")
+            if rc == 0 and " passed" not in out.strip().splitlines()[-1]:
+                verdict = "not run (all skipped)"
             rows.append((e["name"], verdict, failed[0] if failed else "-", dt))
             print(f"{e['name']}: {verdict} {failed[:1]} ({dt:.0f} s)", flush=True)
     finally:
