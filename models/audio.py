@@ -27,10 +27,12 @@ def mel_preprocessor(cfg: dict):
 
 
 def _pad_waves(waves: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = torch.tensor([len(w) for w in waves], dtype=torch.long)
-    batch = torch.zeros(len(waves), int(lengths.max()), dtype=torch.float32)
+    """[b, longest] float32 batch and [b] lengths, on the waves' device (the first wave's)."""
+    device = torch.as_tensor(waves[0]).device
+    lengths = torch.tensor([len(w) for w in waves], dtype=torch.long, device=device)
+    batch = torch.zeros(len(waves), int(lengths.max()), dtype=torch.float32, device=device)
     for i, w in enumerate(waves):
-        batch[i, : len(w)] = torch.as_tensor(w, dtype=torch.float32)
+        batch[i, : len(w)] = torch.as_tensor(w, dtype=torch.float32, device=device)
     return batch, lengths
 
 
@@ -85,7 +87,7 @@ class ParakeetHFEncoder(FastConformerEncoder):
         self.encoder = ParakeetEncoder(parakeet_hf_config(cfg, ParakeetEncoderConfig))
 
     def encode_features(self, feats, feat_len):
-        mask = torch.arange(feats.shape[-1])[None] < feat_len[:, None]
+        mask = torch.arange(feats.shape[-1], device=feats.device)[None] < feat_len[:, None]
         out = self.encoder(input_features=feats.transpose(1, 2), attention_mask=mask)
         return out.last_hidden_state, out.attention_mask.sum(-1)
 

@@ -48,7 +48,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
-from tessera.models.sdpa_attention import SDPACoreAttention
+from tessera.models.sdpa_attention import DocumentSeqParams, SDPACoreAttention
 from tessera.models.mamba2 import Mamba2Mixer, Mamba2Submodules
 
 MAMBA, ATTENTION, MLP_SYMBOL, MOE = "M", "*", "-", "E"
@@ -116,8 +116,10 @@ class MambaLayer(MegatronModule):
         self.norm = WrappedTorchNorm(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
         self.mixer = mixer(config, submodules, layer_number, pg_collection=pg_collection)
 
-    def forward(self, hidden_states, attention_mask=None, **_):
-        out, _ = self.mixer(self.norm(hidden_states))
+    def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **_):
+        doc_ids = getattr(packed_seq_params, "doc_ids", None)
+        kwargs = {"doc_ids": doc_ids} if doc_ids is not None else {}
+        out, _ = self.mixer(self.norm(hidden_states), **kwargs)
         return hidden_states + out, None
 
 
@@ -210,19 +212,23 @@ class HybridLM(MegatronModule):
         self.input_tensor = input_tensor
 
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                decoder_input: torch.Tensor | None = None):
+                decoder_input: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None):
         """First stage: input_ids [b, s], or decoder_input [s, b, h] (embeddings already mixed with media by
         the multimodal model). Other stages: activations from set_input_tensor.
         Last stage returns vocab-parallel logits [b, s, v/tp] (or per-token loss [b, s] with labels, 0 where
-        the label is -100); other stages return activations [s, b, h] for the next stage."""
+        the label is -100); other stages return activations [s, b, h] for the next stage.
+        doc_ids: [b, s] packed-document id of every token (this rank's zigzag slice under CP; every stage
+        gets it), e.g. models.sdpa_attention.document_ids(cu_seqlens); attention and Mamba then never mix
+        documents. None: one sequence per row (bit-identical to passing a single document)."""
         if not self.pre_process:
             hidden = self.input_tensor
         elif decoder_input is not None:
             hidden = decoder_input
         else:
             hidden = self.embedding(input_ids).transpose(0, 1).contiguous()  # [s, b, h]
+        packed = DocumentSeqParams(doc_ids=doc_ids.to(hidden.device)) if doc_ids is not None else None
         for layer in self.layers:
-            hidden, _ = layer(hidden, attention_mask=None)
+            hidden, _ = layer(hidden, attention_mask=None, packed_seq_params=packed)
         if not self.post_process:
             return hidden
         logits, _ = self.output_layer(self.final_norm(hidden))

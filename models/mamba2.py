@@ -43,6 +43,7 @@ def ssd_chunk_scan(
     C: torch.Tensor,
     chunk_size: int,
     initial_state: torch.Tensor | None = None,
+    resets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked selective-state-space scan (SSD), batch-first, float32 inside.
 
@@ -50,6 +51,9 @@ def ssd_chunk_scan(
     B, C: [b, l, g, n] with h divisible by g. initial_state: [b, h, p, n] or None.
     Returns y [b, l, h, p] (without the D skip) and the final state [b, h, p, n]; the state is what a
     later chunk of the same sequence (context parallelism, decoding) would continue from.
+    resets: bool [b, l], True where a packed document starts: the log-decay there is -inf, so the state
+    carried into that token is multiplied by 0 (the document starts from a zero state, as if alone).
+    None (or no True) is the unpacked scan, bit for bit.
     """
     b, length, h, p = x.shape
     g = B.shape[2]
@@ -59,6 +63,10 @@ def ssd_chunk_scan(
     C = C.float().repeat_interleave(h // g, dim=2)
     xdt = x * dt.unsqueeze(-1)
     adt = dt * A.float()  # [b, l, h], log-decay per step
+    if resets is not None and not bool(resets.any()):
+        resets = None
+    if resets is not None:
+        adt = adt.masked_fill(resets[..., None], float("-inf"))
 
     def chunks(t: torch.Tensor) -> torch.Tensor:
         t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))  # zero-pad the sequence dim (dim 1)
@@ -74,7 +82,11 @@ def ssd_chunk_scan(
     y_diag = torch.einsum("bhcls,bcshp->bclhp", scores, xdt)
 
     # 2. the state each chunk leaves behind, from its own inputs only.
-    to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [b, h, c, q]
+    if resets is None:
+        to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [b, h, c, q]
+    else:  # sum of the later steps' log-decays without a difference (-inf - -inf would be NaN)
+        later = F.pad(adt[..., 1:], (0, 1))
+        to_end = torch.exp(later.flip(-1).cumsum(-1).flip(-1))
     chunk_states = torch.einsum("bclhn,bhcl,bclhp->bchpn", B, to_end, xdt)
 
     # 3. carry states across chunks: state entering chunk c = decayed sum over earlier chunks.
@@ -92,9 +104,29 @@ def ssd_chunk_scan(
     return y, final_state
 
 
-def causal_depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x: [b, l, d]; weight: [d, k]. Output at t sees inputs t-k+1 .. t only (left zero padding)."""
+def document_starts(doc_ids: torch.Tensor | None, previous: torch.Tensor | None = None) -> torch.Tensor | None:
+    """bool [b, l]: True where a new packed document starts (its id differs from the token before).
+    previous: [b] id of the token before position 0 (context parallelism), else position 0 never starts
+    one. None when doc_ids is None or nothing starts (one document per row: the unpacked path)."""
+    if doc_ids is None:
+        return None
+    before = doc_ids[:, :1] if previous is None else previous[:, None].to(doc_ids.dtype)
+    starts = doc_ids != torch.cat([before, doc_ids[:, :-1]], dim=1)
+    return starts if bool(starts.any()) else None
+
+
+def causal_depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [b, l, d]; weight: [d, k]. Output at t sees inputs t-k+1 .. t only (left zero padding).
+    doc_ids: [b, l] packed-document id per token; a tap reading a token of another document is zeroed,
+    so no document sees the previous one's tail. None or one document per row: the plain conv."""
     k = weight.shape[-1]
+    if doc_ids is not None and document_starts(doc_ids) is not None:
+        windows = F.pad(x.transpose(1, 2), (k - 1, 0)).unfold(-1, k, 1)  # [b, d, l, k]: inputs t-k+1 .. t
+        docs = F.pad(doc_ids, (k - 1, 0), value=-1).unfold(-1, k, 1)  # [b, l, k]
+        same = (docs == doc_ids[..., None]).to(x.dtype)
+        out = torch.einsum("bdlk,blk,dk->bld", windows, same, weight)
+        return out + bias if bias is not None else out
     out = F.conv1d(F.pad(x.transpose(1, 2), (k - 1, 0)), weight.unsqueeze(1), bias, groups=x.shape[-1])
     return out.transpose(1, 2)
 
@@ -165,18 +197,21 @@ class Mamba2Mixer(nn.Module):
         for p in (self.conv1d_weight, self.conv1d_bias, self.A_log, self.D, self.dt_bias, self.norm_weight):
             p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
 
-    def forward(self, hidden_states: torch.Tensor, initial_state: torch.Tensor | None = None):
+    def forward(self, hidden_states: torch.Tensor, initial_state: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None):
+        """doc_ids: [b, s] packed-document id of every (local) token, or None for one sequence per row."""
         zxbcdt, _ = self.in_proj(hidden_states)
         zxbcdt = zxbcdt.transpose(0, 1)  # [b, s, .] for the scan
         b, s, _ = zxbcdt.shape
         z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.heads], dim=-1)
-        xbc = F.silu(self.conv(xbc))
+        xbc = F.silu(self.conv(xbc, doc_ids) if doc_ids is not None else self.conv(xbc))
         x, B, C = xbc.split([self.d_inner, self.groups * self.state, self.groups * self.state], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.config.mamba_dt_min_clamp)
         x = x.reshape(b, s, self.heads, self.head_dim)
         y = self.scan(
             x, dt, -torch.exp(self.A_log.float()),
             B.reshape(b, s, self.groups, self.state), C.reshape(b, s, self.groups, self.state), initial_state,
+            **({"doc_ids": doc_ids} if doc_ids is not None else {}),
         )
         y = y + x.float() * self.D.float()[:, None]
         y = gated_rms_norm(y.reshape(b, s, self.d_inner), z, self.norm_weight, self.norm_group,
@@ -186,11 +221,13 @@ class Mamba2Mixer(nn.Module):
 
     # The two sequence-mixing steps; everything else in forward is per token. Context parallelism and GPU
     # kernels (hetero/) replace exactly these two by subclassing.
-    def conv(self, xbc: torch.Tensor) -> torch.Tensor:
+    # Both take doc_ids [b, s] (packed-document ids): no tap and no state crosses a document start.
+    def conv(self, xbc: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Causal depthwise conv over the [b, s, conv_dim] local sequence (before SiLU)."""
-        return causal_depthwise_conv1d(xbc, self.conv1d_weight, self.conv1d_bias)
+        return causal_depthwise_conv1d(xbc, self.conv1d_weight, self.conv1d_bias, doc_ids)
 
-    def scan(self, x, dt, A, B, C, initial_state=None) -> torch.Tensor:
+    def scan(self, x, dt, A, B, C, initial_state=None, doc_ids=None) -> torch.Tensor:
         """SSD scan y [b, s, h, p] (float32, without the D skip); shapes as ssd_chunk_scan."""
-        y, _ = ssd_chunk_scan(x, dt, A, B, C, self.config.mamba_chunk_size, initial_state)
+        y, _ = ssd_chunk_scan(x, dt, A, B, C, self.config.mamba_chunk_size, initial_state,
+                              resets=document_starts(doc_ids))
         return y

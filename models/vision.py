@@ -188,7 +188,9 @@ class VisionEncoder(nn.Module):
         return self.cfg["hidden"] * self.cfg["pixel_shuffle"] ** 2
 
     def normalize(self, tiles: torch.Tensor) -> torch.Tensor:
+        """uint8 tiles (on any device: moved to the encoder's as uint8) -> normalised pixels in the ViT's dtype."""
         dtype = self.vit.embedder.weight.dtype
+        tiles = torch.as_tensor(tiles).to(self.mean.device, non_blocking=True)
         return ((tiles.to(self.mean.dtype) / 255.0 - self.mean) / self.std).to(dtype)
 
     def grid_tokens(self, tiles: torch.Tensor) -> torch.Tensor:

@@ -100,9 +100,10 @@ def _init_distributed(timeout_s: int) -> bool:
         return False
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = timedelta(seconds=timeout_s)
+    from tessera.hetero.runtime.device import bind_local_device
+
+    bind_local_device()  # cuda:LOCAL_RANK (checked against the GPU count) before NCCL binds a device
     if "RANK" in os.environ:
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timeout)
     else:
         store = tempfile.NamedTemporaryFile(prefix="tessera_store_", delete=False).name

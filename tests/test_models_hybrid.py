@@ -84,7 +84,21 @@ def test_ssd_state_carries_across_sequence_splits():
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_parity_tp1(ckpts, pg, kind):
-    assert compare(ckpts[kind], pg) <= TOL
+    assert 0 < compare(ckpts[kind], pg) <= TOL  # 0 exactly would mean nothing (or the reference) compared
+
+
+def test_parity_refuses_to_compare_nothing(ckpts, pg, monkeypatch):
+    # compare() must not report 0.0 when no rank computed logits (every rank a non-last PP stage) or when
+    # the logits only broadcast against transformers' (one row of the batch)
+    from tessera.hetero.tools import parity
+
+    forward = parity.pipeline_forward
+    monkeypatch.setattr(parity, "pipeline_forward", lambda *a: None)
+    with pytest.raises(RuntimeError, match="parity: 0 logits compared"):
+        compare(ckpts["dense"], pg)
+    monkeypatch.setattr(parity, "pipeline_forward", lambda *a: forward(*a)[:1])
+    with pytest.raises(RuntimeError, match="parity: -1 logits compared"):
+        compare(ckpts["dense"], pg)
 
 
 def test_parity_detects_a_wrong_tensor(ckpts, pg):
@@ -164,4 +178,4 @@ def test_parity_two_gloo_ranks(ckpts, tmp_path, tp, pp):
     mp.spawn(_parity_rank, args=(2, free_port(), tp, pp, ckpts, out), nprocs=2, join=True)
     errors = json.loads(out.read_text())
     assert errors.keys() == ckpts.keys()
-    assert all(e <= TOL for e in errors.values()), errors
+    assert all(0 < e <= TOL for e in errors.values()), errors  # compare() also raises if nothing compared

@@ -62,7 +62,7 @@ def _cmd(run_dir: Path, steps: int = 4) -> list[str]:
             "data.seq_length=128"]
 
 
-def _launch(run_dir: Path, env_extra: dict) -> tuple[int, str, dict]:
+def _launch(run_dir: Path, env_extra: dict, steps: int = 4) -> tuple[int, str, dict]:
     """Run the job to its end; (exit code, output, processes of the job still alive afterwards)."""
     marker = uuid.uuid4().hex
     env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra, **{MARKER: marker})
@@ -70,7 +70,7 @@ def _launch(run_dir: Path, env_extra: dict) -> tuple[int, str, dict]:
     # Output to a file, not a pipe, and the job in its own session: a leftover process holding the pipe open
     # would hang the test instead of failing it.
     with open(log, "w") as f:
-        proc = subprocess.Popen(_cmd(run_dir), cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(_cmd(run_dir, steps), cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
             rc = proc.wait(timeout=600)
@@ -131,12 +131,30 @@ def test_sigkilled_rank_leaves_no_process_behind(tmp_path):
 
 
 def test_crash_during_save_keeps_the_last_complete_checkpoint(tmp_path):
-    """A save that never completed leaves step_N.partial, which `latest` never names."""
+    """Rank 0 dies inside the checkpoint writer while saving step 2 (TESSERA_FAIL_IN_SAVE, in
+    hetero/training/checkpoint.py): every shard of step 2 is on disk, nothing is published. `latest` still
+    names step 1, the half-saved step is never taken, and a relaunch resumes from step 1 and finishes."""
     from tessera.hetero.training.checkpoint import latest_checkpoint
 
-    root = tmp_path / "checkpoints"
-    (root / "step_000002").mkdir(parents=True)
-    (root / "latest").write_text("step_000002\n")
-    (root / "step_000003.partial").mkdir()  # what a crash mid-save leaves behind
-    assert latest_checkpoint(root) == root / "step_000002"
+    run_dir = tmp_path / "run"
+    root = run_dir / "checkpoints"
+    rc, out, left = _launch(run_dir, {"TESSERA_FAIL_IN_SAVE": "2:0"}, steps=3)
+    assert rc != 0, "a rank that died while saving must fail the job"
+    assert not left, f"processes left behind by a job whose rank died in a save: {left}"
+    assert (root / "latest").read_text().strip() == "step_000001"
+    assert latest_checkpoint(root) == root / "step_000001"
+    assert not (root / "step_000002").exists(), "a save that never completed was published"
+    assert any((root / "step_000002.partial").iterdir()), "the save was not interrupted after writing shards"
+    crashed = read_metrics(run_dir)
+    assert [r["step"] for r in crashed] == [1, 2]  # step 2 was trained, only its save was lost
+
+    rc, out, left = _launch(run_dir, {}, steps=3)
+    assert rc == 0, out[-3000:]
+    assert not left, f"processes left behind by a job that ended normally: {left}"
+    assert "resumed from" in out and "(step 1," in out, out[-3000:]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[1]["loss"] == crashed[1]["loss"], "step 2 redone from step 1's checkpoint must repeat exactly"
+    assert latest_checkpoint(root) == root / "step_000003"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001", "step_000002", "step_000003"]
     assert latest_checkpoint(tmp_path / "nothing") is None

@@ -9,7 +9,8 @@ injected pg_collection; models/ never sees torch.distributed.
 Layout: the global sequence of length S = cp * s_local is cut into 2*cp equal chunks and CP rank r holds
 chunks r and 2cp-1-r, in that order (hetero.parallel.cp_gather_attention.zigzag_positions). Every rank all-gathers K and
 V over the CP group (differentiable; backward sums each rank's K/V gradient over the group) and masks
-by *global* position: query at global position i sees keys at global positions <= i. The global
+by *global* position: query at global position i sees keys at global positions <= i, and with packed
+rows (DocumentSeqParams.doc_ids, this rank's slice) only keys of its own document. The global
 positions of every rank follow from (S, cp), so they are computed, not communicated. The batch
 dimension is kept (one masked attention per sample): packing samples into a flat token list would
 multiply the score matrix by the batch size. Nemotron-H attention has no RoPE; a rotary variant would
@@ -50,8 +51,10 @@ class ZigzagCPCoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask=None, *, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("ZigzagCPCoreAttention takes padded [s, b, h, d] batches without attention bias")
+        doc_ids = getattr(packed_seq_params, "doc_ids", None)  # [b, s_local] this rank's tokens' documents
+        if (packed_seq_params is not None and doc_ids is None) or attention_bias is not None:
+            raise ValueError("ZigzagCPCoreAttention takes padded [s, b, h, d] batches (optionally with "
+                             "DocumentSeqParams) without attention bias")
         cp, rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
         s_local, batch = query.shape[0], query.shape[1]
         if cp > 1 and s_local % 2:
@@ -61,10 +64,14 @@ class ZigzagCPCoreAttention(MegatronModule):
         k_pos = torch.as_tensor(np.concatenate(positions), device=query.device)
         keys = gather_rows(key, self.cp_group)      # [cp * s_local, b, kv, d], rank-major
         values = gather_rows(value, self.cp_group)
-        same_sample_q = torch.zeros_like(q_pos)    # one sample per batch column: no packing mask
-        same_sample_k = torch.zeros_like(k_pos)
+        if doc_ids is None:  # one sequence per batch column: no packing mask
+            q_docs = torch.zeros(batch, s_local, dtype=torch.long, device=query.device)
+            k_docs = torch.zeros(batch, cp * s_local, dtype=torch.long, device=query.device)
+        else:  # keys keep the documents of the tokens they came from (gathered in the same rank order)
+            q_docs = doc_ids.to(device=query.device, dtype=torch.long)
+            k_docs = gather_rows(q_docs.t().contiguous(), self.cp_group).t()
         out = torch.stack([
-            masked_attention(query[:, i], keys[:, i], values[:, i], q_pos, k_pos, same_sample_q, same_sample_k,
+            masked_attention(query[:, i], keys[:, i], values[:, i], q_pos, k_pos, q_docs[i], k_docs[i],
                              causal=True, scale=self.softmax_scale)
             for i in range(batch)
         ], dim=1)

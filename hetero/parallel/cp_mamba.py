@@ -21,6 +21,10 @@ steps with every rank idle but one. Here each rank sends O(cp * b * heads * head
 (the chunk states) plus the halo, all ranks work at once, and the result equals the one-device scan up
 to float round-off. Gradients flow through the gathers (backward sums over the CP group), so training
 is exact too.
+Packed documents (doc_ids, this rank's zigzag slice): the conv halo carries its tokens' document ids and
+taps across a document start are zeroed; a document start has log-decay -inf, inside the local scans and
+in the chunk decays L_c passed between ranks, so no state crosses it (the first token of a chunk is
+compared with the predecessor chunk's last id, gathered like the halo).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.hetero.parallel.cp_gather_attention import gather_rows
-from tessera.models.mamba2 import Mamba2Mixer, causal_depthwise_conv1d, ssd_chunk_scan
+from tessera.models.mamba2 import Mamba2Mixer, causal_depthwise_conv1d, document_starts, ssd_chunk_scan
 
 
 def _entry(chunk: int, cp: int) -> int:
@@ -54,32 +58,53 @@ class ZigzagCPMamba2Mixer(Mamba2Mixer):
             raise ValueError(f"zigzag CP needs an even local length (two chunks per rank), got {t.shape[1]}")
         return t.chunk(2, dim=1)
 
-    def conv(self, xbc: torch.Tensor) -> torch.Tensor:
+    def _doc_tails(self, doc_ids: torch.Tensor, width: int) -> torch.Tensor:
+        """Every chunk's last `width` document ids, gathered rank-major: [2cp, b, width]."""
+        first, second = self._halves(doc_ids)
+        return gather_rows(torch.stack([first[:, -width:], second[:, -width:]]), self.cp_group)
+
+    def conv(self, xbc: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         cp, rank = self._cp()
         if cp == 1:
-            return super().conv(xbc)
+            return super().conv(xbc, doc_ids)
         halo = self.conv1d_weight.shape[-1] - 1
         first, second = self._halves(xbc)
         if first.shape[1] < halo:
             raise ValueError(f"CP chunks of {first.shape[1]} tokens are shorter than the conv halo {halo}")
         tails = gather_rows(torch.stack([first[:, -halo:], second[:, -halo:]]), self.cp_group)  # [2cp, b, k-1, d]
+        docs = (None, None) if doc_ids is None else self._halves(doc_ids)
+        doc_tails = None if doc_ids is None else self._doc_tails(doc_ids, halo)  # [2cp, b, k-1]
         out = []
-        for chunk, part in ((rank, first), (2 * cp - 1 - rank, second)):
+        for chunk, part, part_docs in ((rank, first, docs[0]), (2 * cp - 1 - rank, second, docs[1])):
             before = tails[_entry(chunk - 1, cp)] if chunk > 0 else torch.zeros_like(part[:, :halo])
+            window_docs = None
+            if part_docs is not None:  # the halo keeps its tokens' documents (zeros before chunk 0: any id)
+                before_docs = (doc_tails[_entry(chunk - 1, cp)] if chunk > 0
+                               else part_docs[:, :1].expand(-1, halo))
+                window_docs = torch.cat([before_docs, part_docs], dim=1)
             # conv over [predecessor tail | chunk]; dropping the first k-1 outputs leaves exactly the chunk.
-            full = causal_depthwise_conv1d(torch.cat([before, part], dim=1), self.conv1d_weight, self.conv1d_bias)
+            full = causal_depthwise_conv1d(torch.cat([before, part], dim=1), self.conv1d_weight, self.conv1d_bias,
+                                           window_docs)
             out.append(full[:, halo:])
         return torch.cat(out, dim=1)
 
-    def scan(self, x, dt, A, B, C, initial_state=None) -> torch.Tensor:
+    def scan(self, x, dt, A, B, C, initial_state=None, doc_ids=None) -> torch.Tensor:
         cp, rank = self._cp()
         if cp == 1:
-            return super().scan(x, dt, A, B, C, initial_state)
+            return super().scan(x, dt, A, B, C, initial_state, doc_ids)
         parts = list(zip(*(self._halves(t) for t in (x, dt, B, C))))  # [(x, dt, B, C) of each local chunk]
+        resets = [None, None]
+        if doc_ids is not None:
+            # a chunk's first token starts a document when its id differs from the predecessor chunk's last
+            last = self._doc_tails(doc_ids, 1)[..., 0]  # [2cp, b]
+            for i, (chunk, part_docs) in enumerate(zip((rank, 2 * cp - 1 - rank), self._halves(doc_ids))):
+                resets[i] = document_starts(part_docs, last[_entry(chunk - 1, cp)] if chunk > 0 else None)
         y0, finals, log_decay, cum_decay = [], [], [], []
-        for xc, dtc, Bc, Cc in parts:
-            y, final = ssd_chunk_scan(xc, dtc, A, Bc, Cc, self.config.mamba_chunk_size)
+        for (xc, dtc, Bc, Cc), reset in zip(parts, resets):
+            y, final = ssd_chunk_scan(xc, dtc, A, Bc, Cc, self.config.mamba_chunk_size, resets=reset)
             adt = dtc.float() * A.float()  # [b, l, h] per-step log-decay
+            if reset is not None:  # a document start zeroes the state carried into it (and across ranks)
+                adt = adt.masked_fill(reset[..., None], float("-inf"))
             y0.append(y)
             finals.append(final)
             log_decay.append(adt.sum(dim=1))

@@ -6,9 +6,11 @@ and this rank's context-parallel group, logged in one line.
                      mamba_mixer=kernels.mamba_mixer)
 
 Rules (GPU kernels are an optional extra, never required):
-  attention: GPU + Transformer Engine -> megatron's TEDotProductAttention (its own CP, ring/p2p, same
-             zigzag layout); otherwise CP > 1 -> hetero ZigzagCPCoreAttention (all-gather K/V), CP = 1 ->
-             models' SDPACoreAttention.
+  attention: GPU + Transformer Engine + a bf16/fp16 model -> megatron's TEDotProductAttention (its own CP,
+             ring/p2p, same zigzag layout); otherwise CP > 1 -> hetero ZigzagCPCoreAttention (all-gather
+             K/V), CP = 1 -> models' SDPACoreAttention. fp32 never gets TE: its flash/fused backends take
+             only fp16/bf16 and its fp32 (unfused) backend has no context parallelism, so TE would fail
+             at the first CP > 1 forward.
   mamba:     CP > 1 -> hetero ZigzagCPMamba2Mixer (torch ops on any device; mamba_ssm has no CP);
              GPU + mamba_ssm + causal_conv1d -> MambaSSMMixer (fused Triton scan, CUDA conv);
              otherwise the pure-torch Mamba2Mixer.
@@ -16,7 +18,8 @@ Rules (GPU kernels are an optional extra, never required):
 
 from __future__ import annotations
 
-import importlib.util
+import functools
+import importlib
 import logging
 from dataclasses import dataclass
 
@@ -34,19 +37,68 @@ class MambaSSMMixer(Mamba2Mixer):
     """Mamba2Mixer with mamba_ssm's fused SSD scan and causal_conv1d's conv (GPU). Same parameters, so
     checkpoints and the HF import are shared with the CPU mixer."""
 
-    def conv(self, xbc: torch.Tensor) -> torch.Tensor:
+    # Packed documents: doc_ids [b, s] become the kernels' seq_idx (int32 [b, s], a new id = a new sequence:
+    # the conv zeroes taps of other ids, the scan restarts its state), as megatron's MambaMixer does for THD.
+    def conv(self, xbc: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         from causal_conv1d import causal_conv1d_fn
 
-        out = causal_conv1d_fn(xbc.transpose(1, 2).contiguous(), self.conv1d_weight, self.conv1d_bias)
+        if doc_ids is None:
+            out = causal_conv1d_fn(xbc.transpose(1, 2).contiguous(), self.conv1d_weight, self.conv1d_bias)
+        else:  # causal_conv1d takes seq_idx only in channel-last layout: [b, d, s] with stride(1) == 1
+            out = causal_conv1d_fn(xbc.contiguous().transpose(1, 2), self.conv1d_weight, self.conv1d_bias,
+                                   seq_idx=doc_ids.to(torch.int32).contiguous())
         return out.transpose(1, 2)
 
-    def scan(self, x, dt, A, B, C, initial_state=None) -> torch.Tensor:
+    def scan(self, x, dt, A, B, C, initial_state=None, doc_ids=None) -> torch.Tensor:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
         # dt arrives softplus'ed and clamped, so the kernel's own dt_bias/softplus/limit stay off.
+        seq_idx = doc_ids.to(torch.int32).contiguous() if doc_ids is not None else None
         y = mamba_chunk_scan_combined(x.contiguous(), dt.contiguous(), A, B.contiguous(), C.contiguous(),
-                                      chunk_size=self.config.mamba_chunk_size, initial_states=initial_state)
+                                      chunk_size=self.config.mamba_chunk_size, initial_states=initial_state,
+                                      seq_idx=seq_idx)
         return y.float()
+
+
+def thd_cu_seqlens(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """cu_seqlens (int32) and max length of the documents of doc_ids [b, s] laid out row after row as
+    one THD token list: a sequence starts at every row start and every change of id."""
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = starts.reshape(-1).nonzero().squeeze(1)
+    cu = torch.cat([first, first.new_tensor([doc_ids.numel()])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+@functools.lru_cache(maxsize=None)
+def te_document_attention():
+    """megatron's TEDotProductAttention taking our padded [s, b] layout plus DocumentSeqParams: packed rows
+    are re-laid out as THD (qkv_format="thd", cu_seqlens_q/kv from the doc ids, padding_causal), the
+    format megatron feeds Transformer Engine for packed sequences. Without doc ids it is unchanged."""
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class TEDocumentAttention(TEDotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None, **kwargs):
+            doc_ids = getattr(packed_seq_params, "doc_ids", None)
+            if doc_ids is None:
+                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                       packed_seq_params, **kwargs)
+            if getattr(self.config, "context_parallel_size", 1) > 1:
+                # TE's THD CP load-balances every sequence itself; our rows are zigzag-sharded as a whole
+                raise NotImplementedError("packed documents with Transformer Engine attention at CP > 1")
+            s, b = query.shape[:2]
+            thd = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]).contiguous() for t in (query, key, value)]
+            cu, longest = thd_cu_seqlens(doc_ids.to(query.device))
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                     max_seqlen_q=longest, max_seqlen_kv=longest)
+            out = super().forward(*thd, None, attn_mask_type=AttnMaskType.padding_causal,
+                                  attention_bias=attention_bias, packed_seq_params=params, **kwargs)
+            return out.reshape(b, s, -1).transpose(0, 1).contiguous()  # [t, h*d] -> [s, b, h*d]
+
+    return TEDocumentAttention
 
 
 @dataclass(frozen=True)
@@ -56,19 +108,42 @@ class Kernels:
     line: str  # the one log line naming what was chosen
 
 
+# What must import for an extra to count as installed: the exact modules and names we call. A build against
+# another torch or CUDA (missing .so symbols, ABI mismatch) has its files in place, so find_spec finds it,
+# and fails only here; such a build is logged and skipped, never picked.
+PROBES = {
+    "transformer_engine": [("transformer_engine.pytorch", "DotProductAttention"),
+                           ("megatron.core.extensions.transformer_engine", "TEDotProductAttention")],
+    "mamba_ssm": [("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")],
+    "causal_conv1d": [("causal_conv1d", "causal_conv1d_fn")],
+}
+HALF = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
 def installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+    """True when `module`'s probes (PROBES) import and expose the names we call; a failure is logged once."""
+    for name, attr in PROBES.get(module, [(module, None)]):
+        try:
+            mod = importlib.import_module(name)
+            if attr is not None:
+                getattr(mod, attr)
+        except Exception as e:  # ImportError, OSError (undefined symbol), RuntimeError from the extension's init
+            log.warning("kernels: %s is present but unusable (%s: %s: %s); using the torch path",
+                        module, name, type(e).__name__, e)
+            return False
+    return True
 
 
-def select_kernels(pg_collection=None, gpu: bool | None = None, have=installed) -> Kernels:
-    """Pick the kernels for this rank. `gpu`/`have` default to the real machine (tests override them)."""
+def select_kernels(pg_collection=None, gpu: bool | None = None, have=installed,
+                   dtype: torch.dtype = torch.float32) -> Kernels:
+    """Pick the kernels for this rank. `gpu`/`have` default to the real machine (tests override them);
+    `dtype` is the dtype the model computes in (the run's, not the fp32 of a config built before casting)."""
     gpu = torch.cuda.is_available() if gpu is None else gpu
     cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
     cp = cp_group.size() if cp_group is not None else 1
-    if gpu and have("transformer_engine"):
-        from megatron.core.extensions.transformer_engine import TEDotProductAttention
-
-        attention, attention_name = TEDotProductAttention, "transformer_engine"
+    if gpu and dtype in HALF and have("transformer_engine"):
+        attention, attention_name = te_document_attention(), "transformer_engine"
     elif cp > 1:
         attention, attention_name = ZigzagCPCoreAttention, f"cpu-cp-allgather(cp={cp})"
     else:
@@ -79,6 +154,7 @@ def select_kernels(pg_collection=None, gpu: bool | None = None, have=installed) 
         mamba, mamba_name = MambaSSMMixer, "mamba_ssm"
     else:
         mamba, mamba_name = Mamba2Mixer, "torch-ssd"
-    line = f"kernels: attention={attention_name} mamba={mamba_name} device={'cuda' if gpu else 'cpu'}"
+    line = (f"kernels: attention={attention_name} mamba={mamba_name} device={'cuda' if gpu else 'cpu'}"
+            + ("" if dtype == torch.float32 else f" dtype={str(dtype).removeprefix('torch.')}"))
     log.info(line)
     return Kernels(attention, mamba, line)

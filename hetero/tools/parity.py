@@ -32,6 +32,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_para
 from tessera.hetero.parallel.cp_gather_attention import gather_rows
 from tessera.hetero.plan.zigzag import zigzag_shard, zigzag_unshard
 from tessera.hetero.runtime.cpu_shims import apply_cpu_shims, default_backend
+from tessera.hetero.runtime.device import bind_local_device, current_device
 from tessera.hetero.parallel.kernel_choice import select_kernels
 from tessera.models.hybrid_llm import HybridLM
 from tessera.models.nemotron_h_hf import hybrid_config_from_hf, load_hf_state_dict, load_into
@@ -47,11 +48,11 @@ def build_model(hf_dir: str, pg_collection: ProcessGroupCollection, kernels=None
     (`kernels`: a hetero.parallel.kernel_choice.Kernels, chosen here when None)."""
     tp, pp, cp = _size(pg_collection.tp), _size(pg_collection.pp), _size(pg_collection.cp)
     config = hybrid_config_from_hf(hf_dir, tp=tp, pp=pp, cp=cp)
-    kernels = kernels or select_kernels(pg_collection)
+    kernels = kernels or select_kernels(pg_collection, dtype=config.params_dtype)
     model = HybridLM(config, pg_collection, core_attention=kernels.core_attention,
                      mamba_mixer=kernels.mamba_mixer)
     load_into(model, load_hf_state_dict(hf_dir), pg_collection.tp.rank(), pg_collection.pp.rank())
-    return model
+    return model.to(current_device())
 
 
 def gather_sequence(x: torch.Tensor, cp_group) -> torch.Tensor:
@@ -67,12 +68,13 @@ def pipeline_forward(model: HybridLM, input_ids: torch.Tensor, pp_group) -> torc
     pp_rank, pp_size = pp_group.rank(), pp_group.size()
     shape = (input_ids.shape[1], input_ids.shape[0], model.config.hidden_size)  # [s, b, h]
     ranks = dist.get_process_group_ranks(pp_group)
+    device = next(model.parameters()).device
     with torch.no_grad():
         if pp_rank > 0:
-            received = torch.empty(shape, dtype=model.config.params_dtype)
+            received = torch.empty(shape, dtype=model.config.params_dtype, device=device)
             dist.recv(received, src=ranks[pp_rank - 1], group=pp_group)
             model.set_input_tensor(received)
-        out = model(input_ids if pp_rank == 0 else None)
+        out = model(input_ids.to(device) if pp_rank == 0 else None)
         if pp_rank < pp_size - 1:
             dist.send(out.contiguous(), dst=ranks[pp_rank + 1], group=pp_group)
             return None
@@ -80,21 +82,34 @@ def pipeline_forward(model: HybridLM, input_ids: torch.Tensor, pp_group) -> torc
 
 
 def compare(hf_dir: str, pg_collection: ProcessGroupCollection, kernels=None) -> float:
-    """max_rel_err of our logits vs transformers', known on every rank of the world."""
+    """max_rel_err of our logits vs transformers', known on every rank of the world.
+
+    Raises unless the ranks compared exactly one full [batch, seq, vocab] tensor of logits, so 0.0 never
+    stands for "nothing compared" (no rank computed logits, or a shape that only broadcasts)."""
     model = build_model(hf_dir, pg_collection, kernels).eval()
     cp_group = pg_collection.cp
     cp = _size(cp_group)
     input_ids = fixed_batch(model.config.vocab_size, seq_length(cp))
     local_ids = zigzag_shard(input_ids, cp, cp_group.rank(), dim=1) if cp > 1 else input_ids
     logits = pipeline_forward(model, local_ids, pg_collection.pp)
-    err = torch.zeros(1, dtype=torch.float64)
+    # [max_rel_err, logits compared]; NCCL reduces device tensors only
+    err = torch.zeros(2, dtype=torch.float64, device=current_device())
     if logits is not None:
         with torch.no_grad():
             logits = gather_sequence(logits, cp_group)
         if pg_collection.tp.rank() == 0 and (cp == 1 or cp_group.rank() == 0):
-            err[0] = max_rel_err(logits, reference_logits(hf_dir, input_ids))
-    dist.all_reduce(err, op=dist.ReduceOp.MAX)  # only one rank holds a non-zero value
-    return err.item()
+            ref = reference_logits(hf_dir, input_ids)
+            if logits.shape == ref.shape:
+                err[0] = max_rel_err(logits.cpu(), ref)  # transformers runs on CPU
+                err[1] = ref.numel()
+            else:
+                err[1] = -1.0
+    dist.all_reduce(err, op=dist.ReduceOp.SUM)  # only one rank holds non-zero values
+    expected = input_ids.numel() * model.config.vocab_size
+    if err[1].item() != expected:
+        raise RuntimeError(f"parity: {int(err[1].item())} logits compared over all ranks, expected {expected} "
+                           f"(-1: our logits' shape differs from transformers')")
+    return err[0].item()
 
 
 def init_groups(tp: int = 1, pp: int = 1, cp: int = 1) -> ProcessGroupCollection:
@@ -109,11 +124,12 @@ def init_groups(tp: int = 1, pp: int = 1, cp: int = 1) -> ProcessGroupCollection
 def _init_from_env(tp: int, pp: int, cp: int) -> ProcessGroupCollection:
     """gloo (or NCCL) world from torchrun's environment, or a one-rank world for a plain `python -m`."""
     apply_cpu_shims()
+    bind_local_device()  # cuda:LOCAL_RANK (checked against the GPU count) before NCCL binds a device
     if "RANK" in os.environ:
         dist.init_process_group(default_backend())
     else:
         store = tempfile.NamedTemporaryFile(prefix="tessera_parity_", delete=False).name
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        dist.init_process_group(default_backend(), init_method=f"file://{store}", rank=0, world_size=1)
     return init_groups(tp, pp, cp)
 
 
@@ -121,7 +137,7 @@ def run(args) -> int:
     """The command after argument parsing."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     pg_collection = _init_from_env(args.tp, args.pp, args.cp)
-    kernels = select_kernels(pg_collection)
+    kernels = select_kernels(pg_collection, dtype=torch.float32)  # parity runs the fp32 model
     err = compare(args.hf_dir, pg_collection, kernels)
     ok = err <= args.tol
     if dist.get_rank() == 0:

@@ -2,7 +2,7 @@
 
 For tests and benchmarks on one machine: file-based rendezvous (a fresh temp file per run), so no ports
 to race for. Each worker uses one thread, applies the megatron-core CPU shims and initialises the default
-group with the run's backend (gloo without GPU). Real jobs use torchrun.
+group with the run's backend (gloo without GPU; with GPUs NCCL, rank r bound to cuda:r). Real jobs use torchrun.
 """
 
 from __future__ import annotations
@@ -19,11 +19,14 @@ def _worker(rank, world, store, fn, args, queue):
     import torch.distributed as dist
 
     from tessera.hetero.runtime.cpu_shims import apply_cpu_shims, default_backend
+    from tessera.hetero.runtime.device import bind_local_device
 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     apply_cpu_shims()
     try:
+        os.environ["LOCAL_RANK"] = str(rank)  # one node: what torchrun would set
+        bind_local_device(rank)  # with GPUs: rank r on cuda:r (raises when world > GPUs), before NCCL
         dist.init_process_group(default_backend(), init_method=f"file://{store}", rank=rank, world_size=world)
         result = fn(*args)
         dist.barrier()

@@ -12,6 +12,11 @@ bytes moved against the minimum. Rank 0's last line is
     verify: PASS max_rel_err=<float> bytes=<int> min_bytes=<int>      (or verify: FAIL ... and exit 1)
 
 FAIL when any error exceeds 1e-5 (fp32) or the boundary moved more bytes than the minimum.
+
+    --documents K   packs K documents of random lengths into every LLM row: LLM attention stays inside a
+                    document (the zigzag CP attention gets real document ids), and besides the one-device
+                    comparison every document's outputs and per-token losses must equal the one-device LLM
+                    run on that document alone ("doc-alone" errors).
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from tessera.hetero.runtime.groups import build_module_groups, destroy_module_gr
 from tessera.hetero.runtime.step_executor import hetero_step, reduce_gradients
 from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, ModelShapes
 from tessera.hetero.tools.verify_chain_model import (ChainDims, ParallelEncoder, ParallelLanguage, encoder_token_meta, make_weights,
-                                 reference_forward, sharded_reference_grad)
+                                 reference_documents_alone, reference_forward, sharded_reference_grad,
+                                 token_segments)
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 
@@ -53,8 +59,9 @@ def validated_layout(spec: str, dims: ChainDims, world_size: int) -> HeteroLayou
                                        samples_per_microbatch=n), world_size=world_size)
 
 
-def make_batch(layout: HeteroLayout, dims: ChainDims, seed: int, dtype):
-    """A deterministic microbatch: variable media tokens per sample and encoder, disjoint positions."""
+def make_batch(layout: HeteroLayout, dims: ChainDims, seed: int, dtype, documents: int = 0):
+    """A deterministic microbatch: variable media tokens per sample and encoder, disjoint positions; with
+    `documents` K > 0 also docs [N, S]: each row cut at K-1 random points into K documents (else None)."""
     n, seq = batch_shape(layout)
     rng = np.random.default_rng(seed)
     encoders = sorted(layout.encoders)
@@ -72,7 +79,15 @@ def make_batch(layout: HeteroLayout, dims: ChainDims, seed: int, dtype):
               for k in encoders}
     text = torch.randn(n, seq, dims.llm_hidden, generator=g).to(dtype)
     target = torch.randn(n, seq, dims.llm_hidden, generator=g).to(dtype)
-    return batches, inputs, text, target
+    docs = None
+    if documents > 0:
+        if documents > seq:
+            raise ValueError(f"--documents {documents} > sequence length {seq}")
+        starts = np.zeros((n, seq), dtype=np.int64)
+        for r in range(n):
+            starts[r, rng.choice(np.arange(1, seq), documents - 1, replace=False)] = 1
+        docs = torch.as_tensor(starts.cumsum(1))
+    return batches, inputs, text, target, docs
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -121,7 +136,7 @@ class _LanguageStage:
         return (len(self.samples) * len(self.local_pos), self.dims.llm_hidden)
 
     def forward(self, x, media, mb):
-        batches, _, text, _ = self.micro[mb]
+        batches, _, text, _, docs = self.micro[mb]
         if x is None:
             x = text[self.sl].to(self.dev)
             for key in sorted(media):
@@ -130,7 +145,8 @@ class _LanguageStage:
                     mask[i, torch.as_tensor(p)] = True
                 x = torch.where(mask[self.sl][..., None].to(self.dev), media[key], x)
             x = x.reshape(-1, self.dims.llm_hidden)
-        return self.module(x, self.pos, self.seg)
+        seg = self.seg if docs is None else token_segments(*text.shape[:2], docs)[self.sl].reshape(-1).to(self.dev)
+        return self.module(x, self.pos, seg)
 
     def loss(self, y, mb):
         target = self.micro[mb][3][self.sl].to(self.dev)
@@ -138,14 +154,14 @@ class _LanguageStage:
 
 
 def run_verify(spec: str, seed: int = 1234, dtype=torch.float32, dims: ChainDims = ChainDims(),
-               microbatches: int = 1) -> dict:
+               microbatches: int = 1, documents: int = 0) -> dict:
     """Run the check on every rank of an initialised world; results are global (identical on all ranks).
 
     With several microbatches the step accumulates gradients over them through hetero.runtime.step_executor, and the
     reference is the single-device model over the same microbatches."""
     layout = validated_layout(spec, dims, dist.get_world_size())
     lang, rank = layout[LANGUAGE], dist.get_rank()
-    micro = [make_batch(layout, dims, seed + 7 * mb, dtype) for mb in range(microbatches)]
+    micro = [make_batch(layout, dims, seed + 7 * mb, dtype, documents) for mb in range(microbatches)]
     total = microbatches * micro[0][2].numel()  # the loss is normalised by the step's global element count
     # the run's device: the local GPU with NCCL, the CPU with gloo (the reference always runs on the CPU)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -155,10 +171,16 @@ def run_verify(spec: str, seed: int = 1234, dtype=torch.float32, dims: ChainDims
     # ---- single-device reference, in float64 so its own rounding does not count against the layout ----
     ref_w = {k: v.double().requires_grad_() for k, v in w.items()}
     ref_loss, ref_ys = torch.zeros((), dtype=torch.float64), []
-    for batches, inputs, text, target in micro:
+    alone_ys = []
+    for batches, inputs, text, target, docs in micro:
         y, loss = reference_forward(ref_w, layout, dims, {k: v.double() for k, v in inputs.items()}, batches,
-                                    text.double(), target.double())
+                                    text.double(), target.double(), docs)
         ref_loss, ref_ys = ref_loss + loss * text.numel() / total, ref_ys + [y.detach()]
+        if docs is not None:  # every document through the LLM alone: what the packed row must reproduce
+            with torch.no_grad():
+                alone_ys.append(reference_documents_alone(ref_w, layout, dims,
+                                                          {k: v.double() for k, v in inputs.items()}, batches,
+                                                          text.double(), docs))
     ref_loss.backward()
     ref_grads = {k: v.grad for k, v in ref_w.items()}
 
@@ -183,8 +205,14 @@ def run_verify(spec: str, seed: int = 1234, dtype=torch.float32, dims: ChainDims
     errors = {}
     if lg.is_member and lg.last_stage:
         for mb, y in enumerate(result.outputs):
-            errors[f"output mb{mb}"] = _rel_err(y.view(len(language.samples), -1, dims.llm_hidden),
-                                                ref_ys[mb][language.sl])
+            y = y.view(len(language.samples), -1, dims.llm_hidden)
+            errors[f"output mb{mb}"] = _rel_err(y, ref_ys[mb][language.sl])
+            if alone_ys:
+                target = micro[mb][3][language.sl].double()
+                alone = alone_ys[mb][language.sl]
+                errors[f"doc-alone output mb{mb}"] = _rel_err(y, alone)
+                errors[f"doc-alone token loss mb{mb}"] = _rel_err(((y.double().cpu() - target) ** 2).sum(-1),
+                                                                  ((alone - target) ** 2).sum(-1))
     for key, mod in modules.items():
         for sub in mod.modules():
             if hasattr(sub, "full_names"):
@@ -216,6 +244,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", required=True, help='e.g. "vision=dp4@0-3;language=tp2,cp2@0-3"')
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--microbatches", type=int, default=1, help="microbatches per step (gradient accumulation)")
+    ap.add_argument("--documents", type=int, default=0,
+                    help="pack K documents of random lengths into every LLM row (0: one sequence per row)")
     args = ap.parse_args(argv)
     try:  # before any process group exists: a bad layout costs nothing
         validated_layout(args.layout, ChainDims(), int(os.environ.get("WORLD_SIZE", "1")))
@@ -229,7 +259,7 @@ def main(argv=None) -> int:
     dist.init_process_group(default_backend())
     rank = dist.get_rank()
     torch.set_num_threads(1)
-    res = run_verify(args.layout, args.seed, microbatches=args.microbatches)
+    res = run_verify(args.layout, args.seed, microbatches=args.microbatches, documents=args.documents)
     if rank == 0:
         print(f"layout: {args.layout} ({res['placement']}, world {dist.get_world_size()}, fp32)")
         for name, err in sorted(res["errors"].items()):

@@ -99,9 +99,9 @@ def encoder_token_meta(batch: BoundaryBatch) -> tuple[torch.Tensor, torch.Tensor
     return torch.as_tensor(pos), torch.as_tensor(seg)
 
 
-def reference_forward(w, layout: HeteroLayout, dims: ChainDims, inputs: dict, batches: dict[str, BoundaryBatch],
-                      text: torch.Tensor, target: torch.Tensor):
-    """Single-device forward: returns (LLM output [N, S, H], loss)."""
+def reference_fused(w, layout: HeteroLayout, dims: ChainDims, inputs: dict, batches: dict[str, BoundaryBatch],
+                    text: torch.Tensor) -> torch.Tensor:
+    """Single-device LLM input [N, S, H]: text embeddings with every encoder's output at its positions."""
     n, seq, hidden = text.shape
     fused = text.clone()
     for key in sorted(layout.encoders):
@@ -112,13 +112,45 @@ def reference_forward(w, layout: HeteroLayout, dims: ChainDims, inputs: dict, ba
         e = _ref_lin(w, f"{key}.proj2", F.gelu(_ref_lin(w, f"{key}.proj1", h)))
         rows = torch.as_tensor(seg.numpy() * seq + np.concatenate(batches[key].positions))
         fused = fused.reshape(n * seq, hidden).index_copy(0, rows, e).view(n, seq, hidden)
-    x = fused.reshape(n * seq, hidden)
-    pos = torch.arange(seq).repeat(n)
-    seg = torch.arange(n).repeat_interleave(seq)
+    return fused
+
+
+def token_segments(n: int, seq: int, docs: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, S] attention segment of every LLM token: its sample, or with packed documents (docs [N, S], the
+    document index within the row) its (sample, document) pair — tokens attend within their segment."""
+    sample = torch.arange(n)[:, None].expand(n, seq)
+    return sample if docs is None else sample * seq + docs
+
+
+def reference_llm(w, layout: HeteroLayout, dims: ChainDims, x: torch.Tensor, pos, seg) -> torch.Tensor:
+    """The LLM layers on flat tokens x [T, H] with their positions and segments."""
     for i in range(depth(layout[LANGUAGE].pp)):
         x = _ref_block(w, f"{LANGUAGE}.layers.{i}", x, pos, seg, dims.llm_heads, dims.llm_kv_heads, causal=True)
+    return x
+
+
+def reference_forward(w, layout: HeteroLayout, dims: ChainDims, inputs: dict, batches: dict[str, BoundaryBatch],
+                      text: torch.Tensor, target: torch.Tensor, docs: torch.Tensor | None = None):
+    """Single-device forward: returns (LLM output [N, S, H], loss). docs: packed documents per row."""
+    n, seq, hidden = text.shape
+    fused = reference_fused(w, layout, dims, inputs, batches, text)
+    pos = torch.arange(seq).repeat(n)
+    x = reference_llm(w, layout, dims, fused.reshape(n * seq, hidden), pos, token_segments(n, seq, docs).reshape(-1))
     y = x.view(n, seq, hidden)
     return y, ((y - target) ** 2).sum() / y.numel()
+
+
+def reference_documents_alone(w, layout: HeteroLayout, dims: ChainDims, inputs: dict,
+                              batches: dict[str, BoundaryBatch], text: torch.Tensor, docs: torch.Tensor):
+    """LLM output [N, S, H] with every packed document run through the LLM alone (positions from 0)."""
+    fused = reference_fused(w, layout, dims, inputs, batches, text)
+    out = torch.empty_like(fused)
+    for r in range(fused.shape[0]):
+        for d in docs[r].unique().tolist():
+            idx = (docs[r] == d).nonzero().squeeze(1)
+            pos = torch.arange(len(idx))
+            out[r, idx] = reference_llm(w, layout, dims, fused[r, idx], pos, torch.zeros_like(pos))
+    return out
 
 
 # ----------------------------------------------------------------------------------------- parallel

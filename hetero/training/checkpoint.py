@@ -10,9 +10,16 @@ heterogeneous layout loads into another (TP2 -> TP1, PP changes, colocated -> no
 reads whatever slices each rank now needs. Fused Mamba tensors (in_proj = [z|x|B|C|dt], conv1d = [x|B|C])
 hold one TP slice of *each* part, so they are stored as one sharded tensor per part.
 
+Mixed precision (hetero/training/optim.py): a bf16 run also stores each trainable parameter's fp32 master
+(`optim.master.<key>`) next to its fp32 Adam states, with the parameter's own offsets, pieces and replica ids,
+so masters reshard into any layout exactly like the weights; on load the bf16 parameters are re-derived from
+the masters, and steps after a resume are bitwise those of an uninterrupted run.
+
 Crash safety: a step is written into `step_N.partial/`, and only after every rank finished does rank 0
 rename it to `step_N/` and atomically replace the `latest` file. A crash mid-save leaves a `.partial`
 directory that nothing points at; the last complete checkpoint is untouched.
+`TESSERA_FAIL_IN_SAVE=N[:RANK]` makes RANK (default 0) exit abruptly in the save of step N, once every shard
+is written and before the rename that publishes them (what the fault test uses).
 """
 
 from __future__ import annotations
@@ -77,12 +84,16 @@ def _sharded_state(modules, opt, groups, configs, rank, world, with_rng=True) ->
     state, opt_state = {}, (opt.state_tensors() if opt is not None else {})
     for key, module in modules.items():
         parts = _mamba_local_parts(configs[key], groups[key].pgs.tp.size()) if key == LANGUAGE else None
-        adam = {}
+        adam, masters = {}, {}
         if key in opt_state:
             adam = {id(p): opt_state[key][j] for j, p in enumerate(opt.params[key])}
+        if opt is not None and key in opt.masters:  # bf16 run: fp32 masters, sharded like their params
+            masters = {id(p): m for p, m in zip(opt.params[key], opt.masters[key])}
         for p, gkey, pieces, offsets, replica in _param_specs(key, module, groups[key], parts,
                                                               getattr(module, "layer_offset", 0)):
             tensors = {"model": p.data}
+            if id(p) in masters:
+                tensors["optim.master"] = masters[id(p)]
             if id(p) in adam:
                 tensors.update({f"optim.{f}": adam[id(p)][f] for f in ("exp_avg", "exp_avg_sq")})
             for prefix, t in tensors.items():
@@ -103,6 +114,14 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return path if path.is_dir() else None
 
 
+def _maybe_fail_in_save(step: int, rank: int) -> None:
+    spec = os.environ.get("TESSERA_FAIL_IN_SAVE")
+    if spec:
+        at, _, who = spec.partition(":")
+        if step == int(at) and rank == int(who or 0):
+            os._exit(17)  # an abrupt death: shards written, nothing published
+
+
 def save_checkpoint(root: str | Path, step: int, modules, opt, groups, configs: dict, common: dict) -> Path:
     """Collective over the world. Returns the completed checkpoint directory."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -116,6 +135,7 @@ def save_checkpoint(root: str | Path, step: int, modules, opt, groups, configs: 
     state["common"] = dict(common, world=world, step=step)
     dist_checkpointing.save(state, str(partial), sharded_strategy=("torch_dist", 1))
     dist.barrier()
+    _maybe_fail_in_save(step, rank)
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.rename(partial, final)
@@ -144,4 +164,5 @@ def load_checkpoint(path: str | Path, modules, opt, groups, configs: dict) -> di
         for per in opt.state_tensors().values():
             for st in per.values():
                 st["step"].fill_(float(common["step"]))
+        opt.copy_masters_to_params()  # bf16 params = the loaded fp32 masters, rounded (as after a step)
     return common

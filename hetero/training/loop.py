@@ -25,6 +25,7 @@ import torch.distributed as dist
 from tessera.data.loader import close_loader
 from tessera.data.sharding import decode_plan
 from tessera.hetero.runtime.boundary import BoundaryCommunicator
+from tessera.hetero.runtime.device import current_device
 from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
 from tessera.hetero.plan.layout import LANGUAGE
 from tessera.hetero.planner.run_layout import resolve_run_layout
@@ -144,11 +145,12 @@ def _build_model(run: _Run) -> None:
         load_full_state(run.modules, full, run.groups)
         del full
     for m in run.modules.values():
-        m.to(device=run.device, dtype=run.dtype).train()
+        m.to(device=run.device).train()
     lrs = {k: spec.lr for k, spec in module_specs(cfg.model, cfg.optim).items()}
+    # casts the modules to run.dtype; bf16 keeps fp32 master weights (taken before the cast) and fp32 grads
     run.opt = ModuleOptimizers(run.modules, run.groups, {k: lrs[k] for k in run.layout.modules}, cfg.optim.clip_grad,
                                cfg.optim.weight_decay, cfg.optim.betas, cfg.optim.eps,
-                               all_keys=list(run.layout.modules))
+                               all_keys=list(run.layout.modules), param_dtype=run.dtype)
 
 
 def _resume(run: _Run) -> None:
@@ -178,16 +180,17 @@ def _train_step(run: _Run, step: int, it, comms: dict, like: torch.Tensor, hosts
     t0 = time.perf_counter()
     batches = [next(it) for _ in range(cfg.data.microbatches)]
     total = global_token_count(batches)
-    enc = {k: MediaEncoderStage(modules[k], k, layout[k], groups[k].coord, batches)
+    enc = {k: MediaEncoderStage(modules[k], k, layout[k], groups[k].coord, batches, run.device)
            for k in modules if k != LANGUAGE}
-    lang = (LanguageStage(modules[LANGUAGE], layout[LANGUAGE], groups[LANGUAGE].coord, batches, total)
+    lang = (LanguageStage(modules[LANGUAGE], layout[LANGUAGE], groups[LANGUAGE].coord, batches, total, run.device)
             if LANGUAGE in modules else None)
     sent0 = sum(c.bytes_sent for c in comms.values())
     result = hetero_step(layout, groups, enc, lang, comms,
                          [b.boundary_batches(sorted(layout.encoders)) for b in batches], like)
     stats = run.opt.step(lr_at(step, cfg.trainer.max_steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio))
     sums = torch.tensor([float(result.loss) if hosts_loss else 0.0,
-                         sum(c.bytes_sent for c in comms.values()) - sent0], dtype=torch.float64)
+                         sum(c.bytes_sent for c in comms.values()) - sent0], dtype=torch.float64,
+                        device=run.device)  # NCCL reduces device tensors only
     dist.all_reduce(sums)
     dt = time.perf_counter() - t0
     rows = cfg.data.rows_per_microbatch * cfg.data.microbatches
@@ -205,22 +208,29 @@ def _save(run: _Run, step: int, loader) -> None:
                      "config": json.dumps(asdict(run.cfg)), "llm_hf_config": json.dumps(run.hf_fields)})
 
 
-def run_training(cfg, run_dir: Path) -> dict:
-    """Train `cfg` on this rank: resolve, build, resume, then steps with metrics and checkpoints."""
-    run = _Run(cfg, run_dir, dist.get_rank(), dist.get_world_size(),
-               torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"),
+def _step_context(run: _Run) -> tuple[dict, torch.Tensor, bool]:
+    """What every step shares: the boundary communicators, the dtype/device exemplar, whether this rank
+    holds the loss (last LLM stage, TP rank 0)."""
+    comms = {k: BoundaryCommunicator(run.layout[k], run.layout[LANGUAGE], run.configs[LANGUAGE].hidden_size,
+                                     run.dtype, run.device, dst_format="dense") for k in sorted(run.layout.encoders)}
+    like = torch.empty(0, dtype=run.dtype, device=run.device)
+    hosts_loss = (LANGUAGE in run.modules and run.groups[LANGUAGE].last_stage
+                  and run.groups[LANGUAGE].coord.tp == 0)
+    return comms, like, hosts_loss
+
+
+def run_training(cfg, run_dir: Path, device: torch.device | None = None) -> dict:
+    """Train `cfg` on this rank: resolve, build, resume, then steps with metrics and checkpoints.
+    `device`: where this rank computes; default the one its launcher bound (hetero/runtime/device.py)."""
+    run = _Run(cfg, run_dir, dist.get_rank(), dist.get_world_size(), device or current_device(),
                {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype])
     _resolve(run)
     _build_model(run)
     _resume(run)
     loader = _build_loader(run)
-    comms = {k: BoundaryCommunicator(run.layout[k], run.layout[LANGUAGE], run.configs[LANGUAGE].hidden_size,
-                                     run.dtype, run.device, dst_format="dense") for k in sorted(run.layout.encoders)}
-    like = torch.empty(0, dtype=run.dtype, device=run.device)
+    comms, like, hosts_loss = _step_context(run)
     metrics = RunMetrics(run_dir, cfg.trainer.max_steps, run.start, cfg.trainer.progress,
                          cfg.trainer.tensorboard) if run.rank == 0 else None
-    hosts_loss = (LANGUAGE in run.modules and run.groups[LANGUAGE].last_stage
-                  and run.groups[LANGUAGE].coord.tp == 0)
 
     it, record, first_loss = iter(loader), {}, None
     for step in range(run.start, cfg.trainer.max_steps):

@@ -87,7 +87,8 @@ def build_rank_modules(model_cfg, layout: HeteroLayout, groups: dict[str, Module
         if not g.is_member:
             continue
         if key == LANGUAGE:
-            kernels = select_kernels(g.pgs)
+            # the dtype the run computes in (modules are built fp32 and cast by the loop): TE only in bf16
+            kernels = select_kernels(g.pgs, dtype=getattr(torch, model_cfg.dtype))
             out[key] = HybridLM(configs[key], g.pgs, core_attention=kernels.core_attention,
                                 mamba_mixer=kernels.mamba_mixer,
                                 cross_entropy=vocab_parallel_cross_entropy_for(g.pgs.tp))

@@ -9,6 +9,10 @@ on its own, so an item's embedding never depends on which other items share its 
 and BatchNorm statistics would otherwise change with the layout); the loss is a sum over this rank's
 tokens divided by the step's *global* token count, so summing gradients over any DP x CP group gives the
 same gradient for every module (hetero/training/optim.py).
+
+Device: batches come from the loader in host memory; `device` (the run's, hetero/training/loop.py) is
+where every tensor a module receives lives. The language stage indexes its rows/positions on the host and
+moves only its slice (`_local`); media items are moved by the media module itself (models/multimodal.py).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from tessera.data.packing import PackedBatch
 from tessera.data.sharding import dp_rows
 from tessera.hetero.plan.zigzag import zigzag_positions
 from tessera.hetero.plan.layout import ModuleLayout, RankCoord
+from tessera.models.sdpa_attention import document_ids
 
 IGNORE = -100
 
@@ -33,8 +38,10 @@ class MediaEncoderStage:
     """One encoder's stage (PP=1): [tokens, llm_hidden] embeddings of this rank's rows, in (row, position)
     order — the source order hetero.plan.boundary_plan expects."""
 
-    def __init__(self, module, key: str, layout: ModuleLayout, coord: RankCoord, batches: list[PackedBatch]):
+    def __init__(self, module, key: str, layout: ModuleLayout, coord: RankCoord, batches: list[PackedBatch],
+                 device: torch.device):
         self.module, self.key, self.layout, self.coord, self.batches = module, key, layout, coord, batches
+        self.device = device  # where the module lives; MediaModule moves its decoded items there
 
     def input_shape(self, mb: int):
         raise AssertionError("encoders run as one pipeline stage in training (pp=1)")
@@ -51,14 +58,18 @@ class MediaEncoderStage:
 class LanguageStage:
     """This rank's piece of the LLM over its DP rows and zigzag CP positions of each microbatch."""
 
-    def __init__(self, llm, layout: ModuleLayout, coord: RankCoord, batches: list[PackedBatch], total_tokens: int):
+    def __init__(self, llm, layout: ModuleLayout, coord: RankCoord, batches: list[PackedBatch], total_tokens: int,
+                 device: torch.device):
         self.llm, self.layout, self.coord, self.batches, self.total = llm, layout, coord, batches, total_tokens
+        self.device = device
         n, seq = batches[0].tokens.shape
         self.rows = torch.as_tensor(list(dp_rows(n, layout.dp_size, coord.dp)))
         self.pos = torch.as_tensor(zigzag_positions(seq, layout.cp, coord.cp))
 
     def _local(self, t: torch.Tensor) -> torch.Tensor:
-        return t[self.rows][:, self.pos]
+        """This rank's rows and zigzag positions of a host [N, S] batch tensor, on the run's device (the
+        slice is cut on the host, so only it crosses to the device)."""
+        return t[self.rows][:, self.pos].to(self.device, non_blocking=True)
 
     def input_shape(self, mb: int):
         return (len(self.pos), len(self.rows), self.llm.config.hidden_size)
@@ -72,14 +83,16 @@ class LanguageStage:
     def forward(self, x, media: dict[str, torch.Tensor] | None, mb: int) -> torch.Tensor:
         batch = self.batches[mb]
         labels = self._local(batch.labels) if self.llm.post_process else None
+        # packed documents of this rank's rows and zigzag positions: no attention, conv or SSM state crosses them
+        docs = self._local(document_ids(batch.cu_seqlens, batch.tokens.shape[1]))
         if x is None:  # first stage: text embeddings with each encoder's boundary output at its positions
             hidden = self.llm.embedding(self._local(batch.tokens))
             for key in sorted(media or {}):
                 mask = self._media_mask(batch, key)[..., None]
                 hidden = torch.where(mask, media[key].to(hidden.dtype), hidden)
-            return self.llm(decoder_input=hidden.transpose(0, 1).contiguous(), labels=labels)
+            return self.llm(decoder_input=hidden.transpose(0, 1).contiguous(), labels=labels, doc_ids=docs)
         self.llm.set_input_tensor(x)
-        return self.llm(labels=labels)
+        return self.llm(labels=labels, doc_ids=docs)
 
     def loss(self, per_token: torch.Tensor, mb: int) -> torch.Tensor:
         """This rank's share of the step loss (per-token losses are 0 where the label is ignored)."""

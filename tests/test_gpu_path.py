@@ -1,0 +1,234 @@
+"""The GPU path, checked on CPU: device placement of a real training step, kernel choice, launchers, pins.
+
+The step test runs the loop's own pieces (hetero/training/loop.py: build, loader, one `_train_step`) on 2
+gloo ranks under tests/_device_audit.DeviceAudit, with the run's device a device value of its own
+(cpu:0) and the loader's batches registered as host memory: every tensor that reaches a collective or a
+module must have been moved to the run's device, as NCCL and CUDA kernels require. Then the same ranks run
+a step with the language stage's move and the media module's move taken out, and the audit must name them.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera.hetero.tools.spawn import run_on_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+# PP=2 language (p2p activations: step_executor's recv buffers), encoders DP=2 (gradient all-reduces, boundary
+# p2p from rank 1's rows to the first LLM stage on rank 0)
+LAYOUT = "vision=dp2@0-1;audio=dp2@0-1;language=pp2@0-1"
+
+
+def _audited_steps(run_dir: str) -> dict:
+    import numpy as np
+    import torch.distributed as dist
+
+    from _device_audit import RUN, DeviceAudit
+    from tessera.data.loader import close_loader
+    from tessera.hetero.training import loop, stages
+    from tessera.models import multimodal
+    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+
+    cfg = RunConfig("gpu_path", LAYOUT, ModelConfig(vision="radio_vit_tiny", audio="fastconformer_tiny"),
+                    DataConfig(seq_length=128, rows_per_microbatch=2, microbatches=2), OptimConfig(),
+                    TrainerConfig(max_steps=3, run_dir=run_dir, progress=False, tensorboard=False))
+    run = loop._Run(cfg, Path(run_dir), dist.get_rank(), dist.get_world_size(), RUN, torch.float32)
+    loop._resolve(run)
+    out = {}
+    with DeviceAudit(RUN) as audit:
+        loop._build_model(run)
+        loader = loop._build_loader(run)
+        comms, like, hosts_loss = loop._step_context(run)
+        it = audit.host_batches(iter(loader))
+        record = loop._train_step(run, 0, it, comms, like, hosts_loss)
+        out["clean"] = list(audit.violations)
+        out["loss"], out["checked"] = record["loss"], dict(audit.checked)
+        out["collectives"], out["modules"] = sorted(audit.collectives), sorted(audit.modules)
+
+        # mutations: the batch slice and the decoded media items left in host memory
+        audit.violations.clear()
+        local, device = stages.LanguageStage._local, multimodal.MediaModule.device
+        stages.LanguageStage._local = lambda self, t: t[self.rows][:, self.pos]
+        multimodal.MediaModule.device = property(lambda self: torch.device("cpu"))
+        try:
+            loop._train_step(run, 1, it, comms, like, hosts_loss)
+        except Exception as e:  # a host tensor may also break an op further on; the audit names it first
+            out["mutant_error"] = repr(e)
+        finally:
+            stages.LanguageStage._local, multimodal.MediaModule.device = local, device
+        out["mutant"] = list(audit.violations)
+    close_loader(loader)
+    return out
+
+
+@pytest.fixture(scope="module")
+def audited(tmp_path_factory):
+    return run_on_ranks(2, _audited_steps, str(tmp_path_factory.mktemp("gpu_path")), timeout=300)
+
+
+@pytest.mark.multiproc
+def test_every_tensor_reaching_a_collective_or_a_module_is_on_the_run_device(audited):
+    for rank, res in enumerate(audited):
+        assert res["clean"] == [], f"rank {rank}:\n" + "\n".join(res["clean"][:20])
+        # the audit really saw the step: gradient/loss all-reduces, pipeline and boundary p2p, the modules
+        assert {"all_reduce", "isend", "irecv"} <= set(res["collectives"]), res["collectives"]
+        assert res["checked"]["module"] > 50
+    seen = set(audited[0]["modules"]) | set(audited[1]["modules"])
+    # decoded tiles/frames reach the ViT, waves the mel front end and the conformer, on the device
+    assert {"HybridLM", "MediaModule", "VisionTransformer", "AudioToMelSpectrogramPreprocessor",
+            "FastConformerEncoder"} <= seen, seen
+    assert audited[0]["loss"] == audited[1]["loss"] > 0
+
+
+@pytest.mark.multiproc
+def test_audit_names_a_missing_move(audited):
+    """Without the language stage's `.to(device)` (stages.py) and the media module's move (multimodal.py)
+    the same step records host tensors entering the LLM and the vision/audio encoders."""
+    both = "\n".join(v for res in audited for v in res["mutant"])
+    assert "into module HybridLM" in both, both[:3000]
+    assert re.search(r"into module (VisionEncoder|VideoEncoder|FastConformerEncoder)", both), both[:3000]
+
+
+def test_audit_basics():
+    from _device_audit import RUN, DeviceAudit
+
+    with DeviceAudit(RUN) as audit:
+        lin = torch.nn.Linear(4, 2)
+        x = torch.ones(3, 4)
+        lin(x)  # both host: computes on the host, but a module input from the host is flagged
+        assert len(audit.violations) == 1 and "into module Linear" in audit.violations[0]
+        lin.to(RUN)
+        assert lin.weight.device == RUN and x.device == torch.device("cpu")
+        lin(x)  # host input into a device module
+        y = x.to(RUN)
+        assert y.device == RUN and not audit.is_host(y) and audit.is_host(x)
+        lin(y) + torch.zeros(2)  # device output mixed with a host tensor
+        assert torch.zeros(2, device=y.device).device == RUN  # a device taken from a tensor is the run's
+        assert lin(y)[torch.tensor([0, 1])].device == RUN      # host indices are fine
+        y.sum() * torch.tensor(2.0)                             # so are host scalars
+    assert [v.split(" at ")[0] for v in audit.violations] == [
+        "host tensor (3, 4) torch.float32 into module Linear", "host tensor (3, 4) torch.float32 into module Linear",
+        "linear mixes host and device tensors", "add mixes host and device tensors"]
+
+
+# ---- kernel choice, launch, pins ----------------------------------------------------------------------
+
+class _Group:
+    def __init__(self, n):
+        self.n = n
+
+    def size(self):
+        return self.n
+
+
+class _PGs:
+    def __init__(self, cp):
+        self.cp = _Group(cp)
+
+
+def test_transformer_engine_only_in_half_precision():
+    from tessera.hetero.parallel.cp_attention_module import ZigzagCPCoreAttention
+    from tessera.hetero.parallel.kernel_choice import select_kernels
+    from tessera.models.sdpa_attention import SDPACoreAttention
+
+    have_all = lambda m: True  # noqa: E731
+    fp32_cp = select_kernels(_PGs(2), gpu=True, have=have_all, dtype=torch.float32)
+    assert fp32_cp.core_attention is ZigzagCPCoreAttention  # TE's fp32 backend has no CP
+    assert select_kernels(_PGs(1), gpu=True, have=have_all).core_attention is SDPACoreAttention
+    assert "attention=transformer_engine" not in select_kernels(_PGs(2), gpu=True, have=have_all).line
+    # bf16 picks TE whenever it imports (the class is built lazily from megatron's TE extension, so only the
+    # choice is checked here: the name in the log line)
+    from tessera.hetero.parallel import kernel_choice
+
+    chosen = []
+    orig = kernel_choice.te_document_attention
+    kernel_choice.te_document_attention = lambda: chosen.append(1) or object
+    try:
+        bf16 = select_kernels(_PGs(2), gpu=True, have=have_all, dtype=torch.bfloat16)
+    finally:
+        kernel_choice.te_document_attention = orig
+    assert chosen and "attention=transformer_engine" in bf16.line and "dtype=bfloat16" in bf16.line
+
+
+def test_a_broken_kernel_build_is_not_picked(tmp_path, monkeypatch):
+    """find_spec finds a package whose import fails (a build against another torch/CUDA); the probe imports."""
+    import importlib.util
+
+    from tessera.hetero.parallel import kernel_choice
+
+    pkg = tmp_path / "tessera_broken_ext"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise ImportError('undefined symbol: _ZN3c104cuda9SetDeviceEi')\n")
+    (tmp_path / "tessera_good_ext.py").write_text("causal_conv1d_fn = None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert importlib.util.find_spec("tessera_broken_ext") is not None
+    monkeypatch.setitem(kernel_choice.PROBES, "causal_conv1d", [("tessera_good_ext", "causal_conv1d_fn")])
+    monkeypatch.setitem(kernel_choice.PROBES, "mamba_ssm", [("tessera_broken_ext", "mamba_chunk_scan_combined")])
+    kernel_choice.installed.cache_clear()
+    try:
+        assert kernel_choice.installed("causal_conv1d") and not kernel_choice.installed("mamba_ssm")
+        assert select_ok(kernel_choice) == "torch-ssd"
+    finally:
+        kernel_choice.installed.cache_clear()
+
+
+def select_ok(kernel_choice) -> str:
+    return kernel_choice.select_kernels(_PGs(1), gpu=True).line.split("mamba=")[1].split()[0]
+
+
+def test_local_rank_is_checked_against_the_gpus(monkeypatch):
+    from tessera.hetero.runtime import device
+
+    picked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert device.bind_local_device() == torch.device("cuda", 1) and picked == [1]
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(RuntimeError, match="LOCAL_RANK=2 but this node shows 2 GPU"):
+        device.bind_local_device()
+    assert picked == [1]
+
+
+def test_launchers_bind_the_device_before_the_process_group():
+    """recipes/train.py, spawn.py and parity.py call bind_local_device before init_process_group."""
+    for path in ("recipes/train.py", "hetero/tools/spawn.py", "hetero/tools/parity.py"):
+        text = (ROOT / path).read_text()
+        bind, init = text.find("bind_local_device("), text.find("init_process_group(")
+        assert 0 <= bind < init, path
+
+
+def test_gpu_extra_pins_megatron_cores_ranges():
+    """The `gpu` extra carries exactly the ranges megatron-core declares for TE, mamba-ssm, causal-conv1d."""
+    import tomllib
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    ours = {Requirement(r).name: Requirement(r) for r in
+            tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]}
+    theirs = {Requirement(r).name: Requirement(r) for r in requires("megatron-core")
+              if Requirement(r).name in ours and 'extra == "dev"' in r}
+    assert set(ours) == set(theirs) == {"transformer-engine", "mamba-ssm", "causal-conv1d"}
+    for name, req in ours.items():
+        assert req.specifier == theirs[name].specifier, name
+    assert "pytorch" in ours["transformer-engine"].extras
+
+
+def test_gpu_check_dry_run_and_no_gpu_message():
+    cmd = [sys.executable, "-m", "tessera.scripts.gpu_check"]
+    dry = subprocess.run(cmd + ["--dry"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert dry.returncode == 0, dry.stderr
+    for needle in ("te_attention", "te_attention_thd", "mamba_ssm_scan", "causal_conv1d", "train_step_bf16",
+                   "nemotron_nano_12b_v2", "nemotron_3_nano_30b_a3b", "TFLOPS"):
+        assert needle in dry.stdout, needle
+    if not torch.cuda.is_available():
+        real = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert real.returncode == 2 and "no CUDA GPU" in real.stderr, real.stderr
