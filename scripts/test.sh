@@ -7,4 +7,6 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup_venv.sh"
 cd "$root"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec .venv/bin/python -m pytest -q "$@"
+# Two workers (this box's 2 cores); a file's tests stay on one worker, so module fixtures are built once and
+# the Slurm tests share one cluster. Multi-rank tests spawn their own processes either way.
+exec .venv/bin/python -m pytest -q -n "${TESSERA_TEST_WORKERS:-2}" --dist loadfile "$@"

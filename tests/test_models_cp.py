@@ -179,7 +179,7 @@ def _train(tp, cp, hf_dir, steps):
     return losses
 
 
-TRAIN_STEPS = 5
+TRAIN_STEPS = 3
 
 
 @pytest.mark.multiproc

@@ -151,15 +151,17 @@ def test_sbatch_script_of_a_full_size_recipe(tmp_path):
 
 
 def test_slurm_failed_job_is_reported(slurm_cluster, nemorun_home):
-    """A Slurm job whose rank fails (hetero.tools.verify refusing a layout whose sizes do not fit its ranks)
-    ends FAILED in sacct, and job_failure (what makes `nemo` exit 1) says so and shows the rank's error;
-    retries=0 so it is not requeued."""
+    """A Slurm job whose rank fails (hetero.tools.verify given an unknown flag: argparse exits 2 on the rank;
+    a returned exit code would be dropped by nemo-run's function runner, an exception or SystemExit is not)
+    ends FAILED in sacct, and job_failure (what makes `nemo` exit 1) says so; retries=0 so it is not
+    requeued."""
     from tessera.hetero.tools import verify
 
     ex = fdl.build(executors.slurm(time="00:05:00", retries=0))
     executors.fit_executor(ex, 1)
     with run.Experiment("tessera-fail", executor=ex, log_level="WARN") as exp:
-        exp.add(run.Partial(verify.main, argv=["--layout", "vision=dp3@0-1;language=tp2@0-1"]), name="job")
+        exp.add(run.Partial(verify.main, argv=["--layout", "vision=dp1@0-0;language=dp1@0-0", "--no-such-flag"]),
+                name="job")
         exp.run(detach=False)
     failure = executors.job_failure(exp)
     assert failure is not None and "FAILED" in failure, failure
