@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from tessera.data.loader import close_loader
 from tessera.data.prepare import make_synthetic
 
 
@@ -12,3 +13,15 @@ def make_blend(root: Path, samples_a: int, samples_b: int) -> Path:
         "__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
         f"      - weight: 3\n        path: {root / 'a'}\n      - weight: 1\n        path: {root / 'b'}\n")
     return root
+
+
+def take(loader, n: int, close: bool = True) -> list:
+    """The first n batches; the loader's workers are stopped unless close=False (see close_loader)."""
+    out = []
+    for batch in loader:
+        out.append(batch)
+        if len(out) == n:
+            break
+    if close:
+        close_loader(loader)
+    return out

@@ -7,7 +7,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from _blend import make_blend
+from _blend import make_blend, take
 import webdataset as wds
 from PIL import Image
 
@@ -35,21 +35,11 @@ def _encoder(root, strict=False):
     return ChatTaskEncoder(Tokenizer(root / "a" / "tokenizer.model"), SEQ, ENC, strict=strict)
 
 
-def _take(loader, n, close=True):
-    """The first n batches; the loader's workers are stopped unless close=False (see close_loader)."""
-    out = []
-    for b in loader:
-        out.append(b)
-        if len(out) == n:
-            break
-    if close:
-        close_loader(loader)
-    return out
 
 
 def test_batches_are_aligned_packed_and_masked(blend):
     tok = Tokenizer(blend / "a" / "tokenizer.model")
-    for b in _take(build_loader(blend / "a", _encoder(blend), ROWS), 3):
+    for b in take(build_loader(blend / "a", _encoder(blend), ROWS), 3):
         b.check(count_tokens)  # embeddings produced == positions to fill, per row and module
         assert b.tokens.shape == (ROWS, SEQ)
         for r in range(ROWS):
@@ -65,7 +55,7 @@ def test_batches_are_aligned_packed_and_masked(blend):
 
 
 def test_blend_follows_weights(blend):
-    keys = [k for b in _take(build_loader(blend / "blend.yaml", _encoder(blend), ROWS), 24) for row in b.keys for k in row]
+    keys = [k for b in take(build_loader(blend / "blend.yaml", _encoder(blend), ROWS), 24) for row in b.keys for k in row]
     share = Counter(k[0] for k in keys)
     assert len(keys) > 150
     assert 0.65 < share["a"] / len(keys) < 0.85, share
@@ -74,12 +64,12 @@ def test_blend_follows_weights(blend):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resume_gives_identical_batches(blend, workers):
     path = blend / "blend.yaml"
-    straight = _take(build_loader(path, _encoder(blend), ROWS, num_workers=workers, seed=7), 6)
+    straight = take(build_loader(path, _encoder(blend), ROWS, num_workers=workers, seed=7), 6)
     first = build_loader(path, _encoder(blend), ROWS, num_workers=workers, seed=7)
-    head = _take(first, 3, close=False)
+    head = take(first, 3, close=False)
     state = first.save_state_rank()
     close_loader(first)
-    tail = _take(build_loader(path, _encoder(blend), ROWS, num_workers=workers, seed=7, state=state), 3)
+    tail = take(build_loader(path, _encoder(blend), ROWS, num_workers=workers, seed=7, state=state), 3)
     for a, b in zip(straight, head + tail):
         assert a.keys == b.keys
         assert torch_equal(a.tokens, b.tokens) and torch_equal(a.labels, b.labels)
@@ -95,7 +85,7 @@ def test_resume_with_other_worker_count_is_a_clear_error(blend):
     """energon 7.4.1 restores only with the saved number of workers (SavableDatasetWrapper.restore_checkpoint
     asserts len(worker_states) == num_workers; the 0-worker path expects one FlexState)."""
     first = build_loader(blend / "a", _encoder(blend), ROWS, num_workers=1, seed=3)
-    _take(first, 2, close=False)
+    take(first, 2, close=False)
     state = first.save_state_rank()
     close_loader(first)
     for other in (0, 2):

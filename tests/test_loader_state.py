@@ -11,7 +11,7 @@ import shlex
 
 import numpy as np
 import pytest
-from _blend import make_blend
+from _blend import make_blend, take
 import torch
 
 from tessera.data.loader import ChatTaskEncoder, build_loader, close_loader
@@ -33,15 +33,6 @@ def _loader(root, workers, state=None):
     return build_loader(root / "blend.yaml", te, ROWS, num_workers=workers, seed=5, state=state)
 
 
-def _take(loader, n, close=True):
-    out = []
-    for b in loader:
-        out.append(b)
-        if len(out) == n:
-            break
-    if close:
-        close_loader(loader)
-    return out
 
 
 def _same(a, b) -> bool:
@@ -59,9 +50,9 @@ def _same(a, b) -> bool:
 # workers=0 the in-process one (nested FlexStates); 2 workers is the same form as 1.
 @pytest.mark.parametrize("workers", [0, 1])
 def test_json_round_trip_resumes_with_identical_batches(blend, workers):
-    straight = _take(_loader(blend, workers), 5)
+    straight = take(_loader(blend, workers), 5)
     first = _loader(blend, workers)
-    head = _take(first, 2, close=False)
+    head = take(first, 2, close=False)
     text = encode_loader_state(first.save_state_rank())
     close_loader(first)
     # what the checkpoint holds: text inside the common state, which torch.load(weights_only=True) accepts
@@ -70,7 +61,7 @@ def test_json_round_trip_resumes_with_identical_batches(blend, workers):
     buf.seek(0)
     text = torch.load(buf, weights_only=True)["loader"]
     assert isinstance(text, str) and json.loads(text)["format"] == "tessera-loader-state"
-    tail = _take(_loader(blend, workers, state=decode_loader_state(text)), 3)
+    tail = take(_loader(blend, workers, state=decode_loader_state(text)), 3)
     assert len(head + tail) == len(straight)
     for i, (a, b) in enumerate(zip(straight, head + tail)):
         assert _same(a, b), f"batch {i} differs after the JSON round trip"
