@@ -142,15 +142,18 @@ def test_transformer_engine_only_in_half_precision():
     assert fp32_cp.core_attention is ZigzagCPCoreAttention  # TE's fp32 backend has no CP
     assert select_kernels(_PGs(1), gpu=True, have=have_all).core_attention is SDPACoreAttention
     assert "attention=transformer_engine" not in select_kernels(_PGs(2), gpu=True, have=have_all).line
-    # bf16 picks TE whenever it imports (the class is built lazily from megatron's TE extension, so only the
-    # choice is checked here: the name in the log line)
+    # bf16 at CP = 1 picks TE whenever it imports (the class is built lazily from megatron's TE extension, so
+    # only the choice is checked here: the name in the log line); at CP > 1 packed documents need the zigzag
+    # CP attention, TE's THD CP would re-split them
+    bf16_cp = select_kernels(_PGs(2), gpu=True, have=have_all, dtype=torch.bfloat16)
+    assert bf16_cp.core_attention is ZigzagCPCoreAttention and "dtype=bfloat16" in bf16_cp.line
     from tessera.hetero.parallel import kernel_choice
 
     chosen = []
     orig = kernel_choice.te_document_attention
     kernel_choice.te_document_attention = lambda: chosen.append(1) or object
     try:
-        bf16 = select_kernels(_PGs(2), gpu=True, have=have_all, dtype=torch.bfloat16)
+        bf16 = select_kernels(_PGs(1), gpu=True, have=have_all, dtype=torch.bfloat16)
     finally:
         kernel_choice.te_document_attention = orig
     assert chosen and "attention=transformer_engine" in bf16.line and "dtype=bfloat16" in bf16.line

@@ -6,9 +6,10 @@ and this rank's context-parallel group, logged in one line.
                      mamba_mixer=kernels.mamba_mixer)
 
 Rules (GPU kernels are an optional extra, never required):
-  attention: GPU + Transformer Engine + a bf16/fp16 model -> megatron's TEDotProductAttention (its own CP,
-             ring/p2p, same zigzag layout); otherwise CP > 1 -> hetero ZigzagCPCoreAttention (all-gather
-             K/V), CP = 1 -> models' SDPACoreAttention. fp32 never gets TE: its flash/fused backends take
+  attention: GPU + Transformer Engine + a bf16/fp16 model at CP = 1 -> megatron's TEDotProductAttention
+             (packed documents as THD); otherwise CP > 1 -> hetero ZigzagCPCoreAttention (all-gather K/V,
+             documents masked by id; TE's THD CP would re-split every document its own way), CP = 1 ->
+             models' SDPACoreAttention. fp32 never gets TE: its flash/fused backends take
              only fp16/bf16 and its fp32 (unfused) backend has no context parallelism, so TE would fail
              at the first CP > 1 forward.
   mamba:     CP > 1 -> hetero ZigzagCPMamba2Mixer (torch ops on any device; mamba_ssm has no CP);
@@ -86,9 +87,6 @@ def te_document_attention():
             if doc_ids is None:
                 return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                        packed_seq_params, **kwargs)
-            if getattr(self.config, "context_parallel_size", 1) > 1:
-                # TE's THD CP load-balances every sequence itself; our rows are zigzag-sharded as a whole
-                raise NotImplementedError("packed documents with Transformer Engine attention at CP > 1")
             s, b = query.shape[:2]
             thd = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]).contiguous() for t in (query, key, value)]
             cu, longest = thd_cu_seqlens(doc_ids.to(query.device))
@@ -142,7 +140,9 @@ def select_kernels(pg_collection=None, gpu: bool | None = None, have=installed,
     gpu = torch.cuda.is_available() if gpu is None else gpu
     cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
     cp = cp_group.size() if cp_group is not None else 1
-    if gpu and dtype in HALF and have("transformer_engine"):
+    # TE at CP > 1 would split every packed document itself (THD load balancing), not our zigzag rows; the
+    # zigzag CP attention masks documents exactly, so TE is taken at CP = 1 only.
+    if gpu and cp == 1 and dtype in HALF and have("transformer_engine"):
         attention, attention_name = te_document_attention(), "transformer_engine"
     elif cp > 1:
         attention, attention_name = ZigzagCPCoreAttention, f"cpu-cp-allgather(cp={cp})"
