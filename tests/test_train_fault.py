@@ -6,6 +6,7 @@ no process with that marker may be alive (recipes/train.py's reaper)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -62,6 +63,21 @@ def _cmd(run_dir: Path, steps: int = 4) -> list[str]:
             "data.seq_length=128"]
 
 
+@contextlib.contextmanager
+def _job(cmd: list[str], log: Path, env: dict):
+    """The job with its output in a file, not a pipe, and in its own session (a leftover process holding a
+    pipe open would hang the test instead of failing it); whatever is left of it is killed on the way out."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            yield proc
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def _launch(run_dir: Path, env_extra: dict, steps: int = 4) -> tuple[int, str, dict]:
     """Run the job to its end; (exit code, output, processes of the job still alive afterwards)."""
     marker = uuid.uuid4().hex
@@ -69,16 +85,8 @@ def _launch(run_dir: Path, env_extra: dict, steps: int = 4) -> tuple[int, str, d
     log = run_dir.parent / f"launch{len(list(run_dir.parent.glob('launch*.log')))}.log"
     # Output to a file, not a pipe, and the job in its own session: a leftover process holding the pipe open
     # would hang the test instead of failing it.
-    with open(log, "w") as f:
-        proc = subprocess.Popen(_cmd(run_dir, steps), cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=600)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    with _job(_cmd(run_dir, steps), log, env) as proc:
+        rc = proc.wait(timeout=600)
     return rc, log.read_text(), _survivors(marker)
 
 
@@ -87,27 +95,19 @@ def test_sigkilled_rank_leaves_no_process_behind(tmp_path):
     then, and a SIGKILLed rank cannot stop them); after torchrun ends, nothing of the job may be alive."""
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
     env = dict(os.environ, OMP_NUM_THREADS="1", **{MARKER: marker})
-    with open(tmp_path / "launch.log", "w") as f:
-        proc = subprocess.Popen(_cmd(run_dir, steps=200), cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            end = time.monotonic() + 300
-            while not (run_dir / "checkpoints" / "latest").exists():
-                assert proc.poll() is None and time.monotonic() < end, (tmp_path / "launch.log").read_text()[-3000:]
-                time.sleep(0.2)
-            job = _marked(marker)
-            helpers = {pid: c for pid, c in job.items() if "multiprocessing" in c}
-            assert helpers, f"no helper processes to test with: {job}"
-            rank1 = [pid for pid in job if b"RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                     and "tessera.recipes.train" in job[pid] and "torch.distributed.run" not in job[pid]]
-            assert len(rank1) == 1, job
-            os.kill(rank1[0], signal.SIGKILL)
-            rc = proc.wait(timeout=300)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    with _job(_cmd(run_dir, steps=200), tmp_path / "launch.log", env) as proc:
+        end = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / "latest").exists():
+            assert proc.poll() is None and time.monotonic() < end, (tmp_path / "launch.log").read_text()[-3000:]
+            time.sleep(0.2)
+        job = _marked(marker)
+        helpers = {pid: c for pid, c in job.items() if "multiprocessing" in c}
+        assert helpers, f"no helper processes to test with: {job}"
+        rank1 = [pid for pid in job if b"RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                 and "tessera.recipes.train" in job[pid] and "torch.distributed.run" not in job[pid]]
+        assert len(rank1) == 1, job
+        os.kill(rank1[0], signal.SIGKILL)
+        rc = proc.wait(timeout=300)
     assert rc != 0
     left = _survivors(marker)
     assert not left, f"left behind after rank 1 was SIGKILLed (helpers were {sorted(helpers)}): {left}"

@@ -28,7 +28,7 @@ from tessera.models.multimodal import MultimodalModel, build_media_module
 from tessera.models.multimodal_hf import (PROJECTOR_ROOT, export_hf, sound_from_hf, vision_from_hf, _load_params,
                                   _params_only)
 from tessera.models.nemotron_h_hf import hybrid_config_from_hf, load_into
-from tessera.hetero.training.run_modules import encoder_names, module_specs
+from tessera.hetero.training.run_modules import module_specs
 
 _single_rank_pgs: ProcessGroupCollection | None = None
 
@@ -54,9 +54,8 @@ def single_rank_pgs() -> ProcessGroupCollection:
     return _single_rank_pgs
 
 
-def _media_module(key: str, name: str, model_cfg, llm_hidden: int, pgs):
-    frozen = module_specs(model_cfg)[key].freeze
-    return build_media_module(name, llm_hidden, pgs, frozen=frozen, pruning_rate=model_cfg.video_pruning)
+def _media_module(spec, model_cfg, llm_hidden: int, pgs):
+    return build_media_module(spec.name, llm_hidden, pgs, frozen=spec.freeze, pruning_rate=model_cfg.video_pruning)
 
 
 def full_hf_state(model_cfg, hf_fields: dict, seed: int) -> dict[str, torch.Tensor]:
@@ -65,7 +64,8 @@ def full_hf_state(model_cfg, hf_fields: dict, seed: int) -> dict[str, torch.Tens
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     llm = HybridLM(hybrid_config_from_hf(hf_fields), pgs)
-    media = {k: _media_module(k, n, model_cfg, llm.config.hidden_size, pgs) for k, n in encoder_names(model_cfg).items()}
+    media = {k: _media_module(spec, model_cfg, llm.config.hidden_size, pgs)
+             for k, spec in module_specs(model_cfg).items() if k != LANGUAGE}
     full = export_hf(MultimodalModel(llm, media))
     torch.random.set_rng_state(state)
     return full
@@ -80,7 +80,7 @@ def module_configs(layout: HeteroLayout, hf_fields: dict) -> dict:
 def build_rank_modules(model_cfg, layout: HeteroLayout, groups: dict[str, ModuleGroups],
                        configs: dict) -> dict[str, torch.nn.Module]:
     """The modules (or pipeline stage of the LLM) this rank hosts, empty-initialised."""
-    names, out = encoder_names(model_cfg), {}
+    specs, out = module_specs(model_cfg), {}  # validated once: names, frozen
     hidden = configs[LANGUAGE].hidden_size
     for key in layout.modules:
         g = groups[key]
@@ -92,10 +92,10 @@ def build_rank_modules(model_cfg, layout: HeteroLayout, groups: dict[str, Module
             out[key] = HybridLM(configs[key], g.pgs, core_attention=kernels.core_attention,
                                 mamba_mixer=kernels.mamba_mixer,
                                 cross_entropy=vocab_parallel_cross_entropy_for(g.pgs.tp))
-            if module_specs(model_cfg)[LANGUAGE].freeze:
+            if specs[LANGUAGE].freeze:
                 out[key].requires_grad_(False)
         else:
-            out[key] = _media_module(key, names[key], model_cfg, hidden, g.pgs)
+            out[key] = _media_module(specs[key], model_cfg, hidden, g.pgs)
     return out
 
 
