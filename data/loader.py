@@ -3,7 +3,8 @@
 Pipeline (energon runs every stage inside its worker processes and checkpoints all of them):
   cook          raw tar members, untouched (decoder=None: we decode ourselves to count and name failures)
   preencode     parse the JSON, probe media headers (+ cheap integrity checks) → predicted tiles/frames/
-                samples → placeholder sizes, tokenize; too-long, misaligned or unreadable samples are
+                samples → placeholder sizes, tokenize; too-long, misaligned or unreadable samples and media
+                no encoder can take (too_short audio, too_large images) are
                 skipped here, before they take buffer space
   pack          first-fit-decreasing over a buffer of `packing_buffer` samples into rows of seq_length;
                 a row records positions and (kind, units, tokens) of every media item, raw bytes kept
@@ -101,7 +102,12 @@ class ChatTaskEncoder(TaskEncoder):
             return choose_grid(w, h, self.enc.max_tiles, self.enc.thumbnail, self.enc.tile).num_tiles
         if kind == "video":
             return len(sample_indices(probe_video(data), self.enc.video_frames))
-        return probe_audio(data, self.enc.audio_rate)
+        samples = self.enc.audio_padded_samples(probe_audio(data, self.enc.audio_rate))
+        if self.enc.audio_tokens(samples) < self.enc.audio_min_tokens:
+            raise MediaError(f"{samples} samples give {self.enc.audio_tokens(samples)} encoder frame(s) after "
+                             f"{self.enc.audio_subsampling}x subsampling; the encoder needs at least "
+                             f"{self.enc.audio_min_tokens}", reason="too_short")
+        return samples
 
     @stateless
     def preencode_sample(self, sample: RawSample) -> EncodedSample:
@@ -126,7 +132,7 @@ class ChatTaskEncoder(TaskEncoder):
             try:
                 units.append(self._units(kind, data))
             except MediaError as e:
-                self._skip(sample, f"undecodable_{kind}", str(e))
+                self._skip(sample, e.reason or f"undecodable_{kind}", str(e))
         try:
             prompt = encode_conversation(self.tok, turns, [k for k, _ in raw],
                                          [self.enc.tokens(k, u) for (k, _), u in zip(raw, units)])
@@ -160,7 +166,7 @@ class ChatTaskEncoder(TaskEncoder):
                 arr = decode_video(data, enc.video_frames, enc.tile)
                 n = arr[0].shape[0]
             else:
-                arr = decode_audio(data, enc.audio_rate)
+                arr = decode_audio(data, enc.audio_rate, enc.audio_min_samples)
                 n = arr.shape[0]
             if n != units:
                 raise MediaError(f"decoded {n} units but the header predicted {units}")

@@ -40,7 +40,12 @@ AUDIO_RATE = 16_000
 
 
 class MediaError(ValueError):
-    """A media member that cannot be decoded; the message is the reason logged with the skip."""
+    """A media member that cannot be decoded or that no encoder can take; the message is the reason logged
+    with the skip, `reason` its counted category (None: `undecodable_<kind>`)."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,8 @@ def probe_image(data: bytes) -> tuple[int, int]:
     try:
         with Image.open(io.BytesIO(data)) as img:
             size, fmt = img.size, img.format
+    except Image.DecompressionBombError as e:  # PIL's guard: > 2 x MAX_IMAGE_PIXELS (~179 M pixels)
+        raise MediaError(f"image too large to decode safely: {e}", reason="too_large") from None
     except Exception as e:
         raise MediaError(f"undecodable image header: {type(e).__name__}: {e}") from None
     tail = data[-256:]
@@ -267,17 +274,19 @@ def probe_audio(data: bytes, target_rate: int = AUDIO_RATE) -> int:
     except Exception as e:
         raise MediaError(f"undecodable audio header: {type(e).__name__}: {e}") from None
     if info.frames <= 0:
-        raise MediaError("audio has no samples")
+        raise MediaError("audio has no samples", reason="too_short")
     return resampled_length(info.frames, info.samplerate, target_rate)
 
 
-def decode_audio(data: bytes, target_rate: int = AUDIO_RATE) -> np.ndarray:
-    """Audio bytes (WAV/FLAC/OGG) → float32 mono waveform at `target_rate`."""
+def decode_audio(data: bytes, target_rate: int = AUDIO_RATE, min_samples: int = 0) -> np.ndarray:
+    """Audio bytes (WAV/FLAC/OGG) → float32 mono waveform at `target_rate`, zero-padded at the end to
+    `min_samples` (the released front end pads clips shorter than 0.1 s: EncoderTokens.audio_min_samples)."""
     try:
         wave, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except Exception as e:  # soundfile raises LibsndfileError / RuntimeError
         raise MediaError(f"undecodable audio: {type(e).__name__}: {e}") from None
     if wave.shape[0] == 0:
-        raise MediaError("audio has no samples")
-    return resample(wave.mean(axis=1), rate, target_rate)
+        raise MediaError("audio has no samples", reason="too_short")
+    out = resample(wave.mean(axis=1), rate, target_rate)
+    return np.pad(out, (0, min_samples - len(out))) if len(out) < min_samples else out
 

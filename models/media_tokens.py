@@ -31,6 +31,12 @@ class EncoderTokens:
     audio_hop: int = 160
     audio_n_fft: int = 512
     audio_subsampling: int = 8
+    # The released audio front end (Parakeet, in transformers' Omni processor) pads a clip shorter than 0.1 s
+    # with zeros to 0.1 s; the data side does the same, so a short clip trains instead of ending the job.
+    audio_min_seconds: float = 0.1
+    # Fewest encoder frames a clip may give: the conformer's BatchNorm needs more than one value per channel in
+    # training, and a rank whose microbatch holds one clip of one frame has exactly one.
+    audio_min_tokens: int = 2
 
     def __post_init__(self):
         side = self.tile // self.patch
@@ -51,6 +57,14 @@ class EncoderTokens:
         # EVS pruning keeps n - floor(n * rate) tokens (models/video.evs_kept_count, same arithmetic)
         n = num_frames * self.tokens_per_tile
         return n - int(math.floor(n * self.video_pruning))
+
+    @property
+    def audio_min_samples(self) -> int:
+        return math.ceil(round(self.audio_min_seconds * self.audio_rate, 6))  # 0.1 * 16000 is not exact
+
+    def audio_padded_samples(self, num_samples: int) -> int:
+        """The length a clip of num_samples has after the front end's padding to audio_min_seconds."""
+        return max(num_samples, self.audio_min_samples)
 
     def audio_tokens(self, num_samples: int) -> int:
         frames = (num_samples + 2 * (self.audio_n_fft // 2) - self.audio_n_fft) // self.audio_hop

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -197,7 +198,8 @@ def _train_step(run: _Run, step: int, it, comms: dict, like: torch.Tensor, hosts
     return {"step": step + 1, "loss": float(sums[0]), "lr": stats["lr"], "grad_norm": stats["grad_norm"],
             "tokens_per_s": rows * cfg.data.seq_length / dt, "samples_per_s": rows / dt,
             "target_tokens": total, "boundary_bytes": int(sums[1]), "step_time_s": dt,
-            "skipped": sum(sum(b.skipped.values()) for b in batches)}
+            "skipped": sum(sum(b.skipped.values()) for b in batches),
+            "skipped_by_reason": dict(sum((Counter(b.skipped) for b in batches), Counter()))}
 
 
 def _save(run: _Run, step: int, loader) -> None:
