@@ -73,11 +73,15 @@ class ChatTaskEncoder(TaskEncoder):
     cookers = [Cooker(cook_raw)]
 
     def __init__(self, tokenizer: str | Path | Tokenizer, seq_length: int, encoder: EncoderTokens = EncoderTokens(),
-                 strict: bool = False, decode: dict[str, range] | None = None, modules=None):
+                 strict: bool = False, decode: dict[str, range] | None = None, modules=None,
+                 defer_upscale: bool = False):
         """decode: encoder module -> rows of the microbatch to decode on this rank (decode_plan); modules
         not named are not decoded; None decodes every row of every module (single-rank use).
         modules: the encoder modules the model has; a sample with media for another one is skipped
-        (its placeholders would otherwise be trained on as text). None accepts every modality."""
+        (its placeholders would otherwise be trained on as text). None accepts every modality.
+        defer_upscale: images/videos smaller than their tiles are delivered as models.tiling.TileSource and
+        resized on the encoding device (a GPU run: less loader CPU, less to copy)."""
+        self.defer_upscale = defer_upscale
         self.modules = None if modules is None else frozenset(modules)
         self.tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
         self.seq_length = seq_length
@@ -160,10 +164,10 @@ class ChatTaskEncoder(TaskEncoder):
         enc = self.enc
         try:
             if kind == "image":
-                arr = decode_image(data, enc.tile, enc.max_tiles, enc.thumbnail)
+                arr = decode_image(data, enc.tile, enc.max_tiles, enc.thumbnail, self.defer_upscale)
                 n = arr.shape[0]
             elif kind == "video":
-                arr = decode_video(data, enc.video_frames, enc.tile)
+                arr = decode_video(data, enc.video_frames, enc.tile, self.defer_upscale)
                 n = arr[0].shape[0]
             else:
                 arr = decode_audio(data, enc.audio_rate, enc.audio_min_samples)

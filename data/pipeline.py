@@ -78,11 +78,12 @@ def encoder_tokens(encoders: dict[str, str], max_tiles: int = 2, video_frames: i
 def build_train_loader(path: str | Path, tokenizer: str | Path, encoders: dict[str, str], seq_length: int,
                        rows_per_microbatch: int, *, decode: dict[str, range] | None, num_workers: int = 0,
                        seed: int = 0, max_tiles: int = 2, video_frames: int = 4, video_pruning: float = 0.0,
-                       state=None):
+                       state=None, defer_upscale: bool = False):
     """The resumable loader of global PackedBatch microbatches for one rank (data/loader.build_loader).
 
     decode: what data.sharding.decode_plan returns for this rank (None: decode every row, one process).
-    state: a loader.save_state_rank() result to resume from (same num_workers, see build_loader)."""
+    state: a loader.save_state_rank() result to resume from (same num_workers, see build_loader).
+    defer_upscale: media smaller than their tiles are resized on the encoding device (ChatTaskEncoder)."""
     te = ChatTaskEncoder(tokenizer, seq_length, encoder_tokens(encoders, max_tiles, video_frames, video_pruning),
-                         decode=decode, modules=set(encoders))
+                         decode=decode, modules=set(encoders), defer_upscale=defer_upscale)
     return build_loader(path, te, rows_per_microbatch, num_workers=num_workers, seed=seed, state=state)

@@ -24,8 +24,16 @@ from torch import nn
 
 from tessera.models.audio import AUDIO_FAMILIES, SoundProjector
 from tessera.models.encoders import encoder_config
+from tessera.models.tiling import TileSource
 from tessera.models.video import VideoEncoder
 from tessera.models.vision import Projector, VisionEncoder, VisionTransformer
+
+
+def _pixels(item, device: torch.device) -> torch.Tensor:
+    """uint8 tiles/frames [T, 3, tile, tile] on `device`; a TileSource is resized there (models/tiling.py)."""
+    if isinstance(item, TileSource):
+        return item.tiles(device)
+    return torch.as_tensor(np.asarray(item), device=device)
 
 
 class MediaModule(nn.Module):
@@ -75,9 +83,9 @@ class MediaModule(nn.Module):
         out = []
         for kind, item in items:
             if kind == "image":
-                out.append(self.encoder(torch.as_tensor(np.asarray(item), device=dev)))
+                out.append(self.encoder(_pixels(item, dev)))
             elif kind == "video":
-                out.append(self.video(torch.as_tensor(np.asarray(item[0]), device=dev)))
+                out.append(self.video(_pixels(item[0], dev)))
             else:
                 raise ValueError(f"vision module got a {kind!r} item")
         return out

@@ -203,18 +203,18 @@ def test_cli_full_size_slurm_dry_run_requests_gpus_and_warns(tmp_path):
     assert "SYNTHETIC data" in out and "RANDOM weights" in out, out[-3000:]
 
 
-def test_slurm_run_dir_is_the_job_id(monkeypatch, tmp_path):
-    """A requeued job keeps its id: the default run directory is named after it, so the job resumes."""
-    import torch.distributed as dist
-
+def _run_dir_in(cwd: str) -> str:
     from tessera.recipes import train as train_mod
 
+    os.chdir(cwd)
+    return str(train_mod._run_dir("vl", TrainerConfig()))
+
+
+def test_slurm_run_dir_is_the_job_id(monkeypatch, tmp_path):
+    """A requeued job keeps its id: the default run directory is named after it, so the job resumes.
+    (On a rank of its own: the run directory is agreed over the default process group.)"""
+    from tessera.hetero.tools.spawn import run_on_ranks
+
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    monkeypatch.chdir(tmp_path)
-    store = tmp_path / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        path = train_mod._run_dir("vl", TrainerConfig())
-    finally:
-        dist.destroy_process_group()
-    assert path == (tmp_path / "runs" / "vl-slurm4242").resolve()
+    path = run_on_ranks(1, _run_dir_in, str(tmp_path))[0]
+    assert Path(path) == (tmp_path / "runs" / "vl-slurm4242").resolve()

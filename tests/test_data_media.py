@@ -106,16 +106,22 @@ def test_video_frames_match_pil_bicubic_and_tolerate_a_size_change(monkeypatch):
     assert odd.shape == frames.shape and np.array_equal(odd[0], frames[0])
 
 
-def test_audio_resampling_is_scipy_resample_poly():
+@pytest.mark.parametrize("rate,channels", [(22050, 2), (44100, 2), (48000, 1), (8000, 1)])
+def test_audio_is_what_librosa_gives_a_16k_model(rate, channels):
+    """librosa.load(sr=16000)'s path (to_mono, then resample with its default soxr_hq): the preprocessing NeMo
+    and the usual Parakeet/Omni pipelines apply; same length as probe_audio predicts from the header."""
+    import librosa
     import soundfile as sf
-    from scipy.signal import resample_poly
 
-    wave = np.random.default_rng(0).standard_normal((22050, 2)).astype(np.float32) * 0.1
+    from tessera.data.media import probe_audio
+
+    wave = np.random.default_rng(0).standard_normal((rate + 137, channels)).astype(np.float32) * 0.1
     buf = io.BytesIO()
-    sf.write(buf, wave, 22050, format="WAV", subtype="FLOAT")
+    sf.write(buf, wave, rate, format="WAV", subtype="FLOAT")
     got = decode_audio(buf.getvalue())
-    want = resample_poly(wave.mean(axis=1), 320, 441).astype(np.float32)  # 16000/22050, default kaiser window
-    assert got.dtype == np.float32 and np.array_equal(got, want)
+    want = librosa.resample(librosa.to_mono(wave.T), orig_sr=rate, target_sr=16000, res_type="soxr_hq")
+    assert got.dtype == np.float32 and got.shape == want.shape == (probe_audio(buf.getvalue()),)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)  # the channel mean's summation order differs
 
 
 def test_large_arrays_pickle_as_shared_tensors_with_layout_kept():

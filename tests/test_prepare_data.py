@@ -116,3 +116,18 @@ def test_readme_prepare_data_example_runs(tmp_path):
         assert res.returncode == 0, (cmd, (res.stdout + res.stderr)[-4000:])
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if l]
     assert [r["step"] for r in rows] == [1, 2], rows
+
+
+def test_shards_carry_no_pax_headers(tmp_path):
+    """webdataset's default float mtime makes every member carry a PAX extended header, which energon's
+    random-access reader parses once per sample; prepared shards must be plain USTAR members."""
+    import random
+
+    from tessera.data.prepare import caption_chat, synth_audio, write_shards
+
+    data, ext, text = synth_audio(random.Random(0))
+    write_shards(iter([(f"k{i}", caption_chat("audio", text), [("audio", ext, data)]) for i in range(3)]),
+                 tmp_path, shard_size=8)
+    with tarfile.open(tmp_path / "shard-000000.tar") as tar:
+        members = tar.getmembers()
+    assert len(members) == 6 and all(not m.pax_headers for m in members), [m.pax_headers for m in members]

@@ -95,7 +95,9 @@ def _micro_batch(layout: HeteroLayout, w: Workload) -> Workload:
     return dataclasses.replace(w, micro_batch=mb, global_batch=gb)
 
 
-def _price(layout: HeteroLayout, model: ModelDesc, w: Workload, cl: Cluster, k: Constants) -> Prediction:
+def price_layout(layout: HeteroLayout, model: ModelDesc, w: Workload, cl: Cluster,
+                 k: Constants = Constants()) -> Prediction:
+    """One layout as the search prices it: the micro batch grown until every module's DP takes an equal share."""
     return predict(layout, model, _micro_batch(layout, w), cl, k)
 
 
@@ -116,7 +118,7 @@ def search(model: ModelDesc, w: Workload, cl: Cluster, gpus: int, k: Constants =
     preds: list[Prediction] = []
     for opt in llm_options(llm, gpus, w, cl):  # homogeneous: every module the LLM's layout
         mods = {e.key: _module(0, gpus, {**opt, "ep": 1}) for e in encs}
-        preds.append(_price(HeteroLayout({**mods, LANGUAGE: _module(0, gpus, opt)}), model, w, cl, k))
+        preds.append(price_layout(HeteroLayout({**mods, LANGUAGE: _module(0, gpus, opt)}), model, w, cl, k))
     # each encoder colocated (size 0: on the LLM's ranks) or on its own block of ranks
     # several encoders: fewer block sizes each (their product is searched)
     blocks = [0] + (_split_sizes(gpus) if len(encs) == 1 else
@@ -143,7 +145,7 @@ def search(model: ModelDesc, w: Workload, cl: Cluster, gpus: int, k: Constants =
                 return HeteroLayout({**mods, LANGUAGE: lang})
 
             for key, opts in pick.items():
-                tries = [_price(layout_with({**current, key: o}), model, w, cl, k) for o in opts]
+                tries = [price_layout(layout_with({**current, key: o}), model, w, cl, k) for o in opts]
                 preds.extend(tries)
                 ok = [(p.tokens_per_s, i) for i, p in enumerate(tries) if p.feasible]
                 if ok:

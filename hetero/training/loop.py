@@ -172,7 +172,9 @@ def _build_loader(run: _Run):
                               d.rows_per_microbatch, decode=decode_plan(run.layout, run.rank, d.rows_per_microbatch),
                               num_workers=d.num_workers, seed=d.seed, max_tiles=d.max_tiles,
                               video_frames=d.video_frames, video_pruning=run.cfg.model.video_pruning,
-                              state=run.loader_state)
+                              state=run.loader_state,
+                              # on GPUs, upscaling small media is left to the GPU (models/tiling.py)
+                              defer_upscale=run.device.type != "cpu")
 
 
 def _train_step(run: _Run, step: int, it, comms: dict, like: torch.Tensor, hosts_loss: bool) -> dict:
