@@ -197,23 +197,39 @@ def synth_image(rng: random.Random) -> tuple[bytes, str, str]:
     return buf.getvalue(), fmt, f"A {fg} {shape} on a {bg} background, {w} by {h} pixels."
 
 
-def synth_video(rng: random.Random) -> tuple[bytes, str, str]:
-    frames, (w, h), color = rng.randint(4, 24), rng.choice([(128, 96), (96, 128), (160, 90)]), rng.choice(
-        sorted(COLORS))
+def encode_mp4(frames, fps: int, codec: str = "mpeg4") -> bytes:
+    """RGB uint8 frames [h, w, 3] (an iterable; every frame the same size) → an MP4 file's bytes."""
     buf = io.BytesIO()
     with av.open(buf, mode="w", format="mp4") as container:
-        stream = container.add_stream("mpeg4", rate=8)
-        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-        stream.time_base = Fraction(1, 8)
-        for t in range(frames):
-            arr = np.zeros((h, w, 3), dtype=np.uint8)
-            x = int((w - 24) * t / max(frames - 1, 1))
-            arr[h // 2 - 12:h // 2 + 12, x:x + 24] = COLORS[color]
+        stream = None
+        for t, arr in enumerate(frames):
+            if stream is None:
+                stream = container.add_stream(codec, rate=fps)
+                stream.height, stream.width = arr.shape[:2]
+                stream.pix_fmt, stream.time_base = "yuv420p", Fraction(1, fps)
             frame = av.VideoFrame.from_ndarray(arr, format="rgb24")
             frame.pts = t
             container.mux(stream.encode(frame))
+        if stream is None:  # no frames: a container with an empty stream (which no demuxer accepts)
+            stream = container.add_stream(codec, rate=fps)
+            stream.width = stream.height = 16
+            stream.pix_fmt = "yuv420p"
         container.mux(stream.encode())
-    return buf.getvalue(), "mp4", f"A {color} square moves from left to right over {frames / 8:.1f} seconds."
+    return buf.getvalue()
+
+
+def synth_video(rng: random.Random) -> tuple[bytes, str, str]:
+    frames, (w, h), color = rng.randint(4, 24), rng.choice([(128, 96), (96, 128), (160, 90)]), rng.choice(
+        sorted(COLORS))
+
+    def frame(t: int) -> np.ndarray:
+        arr = np.zeros((h, w, 3), dtype=np.uint8)
+        x = int((w - 24) * t / max(frames - 1, 1))
+        arr[h // 2 - 12:h // 2 + 12, x:x + 24] = COLORS[color]
+        return arr
+
+    data = encode_mp4((frame(t) for t in range(frames)), fps=8)
+    return data, "mp4", f"A {color} square moves from left to right over {frames / 8:.1f} seconds."
 
 
 def synth_audio(rng: random.Random) -> tuple[bytes, str, str]:

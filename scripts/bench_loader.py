@@ -31,7 +31,6 @@ import statistics
 import subprocess
 import sys
 import time
-from fractions import Fraction
 from pathlib import Path
 
 KINDS = {"image": ("image",), "video": ("video",), "audio": ("audio",), "mixed": ("image", "video", "audio", "chat")}
@@ -59,24 +58,16 @@ def _photo(rng: random.Random) -> tuple[bytes, str, str]:
 
 def _clip(rng: random.Random) -> tuple[bytes, str, str]:
     """A 720p H.264 clip at 30 fps, 2-4 s, with moving content."""
-    import av
     import numpy as np
+
+    from tessera.data.prepare import encode_mp4
 
     frames, (w, h) = rng.choice([60, 90, 120]), (1280, 720)
     y, x = np.mgrid[0:h, 0:w].astype(np.float32)
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=30)
-        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-        stream.time_base = Fraction(1, 30)
-        for t in range(frames):
-            arr = np.stack([128 + 100 * np.sin((x + 8 * t) / 90), 128 + 100 * np.cos((y - 5 * t) / 70),
-                            128 + 60 * np.sin((x + y + 12 * t) / 150)], axis=-1).astype(np.uint8)
-            frame = av.VideoFrame.from_ndarray(arr, format="rgb24")
-            frame.pts = t
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode())
-    return buf.getvalue(), "mp4", f"A moving pattern for {frames / 30:.0f} seconds."
+    data = encode_mp4((np.stack([128 + 100 * np.sin((x + 8 * t) / 90), 128 + 100 * np.cos((y - 5 * t) / 70),
+                                 128 + 60 * np.sin((x + y + 12 * t) / 150)], axis=-1).astype(np.uint8)
+                       for t in range(frames)), fps=30, codec="libx264")
+    return data, "mp4", f"A moving pattern for {frames / 30:.0f} seconds."
 
 
 def _recording(rng: random.Random) -> tuple[bytes, str, str]:

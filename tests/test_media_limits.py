@@ -13,10 +13,8 @@ import dataclasses
 import io
 import math
 import random
-from fractions import Fraction
 from pathlib import Path
 
-import av
 import numpy as np
 import pytest
 import soundfile as sf
@@ -26,7 +24,7 @@ from PIL import Image
 from tessera.data.loader import ChatTaskEncoder, build_loader, close_loader
 from tessera.data.media import decode_audio
 from tessera.data.pipeline import build_train_loader, encoder_tokens
-from tessera.data.prepare import caption_chat, energon_prepare, write_shards
+from tessera.data.prepare import caption_chat, encode_mp4, energon_prepare, write_shards
 from tessera.data.tokens import train_sentencepiece
 from tessera.hetero.tools.spawn import run_on_ranks
 from tessera.hetero.training.metrics import read_metrics
@@ -54,17 +52,7 @@ def _png(w: int, h: int, mode: str = "RGB") -> bytes:
 
 
 def _mp4(frames: int) -> bytes:
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as container:
-        stream = container.add_stream("mpeg4", rate=8)
-        stream.width, stream.height, stream.pix_fmt = 16, 16, "yuv420p"
-        stream.time_base = Fraction(1, 8)
-        for t in range(frames):
-            frame = av.VideoFrame.from_ndarray(np.full((16, 16, 3), 90, np.uint8), format="rgb24")
-            frame.pts = t
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode())
-    return buf.getvalue()
+    return encode_mp4((np.full((16, 16, 3), 90, np.uint8) for _ in range(frames)), fps=8)
 
 
 # key -> (kind, ext, bytes-maker, expected fate)

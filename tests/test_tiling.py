@@ -84,3 +84,15 @@ def test_loader_with_deferred_upscale_gives_the_same_batches(tmp_path):
                     assert ka == kb and a.shape == b.shape and np.array_equal(a, b)
                     n += ka != "audio"
     assert n > 4
+
+
+@pytest.mark.parametrize("size", [(512, 512), (96, 300)])
+def test_both_resizes_are_within_two_levels_of_pil_bicubic(size):
+    """The outside reference for what the encoder sees: PIL's BICUBIC resize (the released VL preprocessing's
+    filter). The uint8 kernel (host) and the float path (GPU) are each within 2 levels of it."""
+    arr = np.ascontiguousarray(np.random.default_rng(1).integers(0, 256, (61, 83, 3), dtype=np.uint8))
+    want = np.asarray(Image.fromarray(arr).resize(size[::-1], Image.BICUBIC)).astype(int)
+    x = torch.from_numpy(arr)[None].permute(0, 3, 1, 2)
+    for got in (resize(x, *size), resize_float(x.contiguous(), *size)):
+        diff = np.abs(got[0].permute(1, 2, 0).numpy().astype(int) - want)
+        assert diff.max() <= 2, diff.max()
