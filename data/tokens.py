@@ -58,6 +58,7 @@ class Tokenizer:
         self.special = {t: self._id(t) for t in SPECIAL_TOKENS}
         pad = self._id("<pad>")
         self.pad_id = pad if pad is not None else self.special[IM_END]
+        self._templates: dict[tuple[str, str], np.ndarray] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -65,6 +66,16 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self._encode(text)) if text else []
+
+    def template(self, special: str, text: str = "") -> np.ndarray:
+        """int32 ids of a template piece: an optional special token, then `text` tokenized on its own
+        (cached: every turn repeats the same few pieces)."""
+        key = (special, text)
+        if key not in self._templates:
+            ids = ([self.special[special]] if special else []) + self.encode(text)
+            self._templates[key] = np.asarray(ids, dtype=np.int32)
+            self._templates[key].flags.writeable = False
+        return self._templates[key]
 
     def __getstate__(self):  # processors are not picklable; energon ships the task encoder to workers
         return {"path": self.path}
@@ -111,33 +122,40 @@ def encode_conversation(tok: Tokenizer, turns: list[dict], media_kinds: list[str
     would make the LLM read another sample's embeddings — both are silent misalignments."""
     queues: dict[str, list[tuple[int, int]]] = {
         k: [(i, n) for i, (kk, n) in enumerate(zip(media_kinds, media_tokens)) if kk == k] for k in MEDIA_TAGS}
-    tokens: list[int] = []
-    target: list[bool] = []
+    # pieces, not tokens: a video's placeholders are thousands of ids, and per-token Python lists cost more
+    # than the decode of a small clip (scripts/bench_loader.py)
+    tokens: list[np.ndarray] = []
+    target: list[np.ndarray] = []
     spans: list[tuple[str, int, int, int]] = []
+    length = 0
 
-    def add(ids: list[int], is_target: bool):
-        tokens.extend(ids)
-        target.extend([is_target] * len(ids))
+    def add(ids: np.ndarray, is_target: bool):
+        nonlocal length
+        tokens.append(ids)
+        target.append(np.full(len(ids), is_target))
+        length += len(ids)
 
     for turn in turns:
         role, content = turn.get("role"), turn.get("content")
         if role not in ("system", "user", "assistant") or not isinstance(content, str):
             raise PromptError(f"malformed turn {str(turn)[:80]!r}: needs role system/user/assistant and text")
         learn = role == "assistant"
-        add([tok.special[IM_START]] + tok.encode(f"{role}\n"), False)
+        add(tok.template(IM_START, f"{role}\n"), False)
         for part in _TAG_RE.split(content):
             if part in _KIND_OF_TAG:
                 kind = _KIND_OF_TAG[part]
                 if not queues[kind]:
                     raise PromptError(f"more {part} placeholders than {kind} items (missing modality)")
                 item, n = queues[kind].pop(0)
-                spans.append((MODULE_OF_KIND[kind], len(tokens), n, item))
-                add([tok.special[part]] * n, False)
+                spans.append((MODULE_OF_KIND[kind], length, n, item))
+                add(np.full(n, tok.special[part], dtype=np.int32), False)
             elif part:
-                add(tok.encode(part), learn)
-        add([tok.special[IM_END]], learn)
-        add(tok.encode("\n"), False)
+                add(np.asarray(tok.encode(part), dtype=np.int32), learn)
+        add(tok.template(IM_END), learn)
+        add(tok.template("", "\n"), False)
     left = {k: len(q) for k, q in queues.items() if q}
     if left:
         raise PromptError(f"more media than placeholders: {left} item(s) without a tag")
-    return EncodedPrompt(np.asarray(tokens, dtype=np.int32), np.asarray(target, dtype=bool), spans)
+    if not tokens:
+        return EncodedPrompt(np.zeros(0, dtype=np.int32), np.zeros(0, dtype=bool), spans)
+    return EncodedPrompt(np.concatenate(tokens), np.concatenate(target), spans)

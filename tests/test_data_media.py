@@ -124,6 +124,68 @@ def test_audio_is_what_librosa_gives_a_16k_model(rate, channels):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)  # the channel mean's summation order differs
 
 
+_HEADER_FORMATS = [("WAV", s) for s in ("PCM_U8", "PCM_16", "PCM_24", "PCM_32", "FLOAT", "DOUBLE", "ULAW",
+                                         "IMA_ADPCM")] + [("WAVEX", "PCM_16"), ("WAVEX", "FLOAT"), ("RF64", "PCM_16"),
+                                                          ("FLAC", "PCM_16"), ("FLAC", "PCM_24"), ("OGG", "VORBIS")]
+
+
+@pytest.mark.parametrize("fmt,subtype", _HEADER_FORMATS)
+def test_audio_header_reads_what_libsndfile_reads(fmt, subtype):
+    """The fast header read (plain WAV/FLAC) gives libsndfile's frame count and rate, or defers to it; the
+    formats it must read itself are read, and a data chunk cut short is left to libsndfile."""
+    import soundfile as sf
+
+    from tessera.data.media import audio_header, probe_audio
+
+    for channels, rate, frames in [(1, 8000, 1), (2, 44100, 12345), (3, 48000, 800), (1, 22050, 7)]:
+        if subtype == "IMA_ADPCM" and channels > 2:
+            continue  # libsndfile writes IMA ADPCM in mono or stereo only
+        buf = io.BytesIO()
+        sf.write(buf, np.full((frames, channels), 0.1, np.float32), rate, format=fmt, subtype=subtype)
+        data = buf.getvalue()
+        info = sf.info(io.BytesIO(data))
+        head = audio_header(data)
+        assert head in (None, (info.frames, info.samplerate)), (fmt, subtype, channels, rate, frames)
+        if subtype in ("PCM_16", "PCM_24", "FLOAT") and fmt != "RF64":
+            assert head is not None  # the formats users store are read without libsndfile
+        assert probe_audio(data) == -(-info.frames * 16000 // info.samplerate)
+    if fmt == "WAV" and subtype == "PCM_16":  # data chunk declared longer than the bytes present
+        buf = io.BytesIO()
+        sf.write(buf, np.full((1000, 2), 0.1, np.float32), 8000, format=fmt, subtype=subtype)
+        cut = buf.getvalue()[:-10]
+        assert audio_header(cut) is None and probe_audio(cut) == 2 * sf.info(io.BytesIO(cut)).frames
+
+
+@pytest.mark.parametrize("fmt,codec", [("mp4", "mpeg4"), ("mov", "mpeg4"), ("matroska", "mpeg4"),
+                                       ("webm", "libvpx-vp9"), ("avi", "mpeg4")])
+def test_video_demuxer_named_from_magic_bytes_is_ffmpegs_choice(fmt, codec, monkeypatch):
+    """The demuxer picked from the first bytes is the one ffmpeg's own probing picks, and the frames and
+    timestamps decoded through it equal those decoded with ffmpeg's detection."""
+    import av
+
+    from tessera.data import media
+
+    if codec not in av.codecs_available:
+        pytest.skip(f"{codec} not in this ffmpeg build")
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=fmt) as c:
+        s = c.add_stream(codec, rate=8)
+        s.width, s.height, s.pix_fmt = 64, 48, "yuv420p"
+        for t in range(6):
+            f = av.VideoFrame.from_ndarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8), format="rgb24")
+            f.pts = t
+            c.mux(s.encode(f))
+        c.mux(s.encode())
+    data = buf.getvalue()
+    with media._open_video(data) as hinted, av.open(io.BytesIO(data)) as probed:
+        assert hinted.format.name in probed.format.name.split(",")  # "mp4" names the "mov,mp4,..." demuxer
+    got = decode_video(data, frames=4, tile=32)
+    monkeypatch.setattr(media, "_open_video", lambda d: av.open(io.BytesIO(d)))
+    want = decode_video(data, frames=4, tile=32)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
 def test_large_arrays_pickle_as_shared_tensors_with_layout_kept():
     tiles = np.ascontiguousarray(np.random.default_rng(0).integers(0, 256, (3, 256, 256, 3), dtype=np.uint8))
     view = tiles.transpose(0, 3, 1, 2)  # what decode_image returns: channels-last strides
