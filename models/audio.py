@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tessera.models.vision import SquaredReLU  # the same ReLU^2 as the vision projector (mlp1.2)
+
 
 def mel_preprocessor(cfg: dict):
     from nemo.collections.asr.modules import AudioToMelSpectrogramPreprocessor
@@ -108,15 +110,16 @@ AUDIO_FAMILIES = {"fastconformer": FastConformerEncoder, "parakeet_hf": Parakeet
 
 
 class SoundProjector(nn.Module):
-    """RMSNorm -> Linear -> Linear, bias-free; names match HF's sound_projection.{norm,linear1,linear2}.
-    `act` (None in the Omni layout we follow) can put a nonlinearity between the two linears."""
+    """RMSNorm -> Linear -> squared ReLU -> Linear, bias-free: transformers' Omni `embed_audio`
+    (NemotronH_Omni_Reasoning_V3MultiModalProjector, ACT2FN["relu2"], projection_bias False in the release).
+    Names match the released sound_projection.{norm,linear1,linear2}; the activation has no parameters, so
+    the HF key set is unchanged."""
 
-    def __init__(self, in_dim: int, hidden: int, out_dim: int, eps: float = 1e-5, act: nn.Module | None = None,
-                 dtype=torch.float32):
+    def __init__(self, in_dim: int, hidden: int, out_dim: int, eps: float = 1e-5, dtype=torch.float32):
         super().__init__()
         self.norm = nn.RMSNorm(in_dim, eps=eps, dtype=dtype)
         self.linear1 = nn.Linear(in_dim, hidden, bias=False, dtype=dtype)
-        self.act = act if act is not None else nn.Identity()
+        self.act = SquaredReLU()
         self.linear2 = nn.Linear(hidden, out_dim, bias=False, dtype=dtype)
 
     def forward(self, x):

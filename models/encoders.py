@@ -24,15 +24,16 @@ RADIO_VIT_H = dict(
     patch=16, hidden=1280, layers=32, heads=16, ffn=5120, eps=1e-6, act="gelu",
     # C-RADIO keeps 10 prefix tokens (cls + registers); they are dropped from the output.
     prefix_tokens=10,
-    # Learned position table for a 128x128 patch grid (2048 px), interpolated to each input's grid.
-    pos_grid=128, pos_interp="bilinear",
+    # Learned position table for a 128x128 patch grid (2048 px), interpolated to each input's grid by
+    # RADIO's CPE rule: bilinear to a square of the grid's longer side, then its top-left window.
+    pos_grid=128, pos_interp="bilinear", pos_resize="cpe",
     # temporal_patch: frames fused by the video tubelet embedder (0: that family has none).
     tile=512, pixel_shuffle=2, temporal_patch=2, mean=_CLIP_MEAN, std=_CLIP_STD,
 )
 SIGLIP_SO400M = dict(
     family="siglip", modality="vision",
     patch=14, hidden=1152, layers=27, heads=16, ffn=4304, eps=1e-6, act="gelu_tanh",
-    prefix_tokens=0, pos_grid=27, pos_interp="bicubic",  # trained at 384 px = 27x27 patches
+    prefix_tokens=0, pos_grid=27, pos_interp="bicubic", pos_resize="plain",  # trained at 384 px = 27x27 patches
     # 448-px tiles give 32x32 patches, so pixel shuffle 0.5 yields 256 tokens per tile as for RADIO.
     tile=448, pixel_shuffle=2, temporal_patch=0, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),
 )

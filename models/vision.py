@@ -5,8 +5,9 @@ One ViT class serves both registered families (models/encoders.py); they differ 
             output), LayerNorm eps 1e-6, exact GELU, 128x128 learned position table.
     siglip  conv patch embedding with bias (stored here as the equivalent linear over flattened patches),
             no prefix tokens, tanh-GELU, position table of its training grid (27x27 for so400m/384).
-The position table is interpolated to each input's patch grid, so any H, W that are multiples of the
-patch size work (dynamic resolution); tiles are one fixed size in practice.
+The position table is interpolated to each input's patch grid (RADIO: CPE square resize + window, see
+VisionTransformer.position_embedding), so any H, W that are multiples of the patch size work (dynamic
+resolution); tiles are one fixed size in practice.
 
 Layers are megatron TransformerLayers with the local spec: ColumnParallelLinear QKV/FC1 and
 RowParallelLinear proj/FC2 shard over the injected TP group (pg_collection.tp); everything before and
@@ -123,12 +124,23 @@ class VisionTransformer(MegatronModule):
         self.final_norm = nn.LayerNorm(d, eps=cfg["eps"], dtype=dtype)
 
     def position_embedding(self, rows: int, cols: int) -> torch.Tensor:
-        """The learned table resampled to a rows x cols patch grid: [1, rows*cols, hidden]."""
+        """The learned table resampled to a rows x cols patch grid: [1, rows*cols, hidden].
+
+        pos_resize "cpe" (RADIO's cropped position embedding, eval rule of transformers' RadioPatchEmbeddings):
+        resize to a square of the longer side, then take the top-left rows x cols window, so a 3x5 grid sees
+        the same positions as the top 3 rows of a 5x5 one. A plain resize to (rows, cols) would stretch the
+        table anisotropically and give non-square grids other positions than RADIO was trained with.
+        transformers has no training-mode branch (NVlabs' random crop/scale CPE is not applied), so neither
+        do we: train and eval use this deterministic rule.
+        "plain" (SigLIP): resize straight to (rows, cols), as transformers' interpolate_pos_encoding."""
         g = self.cfg["pos_grid"]
         if (rows, cols) == (g, g):
             return self.pos_embed
+        cpe = self.cfg["pos_resize"] == "cpe"
+        size = (max(rows, cols),) * 2 if cpe else (rows, cols)
         table = self.pos_embed.reshape(1, g, g, -1).permute(0, 3, 1, 2)
-        table = F.interpolate(table.float(), size=(rows, cols), mode=self.cfg["pos_interp"], align_corners=False)
+        table = F.interpolate(table.float(), size=size, mode=self.cfg["pos_interp"], align_corners=False)
+        table = table[:, :, :rows, :cols]  # the CPE window (a no-op for "plain")
         return table.to(self.pos_embed.dtype).permute(0, 2, 3, 1).reshape(1, rows * cols, -1)
 
     def forward(self, pixels: torch.Tensor, patch_embeddings: torch.Tensor | None = None) -> torch.Tensor:

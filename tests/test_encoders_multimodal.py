@@ -240,3 +240,31 @@ def test_whole_model_hf_round_trip_is_exact():
     import_hf(other, hf)
     again = export_hf(other)
     assert again.keys() == hf.keys() and all(torch.equal(again[k], hf[k]) for k in hf)
+
+
+def test_projectors_match_transformers_omni():
+    """Both projectors as build_media_module makes them, loaded from the tensors a transformers
+    NemotronH_Omni_Reasoning_V3 saves (released names, through import_hf's projector mapping), equal the Omni
+    model's own `multi_modal_projector` (mlp1) and `embed_audio` (sound_projection) in fp32; every saved
+    projector tensor is consumed and export gives the same key set back."""
+    from _hf_oracles import tiny_omni
+
+    from tessera.models.multimodal_hf import PROJECTOR_ROOT
+
+    pg = single_rank_world()
+    vision, audio = encoder_config("radio_vit_tiny"), encoder_config("parakeet_hf_tiny")
+    omni, released = tiny_omni(vision, audio, seed=5)
+    assert omni.config.text_config.hidden_size == LLM_HIDDEN
+    oracles = {"vision": omni.multi_modal_projector, "audio": omni.embed_audio}
+    for key, name in (("vision", "radio_vit_tiny"), ("audio", "parakeet_hf_tiny")):
+        proj, root = build_media_module(name, LLM_HIDDEN, pg).projector, PROJECTOR_ROOT[key]
+        theirs = {k[len(root):]: v for k, v in released.items() if k.startswith(root)}
+        proj.load_state_dict(theirs, strict=True)  # what import_hf does: no tensor left over, none missing
+        assert set(proj.state_dict()) == set(theirs)  # and what export_hf writes back
+        width = next(iter(proj.parameters())).shape[0]  # the RMSNorm weight: the input width
+        x = 2.0 * torch.randn(9, width, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            got, ref = proj(x), oracles[key](x)
+        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        print(f"{key} projector vs transformers Omni rel err {err:.2e}")
+        assert got.shape == ref.shape and err <= 1e-5

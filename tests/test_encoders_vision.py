@@ -1,6 +1,7 @@
-"""Vision encoders: ViT vs a plain-PyTorch reference (RADIO) and transformers' SiglipVisionModel, at TP=1
-in-process and TP=2 on two gloo ranks (forward and weight gradients); pixel shuffle and token counts vs
-data/tokens.py; exact HF round trips of the tower and its TP shards.
+"""Vision encoders: ViT vs transformers' RadioModel (the released RADIO, square and non-square patch grids,
+dense and packed like NemotronH Omni calls it) and SiglipVisionModel, at TP=1 in-process and TP=2 on two
+gloo ranks (forward and weight gradients); pixel shuffle and token counts vs data/tokens.py; exact HF round
+trips of the tower and its TP shards.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_encoders_vision.py -q
 """
@@ -10,12 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _hf_oracles import radio_model
 from _mcore_cpu import single_rank_world
 
 from tessera.hetero.tools.spawn import run_on_ranks
 from tessera.models.encoders import encoder_config, tokens_config
 from tessera.models.multimodal_hf import RADIO_ROOT, SIGLIP_ROOT, _load_params, vision_from_hf, vision_to_hf
-from tessera.models.vision import VisionEncoder, VisionTransformer, pixel_shuffle
+from tessera.models.vision import VisionEncoder, VisionTransformer, patchify, pixel_shuffle
 
 TOL = 1e-5
 
@@ -34,26 +36,31 @@ def _random_hf(cfg, seed):
     return vision_to_hf([vit.state_dict()], cfg)
 
 
-def reference_radio(hf: dict, cfg: dict, pixels: torch.Tensor) -> torch.Tensor:
-    """RADIO ViT written directly on the HF tensors: unfold patches, explicit softmax attention."""
-    R, g, p, d, heads = RADIO_ROOT, cfg["pos_grid"], cfg["patch"], cfg["hidden"], cfg["heads"]
-    n, c, h, w = pixels.shape
-    x = pixels.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5).reshape(n, -1, c * p * p)
-    x = x @ hf[R + "patch_generator.embedder.weight"].T
-    pos = hf[R + "patch_generator.pos_embed"].reshape(1, g, g, d).permute(0, 3, 1, 2)
-    pos = F.interpolate(pos, size=(h // p, w // p), mode="bilinear", align_corners=False)
-    x = x + pos.flatten(2).transpose(1, 2)
-    x = torch.cat([hf[R + "patch_generator.cls_token.token"].expand(n, -1, -1), x], 1)
-    for i in range(cfg["layers"]):
-        b = lambda name: (hf[f"{R}blocks.{i}.{name}.weight"], hf[f"{R}blocks.{i}.{name}.bias"])  # noqa: E731
-        y = F.layer_norm(x, (d,), *b("norm1"), eps=cfg["eps"])
-        q, k, v = F.linear(y, *b("attn.qkv")).reshape(n, -1, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
-        att = torch.softmax(q @ k.transpose(-1, -2) / (d // heads) ** 0.5, dim=-1) @ v
-        x = x + F.linear(att.transpose(1, 2).reshape(n, -1, d), *b("attn.proj"))
-        x = x + F.linear(F.gelu(F.linear(F.layer_norm(x, (d,), *b("norm2"), eps=cfg["eps"]), *b("mlp.fc1"))),
-                         *b("mlp.fc2"))
-    x = F.layer_norm(x, (d,), hf[R + "norm.weight"], hf[R + "norm.bias"], eps=cfg["eps"])
-    return x[:, cfg["prefix_tokens"]:].reshape(n, h // p, w // p, d)
+def reference_radio(hf: dict, cfg: dict, pixels: torch.Tensor, model=None) -> torch.Tensor:
+    """transformers' RadioModel (the released architecture) on the same tensors, then a LayerNorm with our
+    final_norm's tensors (what NemotronH Omni's `vision_final_layernorm` applies after RadioModel)."""
+    model = model or radio_model(hf, cfg)
+    n, _, h, w = pixels.shape
+    return _final_norm(hf, cfg, model(pixels).features).reshape(n, h // cfg["patch"], w // cfg["patch"], -1)
+
+
+def _final_norm(hf, cfg, feats):
+    return F.layer_norm(feats, (cfg["hidden"],), hf[RADIO_ROOT + "norm.weight"], hf[RADIO_ROOT + "norm.bias"],
+                        eps=cfg["eps"])
+
+
+def radio_grad(model, key: str) -> torch.Tensor:
+    """The gradient RadioModel holds for HF-layout tensor `key` (its fused qkv is q/k/v_proj there)."""
+    layer = lambda i: model.encoder.layer[int(i)]  # noqa: E731
+    rest = key[len(RADIO_ROOT):].split(".")
+    if rest[0] == "patch_generator" and rest[1] == "pos_embed":
+        return model.embeddings.position_embedding.grad
+    if rest[2:4] == ["attn", "qkv"]:
+        att = layer(rest[1]).attention
+        return torch.cat([getattr(att, f"{x}_proj").weight.grad for x in "qkv"])
+    if rest[2] == "mlp":
+        return getattr(layer(rest[1]).mlp, rest[3]).weight.grad
+    raise KeyError(key)
 
 
 def reference_siglip(hf: dict, cfg: dict, pixels: torch.Tensor) -> torch.Tensor:
@@ -104,6 +111,54 @@ def test_vit_matches_reference_tp1(towers, name):
         assert _rel(vit(pixels), ref) > 1e-3
 
 
+# Square grids smaller, equal to and larger than the 8x8 table, and non-square ones both ways: on those
+# RADIO's CPE rule (square resize to the longer side, then a window) differs from a plain resize.
+RADIO_GRIDS = [(2, 2), (8, 8), (16, 16), (3, 5), (5, 3), (2, 12), (12, 2)]
+
+
+@pytest.fixture(scope="module")
+def radio_pair(towers):
+    cfg, hf, _ = towers["radio_vit_tiny"]
+    vit = VisionTransformer(cfg, single_rank_world()).eval()
+    _load_params(vit, vision_from_hf(hf, cfg))
+    return cfg, hf, vit, radio_model(hf, cfg)
+
+
+@pytest.mark.parametrize("grid", RADIO_GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
+def test_radio_matches_transformers_radio_model(radio_pair, grid):
+    """Same tensors in Tessera's ViT and transformers' RadioModel, fp32: the outputs agree to 1e-5 on every
+    grid and the resampled position tables are bit-identical."""
+    cfg, hf, vit, oracle = radio_pair
+    rows, cols = grid
+    pixels = torch.randn(2, 3, rows * cfg["patch"], cols * cfg["patch"], generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        got, ref = vit(pixels), reference_radio(hf, cfg, pixels, oracle)
+        # black pixels: the bias-free patch projection gives 0, so the embeddings are the position table
+        pos_ref = oracle.embeddings(torch.zeros_like(pixels[:1]))[0, cfg["prefix_tokens"]:]
+        pos_got = vit.position_embedding(rows, cols)[0]
+    err = _rel(got, ref)
+    print(f"radio {rows}x{cols} vs RadioModel rel err {err:.2e}, "
+          f"position table rel err {_rel(pos_got, pos_ref):.2e}")
+    assert got.shape == ref.shape and err <= TOL
+    assert torch.equal(pos_got, pos_ref)
+
+
+def test_radio_packed_images_match_transformers(radio_pair):
+    """NemotronH Omni's call: the patches of images of different grids concatenated, with image_grid_hw.
+    Tessera encodes each image on its own; the per-image features must be RadioModel's packed ones."""
+    cfg, hf, vit, oracle = radio_pair
+    p, grids = cfg["patch"], [(3, 5), (2, 12), (4, 4)]
+    gen = torch.Generator().manual_seed(3)
+    images = [torch.randn(1, 3, r * p, c * p, generator=gen) for r, c in grids]
+    with torch.no_grad():
+        got = torch.cat([vit(x).flatten(0, 2) for x in images])
+        packed = torch.cat([patchify(x, p)[0] for x in images])
+        ref = _final_norm(hf, cfg, oracle(packed, image_grid_hw=torch.tensor(grids)).features)
+    err = _rel(got, ref)
+    print(f"radio packed {grids} vs RadioModel rel err {err:.2e}")
+    assert got.shape == ref.shape and err <= TOL
+
+
 def _tp2_forward_backward(cases):
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -131,9 +186,9 @@ def _torch(d):
 def test_vit_tp2_matches_reference_and_shards_merge_exactly(towers):
     ranks = run_on_ranks(2, _tp2_forward_backward, towers)
     for name, (cfg, hf, pixels) in towers.items():
-        ref_hf = {k: v.clone().requires_grad_(True) for k, v in hf.items()}
-        ref = _reference(ref_hf, cfg, pixels) if cfg["family"] == "radio" else None
-        if ref is not None:
+        oracle = radio_model(hf, cfg) if cfg["family"] == "radio" else None
+        if oracle is not None:
+            ref = reference_radio(hf, cfg, pixels, oracle)
             ref.square().sum().backward()
         else:
             ref = _reference(hf, cfg, pixels)
@@ -147,7 +202,7 @@ def test_vit_tp2_matches_reference_and_shards_merge_exactly(towers):
             grad_hf = vision_to_hf([_torch(r[name][2]) for r in ranks], cfg)
             for key in (f"{RADIO_ROOT}blocks.1.attn.qkv.weight", f"{RADIO_ROOT}blocks.0.mlp.fc2.weight",
                         f"{RADIO_ROOT}patch_generator.pos_embed"):
-                assert _rel(grad_hf[key], ref_hf[key].grad) < 1e-4, key
+                assert _rel(grad_hf[key], radio_grad(oracle, key)) < 1e-4, key
 
 
 def test_hf_round_trip_is_exact(towers):
