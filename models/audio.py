@@ -102,7 +102,8 @@ def parakeet_hf_config(cfg: dict, config_cls=None):
         hidden_size=cfg["hidden"], num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
         intermediate_size=cfg["hidden"] * cfg["ff_expansion"], num_mel_bins=cfg["n_mels"],
         conv_kernel_size=cfg["conv_kernel"], subsampling_factor=cfg["subsampling"],
-        subsampling_conv_channels=cfg["subsampling_channels"], dropout=0.0, dropout_positions=0.0,
+        subsampling_conv_channels=cfg["subsampling_channels"], attention_bias=cfg["attention_bias"],
+        convolution_bias=cfg["convolution_bias"], scale_input=cfg["scale_input"], dropout=0.0, dropout_positions=0.0,
         attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0)
 
 

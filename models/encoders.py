@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import copy
 
+from tessera.models.released import PREFIX as CHECKPOINT_PREFIX, encoder_config_of
+
 # Pixel statistics the encoders normalise uint8 tiles with (CLIP's for RADIO, [-1, 1] for SigLIP).
 _CLIP_MEAN, _CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 
@@ -29,6 +31,20 @@ RADIO_VIT_H = dict(
     pos_grid=128, pos_interp="bilinear", pos_resize="cpe",
     # temporal_patch: frames fused by the video tubelet embedder (0: that family has none).
     tile=512, pixel_shuffle=2, temporal_patch=2, mean=_CLIP_MEAN, std=_CLIP_STD,
+    projector_hidden=None,  # the projector's hidden width; None = 4x its input (Nano VL: 5120 -> 20480)
+    # RadioModel ends at its last block: no final norm. NemotronH_Omni_Reasoning_V3 adds one LayerNorm
+    # (`vision_final_layernorm`, on the patch features before pixel shuffle) only when its LLM has MTP layers
+    # (text_config.num_nextn_predict_layers > 0); final_norm=True is that model.
+    final_norm=False,
+    # Every RadioLayer scales its attention and MLP outputs per channel before the residual add (learned
+    # blocks.N.layer_scale{1,2}.lambda1); the value is the initial one (RadioConfig.layerscale_value).
+    # None: no layer scale (SigLIP).
+    layer_scale=1.0,
+    # Non-parameter tensors of the checkpoint, checked on import and written back on export
+    # (models/multimodal_hf.py): summary_idxs (RadioConfig.summary_idxs, transformers' default; RadioModel
+    # always saves it; None: not stored) and whether input_conditioner.norm_{mean,std} (= mean/std above as
+    # float32) is stored: NVIDIA's released files carry it, transformers' Omni (conditioner external) saves none.
+    summary_idxs=(0, 1), input_conditioner=True,
 )
 SIGLIP_SO400M = dict(
     family="siglip", modality="vision",
@@ -36,17 +52,25 @@ SIGLIP_SO400M = dict(
     prefix_tokens=0, pos_grid=27, pos_interp="bicubic", pos_resize="plain",  # trained at 384 px = 27x27 patches
     # 448-px tiles give 32x32 patches, so pixel shuffle 0.5 yields 256 tokens per tile as for RADIO.
     tile=448, pixel_shuffle=2, temporal_patch=0, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),
+    projector_hidden=None,
+    final_norm=True, layer_scale=None,  # SigLIP's post_layernorm; no layer scale
 )
 FASTCONFORMER_PARAKEET_0_6B = dict(  # Parakeet-TDT-0.6B-v2 encoder
     family="fastconformer", modality="audio",
     n_mels=128, hidden=1024, layers=24, heads=8, ff_expansion=4, conv_kernel=9, subsampling=8,
     subsampling_channels=256, sample_rate=16000, window_size=0.025, window_stride=0.01, n_fft=512,
+    # parakeet_hf only (transformers' ParakeetEncoderConfig; NeMo's defaults): the released Omni sound encoder
+    # has neither attention biases nor input scaling (models/released.py reads them from its config.json)
+    attention_bias=True, convolution_bias=True, scale_input=True,
+    projector_hidden=None,  # None = 4x the encoder width (Omni: 1024 -> 4096)
 )
 PARAKEET_HF_0_6B = dict(FASTCONFORMER_PARAKEET_0_6B, family="parakeet_hf")
 
 # Test sizes: every width divides by TP=2 and by the head count; tiles stay 32x32 patches' worth of
 # structure small (64-px tiles of 16-px patches -> 4x4 patches -> 4 tokens after pixel shuffle).
-RADIO_VIT_TINY = dict(RADIO_VIT_H, hidden=32, layers=2, heads=4, ffn=64, prefix_tokens=2, pos_grid=8, tile=64)
+# The tiny RADIO is laid out as transformers saves it: one cls token (summary_idxs (0,)), no conditioner.
+RADIO_VIT_TINY = dict(RADIO_VIT_H, hidden=32, layers=2, heads=4, ffn=64, prefix_tokens=2, pos_grid=8, tile=64,
+                      summary_idxs=(0,), input_conditioner=False)
 SIGLIP_TINY = dict(SIGLIP_SO400M, hidden=32, layers=2, heads=4, ffn=64, pos_grid=4, tile=56)
 FASTCONFORMER_TINY = dict(FASTCONFORMER_PARAKEET_0_6B, n_mels=16, hidden=32, layers=2, heads=2, ff_expansion=2,
                           subsampling_channels=8)
@@ -70,15 +94,28 @@ TENSOR_PARALLEL_FAMILIES = frozenset({"radio", "siglip"})
 
 def has_tensor_parallel(name: str) -> bool:
     """Whether encoder `name` can be split over tensor-parallel ranks."""
-    return REGISTRY[name]["family"] in TENSOR_PARALLEL_FAMILIES
+    return encoder_config(name)["family"] in TENSOR_PARALLEL_FAMILIES
+
+
+def is_known(name: str) -> bool:
+    """A registry name, or a checkpoint's encoder (`hf:<dir>#<modality>`, models/released.py)."""
+    return name in REGISTRY or name.startswith(CHECKPOINT_PREFIX)
 
 
 def encoder_config(name: str, **overrides) -> dict:
-    """A copy of the registered config `name` with `overrides` applied (unknown fields are refused,
-    since a typo would otherwise silently build the default architecture)."""
-    if name not in REGISTRY:
+    """A copy of the registered config `name` (or of the encoder a checkpoint's config.json describes, for
+    `hf:<dir>#<modality>`) with `overrides` applied (unknown fields are refused, since a typo would otherwise
+    silently build the default architecture)."""
+    if name.startswith(CHECKPOINT_PREFIX):
+        cfg = encoder_config_of(name)
+        base = next(c for c in REGISTRY.values() if c["family"] == cfg["family"])
+        if set(cfg) - {"name"} != set(base):  # models/released.py must set exactly a registry entry's fields
+            raise KeyError(f"{name}: derived fields {sorted(set(cfg) ^ set(base) - {'name'})} differ from the "
+                           f"{cfg['family']} registry entries'")
+    elif name not in REGISTRY:
         raise KeyError(f"unknown encoder {name!r}; known encoders: {', '.join(sorted(REGISTRY))}")
-    cfg = copy.deepcopy(REGISTRY[name])
+    else:
+        cfg = copy.deepcopy(REGISTRY[name])
     bad = sorted(set(overrides) - set(cfg))
     if bad:
         raise KeyError(f"encoder {name!r} has no fields {bad}; its fields: {', '.join(sorted(cfg))}")

@@ -20,8 +20,15 @@ picked by hetero/parallel/kernel_choice.py). Everything else here is per token a
 Usage (one process, groups from megatron's parallel_state):
     cfg = models.configs.tiny_hybrid()
     model = HybridLM(cfg, ProcessGroupCollection.use_mpu_process_groups())
-    logits = model(input_ids)            # [b, s, vocab / tp] (vocab-parallel)
+    logits = model(input_ids)            # [b, s, padded_vocab / tp] (vocab-parallel)
+    full = model.full_vocab_logits(logits)  # [b, s, vocab]: gathered over TP, padding stripped
     loss = model(input_ids, labels)      # [b, s] per-token loss
+
+Vocabulary padding: the embedding and output layer have config.padded_vocab_size rows (Megatron's rule, see
+vocab_size_with_padding()), so any vocabulary runs at any TP. Rows >= config.vocab_size are padding: zero on
+import, stripped on export (models/nemotron_h_hf.py), their logits -inf before anything sees them (so the
+softmax gives them probability 0, the loss ignores them and their output rows get zero gradient), and a
+label pointing into them raises (inputs are the same token ids, so their embedding rows stay unused).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from megatron.core.activations import squared_relu
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -53,6 +61,16 @@ from tessera.models.mamba2 import Mamba2Mixer, Mamba2Submodules
 
 MAMBA, ATTENTION, MLP_SYMBOL, MOE = "M", "*", "-", "E"
 SYMBOLS = (MAMBA, ATTENTION, MLP_SYMBOL, MOE)
+IGNORE_INDEX = -100
+
+
+def vocab_size_with_padding(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """`vocab_size` rounded up to a multiple of divisible_by * tp: Megatron's rule (megatron.training's
+    _vocab_size_with_padding, --make-vocab-size-divisible-by 128). It lives here because megatron-core 0.16.1
+    has no copy of it (megatron.training is not part of the package). Every TP shard then holds a multiple
+    of `divisible_by` rows, the GEMM-friendly size, and every vocabulary divides by TP."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
 
 
 @dataclass
@@ -66,6 +84,8 @@ class HybridConfig(TransformerConfig):
     hybrid_pattern: str = ""
     """One symbol per layer: M (Mamba-2), * (attention), - (MLP), E (MoE)."""
     vocab_size: int = 0
+    """The true vocabulary (tokenizer / checkpoint); the layers hold padded_vocab_size rows."""
+    make_vocab_size_divisible_by: int = 128
     mamba_conv_kernel: int = 4
     mamba_chunk_size: int = 128
     mamba_dt_min_clamp: float = 0.0
@@ -78,6 +98,12 @@ class HybridConfig(TransformerConfig):
             raise ValueError(f"hybrid_pattern {self.hybrid_pattern!r}: use only {SYMBOLS}, got {bad}")
         self.num_layers = len(self.hybrid_pattern)
         super().__post_init__()
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and output layer (a property: always consistent with vocab_size and TP)."""
+        return vocab_size_with_padding(self.vocab_size, self.tensor_model_parallel_size,
+                                       self.make_vocab_size_divisible_by)
 
 
 def hybrid_config(**fields) -> HybridConfig:
@@ -183,10 +209,16 @@ class HybridLM(MegatronModule):
         self.pre_process, self.post_process = pp_rank == 0, pp_rank == pp_size - 1
         self.layer_offset, self.layer_symbols = stage_layers(config, pp_rank)
         tp_group = pg_collection.tp
+        if tp_group.size() != config.tensor_model_parallel_size:  # the padding (and shard sizes) assume it
+            raise ValueError(f"config.tensor_model_parallel_size={config.tensor_model_parallel_size} "
+                             f"but the tp group has {tp_group.size()} ranks")
+        # rows of this rank's vocab shard that are real tokens; the rest (if any) is padding
+        shard = config.padded_vocab_size // tp_group.size()
+        self.real_vocab_rows = min(max(config.vocab_size - tp_group.rank() * shard, 0), shard)
 
         if self.pre_process:
             self.embedding = tensor_parallel.VocabParallelEmbedding(
-                config.vocab_size, config.hidden_size, init_method=config.init_method, config=config,
+                config.padded_vocab_size, config.hidden_size, init_method=config.init_method, config=config,
                 tp_group=tp_group,
             )
         specs = build_hybrid_layer_specs(config, core_attention, mamba_mixer)
@@ -200,9 +232,13 @@ class HybridLM(MegatronModule):
             self.final_norm = WrappedTorchNorm(config=config, hidden_size=config.hidden_size,
                                                eps=config.layernorm_epsilon)
             self.output_layer = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size, config.vocab_size, config=config, init_method=config.init_method,
+                config.hidden_size, config.padded_vocab_size, config=config, init_method=config.init_method,
                 bias=False, gather_output=False, skip_bias_add=False, tp_group=tp_group,
             )
+        with torch.no_grad():  # padding rows start (and, with zero gradient, stay) zero, as after an HF import
+            for layer in (getattr(self, "embedding", None), getattr(self, "output_layer", None)):
+                if layer is not None:
+                    layer.weight[self.real_vocab_rows:].zero_()
         self.input_tensor = None
 
     def set_input_tensor(self, input_tensor):
@@ -215,11 +251,14 @@ class HybridLM(MegatronModule):
                 decoder_input: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None):
         """First stage: input_ids [b, s], or decoder_input [s, b, h] (embeddings already mixed with media by
         the multimodal model). Other stages: activations from set_input_tensor.
-        Last stage returns vocab-parallel logits [b, s, v/tp] (or per-token loss [b, s] with labels, 0 where
-        the label is -100); other stages return activations [s, b, h] for the next stage.
+        Last stage returns vocab-parallel logits [b, s, padded_vocab/tp], padding columns -inf (full_vocab_logits
+        gathers and strips them), or per-token loss [b, s] with labels (0 where the label is -100; a label
+        outside [0, vocab_size) raises); other stages return activations [s, b, h] for the next stage.
         doc_ids: [b, s] packed-document id of every token (this rank's zigzag slice under CP; every stage
         gets it), e.g. models.sdpa_attention.document_ids(cu_seqlens); attention and Mamba then never mix
         documents. None: one sequence per row (bit-identical to passing a single document)."""
+        if labels is not None:
+            self._check_labels(labels)
         if not self.pre_process:
             hidden = self.input_tensor
         elif decoder_input is not None:
@@ -232,9 +271,44 @@ class HybridLM(MegatronModule):
         if not self.post_process:
             return hidden
         logits, _ = self.output_layer(self.final_norm(hidden))
+        logits = self._mask_vocab_padding(logits)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         labels = labels.transpose(0, 1)
-        valid = labels != -100
+        valid = labels != IGNORE_INDEX
         loss = self.cross_entropy(logits.float(), labels.clamp(min=0).contiguous())
         return (loss * valid).transpose(0, 1).contiguous()
+
+    def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """-inf on this rank's padding columns. Out of place: megatron's cross entropy subtracts the max in
+        place, and masked_fill's backward gives the masked columns (so the padding rows of the output layer)
+        exactly zero gradient. -inf is safe there: the max over the TP group is a real logit, exp(-inf) = 0,
+        and a target never lies in the padding (_check_labels). Ranks without padding pay nothing."""
+        if self.real_vocab_rows == logits.shape[-1]:
+            return logits
+        padding = torch.arange(logits.shape[-1], device=logits.device) >= self.real_vocab_rows
+        return logits.masked_fill(padding, float("-inf"))
+
+    def _check_labels(self, labels: torch.Tensor) -> None:
+        """A label in the padding would be scored against a masked logit (an infinite loss) and one past the
+        padding silently as 0 by megatron's cross entropy: refuse both with the offending id. On an accelerator
+        the check is asynchronous (no host sync per microbatch; a bad label still stops the run, as a device
+        assert): the launcher has already checked that the tokenizer fits the vocabulary."""
+        bad = ((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= self.config.vocab_size)
+        if labels.device.type != "cpu":
+            torch._assert_async(~bad.any(), "a label id is outside the vocabulary (tokenizer/model mismatch)")
+            return
+        if bool(bad.any()):
+            raise ValueError(f"label id {labels[bad][0].item()} is outside the vocabulary [0, "
+                             f"{self.config.vocab_size}) (ignored positions use {IGNORE_INDEX}); "
+                             "the data's tokenizer does not match the model")
+
+    def full_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[b, s, padded_vocab/tp] vocab-parallel logits of forward() -> [b, s, vocab]: gathered over this
+        model's TP group (differentiable) and the padding columns stripped: what parity, generation or
+        evaluation hand to users."""
+        if self.pg_collection.tp.size() > 1:
+            logits = gather_from_tensor_model_parallel_region(logits, group=self.pg_collection.tp)
+        if logits.shape[-1] != self.config.padded_vocab_size:
+            raise ValueError(f"expected {self.config.padded_vocab_size} gathered vocab columns, got {logits.shape[-1]}")
+        return logits[..., : self.config.vocab_size]

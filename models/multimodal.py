@@ -107,8 +107,10 @@ def build_media_module(name: str, llm_hidden: int, pg_collection, projector_hidd
                        frozen: bool = False, tubelets: bool = False, pruning_rate: float = 0.0,
                        **overrides) -> MediaModule:
     """Encoder `name` from the registry (+ field overrides) with its projector to `llm_hidden`.
-    projector_hidden defaults to 4x the encoder's output width (Nano VL: 5120 -> 20480; Omni: 1024 -> 4096)."""
+    projector_hidden defaults to the config's (a checkpoint's), else 4x the encoder's output width (Nano VL:
+    5120 -> 20480; Omni audio: 1024 -> 4096)."""
     cfg = encoder_config(name, **overrides)
+    projector_hidden = projector_hidden or cfg["projector_hidden"]
     if cfg["modality"] == "vision":
         encoder = VisionEncoder(VisionTransformer(cfg, pg_collection))
         projector = Projector(encoder.out_dim, projector_hidden or 4 * encoder.out_dim, llm_hidden)

@@ -1,7 +1,11 @@
 """Hugging Face import/export of the encoders and projectors in the NemotronH_Nano_VL_V2 / Omni key layout.
 
     vision (radio)   vision_model.radio_model.model.{patch_generator.{embedder,pos_embed,cls_token.token,
-                     video_embedder}, blocks.N.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}, norm}
+                     video_embedder}, blocks.N.{norm1,attn.qkv,attn.proj,layer_scale1.lambda1,norm2,mlp.fc1,
+                     mlp.fc2,layer_scale2.lambda1}}, vision_model.radio_model.{summary_idxs,
+                     input_conditioner.norm_{mean,std}} (buffers, as the config says: radio_buffers), and
+                     vision_final_layernorm.{weight,bias} (the Omni model's norm on RadioModel's features,
+                     only with final_norm)
     vision (siglip)  vision_model.{embeddings.{patch_embedding,position_embedding},
                      encoder.layers.N.{layer_norm1,self_attn.{q,k,v,out}_proj,layer_norm2,mlp.fc1,mlp.fc2},
                      post_layernorm}   (a transformers SiglipVisionModel stored as the tower `vision_model`)
@@ -12,8 +16,8 @@ The language model goes through models/nemotron_h_hf under `language_model.`.
 
 QKV: HF stores [q; k; v] (all heads each); megatron's linear_qkv stores per head [q_h; k_h; v_h], so a TP
 rank's contiguous row block holds whole heads. Column-parallel rows and row-parallel columns split evenly;
-biases of row-parallel linears are replicated. `vision_from_hf(..., tp_rank, tp)` gives one rank's shard,
-`vision_to_hf([shard per tp rank])` merges them back, bit-exactly.
+biases of row-parallel linears, norms and layer scales are replicated. `vision_from_hf(..., tp_rank, tp)` gives
+one rank's shard, `vision_to_hf([shard per tp rank])` merges them back, bit-exactly.
 """
 
 from __future__ import annotations
@@ -23,8 +27,14 @@ import re
 import torch
 
 RADIO_ROOT, SIGLIP_ROOT = "vision_model.radio_model.model.", "vision_model."
+RADIO_TOWER = "vision_model.radio_model."  # RadioModel's buffers live here (summary_idxs, input_conditioner.*)
+# NemotronH_Omni_Reasoning_V3's LayerNorm on RadioModel's features, a top-level module of that model
+RADIO_FINAL_NORM = "vision_final_layernorm."
 PROJECTOR_ROOT = {"vision": "mlp1.", "audio": "sound_projection."}
 SOUND_ROOT = "sound_encoder.encoder."
+
+# our layer scales (the bda modules of models/vision.py) -> RadioLayer's, one [hidden] tensor each
+_LAYER_SCALE = {"self_attn_bda.lambda1": "layer_scale1.lambda1", "mlp_bda.lambda1": "layer_scale2.lambda1"}
 
 # megatron layer suffix -> (HF layer suffix per family, split kind: col / row / None)
 _LAYER = {
@@ -57,52 +67,133 @@ def _qkv_major(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
-def _embed_keys(family: str) -> dict[str, str]:
-    if family == "radio":
+def _embed_keys(cfg: dict) -> dict[str, str]:
+    """Our names -> HF names of the tower's tensors outside its layers, those this config has."""
+    if cfg["family"] == "radio":
         g = RADIO_ROOT + "patch_generator."
-        return {"embedder.weight": g + "embedder.weight", "pos_embed": g + "pos_embed", "prefix": g + "cls_token.token",
-                "video_embedder.weight": g + "video_embedder.weight", "final_norm.weight": RADIO_ROOT + "norm.weight",
-                "final_norm.bias": RADIO_ROOT + "norm.bias"}
-    e = SIGLIP_ROOT + "embeddings."
-    return {"embedder.weight": e + "patch_embedding.weight", "embedder.bias": e + "patch_embedding.bias",
-            "pos_embed": e + "position_embedding.weight", "final_norm.weight": SIGLIP_ROOT + "post_layernorm.weight",
-            "final_norm.bias": SIGLIP_ROOT + "post_layernorm.bias"}
+        keys = {"embedder.weight": g + "embedder.weight", "pos_embed": g + "pos_embed"}
+        if cfg["prefix_tokens"]:
+            keys["prefix"] = g + "cls_token.token"
+        if cfg["temporal_patch"]:
+            keys["video_embedder.weight"] = g + "video_embedder.weight"
+        norm = RADIO_FINAL_NORM
+    else:
+        e = SIGLIP_ROOT + "embeddings."
+        keys = {"embedder.weight": e + "patch_embedding.weight", "embedder.bias": e + "patch_embedding.bias",
+                "pos_embed": e + "position_embedding.weight"}
+        norm = SIGLIP_ROOT + "post_layernorm."
+    if cfg["final_norm"]:
+        keys.update({"final_norm.weight": norm + "weight", "final_norm.bias": norm + "bias"})
+    return keys
+
+
+def radio_buffers(cfg: dict) -> dict[str, torch.Tensor]:
+    """The RADIO tower's non-parameter checkpoint tensors as transformers' RadioModel builds them from its config:
+    summary_idxs (int64) and, where the layout stores it, input_conditioner.norm_{mean,std} (float32 [3, 1, 1])."""
+    out = {}
+    if cfg["summary_idxs"] is not None:
+        out[RADIO_TOWER + "summary_idxs"] = torch.tensor(cfg["summary_idxs"], dtype=torch.long)
+    if cfg["input_conditioner"]:
+        for name, values in (("norm_mean", cfg["mean"]), ("norm_std", cfg["std"])):
+            out[f"{RADIO_TOWER}input_conditioner.{name}"] = torch.tensor(values, dtype=torch.float32).view(-1, 1, 1)
+    return out
+
+
+# buffer -> (config field, why a different stored value cannot be loaded)
+_RADIO_BUFFERS = {
+    "summary_idxs": ("summary_idxs", "set summary_idxs to the checkpoint's value"),
+    "input_conditioner.norm_mean": ("input_conditioner", "Tessera normalises pixels with the config's mean/std, as "
+                                    "the Omni processor does; this tower was trained with other statistics"),
+    "input_conditioner.norm_std": ("input_conditioner", "Tessera normalises pixels with the config's mean/std, as "
+                                   "the Omni processor does; this tower was trained with other statistics"),
+}
+
+
+class _Reader:
+    """HF tensors read by name; remembers what was read so that a tensor nobody reads can be named."""
+
+    def __init__(self, hf: dict, cfg: dict):
+        self.hf, self.read, self.owner = hf, set(), f"encoder {cfg.get('name', cfg['family'])!r}"
+
+    def __call__(self, key: str) -> torch.Tensor:
+        if key not in self.hf:
+            raise KeyError(f"{key} is missing from the checkpoint ({self.owner} has that tensor)")
+        self.read.add(key)
+        return self.hf[key]
+
+    def check_radio_buffers(self, cfg: dict) -> None:
+        """Consume summary_idxs / input_conditioner: stored exactly when the config says so, with exactly its
+        values. Nothing is computed from them (no summary output; the Omni model's RadioModel has its
+        conditioner made external), so the config is the one source and export writes them back from it."""
+        want = radio_buffers(cfg)
+        for name, (field, why) in _RADIO_BUFFERS.items():
+            key = RADIO_TOWER + name
+            if (key in self.hf) != (key in want):
+                raise KeyError(f"{key} is {'in' if key in self.hf else 'missing from'} the checkpoint, but "
+                               f"{self.owner} has {field}={cfg[field]!r}: set {field} to match the checkpoint")
+            if key in want:
+                got = self(key)
+                if got.dtype != want[key].dtype or got.shape != want[key].shape or not torch.equal(got, want[key]):
+                    raise ValueError(f"{key} = {got.flatten().tolist()} ({got.dtype}) differs from "
+                                     f"{want[key].flatten().tolist()} ({want[key].dtype}) of {self.owner}: {why}")
+
+    def check_all_read(self, cfg: dict) -> None:
+        # `vision_projector.` is where NVIDIA's remote-code MTP checkpoints keep the final norm that transformers
+        # calls `vision_final_layernorm`: refused rather than silently replaced by an identity norm
+        roots = (SIGLIP_ROOT,) if cfg["family"] == "siglip" else (SIGLIP_ROOT, RADIO_FINAL_NORM, "vision_projector.")
+        left = sorted(k for k in self.hf if k.startswith(roots) and k not in self.read)
+        if left:
+            raise KeyError(f"checkpoint tensors {left[:8]}{' ...' if len(left) > 8 else ''} have no place in "
+                           f"{self.owner} (final_norm={cfg['final_norm']}, layer_scale={cfg['layer_scale']})")
 
 
 def vision_from_hf(hf: dict, cfg: dict, tp_rank: int = 0, tp: int = 1) -> dict[str, torch.Tensor]:
-    """One TP rank's VisionTransformer state dict from HF-layout tensors."""
-    family, heads, p = cfg["family"], cfg["heads"], cfg["patch"]
-    out = {}
-    for ours, theirs in _embed_keys(family).items():
-        if theirs in hf:
-            out[ours] = hf[theirs]
+    """One TP rank's VisionTransformer state dict from HF-layout tensors. Every tensor the config's tower has must
+    be there and every tower tensor in `hf` must be read (else KeyError naming it), with one exception, as in
+    transformers' Omni: `vision_final_layernorm` (final_norm, RADIO) is never required in a checkpoint
+    (its `_keys_to_ignore_on_load_missing`) and then keeps its identity initialisation (weight 1, bias 0)."""
+    family, heads, p, d = cfg["family"], cfg["heads"], cfg["patch"], cfg["hidden"]
+    take, out = _Reader(hf, cfg), {}
+    for ours, theirs in _embed_keys(cfg).items():
+        if family == "radio" and theirs.startswith(RADIO_FINAL_NORM) and theirs not in hf:
+            out[ours] = torch.ones(d) if ours.endswith("weight") else torch.zeros(d)
+        else:
+            out[ours] = take(theirs)
     if family == "siglip":  # Conv2d [D, 3, p, p] and table [N, D] -> our linear [D, 3pp] and [1, N, D]
-        out["embedder.weight"] = out["embedder.weight"].reshape(cfg["hidden"], 3 * p * p)
+        out["embedder.weight"] = out["embedder.weight"].reshape(d, 3 * p * p)
         out["pos_embed"] = out["pos_embed"][None]
+    else:
+        take.check_radio_buffers(cfg)
     for i in range(cfg["layers"]):
         root, mine = _layer_root(family, i), f"layers.{i}."
         for kind in ("weight", "bias"):
             if family == "radio":
-                qkv = hf[f"{root}attn.qkv.{kind}"]
+                qkv = take(f"{root}attn.qkv.{kind}")
             else:
-                qkv = torch.cat([hf[f"{root}self_attn.{x}_proj.{kind}"] for x in "qkv"])
+                qkv = torch.cat([take(f"{root}self_attn.{x}_proj.{kind}") for x in "qkv"])
             out[f"{mine}self_attention.linear_qkv.{kind}"] = _head_major(qkv, heads).chunk(tp)[tp_rank]
             for ours, (names, split) in _LAYER.items():
-                t = hf[f"{root}{names[family]}.{kind}"]
+                t = take(f"{root}{names[family]}.{kind}")
                 if split == "col" or (split == "row" and kind == "weight"):
                     t = t.chunk(tp, dim=0 if split == "col" else 1)[tp_rank]
                 out[f"{mine}{ours}.{kind}"] = t
+        if cfg["layer_scale"] is not None:  # [hidden], replicated on every TP rank
+            for ours, theirs in _LAYER_SCALE.items():
+                out[mine + ours] = take(root + theirs)
+    take.check_all_read(cfg)
     return {k: v.clone() for k, v in out.items()}
 
 
 def vision_to_hf(shards: list[dict], cfg: dict) -> dict[str, torch.Tensor]:
     """Merge per-TP-rank VisionTransformer state dicts (index = tp rank) into HF-layout tensors."""
     family, heads, p, first = cfg["family"], cfg["heads"], cfg["patch"], shards[0]
-    out = {theirs: first[ours] for ours, theirs in _embed_keys(family).items() if ours in first}
+    out = {theirs: first[ours] for ours, theirs in _embed_keys(cfg).items()}
     if family == "siglip":
         e = SIGLIP_ROOT + "embeddings."
         out[e + "patch_embedding.weight"] = first["embedder.weight"].reshape(cfg["hidden"], 3, p, p)
         out[e + "position_embedding.weight"] = first["pos_embed"][0]
+    else:
+        out.update(radio_buffers(cfg))
     for i in range(cfg["layers"]):
         root, mine = _layer_root(family, i), f"layers.{i}."
         for kind in ("weight", "bias"):
@@ -119,6 +210,9 @@ def vision_to_hf(shards: list[dict], cfg: dict) -> dict[str, torch.Tensor]:
                 else:
                     t = parts[0]
                 out[f"{root}{names[family]}.{kind}"] = t
+        if cfg["layer_scale"] is not None:  # replicated: every rank holds the same tensor
+            for ours, theirs in _LAYER_SCALE.items():
+                out[root + theirs] = first[mine + ours]
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
 
 

@@ -13,7 +13,9 @@ Layouts that differ from HF:
   - attention: megatron's fused linear_qkv interleaves per KV group [q heads of group g | k_g | v_g];
   - Mamba in_proj: rank-major blocks [z_r | x_r | B_r | C_r | dt_r] (see models/mamba2.py); conv1d
     channels [x_r | B_r | C_r];
-  - MoE: experts are split over EP ranks, each expert's FFN over the expert-TP ranks.
+  - MoE: experts are split over EP ranks, each expert's FFN over the expert-TP ranks;
+  - vocabulary: embedding and lm_head get zero rows up to config.padded_vocab_size before TP sharding
+    (models/hybrid_llm.py), and export strips them, so the HF side always has exactly vocab_size rows.
 """
 
 from __future__ import annotations
@@ -72,13 +74,29 @@ def hybrid_config_from_hf(source: str | Path | dict, tp: int = 1, pp: int = 1, e
     return hybrid_config(**fields)
 
 
-def load_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of all *.safetensors shards in the directory."""
-    files = sorted(Path(hf_dir).glob("*.safetensors"))
+def safetensors_files(hf_dir: str | Path) -> list[Path]:
+    """The checkpoint's *.safetensors files; with a model.safetensors.index.json, every shard it names must
+    be there (a partial download otherwise loads as a model with missing weights)."""
+    d = Path(hf_dir)
+    files = sorted(d.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {hf_dir}")
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        import json
+
+        named = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        absent = [n for n in named if not (d / n).is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index} names {len(named)} shard(s) but {len(absent)} are missing: "
+                                    f"{', '.join(absent[:8])}; download the whole checkpoint")
+    return files
+
+
+def load_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of all *.safetensors shards in the directory."""
     state = {}
-    for f in files:
+    for f in safetensors_files(hf_dir):
         state.update(load_file(str(f)))
     return state
 
@@ -124,6 +142,19 @@ def _cols(t, rank, size):
     return t.chunk(size, dim=1)[rank]
 
 
+def _pad_vocab(t: torch.Tensor, config: HybridConfig, name: str) -> torch.Tensor:
+    """[vocab, h] -> [padded_vocab, h] with zero rows (what the TP shards are cut from)."""
+    if t.shape[0] != config.vocab_size:
+        raise ValueError(f"{name} has {t.shape[0]} rows but the config's vocab_size is {config.vocab_size}")
+    extra = config.padded_vocab_size - config.vocab_size
+    return torch.cat([t, t.new_zeros(extra, t.shape[1])]) if extra else t
+
+
+def _strip_vocab(t: torch.Tensor, config: HybridConfig) -> torch.Tensor:
+    """Merged [padded_vocab, h] -> [vocab, h]; a copy, so the file holds no padding storage."""
+    return t[: config.vocab_size].clone() if t.shape[0] != config.vocab_size else t
+
+
 # ---- import ---------------------------------------------------------------------------------------
 
 def mamba_to_megatron(mixer: dict[str, torch.Tensor], config: HybridConfig, tp_rank: int = 0):
@@ -151,10 +182,11 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], config: HybridConfig, tp_rank: i
     etp_rank = tp_rank % etp
     out = {}
     if pp_rank == 0:
-        out["embedding.weight"] = _rows(hf["backbone.embeddings.weight"], tp_rank, tp)
+        emb = "backbone.embeddings.weight"
+        out["embedding.weight"] = _rows(_pad_vocab(hf[emb], config, emb), tp_rank, tp)
     if pp_rank == pp - 1:
         out["final_norm.weight"] = hf["backbone.norm_f.weight"]
-        out["output_layer.weight"] = _rows(hf["lm_head.weight"], tp_rank, tp)
+        out["output_layer.weight"] = _rows(_pad_vocab(hf["lm_head.weight"], config, "lm_head.weight"), tp_rank, tp)
     offset, symbols = stage_layers(config, pp_rank)
     for i, symbol in enumerate(symbols):
         src, dst = HF.format(offset + i), f"layers.{i}."
@@ -213,9 +245,9 @@ def megatron_to_hf(shards: dict[tuple[int, int, int], dict[str, torch.Tensor]],
         return [shards[(r, pp_rank, ep_rank)][key] for r in range(tp)]
 
     hf = {
-        "backbone.embeddings.weight": torch.cat(tps(0, "embedding.weight")),
+        "backbone.embeddings.weight": _strip_vocab(torch.cat(tps(0, "embedding.weight")), config),
         "backbone.norm_f.weight": shards[(0, pp - 1, 0)]["final_norm.weight"],
-        "lm_head.weight": torch.cat(tps(pp - 1, "output_layer.weight")),
+        "lm_head.weight": _strip_vocab(torch.cat(tps(pp - 1, "output_layer.weight")), config),
     }
     for pp_rank in range(pp):
         offset, symbols = stage_layers(config, pp_rank)

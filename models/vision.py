@@ -2,9 +2,12 @@
 
 One ViT class serves both registered families (models/encoders.py); they differ only in data:
     radio   linear patch embedding without bias, `prefix_tokens` cls/register tokens (dropped from the
-            output), LayerNorm eps 1e-6, exact GELU, 128x128 learned position table.
+            output), LayerNorm eps 1e-6, exact GELU, 128x128 learned position table, per-channel layer
+            scales on both residual branches (RadioLayer's layer_scale{1,2}), no final norm unless the
+            config asks for the Omni model's `vision_final_layernorm` (`final_norm`).
     siglip  conv patch embedding with bias (stored here as the equivalent linear over flattened patches),
-            no prefix tokens, tanh-GELU, position table of its training grid (27x27 for so400m/384).
+            no prefix tokens, tanh-GELU, position table of its training grid (27x27 for so400m/384),
+            final LayerNorm (SigLIP's post_layernorm), no layer scale.
 The position table is interpolated to each input's patch grid (RADIO: CPE square resize + window, see
 VisionTransformer.position_embedding), so any H, W that are multiples of the patch size work (dynamic
 resolution); tiles are one fixed size in practice.
@@ -73,10 +76,40 @@ def vit_transformer_config(cfg: dict, tp: int = 1, dtype: torch.dtype = torch.fl
     )
 
 
-def vit_layer_spec() -> ModuleSpec:
-    """Pre-norm attention + pre-norm MLP, both from megatron's local backend."""
+class LayerScaleBiasDropoutAdd(nn.Module):
+    """A TransformerLayer's bias-dropout-add with a learned per-channel scale on the branch output:
+    residual + dropout((x + bias) * lambda1), transformers' RadioLayer order (o_proj/fc2 output with its bias,
+    times layer_scale.lambda1, then the residual add).
+
+    Megatron has no layer scale, but calls its bda spec as `bda(training, fused)(x_with_bias, residual, p)`, so a
+    module in that slot carries the parameter: `layers.N.self_attn_bda.lambda1` / `layers.N.mlp_bda.lambda1`.
+    Under TP the branch output is already all-reduced by the row-parallel linear (full hidden on every rank),
+    so lambda1 is a replicated [hidden] parameter like the LayerNorm weights: every rank holds all of it and
+    computes the same gradient."""
+
+    def __init__(self, hidden_size: int, init_value: float, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.lambda1 = nn.Parameter(torch.full((hidden_size,), float(init_value), dtype=dtype))
+
+    def forward(self, training: bool, fused: bool):
+        bda = get_bias_dropout_add(training, fused)
+
+        def scaled_bda(x_with_bias, residual, prob):
+            x, bias = x_with_bias
+            x = x if bias is None else x + bias  # the bias is inside the scaled branch, as in nn.Linear
+            return bda((x * self.lambda1, None), residual, prob)
+
+        return scaled_bda
+
+
+def vit_layer_spec(cfg: dict, dtype: torch.dtype = torch.float32) -> ModuleSpec:
+    """Pre-norm attention + pre-norm MLP, both from megatron's local backend; with cfg["layer_scale"] set, both
+    residual adds scale their branch per channel (LayerScaleBiasDropoutAdd, initialised to that value)."""
     backend = LocalSpecProvider()
     column, row = backend.column_parallel_linear(), backend.row_parallel_linear()
+    scale = cfg["layer_scale"]
+    bda = get_bias_dropout_add if scale is None else ModuleSpec(
+        module=LayerScaleBiasDropoutAdd, params={"hidden_size": cfg["hidden"], "init_value": scale, "dtype": dtype})
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -86,10 +119,10 @@ def vit_layer_spec() -> ModuleSpec:
                 submodules=SelfAttentionSubmodules(linear_qkv=column, core_attention=BidirectionalCoreAttention,
                                                    linear_proj=row),
             ),
-            self_attn_bda=get_bias_dropout_add,
+            self_attn_bda=bda,
             pre_mlp_layernorm=WrappedTorchNorm,
             mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)),
-            mlp_bda=get_bias_dropout_add,
+            mlp_bda=bda,
         ),
     )
 
@@ -117,11 +150,13 @@ class VisionTransformer(MegatronModule):
         # Video tubelets: one linear over temporal_patch frames' patches, a Conv3D(kernel=stride) in effect.
         t = cfg.get("temporal_patch", 0)
         self.video_embedder = nn.Linear(t * 3 * p * p, d, bias=False, dtype=dtype) if t else None
-        spec = vit_layer_spec()
+        spec = vit_layer_spec(cfg, dtype)
         self.layers = nn.ModuleList(
             build_module(spec, config=config, layer_number=i + 1, pg_collection=pg_collection)
             for i in range(cfg["layers"]))
-        self.final_norm = nn.LayerNorm(d, eps=cfg["eps"], dtype=dtype)
+        # RadioModel ends at its last block; a final LayerNorm exists for SigLIP (post_layernorm) and, for RADIO,
+        # only where NemotronH_Omni_Reasoning_V3 builds `vision_final_layernorm` (LLM with MTP layers).
+        self.final_norm = nn.LayerNorm(d, eps=cfg["eps"], dtype=dtype) if cfg["final_norm"] else None
 
     def position_embedding(self, rows: int, cols: int) -> torch.Tensor:
         """The learned table resampled to a rows x cols patch grid: [1, rows*cols, hidden].
@@ -156,7 +191,9 @@ class VisionTransformer(MegatronModule):
         hidden = x.transpose(0, 1).contiguous()  # megatron layers take [s, b, h]
         for layer in self.layers:
             hidden, _ = layer(hidden, attention_mask=None)
-        out = self.final_norm(hidden.transpose(0, 1))[:, self.cfg["prefix_tokens"]:]
+        out = hidden.transpose(0, 1)[:, self.cfg["prefix_tokens"]:]
+        if self.final_norm is not None:  # per token, so after dropping the prefix is the same as before it
+            out = self.final_norm(out)   # (the Omni model normalises RadioModel's `features`)
         return out.reshape(out.shape[0], rows, cols, -1)
 
 

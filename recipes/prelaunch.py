@@ -116,6 +116,15 @@ def check_checkpoint(model) -> None:
                          f"(*.safetensors; `python -m tessera.scripts.convert_hf` writes one) or a Tessera "
                          f"run's checkpoints/ directory")
     if any(path.glob("*.safetensors")):
+        from tessera.models import released
+        from tessera.models.nemotron_h_hf import safetensors_files
+
+        safetensors_files(path)  # every shard the index names is present
+        if released.is_released_checkpoint(path):  # its config.json defines the model: parse it now
+            config = released.read_config(path)
+            released.llm_fields_of(config)
+            for modality in released.modalities_of(config):
+                released.encoder_config_of(released.encoder_name(path, modality))
         return
     latest = path / "latest"
     if latest.is_file():

@@ -75,17 +75,25 @@ def _params(module) -> int:
 
 def _vit_params(cfg) -> int:
     """The ViT's parameters from its config: patch embedder (+ bias for SigLIP's conv), position table,
-    prefix tokens, video tubelet embedder, per layer 2 LayerNorms + QKV/proj/FC1/FC2 with biases, final norm."""
+    prefix tokens, video tubelet embedder, per layer 2 LayerNorms + QKV/proj/FC1/FC2 with biases (+ 2 layer
+    scales for RADIO), final norm where the config has one."""
     d, p, f = cfg["hidden"], cfg["patch"], cfg["ffn"]
     layer = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+    layer += 2 * d * (cfg["layer_scale"] is not None)
     return (3 * p * p * d + d * (cfg["family"] == "siglip") + cfg["pos_grid"] ** 2 * d + cfg["prefix_tokens"] * d
-            + cfg["temporal_patch"] * 3 * p * p * d + cfg["layers"] * layer + 2 * d)
+            + cfg["temporal_patch"] * 3 * p * p * d + cfg["layers"] * layer + 2 * d * cfg["final_norm"])
 
 
 def _reference_params(cfg) -> int:
     """Encoder parameter count from an outside implementation where there is one: transformers'
     SiglipVisionModel (no pooling head) for SigLIP, transformers' ParakeetEncoder for both conformer
-    families (NeMo's ConformerEncoder is the same architecture); the config arithmetic for RADIO."""
+    families (NeMo's ConformerEncoder is the same architecture); transformers' RadioModel for RADIO."""
+    if cfg["family"] == "radio":
+        from _hf_oracles import radio_config_fields
+        from transformers import RadioConfig, RadioModel
+
+        with torch.device("meta"):
+            return _params(RadioModel(RadioConfig(**radio_config_fields(cfg))))
     if cfg["family"] == "siglip":
         from transformers import SiglipVisionConfig, SiglipVisionModel
 
@@ -230,7 +238,7 @@ def test_count_mismatch_names_the_sample():
 def test_whole_model_hf_round_trip_is_exact():
     model = _model("radio_vit_tiny", "fastconformer_tiny")
     hf = export_hf(model)
-    prefixes = ("vision_model.radio_model.model.", "mlp1.", "sound_encoder.encoder.", "sound_projection.",
+    prefixes = ("vision_model.radio_model.", "mlp1.", "sound_encoder.encoder.", "sound_projection.",
                 "language_model.")
     assert all(k.startswith(prefixes) for k in hf) and all(any(k.startswith(p) for k in hf) for p in prefixes)
     other = _model("radio_vit_tiny", "fastconformer_tiny")

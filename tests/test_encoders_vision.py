@@ -1,7 +1,8 @@
-"""Vision encoders: ViT vs transformers' RadioModel (the released RADIO, square and non-square patch grids,
-dense and packed like NemotronH Omni calls it) and SiglipVisionModel, at TP=1 in-process and TP=2 on two
-gloo ranks (forward and weight gradients); pixel shuffle and token counts vs data/tokens.py; exact HF round
-trips of the tower and its TP shards.
+"""Vision encoders: ViT vs transformers' RadioModel (the released RADIO with random non-1 layer scales, square and
+non-square patch grids, dense and packed like NemotronH Omni calls it) and SiglipVisionModel, at TP=1
+in-process and TP=2 on two gloo ranks (forward and weight gradients, layer scales included); pixel shuffle
+and token counts vs data/tokens.py; exact HF round trips of the tower and its TP shards. The Omni model's
+final norm, import errors and the tower's buffers: tests/test_encoders_vision_omni.py.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_encoders_vision.py -q
 """
@@ -10,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from _hf_oracles import radio_model
 from _mcore_cpu import single_rank_world
 
 from tessera.hetero.tools.spawn import run_on_ranks
 from tessera.models.encoders import encoder_config, tokens_config
-from tessera.models.multimodal_hf import RADIO_ROOT, SIGLIP_ROOT, _load_params, vision_from_hf, vision_to_hf
+from tessera.models.multimodal_hf import (RADIO_ROOT, RADIO_TOWER, SIGLIP_ROOT, _load_params, vision_from_hf,
+                                         vision_to_hf)
 from tessera.models.vision import VisionEncoder, VisionTransformer, patchify, pixel_shuffle
 
 TOL = 1e-5
@@ -27,26 +28,23 @@ def _rel(a, b):
 
 
 def _random_hf(cfg, seed):
-    """An HF-layout tower with every tensor random (norm weights around 1), via our export of a fresh model."""
+    """An HF-layout tower with every tensor random (norm weights and RADIO's layer scales around 1, so neither is
+    the identity it is initialised to), via our export of a fresh model."""
     torch.manual_seed(seed)
     vit = VisionTransformer(cfg, single_rank_world())
     with torch.no_grad():
         for name, p in vit.named_parameters():
-            p.copy_((1.0 if name.endswith("norm.weight") else 0.0) + 0.2 * torch.randn_like(p))
+            around_one = name.endswith(("norm.weight", "lambda1"))
+            p.copy_((1.0 if around_one else 0.0) + 0.2 * torch.randn_like(p))
     return vision_to_hf([vit.state_dict()], cfg)
 
 
 def reference_radio(hf: dict, cfg: dict, pixels: torch.Tensor, model=None) -> torch.Tensor:
-    """transformers' RadioModel (the released architecture) on the same tensors, then a LayerNorm with our
-    final_norm's tensors (what NemotronH Omni's `vision_final_layernorm` applies after RadioModel)."""
+    """transformers' RadioModel (the released architecture, no final norm) on the same tensors: its `features`
+    as [n, rows, cols, hidden]."""
     model = model or radio_model(hf, cfg)
     n, _, h, w = pixels.shape
-    return _final_norm(hf, cfg, model(pixels).features).reshape(n, h // cfg["patch"], w // cfg["patch"], -1)
-
-
-def _final_norm(hf, cfg, feats):
-    return F.layer_norm(feats, (cfg["hidden"],), hf[RADIO_ROOT + "norm.weight"], hf[RADIO_ROOT + "norm.bias"],
-                        eps=cfg["eps"])
+    return model(pixels).features.reshape(n, h // cfg["patch"], w // cfg["patch"], -1)
 
 
 def radio_grad(model, key: str) -> torch.Tensor:
@@ -60,6 +58,8 @@ def radio_grad(model, key: str) -> torch.Tensor:
         return torch.cat([getattr(att, f"{x}_proj").weight.grad for x in "qkv"])
     if rest[2] == "mlp":
         return getattr(layer(rest[1]).mlp, rest[3]).weight.grad
+    if rest[2].startswith("layer_scale"):
+        return getattr(layer(rest[1]), rest[2]).lambda1.grad
     raise KeyError(key)
 
 
@@ -153,7 +153,7 @@ def test_radio_packed_images_match_transformers(radio_pair):
     with torch.no_grad():
         got = torch.cat([vit(x).flatten(0, 2) for x in images])
         packed = torch.cat([patchify(x, p)[0] for x in images])
-        ref = _final_norm(hf, cfg, oracle(packed, image_grid_hw=torch.tensor(grids)).features)
+        ref = oracle(packed, image_grid_hw=torch.tensor(grids)).features
     err = _rel(got, ref)
     print(f"radio packed {grids} vs RadioModel rel err {err:.2e}")
     assert got.shape == ref.shape and err <= TOL
@@ -171,7 +171,8 @@ def _tp2_forward_backward(cases):
         _load_params(vit, vision_from_hf(hf, cfg, pg.tp.rank(), 2))
         y = vit(pixels)
         y.square().sum().backward()
-        grads = {k: p.grad.clone() for k, p in vit.named_parameters() if p.grad is not None}
+        # (the video embedder gets no gradient from images: a zero one keeps every parameter in the export)
+        grads = {k: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for k, p in vit.named_parameters()}
         params = {k: v for k, v in vit.state_dict().items() if "_extra" not in k}
         out[name] = (y.detach().numpy(), {k: v.numpy() for k, v in params.items()}, {k: v.numpy() for k, v in grads.items()})
     parallel_state.destroy_model_parallel()
@@ -201,14 +202,20 @@ def test_vit_tp2_matches_reference_and_shards_merge_exactly(towers):
         if cfg["family"] == "radio":  # weight grads of the sharded layers, merged, equal autograd on the reference
             grad_hf = vision_to_hf([_torch(r[name][2]) for r in ranks], cfg)
             for key in (f"{RADIO_ROOT}blocks.1.attn.qkv.weight", f"{RADIO_ROOT}blocks.0.mlp.fc2.weight",
-                        f"{RADIO_ROOT}patch_generator.pos_embed"):
+                        f"{RADIO_ROOT}patch_generator.pos_embed", f"{RADIO_ROOT}blocks.0.layer_scale1.lambda1",
+                        f"{RADIO_ROOT}blocks.1.layer_scale2.lambda1"):
                 assert _rel(grad_hf[key], radio_grad(oracle, key)) < 1e-4, key
+            # layer scales are replicated: every TP rank computes the same full gradient
+            for k in ("layers.0.self_attn_bda.lambda1", "layers.1.mlp_bda.lambda1"):
+                assert torch.equal(_torch(ranks[0][name][2])[k], _torch(ranks[1][name][2])[k]), k
 
 
 def test_hf_round_trip_is_exact(towers):
     for name, (cfg, hf, _) in towers.items():
-        root = RADIO_ROOT if cfg["family"] == "radio" else SIGLIP_ROOT
-        assert all(k.startswith(root) for k in hf)
+        assert all(k.startswith(SIGLIP_ROOT) for k in hf)  # "vision_model.": no final norm outside the tower
+        if cfg["family"] == "radio":  # RadioModel's buffer summary_idxs and layer scales, no final norm
+            assert f"{RADIO_TOWER}summary_idxs" in hf and f"{RADIO_ROOT}blocks.1.layer_scale2.lambda1" in hf
+            assert not any(k.startswith(RADIO_ROOT + "norm.") for k in hf)
         vit = VisionTransformer(cfg, single_rank_world())
         _load_params(vit, vision_from_hf(hf, cfg))
         again = vision_to_hf([vit.state_dict()], cfg)

@@ -117,8 +117,9 @@ def _llm_blocks(c: dict) -> dict[str, dict[str, float]]:
     return blocks
 
 
-def describe_llm(name: str) -> ModuleDesc:
-    c = configs.hf_fields(name)
+def describe_llm(name: str | dict) -> ModuleDesc:
+    """A registered LLM by name, or any NemotronH config fields (a checkpoint's)."""
+    c = configs.hf_fields(name) if isinstance(name, str) else name
     h, V, pattern = c["hidden_size"], c["vocab_size"], c["hybrid_override_pattern"]
     blocks = _llm_blocks(c)
     total = lambda field: sum(blocks[ch].get(field, 0) for ch in pattern)  # noqa: E731
@@ -188,12 +189,14 @@ def describe_conformer(name: str, llm_hidden: int) -> ModuleDesc:
         topk=0, kv_width=2 * h, tp_divides=(c["heads"],), frames_per_second=fps, pre_flops_per_second=pre)
 
 
-def describe_model(llm: str, vision: str | None = None, audio: str | None = None, name: str = "") -> ModelDesc:
-    """The ModelDesc of an LLM (models.configs name) with optional encoders (models.encoders names)."""
+def describe_model(llm: str | dict, vision: str | None = None, audio: str | None = None, name: str = "") -> ModelDesc:
+    """The ModelDesc of an LLM (models.configs name, or a checkpoint's config fields) with optional encoders
+    (models.encoders names, `hf:` names included)."""
     lang = describe_llm(llm)
     mods = [lang]
     if vision:
         mods.insert(0, describe_vit(vision, lang.hidden))
     if audio:
         mods.insert(len(mods) - 1, describe_conformer(audio, lang.hidden))
-    return ModelDesc(name or "+".join(filter(None, (vision, audio, llm))), tuple(mods))
+    return ModelDesc(name or "+".join(filter(None, (vision, audio, llm if isinstance(llm, str) else "llm"))),
+                     tuple(mods))

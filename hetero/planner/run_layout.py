@@ -23,7 +23,7 @@ from tessera.hetero.plan.trainable import check_trainable, untrainable_reasons
 from tessera.hetero.planner.cluster import Workload, cluster
 from tessera.hetero.planner.model import describe_model
 from tessera.hetero.planner.search import format_table, search
-from tessera.hetero.training.run_modules import encoder_names, module_specs
+from tessera.hetero.training.run_modules import checkpoint_llm_fields, encoder_names, module_specs
 from tessera.models import configs, encoders
 
 
@@ -38,9 +38,9 @@ def encoder_has_tp(model) -> dict[str, bool]:
 
 def model_shapes(cfg, llm_fields: dict | None = None) -> ModelShapes:
     """Heads per module (from the registries, or the checkpoint's LLM fields), row length, rows per microbatch."""
-    llm = llm_fields or configs.REGISTRY[cfg.model.llm]
-    heads = {k: encoders.REGISTRY[n]["heads"] for k, n in encoder_names(cfg.model).items()
-             if "heads" in encoders.REGISTRY[n]}
+    llm = llm_fields or checkpoint_llm_fields(getattr(cfg.model, "checkpoint", None)) or configs.REGISTRY[cfg.model.llm]
+    cfgs = {k: encoders.encoder_config(n) for k, n in encoder_names(cfg.model).items()}
+    heads = {k: c["heads"] for k, c in cfgs.items() if "heads" in c}
     heads[LANGUAGE] = llm["num_attention_heads"]
     return ModelShapes(heads=heads, kv_heads={LANGUAGE: llm["num_key_value_heads"]},
                        seq_length=cfg.data.seq_length, samples_per_microbatch=cfg.data.rows_per_microbatch)
@@ -97,7 +97,9 @@ def workload_for_run(cfg) -> Workload:
 
 def ranked_for_run(cfg, gpus: int, cluster_name: str = "h100"):
     """Feasible layouts for this run on `gpus` GPUs, best predicted throughput first."""
-    model = describe_model(cfg.model.llm, cfg.model.vision, cfg.model.audio, name=cfg.name)
+    names = encoder_names(cfg.model)  # a released checkpoint's own encoders and LLM when fine-tuning one
+    llm = checkpoint_llm_fields(getattr(cfg.model, "checkpoint", None)) or cfg.model.llm
+    model = describe_model(llm, names.get("vision"), names.get("audio"), name=cfg.name)
     return [p for p in search(model, workload_for_run(cfg), cluster(cluster_name), gpus) if p.feasible]
 
 

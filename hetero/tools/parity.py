@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 from tessera.hetero.parallel.cp_gather_attention import gather_rows
 from tessera.hetero.plan.zigzag import zigzag_shard, zigzag_unshard
@@ -64,7 +63,8 @@ def gather_sequence(x: torch.Tensor, cp_group) -> torch.Tensor:
 
 
 def pipeline_forward(model: HybridLM, input_ids: torch.Tensor, pp_group) -> torch.Tensor | None:
-    """Forward of this rank's (CP-local) ids through all stages; full-vocab logits on the last stage."""
+    """Forward of this rank's (CP-local) ids through all stages; full-vocab logits [b, s, vocab] (padding
+    stripped) on the last stage."""
     pp_rank, pp_size = pp_group.rank(), pp_group.size()
     shape = (input_ids.shape[1], input_ids.shape[0], model.config.hidden_size)  # [s, b, h]
     ranks = dist.get_process_group_ranks(pp_group)
@@ -78,7 +78,7 @@ def pipeline_forward(model: HybridLM, input_ids: torch.Tensor, pp_group) -> torc
         if pp_rank < pp_size - 1:
             dist.send(out.contiguous(), dst=ranks[pp_rank + 1], group=pp_group)
             return None
-        return gather_from_tensor_model_parallel_region(out, group=model.pg_collection.tp)
+        return model.full_vocab_logits(out)  # gathered over TP, vocabulary padding stripped
 
 
 def compare(hf_dir: str, pg_collection: ProcessGroupCollection, kernels=None) -> float:

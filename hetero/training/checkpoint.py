@@ -39,6 +39,7 @@ from tessera.hetero.plan.layout import LANGUAGE
 from tessera.models.nemotron_h_hf import _mamba_parts
 
 LATEST = "latest"
+VOCAB_ROWS = (f"{LANGUAGE}.embedding.weight", f"{LANGUAGE}.output_layer.weight")  # padded to TP
 
 
 def _mamba_local_parts(config, tp: int) -> list[int]:
@@ -96,10 +97,14 @@ def _sharded_state(modules, opt, groups, configs, rank, world, with_rng=True) ->
                 tensors["optim.master"] = masters[id(p)]
             if id(p) in adam:
                 tensors.update({f"optim.{f}": adam[id(p)][f] for f in ("exp_avg", "exp_avg_sq")})
+            # the vocabulary's padded size depends on TP (models/hybrid_llm.py): as megatron does for its
+            # embedding and output layer, a load reads the rows both layouts have and leaves the rest zero
+            vocab = key == LANGUAGE and gkey in VOCAB_ROWS
             for prefix, t in tensors.items():
                 for suffix, view in pieces(t):
                     k = f"{prefix}.{gkey}{suffix}"
-                    state[k] = ShardedTensor.from_rank_offsets(k, view, *offsets, replica_id=replica)
+                    state[k] = ShardedTensor.from_rank_offsets(k, view, *offsets, replica_id=replica,
+                                                               allow_shape_mismatch=vocab)
     if with_rng:
         state["rng"] = ShardedObject("rng", {"torch": torch.get_rng_state()}, (world,), (rank,), replica_id=0)
     return state

@@ -5,7 +5,9 @@
 The model is rebuilt with every module on one rank and dist_checkpointing reshards into it. Writes
   OUT/model.safetensors      the whole model in the NemotronH_Nano_VL_V2 / Omni key layout
                              (language_model.*, vision_model.*, mlp1.*, sound_encoder.*, sound_projection.*)
-  OUT/tessera.json           the run's model config (which encoders, which LLM)
+  OUT/tessera.json           the run's model config (which encoders, which LLM), or, for a model fine-tuned
+                             from a released checkpoint, OUT/config.json: the release's own (transformers
+                             loads OUT like the release)
   OUT/language_model/        config.json + model.safetensors: transformers' NemotronHForCausalLM loads it
 The training loop runs this module in its own process after the last step (`trainer.export_hf`);
 scripts/convert_hf.py is the user's command around it.
@@ -54,9 +56,19 @@ def write_hf(out: Path, full: dict, model_cfg, hf_fields: dict) -> Path:
     """OUT/model.safetensors (+ tessera.json, + language_model/ loadable by transformers)."""
     from safetensors.torch import save_file
 
+    from tessera.models import released
+
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in full.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "tessera.json").write_text(json.dumps({"model": _fields(model_cfg), "llm_hf_config": hf_fields}, indent=2))
+    source = getattr(model_cfg, "checkpoint", None)
+    if source and released.is_released_checkpoint(source):
+        # the same architecture as the released checkpoint it was fine-tuned from: its config.json describes
+        # these tensors (transformers loads OUT as it loads the release; so does model.checkpoint=OUT)
+        (out / "config.json").write_text((Path(source).expanduser() / "config.json").read_text())
+        (out / "tessera.json").unlink(missing_ok=True)
+    else:
+        (out / "tessera.json").write_text(json.dumps({"model": _fields(model_cfg), "llm_hf_config": hf_fields},
+                                                     indent=2))
     lm = out / "language_model"
     lm.mkdir(exist_ok=True)
     save_file({k[len("language_model."):]: v.contiguous() for k, v in full.items() if k.startswith("language_model.")},

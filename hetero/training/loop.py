@@ -34,9 +34,9 @@ from tessera.hetero.runtime.step_executor import hetero_step
 from tessera.hetero.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tessera.hetero.training.loader_state import decode_loader_state, encode_loader_state
 from tessera.hetero.training.metrics import RunMetrics
-from tessera.hetero.training.run_modules import encoder_names, module_specs
-from tessera.hetero.training.model_build import (build_rank_modules, full_hf_state, llm_fields,
-                                         load_full_state, module_configs)
+from tessera.hetero.training.run_modules import checkpoint_llm_fields, encoder_names, module_specs
+from tessera.hetero.training.model_build import (build_rank_modules, check_checkpoint_tensors, full_hf_state,
+                                                 llm_fields, load_full_state, module_configs)
 from tessera.hetero.training.optim import ModuleOptimizers, lr_at
 from tessera.hetero.training.stages import LanguageStage, MediaEncoderStage, global_token_count
 
@@ -54,21 +54,6 @@ def _dataset(cfg, rank: int):
     dist.barrier()
     path, tok = synthetic_dataset(root)
     return str(path), cfg.data.tokenizer or str(tok)
-
-
-def _source_llm_fields(source: str | None) -> dict | None:
-    """The LLM config a checkpoint to start from was saved with (HF export: tessera.json; Tessera
-    checkpoint: its common state), so fine-tuning builds exactly that shape; None when it says nothing."""
-    if not source:
-        return None
-    if (Path(source) / "tessera.json").exists():
-        return json.loads((Path(source) / "tessera.json").read_text())["llm_hf_config"]
-    ckpt = latest_checkpoint(source)
-    if ckpt is not None:
-        from megatron.core import dist_checkpointing
-
-        return json.loads(dist_checkpointing.load_common_state_dict(str(ckpt))["common"]["llm_hf_config"])
-    return None
 
 
 def _export_hf(ckpt_root: Path, out: str) -> None:
@@ -121,7 +106,7 @@ def _resolve(run: _Run) -> None:
     cfg = run.cfg
     run.data_path, run.tok_path = _dataset(cfg, run.rank)
     vocab = Tokenizer(run.tok_path).vocab_size
-    run.hf_fields = _source_llm_fields(cfg.model.checkpoint) or llm_fields(cfg.model, vocab)
+    run.hf_fields = checkpoint_llm_fields(cfg.model.checkpoint) or llm_fields(cfg.model, vocab)
     if run.hf_fields["vocab_size"] < vocab:
         raise ValueError(f"tokenizer {run.tok_path} has {vocab} tokens but the model "
                          f"{cfg.model.checkpoint or cfg.model.llm} only {run.hf_fields['vocab_size']}: use its tokenizer")
@@ -141,6 +126,7 @@ def _build_model(run: _Run) -> None:
             from tessera.models.nemotron_h_hf import load_hf_state_dict
 
             full = load_hf_state_dict(cfg.model.checkpoint)
+            check_checkpoint_tensors(cfg.model.checkpoint, full, cfg.model, run.hf_fields)
         else:
             full = full_hf_state(cfg.model, run.hf_fields, cfg.trainer.seed)
         load_full_state(run.modules, full, run.groups)

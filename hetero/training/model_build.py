@@ -71,6 +71,32 @@ def full_hf_state(model_cfg, hf_fields: dict, seed: int) -> dict[str, torch.Tens
     return full
 
 
+def hf_shapes(model_cfg, hf_fields: dict) -> dict[str, tuple[int, ...]]:
+    """The HF-layout key -> shape of the whole model, from a build on the meta device (no memory, no init)."""
+    pgs = single_rank_pgs()
+    with torch.device("meta"):
+        llm = HybridLM(hybrid_config_from_hf(hf_fields), pgs)
+        media = {k: _media_module(spec, model_cfg, llm.config.hidden_size, pgs)
+                 for k, spec in module_specs(model_cfg).items() if k != LANGUAGE}
+        return {k: tuple(v.shape) for k, v in export_hf(MultimodalModel(llm, media)).items()}
+
+
+def check_checkpoint_tensors(source: str, full: dict[str, torch.Tensor], model_cfg, hf_fields: dict) -> None:
+    """Every tensor of the checkpoint is one the model holds, with its shape, and none is missing: otherwise
+    one error listing every difference (key, shapes), before any weight is loaded."""
+    want, got = hf_shapes(model_cfg, hf_fields), {k: tuple(v.shape) for k, v in full.items()}
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    wrong = [f"{k}: checkpoint {got[k]}, model {want[k]}" for k in sorted(set(want) & set(got)) if want[k] != got[k]]
+    if missing or extra or wrong:
+        parts = [f"{len(missing)} missing (the model needs them): " + ", ".join(f"{k} {want[k]}" for k in missing[:20]),
+                 f"{len(extra)} left over (the model has no such tensor): " + ", ".join(
+                     f"{k} {got[k]}" for k in extra[:20]),
+                 f"{len(wrong)} of another shape: " + "; ".join(wrong[:20])]
+        raise ValueError(f"model.checkpoint={source} does not hold this model's tensors ("
+                         f"{' | '.join(p for p, n in zip(parts, (missing, extra, wrong)) if n)}); give the "
+                         f"checkpoint's own config.json, or a checkpoint of the model named by model.llm/vision/audio")
+
+
 def module_configs(layout: HeteroLayout, hf_fields: dict) -> dict:
     """Per module key the config its layout needs (the LLM's HybridConfig carries TP/PP/CP sizes)."""
     lang = layout[LANGUAGE]

@@ -4,16 +4,19 @@
 
 A run's config (recipes/config.py) names each encoder by module key: `model.<key>` (a registry name, or
 None for no such encoder), `model.freeze_<key>`, `optim.lr_<key>` (None = `optim.lr`); the LLM is
-`model.llm`, `model.freeze_llm`, `optim.lr`. Everything downstream (layout resolution, model building, the
+`model.llm`, `model.freeze_llm`, `optim.lr`. Fine-tuning a released checkpoint (`model.checkpoint=DIR` with
+DIR/config.json) takes the encoders DIR describes instead (released_encoders). Everything downstream (layout resolution, model building, the
 optimizers, the data side's placeholder sizes) iterates these specs instead of naming vision and audio.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from tessera.hetero.plan.layout import LANGUAGE
-from tessera.models import configs, encoders
+from tessera.models import configs, encoders, released
 
 ENCODER_KEYS = ("vision", "audio")  # encoder module keys a run config can set (each = a modality)
 
@@ -38,22 +41,55 @@ def module_specs(model, optim=None) -> dict[str, ModuleSpec]:
         raise ValueError(f"unknown LLM model.llm={model.llm!r}; registered LLMs (models/configs.py): "
                          f"{', '.join(sorted(configs.REGISTRY))}")
     base_lr = getattr(optim, "lr", None)
+    released = released_encoders(model)
     specs = {}
     for key in ENCODER_KEYS:
-        name = getattr(model, key, None)
+        name = released.get(key) if released is not None else getattr(model, key, None)
         if name is None:
             continue
-        if name not in encoders.REGISTRY:
+        if not encoders.is_known(name):
             raise ValueError(f"unknown encoder model.{key}={name!r}; registered {key} encoders "
                              f"(models/encoders.py): {_names(key)}")
-        if encoders.REGISTRY[name]["modality"] != key:
-            raise ValueError(f"model.{key}={name!r} is an encoder of modality "
-                             f"{encoders.REGISTRY[name]['modality']!r}; {key} encoders: {_names(key)}")
+        modality = encoders.encoder_config(name)["modality"]
+        if modality != key:
+            raise ValueError(f"model.{key}={name!r} is an encoder of modality {modality!r}; {key} encoders: "
+                             f"{_names(key)}")
         lr = getattr(optim, f"lr_{key}", None) if optim is not None else None
         specs[key] = ModuleSpec(key, name, bool(getattr(model, f"freeze_{key}", False)),
                                 lr if lr is not None else base_lr, encoders.has_tensor_parallel(name))
     specs[LANGUAGE] = ModuleSpec(LANGUAGE, model.llm, bool(getattr(model, "freeze_llm", False)), base_lr, True)
     return specs
+
+
+def released_encoders(model) -> dict[str, str] | None:
+    """For `model.checkpoint` = a released-architecture HF directory (config.json, no tessera.json): module key
+    -> `hf:<dir>#<key>` for each encoder its config.json describes; those replace model.vision / model.audio
+    (the checkpoint defines the model). None for from-scratch runs and Tessera's own checkpoints/exports."""
+    source = getattr(model, "checkpoint", None)
+    if not source or not released.is_released_checkpoint(source):
+        return None
+    return {m: released.encoder_name(source, m) for m in released.modalities_of(released.read_config(source))}
+
+
+def checkpoint_llm_fields(source: str | None) -> dict | None:
+    """The LLM's NemotronH config fields the checkpoint to start from defines, so fine-tuning builds exactly
+    that shape: a Tessera export's tessera.json, a released directory's config.json (models/released.py), a
+    Tessera checkpoints/ directory's common state; None when there is no checkpoint or it says nothing."""
+    if not source:
+        return None
+    path = Path(source).expanduser()
+    if (path / "tessera.json").exists():
+        return json.loads((path / "tessera.json").read_text())["llm_hf_config"]
+    if released.is_released_checkpoint(path):
+        return released.llm_fields_of(released.read_config(path))
+    from tessera.hetero.training.checkpoint import latest_checkpoint  # megatron's checkpointing: load lazily
+
+    ckpt = latest_checkpoint(path)
+    if ckpt is not None:
+        from megatron.core import dist_checkpointing
+
+        return json.loads(dist_checkpointing.load_common_state_dict(str(ckpt))["common"]["llm_hf_config"])
+    return None
 
 
 def encoder_names(model) -> dict[str, str]:

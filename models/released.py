@@ -1,0 +1,166 @@
+"""A released checkpoint's config.json -> the Tessera module configs that hold exactly its tensors.
+
+    fields = llm_fields_of(config)                   # NemotronH config.json fields of the LLM
+    cfg = encoder_config("hf:/ckpt/dir#vision")      # models/encoders.py resolves such names here
+
+Fine-tuning `model.checkpoint=DIR` builds the model DIR describes - any size, any hybrid pattern, with or
+without audio - instead of the recipe's registry names (those are for from-scratch runs). Two layouts:
+  nemotron_h        NemotronHForCausalLM: the LLM alone
+  nemotron_h_omni   transformers' NemotronH_Omni_Reasoning_V3 (Nemotron 3 Nano Omni): text_config (NemotronH),
+                    vision_config (RadioConfig), audio_config (ParakeetEncoderConfig, optional), the projector
+                    widths, the pixel-shuffle ratio and the video temporal patch
+transformers' own config classes parse the file, so legacy field names (`llm_config`, `sound_config`,
+`vit_hidden_size`, ...) mean here what they mean there. An encoder taken from a checkpoint is named
+`hf:<absolute dir>#<modality>`: a plain string that every process (launcher, ranks, loader workers, the
+planner) resolves to the same config, so the data side sizes placeholders from the very encoder it feeds.
+
+What the config cannot say comes from the registry family it belongs to: the tile size of the fixed-tile
+data path (512, the Nano V2 VL convention; native-resolution Omni inputs are issue 15's input parity) and
+the mel front end of the audio encoder (NeMo's, at the checkpoint's mel bins).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PREFIX = "hf:"  # an encoder named `hf:<dir>#<modality>` is the one <dir>/config.json describes
+OMNI, NEMOTRON_H = "nemotron_h_omni", "nemotron_h"
+RADIO_CONDITIONER = "vision_model.radio_model.input_conditioner.norm_mean"
+_LLM_ONLY_KEYS = ("architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "auto_map")
+
+
+class CheckpointConfigError(ValueError):
+    """config.json is missing, unreadable or of an architecture Tessera does not load."""
+
+
+def read_config(directory: str | Path) -> dict:
+    path = Path(directory).expanduser() / "config.json"
+    from transformers import PretrainedConfig
+
+    try:  # transformers' reader: it also decodes the {"__float__": "Infinity"} its writer emits
+        config = PretrainedConfig._dict_from_json_file(path)
+    except FileNotFoundError:
+        raise CheckpointConfigError(f"{path} not found: an HF checkpoint directory holds config.json next to "
+                                    f"its *.safetensors (as save_pretrained writes them)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointConfigError(f"{path} is unreadable ({type(e).__name__}: {e})") from None
+    if config.get("model_type") not in (OMNI, NEMOTRON_H):
+        raise CheckpointConfigError(
+            f"{path}: model_type {config.get('model_type')!r} (architectures {config.get('architectures')}) is not "
+            f"a checkpoint Tessera loads; it loads {NEMOTRON_H!r} (NemotronHForCausalLM) and {OMNI!r} "
+            f"(NemotronH_Omni_Reasoning_V3, Nemotron 3 Nano Omni)")
+    return config
+
+
+def is_released_checkpoint(directory: str | Path) -> bool:
+    """An HF directory whose config.json defines the model: as released, not a Tessera export (those carry
+    tessera.json with the run's own model config) nor a Tessera checkpoints/ directory."""
+    d = Path(directory).expanduser()
+    return (d / "config.json").is_file() and not (d / "tessera.json").is_file()
+
+
+def _omni(config: dict):
+    from transformers import NemotronH_Omni_Reasoning_V3_Config
+
+    return NemotronH_Omni_Reasoning_V3_Config(**{k: v for k, v in config.items() if k != "model_type"})
+
+
+def llm_fields_of(config: dict) -> dict:
+    """The NemotronH config fields of the checkpoint's language model, as models/configs.py spells them
+    (`hybrid_override_pattern`; transformers stores `layers_block_type` lists and keeps the pattern as a
+    property): NemotronHConfig's own fields, without the generic PretrainedConfig bookkeeping."""
+    from transformers import NemotronHConfig
+
+    if config.get("model_type") == OMNI:
+        c = _omni(config).text_config
+    else:
+        c = NemotronHConfig(**{k: v for k, v in config.items() if k not in _LLM_ONLY_KEYS})
+    own = set(NemotronHConfig.__annotations__) - {"layers_block_type", "mtp_layers_block_type", "model_type"}
+    fields = {k: v for k, v in c.to_dict().items() if k in own}
+    fields["hybrid_override_pattern"] = c.hybrid_override_pattern
+    return fields
+
+
+def modalities_of(config: dict) -> list[str]:
+    """Encoder module keys the checkpoint holds ("vision", "audio"), in that order."""
+    if config.get("model_type") != OMNI:
+        return []
+    return ["vision"] + (["audio"] if _omni(config).audio_config is not None else [])
+
+
+def encoder_name(directory: str | Path, modality: str) -> str:
+    return f"{PREFIX}{Path(directory).expanduser().resolve()}#{modality}"
+
+
+def encoder_config_of(name: str) -> dict:
+    """The encoder config (models/encoders.py fields) that `hf:<dir>#<modality>` names."""
+    directory, _, modality = name[len(PREFIX):].rpartition("#")
+    config = read_config(directory)
+    if modality not in modalities_of(config):
+        raise CheckpointConfigError(f"encoder {name!r}: {directory}/config.json has no {modality} encoder "
+                                    f"(it has {modalities_of(config) or 'none'})")
+    omni = _omni(config)
+    cfg = _vision(omni, directory) if modality == "vision" else _audio(omni)
+    cfg["name"] = name
+    return cfg
+
+
+def _stores(directory: str, key: str) -> bool:
+    """Whether the checkpoint's safetensors hold `key` (headers only)."""
+    from safetensors import safe_open
+
+    from tessera.models.nemotron_h_hf import safetensors_files
+
+    for f in safetensors_files(directory):
+        with safe_open(str(f), "pt") as st:
+            if key in st.keys():
+                return True
+    return False
+
+
+# Every field of a models/encoders.py entry is set below (encoders.encoder_config checks the key sets agree).
+def _vision(omni, directory: str) -> dict:
+    v = omni.vision_config
+    if v.use_swiglu_ffn or not v.qkv_bias or v.hidden_act != "gelu":
+        raise CheckpointConfigError(f"vision_config: Tessera's RADIO has a GELU MLP and QKV bias "
+                                    f"(got use_swiglu_ffn={v.use_swiglu_ffn}, qkv_bias={v.qkv_bias}, "
+                                    f"hidden_act={v.hidden_act!r})")
+    shuffle = round(1 / omni.downsample_ratio)
+    if abs(shuffle * omni.downsample_ratio - 1) > 1e-6:
+        raise CheckpointConfigError(f"downsample_ratio {omni.downsample_ratio} is not 1/n")
+    return dict(
+        family="radio", modality="vision", patch=v.patch_size, hidden=v.hidden_size, layers=v.num_hidden_layers,
+        heads=v.num_attention_heads, ffn=int(v.hidden_size * v.mlp_ratio), eps=v.layer_norm_eps, act="gelu",
+        prefix_tokens=v.num_cls_tokens + v.num_registers, pos_grid=v.max_img_size // v.patch_size,
+        pos_interp="bilinear", pos_resize="cpe", pixel_shuffle=shuffle,
+        temporal_patch=v.video_temporal_patch_size or 0, mean=tuple(v.norm_mean), std=tuple(v.norm_std),
+        projector_hidden=omni.projector_hidden_size,
+        # the fixed-tile data path: 512-px tiles as the released VL models, or the position table's extent
+        # when that is smaller (tiny test checkpoints)
+        tile=min(512, v.max_img_size),
+        # the Omni model's vision_final_layernorm exists only when its LLM has MTP layers
+        final_norm=bool(omni.text_config.num_nextn_predict_layers), layer_scale=v.layerscale_value,
+        summary_idxs=tuple(v.summary_idxs), input_conditioner=_stores(directory, RADIO_CONDITIONER))
+
+
+def _audio(omni) -> dict:
+    a = omni.audio_config
+    if a.hidden_act != "silu" or a.subsampling_conv_kernel_size != 3 or a.subsampling_conv_stride != 2:
+        raise CheckpointConfigError(f"audio_config: Tessera's Parakeet encoder has SiLU and 3x3 stride-2 "
+                                    f"subsampling convs (got {a.hidden_act}, {a.subsampling_conv_kernel_size}, "
+                                    f"{a.subsampling_conv_stride})")
+    if getattr(a, "projection_bias", False):
+        raise CheckpointConfigError("audio_config.projection_bias=True: the released sound projector has no "
+                                    "biases, and Tessera's SoundProjector neither")
+    if a.intermediate_size % a.hidden_size:
+        raise CheckpointConfigError(f"audio_config.intermediate_size {a.intermediate_size} is not a multiple of "
+                                    f"hidden_size {a.hidden_size}")
+    return dict(
+        family="parakeet_hf", modality="audio", n_mels=a.num_mel_bins, hidden=a.hidden_size,
+        layers=a.num_hidden_layers, heads=a.num_attention_heads, ff_expansion=a.intermediate_size // a.hidden_size,
+        conv_kernel=a.conv_kernel_size, subsampling=a.subsampling_factor,
+        subsampling_channels=a.subsampling_conv_channels, attention_bias=a.attention_bias,
+        convolution_bias=a.convolution_bias, scale_input=a.scale_input,
+        projector_hidden=getattr(a, "projection_hidden_size", None) or 4 * a.hidden_size,
+        # the mel front end (NeMo's, as for every audio encoder here): 16 kHz, 25 ms windows, 10 ms hop
+        sample_rate=16000, window_size=0.025, window_stride=0.01, n_fft=512)

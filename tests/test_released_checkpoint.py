@@ -1,0 +1,159 @@
+"""A released-architecture checkpoint (transformers' NemotronH_Omni_Reasoning_V3, saved by save_pretrained as
+NVIDIA released it) builds the model its config.json describes, and every tensor it holds is consumed.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_released_checkpoint.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _mcore_cpu import single_rank_world
+from safetensors.torch import load_file
+
+from tessera.models import configs
+from tessera.models.encoders import encoder_config
+from tessera.models.released import (CheckpointConfigError, encoder_name, llm_fields_of, modalities_of,
+                                     read_config)
+
+# Shapes unlike any registry entry (so nothing can come from a registry name): ViT 48 wide, 8-px patches,
+# a 10x10 position table, 3 prefix tokens; a Parakeet of 24 without attention biases; a MoE hybrid LLM.
+VISION = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2.0, patch_size=8,
+              max_img_size=80, num_cls_tokens=1, num_registers=2, video_temporal_patch_size=2, summary_idxs=[0])
+AUDIO = dict(hidden_size=24, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48, num_mel_bins=16,
+             subsampling_factor=8, subsampling_conv_channels=8, conv_kernel_size=9, projection_hidden_size=40,
+             projection_bias=False)
+TEXT = dict(configs.TINY_MOE, hybrid_override_pattern="M*-E", vocab_size=512)
+
+
+def omni_checkpoint(directory, audio: bool = True, seed: int = 0, text: dict = TEXT):
+    """A random tiny NemotronH_Omni_Reasoning_V3 written by transformers' save_pretrained; returns the model."""
+    from transformers import NemotronH_Omni_Reasoning_V3, NemotronH_Omni_Reasoning_V3_Config
+
+    cfg = NemotronH_Omni_Reasoning_V3_Config(
+        vision_config=dict(VISION), text_config=dict(text), audio_config=dict(AUDIO) if audio else None,
+        vision_hidden_size=VISION["hidden_size"], downsample_ratio=0.5, projector_hidden_size=72)
+    torch.manual_seed(seed)
+    model = NemotronH_Omni_Reasoning_V3(cfg).eval()
+    model.save_pretrained(str(directory))
+    return model
+
+
+def test_config_json_gives_every_module_its_shape(tmp_path):
+    omni_checkpoint(tmp_path)
+    config = read_config(tmp_path)
+    assert modalities_of(config) == ["vision", "audio"]
+    llm = llm_fields_of(config)
+    assert {k: llm[k] for k in TEXT} == TEXT and "model_type" not in llm
+    v = encoder_config(encoder_name(tmp_path, "vision"))
+    assert (v["family"], v["hidden"], v["layers"], v["heads"], v["ffn"], v["patch"], v["pos_grid"],
+            v["prefix_tokens"], v["pixel_shuffle"], v["temporal_patch"], v["projector_hidden"]) == (
+        "radio", 48, 2, 4, 96, 8, 10, 3, 2, 2, 72)
+    a = encoder_config(encoder_name(tmp_path, "audio"))
+    assert (a["family"], a["hidden"], a["layers"], a["heads"], a["ff_expansion"], a["n_mels"], a["subsampling"],
+            a["attention_bias"], a["scale_input"], a["projector_hidden"]) == (
+        "parakeet_hf", 24, 1, 2, 2, 16, 8, False, False, 40)
+
+
+def test_vision_only_checkpoint_has_no_audio_module(tmp_path):
+    omni_checkpoint(tmp_path, audio=False)
+    assert modalities_of(read_config(tmp_path)) == ["vision"]
+    with pytest.raises(CheckpointConfigError, match=r"has no audio encoder"):
+        encoder_config(encoder_name(tmp_path, "audio"))
+
+
+def test_other_architectures_and_missing_config_are_named(tmp_path):
+    with pytest.raises(CheckpointConfigError, match=r"config.json not found"):
+        read_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "architectures": ["LlavaForX"]}))
+    with pytest.raises(CheckpointConfigError, match=r"model_type 'llava' .*LlavaForX.* not a checkpoint Tessera"):
+        read_config(tmp_path)
+
+
+def _tessera_model(directory):
+    from tessera.models.hybrid_llm import HybridLM
+    from tessera.models.multimodal import MultimodalModel, build_media_module
+    from tessera.models.nemotron_h_hf import hybrid_config_from_hf
+
+    pg = single_rank_world()
+    config = read_config(directory)
+    llm = HybridLM(hybrid_config_from_hf(llm_fields_of(config)), pg)
+    media = {m: build_media_module(encoder_name(directory, m), llm.config.hidden_size, pg)
+             for m in modalities_of(config)}
+    return MultimodalModel(llm, media)
+
+
+@pytest.mark.parametrize("audio", [True, False])
+def test_every_released_tensor_is_consumed_and_exported_back(tmp_path, audio):
+    """Import the saved tensors into the model config.json describes, export: the same keys, every tensor
+    torch.equal (no key left over, none invented: no final ViT norm, layer scales and summary_idxs kept)."""
+    from tessera.models.multimodal_hf import export_hf, import_hf
+
+    omni_checkpoint(tmp_path, audio=audio)
+    released = load_file(str(tmp_path / "model.safetensors"))
+    model = _tessera_model(tmp_path)
+    import_hf(model, released)
+    again = export_hf(model)
+    assert sorted(again) == sorted(released)
+    assert [k for k in released if not torch.equal(again[k], released[k])] == []
+
+
+def _finetune(hf_dir: str, run_dir: str, export: str):
+    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+    from tessera.recipes.train import train
+
+    # model.vision/audio/llm keep their registry defaults: the checkpoint's config.json replaces them
+    model = ModelConfig(checkpoint=hf_dir)
+    trainer = TrainerConfig(max_steps=2, run_dir=run_dir, progress=False, tensorboard=False, export_hf=export)
+    return train(model, DataConfig(seq_length=256, rows_per_microbatch=4, microbatches=1), OptimConfig(lr=1e-3),
+                 trainer, layout="vision=dp2@0-1;audio=dp2@0-1;language=tp2@2-3", name="ft_released")
+
+
+@pytest.mark.multiproc
+def test_finetune_a_released_checkpoint_in_a_heterogeneous_layout_and_load_the_export(tmp_path):
+    """Train from the checkpoint's own config (shapes no registry entry has) on 4 ranks, non-colocated, LLM
+    TP2; the export is what transformers loads as it loads the release, every tensor as written."""
+    from transformers import NemotronH_Omni_Reasoning_V3
+
+    from tessera.hetero.tools.spawn import run_on_ranks
+    from tessera.hetero.training.metrics import read_metrics
+
+    src = tmp_path / "released"
+    omni_checkpoint(src, text=dict(configs.TINY_DENSE, vocab_size=512))
+    out = tmp_path / "export"
+    run_on_ranks(4, _finetune, str(src), str(tmp_path / "run"), str(out), timeout=600)
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
+    assert len(losses) == 2 and all(l == l for l in losses)
+    before, after = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(before) == sorted(after) and any(not torch.equal(before[k], after[k]) for k in before)
+    model, info = NemotronH_Omni_Reasoning_V3.from_pretrained(str(out), output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    with __import__("tempfile").TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        again = load_file(f"{d}/model.safetensors")
+    assert sorted(again) == sorted(after) and all(torch.equal(again[k], after[k]) for k in after)
+
+
+def test_wrong_checkpoint_lists_every_mismatch_with_shapes(tmp_path):
+    """A checkpoint whose tensors are not the model's: one error naming missing, left-over and wrong-shape
+    tensors with their shapes, before anything is loaded."""
+    from tessera.hetero.training.model_build import check_checkpoint_tensors
+    from tessera.recipes.config import ModelConfig
+
+    single_rank_world()
+    omni_checkpoint(tmp_path)
+    full = load_file(str(tmp_path / "model.safetensors"))
+    model = ModelConfig(checkpoint=str(tmp_path))
+    fields = llm_fields_of(read_config(tmp_path))
+    check_checkpoint_tensors(str(tmp_path), full, model, fields)  # the checkpoint itself: nothing to say
+    full["vision_model.radio_model.model.extra.weight"] = torch.zeros(3)
+    del full["mlp1.1.weight"]
+    full["sound_projection.linear1.weight"] = torch.zeros(7, 24)
+    with pytest.raises(ValueError) as e:
+        check_checkpoint_tensors(str(tmp_path), full, model, fields)
+    msg = str(e.value)
+    assert "1 missing" in msg and "mlp1.1.weight (72, 192)" in msg
+    assert "1 left over" in msg and "vision_model.radio_model.model.extra.weight (3,)" in msg
+    assert "sound_projection.linear1.weight: checkpoint (7, 24), model (40, 24)" in msg
