@@ -13,32 +13,11 @@ import torch
 from _mcore_cpu import single_rank_world
 from safetensors.torch import load_file
 
-from tessera.models import configs
 from tessera.models.encoders import encoder_config
 from tessera.models.released import (CheckpointConfigError, encoder_name, llm_fields_of, modalities_of,
                                      read_config)
-
-# Shapes unlike any registry entry (so nothing can come from a registry name): ViT 48 wide, 8-px patches,
-# a 10x10 position table, 3 prefix tokens; a Parakeet of 24 without attention biases; a MoE hybrid LLM.
-VISION = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2.0, patch_size=8,
-              max_img_size=80, num_cls_tokens=1, num_registers=2, video_temporal_patch_size=2, summary_idxs=[0])
-AUDIO = dict(hidden_size=24, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48, num_mel_bins=16,
-             subsampling_factor=8, subsampling_conv_channels=8, conv_kernel_size=9, projection_hidden_size=40,
-             projection_bias=False)
-TEXT = dict(configs.TINY_MOE, hybrid_override_pattern="M*-E", vocab_size=512)
-
-
-def omni_checkpoint(directory, audio: bool = True, seed: int = 0, text: dict = TEXT):
-    """A random tiny NemotronH_Omni_Reasoning_V3 written by transformers' save_pretrained; returns the model."""
-    from transformers import NemotronH_Omni_Reasoning_V3, NemotronH_Omni_Reasoning_V3_Config
-
-    cfg = NemotronH_Omni_Reasoning_V3_Config(
-        vision_config=dict(VISION), text_config=dict(text), audio_config=dict(AUDIO) if audio else None,
-        vision_hidden_size=VISION["hidden_size"], downsample_ratio=0.5, projector_hidden_size=72)
-    torch.manual_seed(seed)
-    model = NemotronH_Omni_Reasoning_V3(cfg).eval()
-    model.save_pretrained(str(directory))
-    return model
+# the tiny release: shapes unlike any registry entry, so nothing can come from a registry name
+from tessera.scripts.tiny_release import AUDIO, DENSE_TEXT, TEXT, VISION, omni_checkpoint  # noqa: F401
 
 
 def test_config_json_gives_every_module_its_shape(tmp_path):
@@ -121,7 +100,7 @@ def test_finetune_a_released_checkpoint_in_a_heterogeneous_layout_and_load_the_e
     from tessera.hetero.training.metrics import read_metrics
 
     src = tmp_path / "released"
-    omni_checkpoint(src, text=dict(configs.TINY_DENSE, vocab_size=512))
+    omni_checkpoint(src, text=DENSE_TEXT)
     out = tmp_path / "export"
     run_on_ranks(4, _finetune, str(src), str(tmp_path / "run"), str(out), timeout=600)
     losses = [r["loss"] for r in read_metrics(tmp_path / "run")]

