@@ -1,0 +1,262 @@
+"""The training loss is the oracle's (issue 15, item 5): on the same samples, the first-step loss Tessera's
+trainer logs in a heterogeneous layout equals the loss transformers' NemotronH_Omni_Reasoning_V3 gives them
+(fp32, relative error <= 1e-4).
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_released_loss.py -q -s
+
+The run: a tiny random Omni checkpoint (save_pretrained, image/audio token ids = the Tessera tokenizer's
+`<image>` / `<audio>`, vocabulary = the tokenizer's), a small data set of image-only, audio-only and
+text+image conversations, one step on 4 gloo ranks (vision and audio dp2 on ranks 0-1, the LLM tp2 on
+ranks 2-3); the loss of step 1 is computed before the update.
+The oracle: the same first microbatch rebuilt in this process by the trainer's loader (same data set, seed
+and arguments as hetero/training/loop._build_loader, every row decoded); every packed document on its own
+(packing restarts attention and Mamba state at each document) through the Omni model's forward:
+  input_ids       the document's tokens, media placeholders being the config's image/audio token ids
+  pixel_values    every tile Tessera encoded as one image of (tile/patch)^2 patches, normalised with the
+  image_grid_hw   config's mean/std, flattened as transformers' image processor does (packed patches)
+  input_features  the mel features Tessera's audio encoder computes from the same waveform (NeMo front end;
+                  the Omni processor's own features are input parity, not this test), with their mask
+then cross entropy of its logits against Tessera's labels at the same positions, summed over every target
+token of the microbatch and divided by their count (Tessera's normaliser, hetero/training/stages.py).
+The oracle runs in eval mode except for the Parakeet conformer's BatchNorm: a training step normalises each
+clip with its own statistics (Tessera encodes every media item alone), so transformers' BatchNorm is in
+training mode too (in eval it would use the running statistics: another function).
+Not covered: video. Tessera's training video path encodes per-frame tiles, the Omni model tubelets + EVS.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from tessera.scripts.tiny_release import AUDIO, VISION
+
+from tessera.models import configs
+
+LAYOUT = "vision=dp2@0-1;audio=dp2@0-1;language=tp2@2-3"
+SEQ, ROWS = 384, 2
+TOL = 1e-4
+
+
+KINDS = ("image", "audio", "chat", "audio")
+
+
+def _kind(key: str) -> str:
+    """image (caption), audio (caption) or chat (text + image, two turns) from a sample key."""
+    return KINDS[int(key.rsplit("_", 1)[1]) % len(KINDS)]
+
+
+def _tone(rng: random.Random) -> tuple[bytes, str, str]:
+    """A 5-8 s tone at 16 or 22.05 kHz, mono or stereo (22.05 kHz is resampled by the loader); long, so that
+    the audio documents pack into the first microbatch. Every length here has a mel frame count n = samples //
+    160 that is not a multiple of 8: only there do Tessera's placeholders (ceil(n / 8), the encoder's valid
+    frames) and the Omni model's audio embeddings (get_audio_features keeps ceil((n + 1) / 8)) agree."""
+    import io
+    import math
+
+    import soundfile as sf
+
+    rate, seconds, channels = rng.choice([16000, 22050]), rng.choice([5.3, 6.1, 7.7]), rng.choice([1, 2])
+    freq = rng.choice([220, 330, 440, 660, 880])
+    t = np.arange(int(rate * seconds)) / rate
+    wave = (0.3 * np.sin(2 * math.pi * freq * t) + 0.05 * np.sin(2 * math.pi * 3.1 * freq * t)) * np.minimum(1, 10 * t)
+    buf = io.BytesIO()
+    sf.write(buf, np.stack([wave] * channels, axis=1).astype(np.float32), rate, format="FLAC")
+    return buf.getvalue(), "flac", f"A steady {freq} hertz tone with a faint overtone, {seconds} seconds long."
+
+
+def _records(n: int = 12, seed: int = 3):
+    """(key, conversation, media) cycling through KINDS."""
+    from tessera.data.prepare import caption_chat, synth_image
+
+    rng = random.Random(seed)
+    for i in range(n):
+        kind = _kind(key := f"loss_{i:04d}")
+        if kind != "chat":
+            data, ext, text = {"image": synth_image, "audio": _tone}[kind](rng)
+            yield key, caption_chat(kind, text), [(kind, ext, data)]
+            continue
+        data, ext, text = synth_image(rng)
+        conversation = [
+            {"role": "system", "content": "You are a helpful multimodal assistant."},
+            {"role": "user", "content": "Look at this: <image>"},
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": "Which shape is it, and how large is the picture?"},
+            {"role": "assistant", "content": f"The shape is described above: {text.lower()}"},
+        ]
+        yield key, conversation, [("image", ext, data)]
+
+
+def _dataset(root):
+    """Shards + energon index + a SentencePiece tokenizer (root/tokenizer.model) trained on the texts."""
+    from tessera.data.prepare import energon_prepare, write_shards
+    from tessera.data.tokens import Tokenizer, train_sentencepiece
+
+    records = list(_records())
+    write_shards(iter(records), root, shard_size=6)
+    energon_prepare(root)
+    texts = [t["content"] for _, conv, _ in records for t in conv] * 4
+    train_sentencepiece(texts + ["user\n", "assistant\n", "system\n"], root / "tokenizer", vocab_size=400)
+    return Tokenizer(root / "tokenizer.model")
+
+
+def _checkpoint(directory, tok) -> None:
+    """A random tiny Omni model whose media token ids and vocabulary are the tokenizer's; every parameter
+    that starts constant (norm weights, biases, layer scales, BatchNorm affine) is perturbed, so none is an
+    identity that would hide a mistake."""
+    from transformers import NemotronH_Omni_Reasoning_V3, NemotronH_Omni_Reasoning_V3_Config
+
+    cfg = NemotronH_Omni_Reasoning_V3_Config(
+        vision_config=dict(VISION), audio_config=dict(AUDIO),
+        text_config=dict(configs.TINY_DENSE, vocab_size=tok.vocab_size),  # not a multiple of 128: padded rows
+        vision_hidden_size=VISION["hidden_size"], downsample_ratio=0.5, projector_hidden_size=72,
+        image_token_id=tok.special["<image>"], audio_token_id=tok.special["<audio>"])
+    torch.manual_seed(0)
+    model = NemotronH_Omni_Reasoning_V3(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:  # unit gain instead of std 0.02, so the media reach the predictions measurably
+                p.normal_(0.0, p[0].numel() ** -0.5 if p.shape[0] > 1 else 0.5)
+            elif p.numel() > 1 and bool((p == p.flatten()[0]).all()):
+                p.add_(0.2 * torch.randn_like(p))
+        model.language_model.lm_head.weight.mul_(4.0)  # confident predictions: the loss moves with the logits
+    model.save_pretrained(str(directory))
+
+
+def _configs(ckpt: str, data_path: str):
+    from tessera.recipes.config import DataConfig, ModelConfig
+
+    return ModelConfig(checkpoint=ckpt), DataConfig(path=data_path, seq_length=SEQ, rows_per_microbatch=ROWS,
+                                                    microbatches=1)
+
+
+def _first_step(ckpt: str, data_path: str, run_dir: str):
+    """On every rank: one training step from the checkpoint in LAYOUT."""
+    from tessera.recipes.config import OptimConfig, TrainerConfig
+    from tessera.recipes.train import train
+
+    model, data = _configs(ckpt, data_path)
+    trainer = TrainerConfig(max_steps=1, run_dir=run_dir, progress=False, tensorboard=False)
+    return train(model, data, OptimConfig(lr=1e-3), trainer, layout=LAYOUT, name="released_loss")
+
+
+def _first_batch(model, data):
+    """The trainer's first microbatch (hetero/training/loop._build_loader's arguments on the CPU), with the
+    media of every row decoded (decode=None) instead of this rank's share."""
+    from tessera.data.loader import close_loader
+    from tessera.data.pipeline import build_train_loader
+    from tessera.hetero.training.run_modules import encoder_names
+
+    tok = data.tokenizer or f"{data.path}/tokenizer.model"
+    loader = build_train_loader(data.path, tok, encoder_names(model), data.seq_length, data.rows_per_microbatch,
+                                decode=None, num_workers=data.num_workers, seed=data.seed, max_tiles=data.max_tiles,
+                                video_frames=data.video_frames, video_pruning=model.video_pruning, state=None,
+                                defer_upscale=False)
+    try:
+        return next(iter(loader))
+    finally:
+        close_loader(loader)
+
+
+def _documents(batch):
+    """Every packed document of the microbatch: tokens, labels and its media items in order."""
+    docs = []
+    for r in range(batch.tokens.shape[0]):
+        cu = batch.cu_seqlens[r].tolist()
+        spans = {m: [] for m in batch.media_meta[r]}  # module -> [(first, last position, kind, item)]
+        for m, meta in batch.media_meta[r].items():
+            pos, k = batch.positions[r][m], 0
+            for (kind, units, n), (kind2, item) in zip(meta, batch.media[r][m], strict=True):
+                assert kind == kind2 and len(item) == units
+                spans[m].append((int(pos[k]), int(pos[k + n - 1]), kind, item))
+                k += n
+            assert k == len(pos)
+        for j, key in enumerate(batch.keys[r]):
+            a, b = cu[j], cu[j + 1]
+            media = {m: [(kind, item) for lo, hi, kind, item in s if a <= lo <= hi < b] for m, s in spans.items()}
+            docs.append(dict(key=key, tokens=batch.tokens[r, a:b], labels=batch.labels[r, a:b], **media))
+    assert sum(len(d.get(m, [])) for d in docs for m in ("vision", "audio")) == sum(
+        len(v) for row in batch.media for v in row.values()), "a media item outside its document"
+    return docs
+
+
+def _processor_pixels(tiles: torch.Tensor, patch: int, mean, std) -> torch.Tensor:
+    """uint8 [T, 3, H, W] -> [T * (H/p)(W/p), 3 * p * p]: NemotronH_Omni_Reasoning_V3ImageProcessor's steps for
+    an image already at its patch grid (its module needs torchvision, which this venv lacks): float32, the
+    fused rescale + normalize (mean and std scaled by 1 / rescale_factor, then torchvision's normalize:
+    subtract, divide) and convert_image_to_patches (row-major patches, each channel-major)."""
+    x = tiles.to(torch.float32)
+    rescale_factor = 1 / 255
+    fused_mean = torch.tensor(mean) * (1.0 / rescale_factor)
+    fused_std = torch.tensor(std) * (1.0 / rescale_factor)
+    x = x.sub_(fused_mean.view(-1, 1, 1)).div_(fused_std.view(-1, 1, 1))
+    n, c, h, w = x.shape
+    x = x.reshape(n, c, h // patch, patch, w // patch, patch).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(n * (h // patch) * (w // patch), c * patch * patch)
+
+
+def _oracle_inputs(doc, vcfg, audio_encoder) -> dict:
+    inputs = {"input_ids": doc["tokens"][None]}
+    tiles = [torch.as_tensor(np.asarray(item)) for kind, item in doc.get("vision", [])]
+    if tiles:
+        assert all(kind == "image" for kind, _ in doc["vision"]), "video is not part of this test"
+        tiles = torch.cat(tiles)  # uint8 [T, 3, tile, tile]: each tile one image, not resized again
+        side = tiles.shape[-1] // vcfg["patch"]
+        inputs["pixel_values"] = _processor_pixels(tiles, vcfg["patch"], vcfg["mean"], vcfg["std"])
+        inputs["image_grid_hw"] = torch.tensor([[side, side]] * tiles.shape[0])
+    clips = doc.get("audio", [])
+    if clips:
+        assert len(clips) == 1, "one clip per document: a batch of clips would share BatchNorm statistics"
+        feats, feat_len = audio_encoder.features([torch.as_tensor(np.asarray(clips[0][1]))])  # [1, mels, t]
+        inputs["input_features"] = feats.transpose(1, 2)
+        inputs["input_features_mask"] = torch.arange(feats.shape[-1])[None] < feat_len[:, None]
+    return inputs
+
+
+def oracle_loss(ckpt: str, batch) -> tuple[float, int, dict]:
+    """(loss, target tokens, documents per kind) of transformers' Omni model on the microbatch."""
+    from transformers import NemotronH_Omni_Reasoning_V3
+
+    from tessera.models.audio import AUDIO_FAMILIES
+    from tessera.models.encoders import encoder_config
+    from tessera.models.released import encoder_name
+
+    model = NemotronH_Omni_Reasoning_V3.from_pretrained(ckpt, dtype=torch.float32).eval()
+    for m in model.modules():  # a training step: BatchNorm with the clip's own statistics (module docstring)
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            m.train()
+    vcfg, acfg = encoder_config(encoder_name(ckpt, "vision")), encoder_config(encoder_name(ckpt, "audio"))
+    audio_encoder = AUDIO_FAMILIES[acfg["family"]](acfg)  # only its mel front end is used
+    total, count, kinds = torch.zeros((), dtype=torch.float64), 0, {}
+    with torch.no_grad():
+        for doc in _documents(batch):
+            kinds[_kind(doc["key"])] = kinds.get(_kind(doc["key"]), 0) + 1
+            logits = model(**_oracle_inputs(doc, vcfg, audio_encoder)).logits[0]
+            assert logits.shape == (len(doc["tokens"]), model.config.text_config.vocab_size)
+            labels = doc["labels"]
+            total += torch.nn.functional.cross_entropy(logits.double(), labels, ignore_index=-100, reduction="sum")
+            count += int((labels != -100).sum())
+    return float(total / count), count, kinds
+
+
+@pytest.mark.multiproc
+def test_first_step_loss_equals_transformers_omni(tmp_path):
+    from tessera.hetero.tools.spawn import run_on_ranks
+    from tessera.hetero.training.metrics import read_metrics
+
+    data_path, ckpt = tmp_path / "data", tmp_path / "released"
+    _checkpoint(ckpt, _dataset(data_path))
+    run_on_ranks(4, _first_step, str(ckpt), str(data_path), str(tmp_path / "run"), timeout=300)
+    (record,) = read_metrics(tmp_path / "run")
+
+    batch = _first_batch(*_configs(str(ckpt), str(data_path)))
+    ref, count, kinds = oracle_loss(str(ckpt), batch)
+    # the rebuilt microbatch is the trainer's: same target-token count, and every kind of document is in it
+    assert count == record["target_tokens"], (count, record["target_tokens"])
+    assert set(kinds) == {"image", "audio", "chat"}, kinds
+    err = abs(record["loss"] - ref) / abs(ref)
+    print(f"\nfirst-step loss: tessera {record['loss']:.8f}  transformers {ref:.8f}  rel err {err:.2e}  "
+          f"({count} target tokens, documents {kinds})")
+    assert err <= TOL
