@@ -77,3 +77,22 @@ def test_a_broken_schedule_is_reported():
     schedules[0] = [op for op in schedules[0] if op != Op("boundary_fwd", "vision", 1)]  # rank 0 skips one
     with pytest.raises(ScheduleError, match="deadlock; blocked: rank"):
         check_schedule(schedules, layout)
+
+
+def test_boundary_rendezvous_waits_for_every_participant_in_order():
+    """A rendezvous completes only when every participant stands at that very op: two encoder ranks that
+    run their boundaries in different microbatch orders deadlock, and a rank outside the boundary's group
+    running it is named."""
+    layout = HeteroLayout.parse("vision=dp2@0-1;language=dp2@2-3").validate()
+    schedules = build_schedule(layout, 2)
+    a, b = Op("boundary_fwd", "vision", 0), Op("boundary_fwd", "vision", 1)
+    ops = schedules[1]
+    i, j = ops.index(a), ops.index(b)
+    ops[i], ops[j] = ops[j], ops[i]
+    with pytest.raises(ScheduleError, match="deadlock; blocked: rank 0: boundary_fwd"):
+        check_schedule(schedules, layout)
+    schedules = build_schedule(layout, 2)
+    stranger = HeteroLayout.parse("vision=dp2@0-1;language=dp2@2-3;audio=dp1@4-4").validate()
+    schedules.update({4: [a]})  # rank 4 (audio) is no participant of the vision boundary
+    with pytest.raises(ScheduleError, match="rank 4 runs boundary_fwd\\(vision,mb0\\) but is not one of"):
+        check_schedule(schedules, stranger)

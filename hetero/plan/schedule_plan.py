@@ -146,6 +146,9 @@ def check_schedule(schedules: dict[int, list[Op]], layout: HeteroLayout) -> int:
     participants = {k: boundary_participants(layout, k) for k in layout.encoders}
     pc = {r: 0 for r in schedules}
     channels: dict[tuple[int, int], deque] = defaultdict(deque)
+    # participants standing at each pending boundary op: counted as they arrive, so a rendezvous costs its
+    # group size once, not once per arrival (that made the check quadratic in the world size)
+    arrived: dict[Op, set[int]] = defaultdict(set)
     ran = 0
     while True:
         progressed = False
@@ -163,9 +166,13 @@ def check_schedule(schedules: dict[int, list[Op]], layout: HeteroLayout) -> int:
                         raise ScheduleError(f"rank {r} {op} received {got} from {op.peer}: out of order")
                 elif op.kind.startswith("boundary"):
                     group = participants[op.module]
-                    waiting = [q for q in group if pc[q] >= len(schedules[q]) or schedules[q][pc[q]] != op]
-                    if waiting:
+                    if r not in group:
+                        raise ScheduleError(f"rank {r} runs {op} but is not one of its participants")
+                    here = arrived[op]
+                    here.add(r)
+                    if len(here) < len(group):
                         break
+                    del arrived[op]
                     for q in group:  # the rendezvous completes for all participants at once
                         if q != r:
                             pc[q] += 1
