@@ -11,6 +11,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tessera.hetero.plan.lora import LORA_TARGETS, lora_targets, validate_lora
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (`model.lora.rank=8`): the base weights freeze, W x + (alpha/rank) B A x trains."""
+
+    rank: int = 0                           # 0 = no LoRA (full fine-tuning)
+    alpha: float = 32.0                     # scale = alpha / rank
+    targets: tuple[str, ...] = LORA_TARGETS  # layer names to adapt, from LORA_TARGETS
+    dropout: float = 0.0                    # only 0 is implemented
+    export: str = "both"                    # trainer.export_hf writes "merged" weights, the "adapters" alone, or "both"
+
+    def __post_init__(self):
+        self.targets = lora_targets(self.targets)
+        validate_lora(self.rank, self.alpha, self.targets, self.dropout, self.export)
+
 
 @dataclass
 class ModelConfig:
@@ -23,6 +40,7 @@ class ModelConfig:
     video_pruning: float = 0.0              # fraction of video tokens dropped (EVS-style), 0 = keep all
     checkpoint: str | None = None           # initialise from an HF directory or a Tessera checkpoint
     dtype: str = "float32"                  # "float32" | "bfloat16"
+    lora: LoraConfig = field(default_factory=LoraConfig)  # rank > 0: train adapters only (hetero/training/lora.py)
 
 
 @dataclass

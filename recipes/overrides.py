@@ -12,7 +12,7 @@ import nemo_run as run
 from nemo_run.cli import cli_parser
 
 from tessera.recipes import checks
-from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+from tessera.recipes.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
 
 def _teach_parser(*classes) -> None:
@@ -40,7 +40,7 @@ def _teach_parser(*classes) -> None:
                 tp.register_parser(f.type)(parse_as(hints[f.name]))
 
 
-_teach_parser(ModelConfig, DataConfig, OptimConfig, TrainerConfig, RunConfig)
+_teach_parser(ModelConfig, LoraConfig, DataConfig, OptimConfig, TrainerConfig, RunConfig)
 
 
 def apply_overrides(cfg: run.Config, overrides: list[str]) -> run.Config:

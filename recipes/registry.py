@@ -28,7 +28,7 @@ import nemo_run as run
 from tessera.hetero.plan.layout import HeteroLayout, scale_layout
 from tessera.hetero.training.run_modules import ENCODER_KEYS
 from tessera.recipes.full_size import RECIPES as PLANNED  # the planner's layout per full-size recipe
-from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+from tessera.recipes.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
 GPU_COUNTS = (8, 16, 32, 64)
 GLOBAL_BATCH = 128  # sequences per optimizer step when the planner gives none
@@ -112,7 +112,8 @@ def pretrain_stage(cfg: run.Config[RunConfig]) -> run.Config[RunConfig]:
 def _tiny(family: str, vision: str | None, audio: str | None) -> run.Config[RunConfig]:
     return _run(
         f"nemotron_{family}_tiny",
-        model=run.Config(ModelConfig, llm="nemotron_h_tiny_dense", vision=vision, audio=audio, dtype="float32"),
+        model=run.Config(ModelConfig, llm="nemotron_h_tiny_dense", vision=vision, audio=audio, dtype="float32",
+                         lora=run.Config(LoraConfig)),  # a run.Config so `model.lora.rank=8` overrides it
         layout=_TINY_LAYOUTS[family],
         data=run.Config(DataConfig, path=None, seq_length=256, rows_per_microbatch=4, microbatches=2,
                         max_tiles=2, video_frames=4),
@@ -152,7 +153,8 @@ def _full(name: str, gpus: int, llm: str, audio: str | None) -> run.Config[RunCo
     return _run(
         name,
         # checkpoint=None starts from random weights; finetuning sets model.checkpoint=HF_DIR
-        model=run.Config(ModelConfig, llm=llm, vision="radio_vit_h", audio=audio, dtype="bfloat16"),
+        model=run.Config(ModelConfig, llm=llm, vision="radio_vit_h", audio=audio, dtype="bfloat16",
+                         lora=run.Config(LoraConfig)),
         layout=layout,
         # the global batch stays the planner's as GPUs grow: more DP means fewer microbatches per step
         data=run.Config(DataConfig, path=None, seq_length=seq_length, rows_per_microbatch=rows,

@@ -49,7 +49,8 @@ def _mamba_local_parts(config, tp: int) -> list[int]:
 
 def _pieces(name: str, t: torch.Tensor, mamba_parts: list[int] | None) -> list[tuple[str, torch.Tensor]]:
     """(key suffix, view) pieces of one local tensor: fused Mamba tensors split into their parts."""
-    if mamba_parts and name.endswith("mixer.in_proj.weight"):
+    # (a LoRA adapter's B of in_proj has the weight's row layout: hetero/training/lora.py)
+    if mamba_parts and (name.endswith("mixer.in_proj.weight") or name.endswith("mixer.in_proj.adapter.lora_B")):
         return [(f".part{i}", v) for i, v in enumerate(t.split(mamba_parts))]
     if mamba_parts and (name.endswith("mixer.conv1d_weight") or name.endswith("mixer.conv1d_bias")):
         return [(f".part{i}", v) for i, v in enumerate(t.split(mamba_parts[1:4]))]

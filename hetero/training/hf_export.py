@@ -9,6 +9,12 @@ The model is rebuilt with every module on one rank and dist_checkpointing reshar
                              from a released checkpoint, OUT/config.json: the release's own (transformers
                              loads OUT like the release)
   OUT/language_model/        config.json + model.safetensors: transformers' NemotronHForCausalLM loads it
+A LoRA run (model.lora.rank > 0, hetero/training/lora.py) exports, per model.lora.export:
+  merged     the files above with every adapted weight W + (alpha/r) B A (a plain model: no adapters needed)
+  adapters   OUT/adapters/adapter_model.safetensors + adapter_config.json only: PEFT's key names
+             (base_model.model.<HF module>.lora_A.weight [r, in], .lora_B.weight [out, r]); a fused
+             megatron linear_qkv becomes q/k/v_proj sharing its A, each with its rows of B
+  both       (default) both of the above
 The training loop runs this module in its own process after the last step (`trainer.export_hf`);
 scripts/convert_hf.py is the user's command around it.
 """
@@ -79,13 +85,61 @@ def write_hf(out: Path, full: dict, model_cfg, hf_fields: dict) -> Path:
     return out
 
 
+def _hf_module(key: str, name: str) -> list[str]:
+    """HF module name(s) of an adapted layer of the one-rank model (TP1, PP1); several for fused qkv."""
+    from tessera.models.multimodal_hf import PROJECTOR_ROOT
+    from tessera.models.nemotron_h_hf import HF
+
+    if key != "language":
+        return [PROJECTOR_ROOT[key] + name[len("projector."):]]
+    i, rest = name.split(".", 2)[1:]
+    mixer = f"language_model.{HF.format(int(i))}mixer."
+    rest = rest.replace("self_attention.", "").replace("mlp.", "")
+    fused = {"linear_qkv": ["q_proj", "k_proj", "v_proj"], "linear_proj": ["o_proj"],
+             "shared_experts.linear_fc1": ["shared_experts.up_proj"],
+             "shared_experts.linear_fc2": ["shared_experts.down_proj"],
+             "linear_fc1": ["up_proj"], "linear_fc2": ["down_proj"]}
+    rest = rest.replace("mixer.", "")
+    return [mixer + n for n in fused.get(rest, [rest])]
+
+
+def peft_adapters(modules) -> dict:
+    """PEFT-style tensors of every adapter of the one-rank model (base_model.model.<module>.lora_A/B.weight)."""
+    from tessera.hetero.training.lora import adapted_layers
+    from tessera.models.nemotron_h_hf import _qkv_unfuse
+
+    out = {}
+    for key, module in modules.items():
+        for name, layer in adapted_layers(module):
+            a, b = layer.adapter.lora_A.detach().float(), layer.adapter.lora_B.detach().float()
+            hf = _hf_module(key, name)
+            bs = _qkv_unfuse(b, module.config) if len(hf) == 3 else (b,)
+            for n, part in zip(hf, bs):
+                out[f"base_model.model.{n}.lora_A.weight"] = a.clone()
+                out[f"base_model.model.{n}.lora_B.weight"] = part.contiguous().clone()
+    return out
+
+
+def write_adapters(out: Path, tensors: dict, lora) -> Path:
+    """OUT/adapters/: adapter_model.safetensors + adapter_config.json (rank, alpha, targets)."""
+    from safetensors.torch import save_file
+
+    path = out / "adapters"
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    modules = sorted({k[len("base_model.model."):-len(".lora_A.weight")] for k in tensors if k.endswith("lora_A.weight")})
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+        "bias": "none", "target_modules": modules, "tessera_targets": list(lora.targets)}, indent=2))
+    return path
+
+
 def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     """A Tessera checkpoint (any layout) -> HF layout files in `out`."""
     from megatron.core import dist_checkpointing
 
     from tessera.hetero.training.checkpoint import latest_checkpoint, load_checkpoint
-    from tessera.models.multimodal import MultimodalModel
-    from tessera.models.multimodal_hf import export_hf
+    from tessera.hetero.training.lora import apply_lora, lora_settings
 
     one_rank_world()
     path = Path(checkpoint)
@@ -95,9 +149,28 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     model_cfg = SimpleNamespace(**json.loads(common["config"])["model"])
     hf_fields = json.loads(common["llm_hf_config"])
     modules, groups, configs = _single_rank_model(model_cfg, hf_fields)
+    lora = lora_settings(model_cfg)
+    if lora is not None:  # the adapters must exist to be loaded (their initial values do not matter)
+        apply_lora(modules, groups, model_cfg, seed=0)
     load_checkpoint(path, modules, None, groups, configs)
+    return export_modules(modules, Path(out), model_cfg, hf_fields)
+
+
+def export_modules(modules, out: Path, model_cfg, hf_fields: dict) -> Path:
+    """Write the one-rank model's modules in HF layout (LoRA: adapters and/or merged, model.lora.export)."""
+    from tessera.hetero.training.lora import lora_settings, merge_lora
+    from tessera.models.multimodal import MultimodalModel
+    from tessera.models.multimodal_hf import export_hf
+
+    lora = lora_settings(model_cfg)
+    if lora is not None and lora.export in ("adapters", "both"):
+        write_adapters(out, peft_adapters(modules), lora)
+    if lora is not None and lora.export == "adapters":
+        return out
+    if lora is not None:
+        merge_lora(modules)
     media = {k: m for k, m in modules.items() if k != "language"}
-    return write_hf(Path(out), export_hf(MultimodalModel(modules["language"], media)), model_cfg, hf_fields)
+    return write_hf(out, export_hf(MultimodalModel(modules["language"], media)), model_cfg, hf_fields)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from tessera.hetero.planner.run_layout import resolve_run_layout
 from tessera.hetero.runtime.step_executor import hetero_step
 from tessera.hetero.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tessera.hetero.training.loader_state import decode_loader_state, encode_loader_state
+from tessera.hetero.training.lora import apply_lora
 from tessera.hetero.training.metrics import RunMetrics
 from tessera.hetero.training.run_modules import checkpoint_llm_fields, encoder_names, module_specs
 from tessera.hetero.training.model_build import (build_rank_modules, check_checkpoint_tensors, full_hf_state,
@@ -131,6 +132,9 @@ def _build_model(run: _Run) -> None:
             full = full_hf_state(cfg.model, run.hf_fields, cfg.trainer.seed)
         load_full_state(run.modules, full, run.groups)
         del full
+    # LoRA (model.lora.rank > 0): base weights frozen, adapters on the targeted layers; only they get
+    # optimizer state and gradients, and checkpoints store them next to the (unchanged) base weights
+    apply_lora(run.modules, run.groups, cfg.model, cfg.trainer.seed)
     for m in run.modules.values():
         m.to(device=run.device).train()
     lrs = {k: spec.lr for k, spec in module_specs(cfg.model, cfg.optim).items()}

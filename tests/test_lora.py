@@ -1,0 +1,276 @@
+"""LoRA (hetero/training/lora.py): merged export = base + (alpha/r) B A, adapters-only export, trainable count
+from the targets, TP1 == TP2 with the same adapters, a heterogeneous LoRA run that learns with frozen base
+weights and resumes bitwise (and into another TP size)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tessera.hetero.tools.spawn import run_on_ranks
+from tessera.hetero.training.metrics import read_metrics
+from tessera.models.configs import REGISTRY
+
+pytestmark = pytest.mark.multiproc
+RANK, ALPHA = 4, 8.0
+SCALE = ALPHA / RANK
+EPS = torch.finfo(torch.float32).eps
+PATTERN = REGISTRY["nemotron_h_tiny_dense"]["hybrid_override_pattern"]
+TARGET_SETS = {"all": None, "subset": ("linear_qkv", "in_proj", "projector")}
+
+
+def _model_cfg(targets=None, vision="radio_vit_tiny", audio="fastconformer_tiny"):
+    from tessera.recipes.config import LoraConfig, ModelConfig
+
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, **({"targets": targets} if targets else {}))
+    return ModelConfig(llm="nemotron_h_tiny_dense", vision=vision, audio=audio, lora=lora)
+
+
+# ---- config ----------------------------------------------------------------------------------------------
+
+def test_lora_config_errors_name_the_field_and_list_the_valid_targets():
+    from tessera.recipes.config import LoraConfig
+
+    with pytest.raises(ValueError, match=r"unknown \['qkv'\]; valid targets: linear_qkv, linear_proj"):
+        LoraConfig(rank=8, targets=("qkv",))
+    with pytest.raises(ValueError, match="model.lora.rank"):
+        LoraConfig(rank=-1)
+    with pytest.raises(ValueError, match="model.lora.dropout"):
+        LoraConfig(rank=8, dropout=0.1)
+    assert LoraConfig(rank=8, targets="linear_qkv, in_proj").targets == ("linear_qkv", "in_proj")
+
+
+def test_cli_overrides_reach_model_lora():
+    import fiddle as fdl
+
+    from tessera.recipes.overrides import apply_overrides
+    from tessera.recipes.registry import recipe
+
+    cfg = fdl.build(apply_overrides(recipe("nemotron_vl_tiny"), ["model.lora.rank=8", "model.lora.alpha=16",
+                                                                "model.lora.targets=['linear_qkv','projector']"]))
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.lora.targets) == (8, 16.0, ("linear_qkv", "projector"))
+    with pytest.raises(Exception, match="valid targets: linear_qkv"):
+        fdl.build(apply_overrides(recipe("nemotron_vl_tiny"), ["model.lora.rank=8", "model.lora.targets=['qkv']"]))
+
+
+# ---- export and trainable count (one rank) -----------------------------------------------------------------
+
+def _export_worker(out: str):
+    from tessera.hetero.training.hf_export import _single_rank_model, export_modules
+    from tessera.hetero.training.lora import apply_lora
+    from tessera.hetero.training.model_build import full_hf_state, llm_fields, load_full_state
+    from tessera.hetero.training.optim import ModuleOptimizers
+
+    results = {}
+    for name, targets in TARGET_SETS.items():
+        cfg = _model_cfg(targets)
+        fields = llm_fields(cfg, 0)
+        modules, groups, _ = _single_rank_model(cfg, fields)
+        base = full_hf_state(cfg, fields, seed=7)
+        load_full_state(modules, base, groups)
+        adapters = apply_lora(modules, groups, cfg, seed=7)
+        opt = ModuleOptimizers(modules, groups, {k: 1e-3 for k in modules})
+        names = {id(p): f"{k}.{n}" for k, m in modules.items() for n, p in m.named_parameters()}
+        trained = [names[id(p)] for ps in opt.params.values() for p in ps]
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # as if trained: B no longer zero
+            for a in adapters.values():
+                a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g))
+        export_modules(modules, Path(out) / name, cfg, fields)
+        save_file(base, str(Path(out) / name / "base.safetensors"))
+        results[name] = {"trainable": sum(p.numel() for ps in opt.params.values() for p in ps), "trained": trained,
+                         "states": sum(len(o.state_dict()["param_groups"][0]["params"]) +
+                                       len(o.state_dict()["param_groups"][1]["params"]) for o in opt.optimizers.values())}
+    return results
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_export")
+    return root, run_on_ranks(1, _export_worker, str(root), timeout=600)[0]
+
+
+def _expected_modules(targets) -> set[str]:
+    """HF module names (language_model.backbone.layers.i.mixer.*, mlp1.*, sound_projection.*) the targets adapt."""
+    targets = targets or ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj", "projector")
+    per_symbol = {"M": {"in_proj": ["in_proj"], "out_proj": ["out_proj"]},
+                  "*": {"linear_qkv": ["q_proj", "k_proj", "v_proj"], "linear_proj": ["o_proj"]},
+                  "-": {"linear_fc1": ["up_proj"], "linear_fc2": ["down_proj"]}}
+    out = set()
+    for i, sym in enumerate(PATTERN):
+        for t, hf in per_symbol[sym].items():
+            if t in targets:
+                out |= {f"language_model.backbone.layers.{i}.mixer.{n}" for n in hf}
+    if "projector" in targets:
+        out |= {"mlp1.1", "mlp1.3", "sound_projection.linear1", "sound_projection.linear2"}
+    return out
+
+
+@pytest.mark.parametrize("name", list(TARGET_SETS))
+def test_merged_export_is_base_plus_scaled_BA_and_adapters_alone(exported, name):
+    root, _ = exported
+    d = root / name
+    base, merged = load_file(str(d / "base.safetensors")), load_file(str(d / "model.safetensors"))
+    adapters = load_file(str(d / "adapters" / "adapter_model.safetensors"))
+    cfg = json.loads((d / "adapters" / "adapter_config.json").read_text())
+    assert cfg["r"] == RANK and cfg["lora_alpha"] == ALPHA and cfg["peft_type"] == "LORA"
+    adapted = {k[len("base_model.model."):-len(".lora_A.weight")] for k in adapters if k.endswith(".lora_A.weight")}
+    assert adapted == _expected_modules(TARGET_SETS[name]) == set(cfg["target_modules"])
+    assert merged.keys() == base.keys()
+    for k, w in base.items():
+        module = k[:-len(".weight")]
+        if module in adapted:
+            a, b = adapters[f"base_model.model.{module}.lora_A.weight"], adapters[f"base_model.model.{module}.lora_B.weight"]
+            assert a.shape == (RANK, w.shape[1]) and b.shape == (w.shape[0], RANK), k
+            want = w + SCALE * (b @ a)
+            assert torch.allclose(merged[k], want, rtol=4 * EPS, atol=4 * EPS * float(want.abs().max())), k
+            assert not torch.equal(merged[k], w), k
+        else:
+            assert torch.equal(merged[k], w), f"{k} is not targeted but changed"
+
+
+def _expected_trainable(shapes: dict, targets) -> int:
+    """r * (in + out) per adapted layer, from the base HF shapes; a fused qkv has one A for q, k and v."""
+    n, mods = 0, _expected_modules(targets)
+    for m in mods:
+        if m.endswith(("k_proj", "v_proj")):
+            continue
+        out, inp = shapes[m + ".weight"]
+        if m.endswith("q_proj"):
+            out = sum(shapes[m[:-6] + f"{x}_proj.weight"][0] for x in "qkv")
+        n += RANK * (out + inp)
+    return n
+
+
+@pytest.mark.parametrize("name", list(TARGET_SETS))
+def test_trainable_parameter_count_is_what_the_targets_imply(exported, name):
+    root, results = exported
+    shapes = {k: tuple(v.shape) for k, v in load_file(str(root / name / "base.safetensors")).items()}
+    got = results[name]
+    assert got["trainable"] == _expected_trainable(shapes, TARGET_SETS[name]) > 0
+    assert all(".adapter.lora_" in n for n in got["trained"]), "a base weight is trainable"
+    assert got["states"] == len(got["trained"]) == 2 * len({m for m in _expected_modules(TARGET_SETS[name])
+                                                            if not m.endswith(("k_proj", "v_proj"))})
+
+
+# ---- TP1 == TP2 (two ranks) ------------------------------------------------------------------------------
+
+def _tp_worker():
+    from tessera.hetero.plan.layout import HeteroLayout
+    from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
+    from tessera.hetero.training.lora import apply_lora
+    from tessera.hetero.training.model_build import (build_rank_modules, full_hf_state, llm_fields, load_full_state,
+                                                     module_configs)
+
+    cfg = _model_cfg(vision=None, audio=None)
+    fields = llm_fields(cfg, 0)
+    base = full_hf_state(cfg, fields, seed=3)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, fields["vocab_size"], (2, 32), generator=g)
+    labels = torch.roll(tokens, -1, 1)
+    out = {}
+    for name, spec in (("tp1", "language=dp2@0-1"), ("tp2", "language=tp2@0-1")):
+        layout = HeteroLayout.parse(spec)
+        groups = build_module_groups(layout)
+        modules = build_rank_modules(cfg, layout, groups, module_configs(layout, fields))
+        load_full_state(modules, base, groups)
+        lm = modules["language"]
+        # frozen first: megatron computes a frozen weight's matmul on another path (linear_with_frozen_weight),
+        # about one ulp off the trainable one
+        lm.requires_grad_(False)
+        with torch.no_grad():
+            plain = lm(tokens, labels)
+        adapters = apply_lora(modules, groups, cfg, seed=3)
+        with torch.no_grad():
+            initial = lm(tokens, labels)  # B = 0: exactly the base model
+        for gname, a in sorted(adapters.items()):
+            gen = torch.Generator().manual_seed(zlib.crc32(gname.encode()))
+            a.set_full(torch.randn(a.rank, a.full_in, generator=gen) * 0.1,
+                       torch.randn(a.full_out, a.rank, generator=gen) * 0.1)
+        loss = lm(tokens, labels).sum()
+        loss.backward()
+        out[name] = {"plain": plain, "initial": initial, "loss": float(loss), "adapters": adapters}
+        destroy_module_groups(groups)
+    grad_diff = 0.0
+    for gname, a2 in out["tp2"]["adapters"].items():
+        a1 = out["tp1"]["adapters"][gname]
+        want_a, want_b = a2.shard(a1.lora_A.grad, a1.lora_B.grad)
+        for got, want in ((a2.lora_A.grad, want_a), (a2.lora_B.grad, want_b)):  # relative to the largest entry
+            grad_diff = max(grad_diff, float((got - want).abs().max() / want.abs().max().clamp(min=1e-30)))
+    return {"initial_is_base": all(torch.equal(r["plain"], r["initial"]) for r in out.values()),
+            "loss1": out["tp1"]["loss"], "loss2": out["tp2"]["loss"], "plain": float(out["tp1"]["plain"].sum()),
+            "grad_diff": grad_diff, "n": len(out["tp2"]["adapters"])}
+
+
+def test_tp1_and_tp2_give_the_same_lora_loss_and_gradients():
+    for r in run_on_ranks(2, _tp_worker, timeout=600):
+        assert r["initial_is_base"], "B must start at zero: the first forward is the frozen base model's, bitwise"
+        assert r["n"] == PATTERN.count("M") * 2 + PATTERN.count("*") * 2 + PATTERN.count("-") * 2
+        assert abs(r["loss1"] - r["plain"]) > 1e-3, "the adapters changed nothing"
+        assert abs(r["loss1"] - r["loss2"]) <= 1e-5 * abs(r["loss1"]), (r["loss1"], r["loss2"])
+        assert r["grad_diff"] <= 1e-5, r["grad_diff"]
+
+
+# ---- a heterogeneous LoRA run: learns, base frozen, resumes exactly (four ranks) ---------------------------
+
+LAYOUT = "vision=dp2@0-1;language=tp2@2-3"
+RESUME = (("same", LAYOUT), ("tp1", "vision=dp2@0-1;language=dp2@2-3"))
+STEPS, SAVE = 6, 3
+
+
+def _train(run_dir: str, layout: str, export: str | None = None):
+    from tessera.recipes.config import DataConfig, OptimConfig, TrainerConfig
+    from tessera.recipes.train import train
+
+    trainer = TrainerConfig(max_steps=STEPS, run_dir=run_dir, save_every=SAVE, progress=False, tensorboard=False,
+                            export_hf=export)
+    optim = OptimConfig(lr=1e-2, warmup_steps=0, min_lr_ratio=1.0)  # constant LR: a resume follows the schedule
+    return train(_model_cfg(audio=None), DataConfig(seq_length=128, rows_per_microbatch=4, microbatches=2), optim,
+                 trainer, layout=layout, name="lora")
+
+
+def _base_worker(export: str):
+    from tessera.hetero.training.model_build import full_hf_state
+
+    fields = json.loads((Path(export) / "tessera.json").read_text())["llm_hf_config"]
+    save_file(full_hf_state(_model_cfg(audio=None), fields, 1234), str(Path(export) / "base.safetensors"))
+
+
+def _resume_all(root: str):
+    for name, layout in RESUME:
+        _train(str(Path(root) / name), layout)
+
+
+def test_lora_run_learns_keeps_base_frozen_and_resumes_exactly(tmp_path):
+    export = tmp_path / "export"
+    run_on_ranks(4, _train, str(tmp_path / "run"), LAYOUT, str(export), timeout=900)
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
+    assert len(losses) == STEPS and losses[-1] < losses[0], losses
+
+    run_on_ranks(1, _base_worker, str(export), timeout=300)
+    base, merged = load_file(str(export / "base.safetensors")), load_file(str(export / "model.safetensors"))
+    adapters = load_file(str(export / "adapters" / "adapter_model.safetensors"))
+    adapted = {k[len("base_model.model."):-len(".lora_A.weight")] for k in adapters if k.endswith(".lora_A.weight")}
+    assert merged.keys() == base.keys() and adapted
+    for k, w in base.items():  # every base weight unchanged by training: merged = base (+ the trained delta)
+        m = k[:-len(".weight")]
+        want = w + SCALE * (adapters[f"base_model.model.{m}.lora_B.weight"] @
+                            adapters[f"base_model.model.{m}.lora_A.weight"]) if m in adapted else w
+        assert torch.allclose(merged[k], want, rtol=4 * EPS, atol=4 * EPS * float(want.abs().max())), k
+
+    ckpt = tmp_path / "run" / "checkpoints" / f"step_{SAVE:06d}"
+    for name, _ in RESUME:
+        (tmp_path / name / "checkpoints").mkdir(parents=True)
+        shutil.copytree(ckpt, tmp_path / name / "checkpoints" / ckpt.name)
+        (tmp_path / name / "checkpoints" / "latest").write_text(ckpt.name + "\n")
+    run_on_ranks(4, _resume_all, str(tmp_path), timeout=900)
+    same = [r["loss"] for r in read_metrics(tmp_path / "same")]
+    assert same == losses[SAVE:], ("resume in the same layout must be bitwise identical", same, losses)
+    tp1 = [r["loss"] for r in read_metrics(tmp_path / "tp1")]
+    assert max(abs(a - b) / abs(b) for a, b in zip(tp1, losses[SAVE:])) <= 1e-5, (tp1, losses)
