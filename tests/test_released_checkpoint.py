@@ -1,5 +1,6 @@
 """A released-architecture checkpoint (transformers' NemotronH_Omni_Reasoning_V3, saved by save_pretrained as
 NVIDIA released it) builds the model its config.json describes, and every tensor it holds is consumed.
+Training from one in a heterogeneous layout, and transformers loading the export: tests/test_released_loss.py.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_released_checkpoint.py -q
 """
@@ -77,42 +78,6 @@ def test_every_released_tensor_is_consumed_and_exported_back(tmp_path, audio):
     again = export_hf(model)
     assert sorted(again) == sorted(released)
     assert [k for k in released if not torch.equal(again[k], released[k])] == []
-
-
-def _finetune(hf_dir: str, run_dir: str, export: str):
-    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
-    from tessera.recipes.train import train
-
-    # model.vision/audio/llm keep their registry defaults: the checkpoint's config.json replaces them
-    model = ModelConfig(checkpoint=hf_dir)
-    trainer = TrainerConfig(max_steps=2, run_dir=run_dir, progress=False, tensorboard=False, export_hf=export)
-    return train(model, DataConfig(seq_length=256, rows_per_microbatch=4, microbatches=1), OptimConfig(lr=1e-3),
-                 trainer, layout="vision=dp2@0-1;audio=dp2@0-1;language=tp2@2-3", name="ft_released")
-
-
-@pytest.mark.multiproc
-def test_finetune_a_released_checkpoint_in_a_heterogeneous_layout_and_load_the_export(tmp_path):
-    """Train from the checkpoint's own config (shapes no registry entry has) on 4 ranks, non-colocated, LLM
-    TP2; the export is what transformers loads as it loads the release, every tensor as written."""
-    from transformers import NemotronH_Omni_Reasoning_V3
-
-    from tessera.hetero.tools.spawn import run_on_ranks
-    from tessera.hetero.training.metrics import read_metrics
-
-    src = tmp_path / "released"
-    omni_checkpoint(src, text=DENSE_TEXT)
-    out = tmp_path / "export"
-    run_on_ranks(4, _finetune, str(src), str(tmp_path / "run"), str(out), timeout=600)
-    losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
-    assert len(losses) == 2 and all(l == l for l in losses)
-    before, after = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
-    assert sorted(before) == sorted(after) and any(not torch.equal(before[k], after[k]) for k in before)
-    model, info = NemotronH_Omni_Reasoning_V3.from_pretrained(str(out), output_loading_info=True)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    with __import__("tempfile").TemporaryDirectory() as d:
-        model.save_pretrained(d)
-        again = load_file(f"{d}/model.safetensors")
-    assert sorted(again) == sorted(after) and all(torch.equal(again[k], after[k]) for k in after)
 
 
 def test_wrong_checkpoint_lists_every_mismatch_with_shapes(tmp_path):

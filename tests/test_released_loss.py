@@ -27,6 +27,7 @@ Not covered: video. Tessera's training video path encodes per-frame tiles, the O
 from __future__ import annotations
 
 import random
+import tempfile
 
 import numpy as np
 import pytest
@@ -132,13 +133,13 @@ def _configs(ckpt: str, data_path: str):
                                                     microbatches=1)
 
 
-def _first_step(ckpt: str, data_path: str, run_dir: str):
-    """On every rank: one training step from the checkpoint in LAYOUT."""
+def _first_step(ckpt: str, data_path: str, run_dir: str, export: str):
+    """On every rank: one training step from the checkpoint in LAYOUT, then the HF export."""
     from tessera.recipes.config import OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
     model, data = _configs(ckpt, data_path)
-    trainer = TrainerConfig(max_steps=1, run_dir=run_dir, progress=False, tensorboard=False)
+    trainer = TrainerConfig(max_steps=1, run_dir=run_dir, progress=False, tensorboard=False, export_hf=export)
     return train(model, data, OptimConfig(lr=1e-3), trainer, layout=LAYOUT, name="released_loss")
 
 
@@ -243,12 +244,14 @@ def oracle_loss(ckpt: str, batch) -> tuple[float, int, dict]:
 
 @pytest.mark.multiproc
 def test_first_step_loss_equals_transformers_omni(tmp_path):
+    """(and the trained model's export loads in transformers as the release does)"""
     from tessera.hetero.tools.spawn import run_on_ranks
     from tessera.hetero.training.metrics import read_metrics
 
     data_path, ckpt = tmp_path / "data", tmp_path / "released"
     _checkpoint(ckpt, _dataset(data_path))
-    run_on_ranks(4, _first_step, str(ckpt), str(data_path), str(tmp_path / "run"), timeout=300)
+    out = tmp_path / "export"
+    run_on_ranks(4, _first_step, str(ckpt), str(data_path), str(tmp_path / "run"), str(out), timeout=300)
     (record,) = read_metrics(tmp_path / "run")
 
     batch = _first_batch(*_configs(str(ckpt), str(data_path)))
@@ -260,3 +263,17 @@ def test_first_step_loss_equals_transformers_omni(tmp_path):
     print(f"\nfirst-step loss: tessera {record['loss']:.8f}  transformers {ref:.8f}  rel err {err:.2e}  "
           f"({count} target tokens, documents {kinds})")
     assert err <= TOL
+
+    # the export of the trained model is what transformers loads as it loads the release (the release's
+    # config.json, the vocabulary padding stripped), every tensor as written
+    from safetensors.torch import load_file
+    from transformers import NemotronH_Omni_Reasoning_V3
+
+    before, after = load_file(str(ckpt / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(before) == sorted(after) and any(not torch.equal(before[k], after[k]) for k in before)
+    model, info = NemotronH_Omni_Reasoning_V3.from_pretrained(str(out), output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        again = load_file(f"{d}/model.safetensors")
+    assert sorted(again) == sorted(after) and all(torch.equal(again[k], after[k]) for k in after)
