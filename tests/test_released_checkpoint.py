@@ -92,6 +92,8 @@ def test_wrong_checkpoint_lists_every_mismatch_with_shapes(tmp_path):
     model = ModelConfig(checkpoint=str(tmp_path))
     fields = llm_fields_of(read_config(tmp_path))
     check_checkpoint_tensors(str(tmp_path), full, model, fields)  # the checkpoint itself: nothing to say
+    with pytest.raises(ValueError, match=r"1 left over .*summary_idxs_extra \(2,\)"):  # a left-over alone
+        check_checkpoint_tensors(str(tmp_path), {**full, "summary_idxs_extra": torch.zeros(2)}, model, fields)
     full["vision_model.radio_model.model.extra.weight"] = torch.zeros(3)
     del full["mlp1.1.weight"]
     full["sound_projection.linear1.weight"] = torch.zeros(7, 24)
