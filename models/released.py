@@ -21,6 +21,8 @@ the mel front end of the audio encoder (NeMo's, at the checkpoint's mel bins).
 
 from __future__ import annotations
 
+import copy
+import functools
 from pathlib import Path
 
 PREFIX = "hf:"  # an encoder named `hf:<dir>#<modality>` is the one <dir>/config.json describes
@@ -93,7 +95,14 @@ def encoder_name(directory: str | Path, modality: str) -> str:
 
 
 def encoder_config_of(name: str) -> dict:
-    """The encoder config (models/encoders.py fields) that `hf:<dir>#<modality>` names."""
+    """The encoder config (models/encoders.py fields) that `hf:<dir>#<modality>` names (a fresh copy)."""
+    return copy.deepcopy(_derived(name))
+
+
+@functools.lru_cache(maxsize=None)
+def _derived(name: str) -> dict:
+    """Parsed once per process: every module spec, token count and planner lookup asks for the encoder by
+    name, and deriving it reads config.json and the safetensors headers of every shard."""
     directory, _, modality = name[len(PREFIX):].rpartition("#")
     config = read_config(directory)
     if modality not in modalities_of(config):
