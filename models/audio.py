@@ -10,6 +10,8 @@ multiple of 16 would not change the valid length, but we trim to the valid lengt
                    (what NemotronH Omni checkpoints store under sound_encoder.encoder.*)
 The encoders are replicated across TP ranks (they are small next to the LLM; NeMo's module is not
 TP-aware); their layout may still give them their own data-parallel ranks.
+Activation recompute (`recompute=`, models/recompute.py): "full" recomputes every conformer layer in backward,
+"selective" every layer's self-attention block (relative-position scores and softmax over all frame pairs).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tessera.models.recompute import megatron_fields, recompute_module
 from tessera.models.vision import SquaredReLU  # the same ReLU^2 as the vision projector (mlp1.2)
 
 
@@ -38,10 +41,19 @@ def _pad_waves(waves: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return batch, lengths
 
 
+def recompute_conformer(layers, mode: str) -> None:
+    """Activation recompute for conformer layers (NeMo ConformerLayer or transformers' ParakeetEncoderBlock,
+    both with a `self_attn`): their loops are NeMo's / transformers', so the layers themselves recompute."""
+    megatron_fields(mode)  # validates the mode
+    for layer in layers:
+        if mode != "none":
+            recompute_module(layer if mode == "full" else layer.self_attn)
+
+
 class FastConformerEncoder(nn.Module):
     """list of waveforms -> list of [frames_i, hidden] (frames_i = EncoderTokens.audio_tokens(len_i))."""
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict, recompute: str = "none"):
         super().__init__()
         from nemo.collections.asr.modules import ConformerEncoder
 
@@ -57,6 +69,7 @@ class FastConformerEncoder(nn.Module):
             # NeMo otherwise all-reduces the max audio length over the WORLD group in every forward
             # (conformer_encoder.py:794): a hidden collective that hangs when only some ranks encode audio.
             sync_max_audio_length=False)
+        recompute_conformer(self.encoder.layers, recompute)
 
     @property
     def out_dim(self) -> int:
@@ -80,13 +93,14 @@ class FastConformerEncoder(nn.Module):
 class ParakeetHFEncoder(FastConformerEncoder):
     """The same interface on transformers' ParakeetEncoder (NeMo mel front end, HF conformer body)."""
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict, recompute: str = "none"):
         nn.Module.__init__(self)
         from transformers import ParakeetEncoder, ParakeetEncoderConfig
 
         self.cfg = cfg
         self.preprocessor = mel_preprocessor(cfg)
         self.encoder = ParakeetEncoder(parakeet_hf_config(cfg, ParakeetEncoderConfig))
+        recompute_conformer(self.encoder.layers, recompute)
 
     def encode_features(self, feats, feat_len):
         mask = torch.arange(feats.shape[-1], device=feats.device)[None] < feat_len[:, None]

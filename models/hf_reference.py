@@ -8,14 +8,18 @@ process groups live there, so models/ keeps no import of torch.distributed or he
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 BATCH, SEQ, SEED = 2, 37, 1234  # SEQ not a multiple of typical chunk sizes: exercises the padding
 
 
-def seq_length(cp: int = 1) -> int:
-    """SEQ, cut to a multiple of 2*cp so the zigzag layout gives every CP rank two equal chunks."""
-    return SEQ - SEQ % (2 * cp) if cp > 1 else SEQ
+def seq_length(cp: int = 1, sp_tp: int = 1) -> int:
+    """SEQ, cut to a multiple of 2*cp so the zigzag layout gives every CP rank two equal chunks, and under
+    sequence parallelism over sp_tp ranks to one where each CP rank's positions split over them."""
+    step = math.lcm(2 * cp if cp > 1 else 1, cp * sp_tp)
+    return SEQ - SEQ % step
 
 
 def fixed_batch(vocab_size: int, length: int = SEQ) -> torch.Tensor:

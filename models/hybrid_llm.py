@@ -47,7 +47,6 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import (
@@ -58,6 +57,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from tessera.models.sdpa_attention import DocumentSeqParams, SDPACoreAttention
 from tessera.models.mamba2 import Mamba2Mixer, Mamba2Submodules
+from tessera.models.recompute import run_layers, with_recompute
 
 MAMBA, ATTENTION, MLP_SYMBOL, MOE = "M", "*", "-", "E"
 SYMBOLS = (MAMBA, ATTENTION, MLP_SYMBOL, MOE)
@@ -132,6 +132,19 @@ def stage_layers(config: HybridConfig, pp_rank: int) -> tuple[int, str]:
     return offset, config.hybrid_pattern[offset : offset + count]
 
 
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm, built as megatron's WrappedTorchNorm builds it (same parameter, same math), but also
+    under sequence parallelism, which WrappedTorchNorm refuses (torch_norm.py asserts it off; TENorm is
+    GPU-only): each TP rank normalises its own sequence slice, so the weight's gradient is partial per rank
+    and is tagged `sequence_parallel` for the trainer to sum over TP (megatron's finalize_model_grads rule)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"HybridLM uses RMSNorm, config.normalization={config.normalization!r}")
+        super().__init__(hidden_size, eps=eps)
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+
 class MambaLayer(MegatronModule):
     """Pre-norm + Mamba-2 mixer + residual; call signature and (output, context) like TransformerLayer."""
 
@@ -139,7 +152,7 @@ class MambaLayer(MegatronModule):
                  mixer=Mamba2Mixer):
         super().__init__(config=config)
         self.layer_number = layer_number
-        self.norm = WrappedTorchNorm(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
+        self.norm = RMSNorm(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
         self.mixer = mixer(config, submodules, layer_number, pg_collection=pg_collection)
 
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **_):
@@ -155,7 +168,7 @@ def build_hybrid_layer_specs(config: HybridConfig, core_attention=SDPACoreAttent
     `mamba_mixer` are the pluggable sequence kernels (context-parallel or GPU ones come from hetero/);
     a mixer class takes (config, submodules, layer_number, pg_collection=...) like Mamba2Mixer."""
     backend = LocalSpecProvider()
-    norm = WrappedTorchNorm
+    norm = RMSNorm
     column, row = backend.column_parallel_linear(), backend.row_parallel_linear()
     specs = {
         MAMBA: ModuleSpec(module=MambaLayer, params={"mixer": mamba_mixer},
@@ -193,10 +206,14 @@ def build_hybrid_layer_specs(config: HybridConfig, core_attention=SDPACoreAttent
 
 
 class HybridLM(MegatronModule):
-    """Embedding -> this stage's hybrid layers -> final RMSNorm -> vocab-parallel output layer."""
+    """Embedding -> this stage's hybrid layers -> final RMSNorm -> vocab-parallel output layer.
+
+    recompute: "none" | "selective" | "full" activation recompute (models/recompute.py), set as megatron's
+    TransformerConfig fields on a copy of `config`; "none" keeps the config's own recompute fields."""
 
     def __init__(self, config: HybridConfig, pg_collection, core_attention=SDPACoreAttention,
-                 mamba_mixer=Mamba2Mixer, cross_entropy=None):
+                 mamba_mixer=Mamba2Mixer, cross_entropy=None, recompute: str = "none"):
+        config = with_recompute(config, recompute)
         super().__init__(config=config)
         # (logits [.., V/tp], target) -> per-token loss; megatron's default reduces over parallel_state's
         # global TP group, heterogeneous runs inject one bound to this module's TP group
@@ -229,8 +246,8 @@ class HybridLM(MegatronModule):
             for i, symbol in enumerate(self.layer_symbols)
         )
         if self.post_process:
-            self.final_norm = WrappedTorchNorm(config=config, hidden_size=config.hidden_size,
-                                               eps=config.layernorm_epsilon)
+            self.final_norm = RMSNorm(config=config, hidden_size=config.hidden_size,
+                                      eps=config.layernorm_epsilon)
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, config.padded_vocab_size, config=config, init_method=config.init_method,
                 bias=False, gather_output=False, skip_bias_add=False, tp_group=tp_group,
@@ -265,9 +282,13 @@ class HybridLM(MegatronModule):
             hidden = decoder_input
         else:
             hidden = self.embedding(input_ids).transpose(0, 1).contiguous()  # [s, b, h]
+        if self.pre_process and self.config.sequence_parallel:
+            # each TP rank carries its 1/tp of the sequence between layers (layers gather it where they need
+            # the whole: linear_qkv/fc1/in_proj, the MoE dispatcher, the output layer); backward gathers
+            hidden = tensor_parallel.scatter_to_sequence_parallel_region(hidden, group=self.pg_collection.tp)
         packed = DocumentSeqParams(doc_ids=doc_ids.to(hidden.device)) if doc_ids is not None else None
-        for layer in self.layers:
-            hidden, _ = layer(hidden, attention_mask=None, packed_seq_params=packed)
+        hidden = run_layers(self.layers, hidden, self.config, self.training, attention_mask=None,
+                            packed_seq_params=packed)
         if not self.post_process:
             return hidden
         logits, _ = self.output_layer(self.final_norm(hidden))

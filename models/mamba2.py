@@ -153,8 +153,14 @@ class Mamba2Mixer(nn.Module):
 
     Config fields read (a megatron TransformerConfig extended by models/hybrid_llm.py): hidden_size,
     mamba_num_heads, mamba_head_dim, mamba_num_groups, mamba_state_dim, mamba_conv_kernel,
-    mamba_chunk_size, mamba_dt_min_clamp, layernorm_epsilon, init_method, output_layer_init_method.
+    mamba_chunk_size, mamba_dt_min_clamp, layernorm_epsilon, init_method, output_layer_init_method, and
+    megatron's recompute_granularity / recompute_modules: selective recompute of "core_attn" also recomputes the
+    SSD scan, the Mamba counterpart of core attention (models/recompute.py).
     """
+
+    # Whether `scan` keeps large intermediates for backward (the torch SSD: [b, h, chunks, q, q] decays and
+    # scores); a fused kernel that saves about its inputs sets False: recomputing it would only cost time.
+    scan_keeps_intermediates = True
 
     def __init__(self, config, submodules: Mamba2Submodules, layer_number: int = 1, tp_group=None,
                  pg_collection=None):
@@ -196,6 +202,9 @@ class Mamba2Mixer(nn.Module):
         nn.init.kaiming_uniform_(self.conv1d_weight, a=5**0.5)
         for p in (self.conv1d_weight, self.conv1d_bias, self.A_log, self.D, self.dt_bias, self.norm_weight):
             p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
+        self.recompute_scan = (self.scan_keeps_intermediates
+                               and getattr(config, "recompute_granularity", None) == "selective"
+                               and "core_attn" in (getattr(config, "recompute_modules", None) or ()))
 
     def forward(self, hidden_states: torch.Tensor, initial_state: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None):
@@ -208,11 +217,15 @@ class Mamba2Mixer(nn.Module):
         x, B, C = xbc.split([self.d_inner, self.groups * self.state, self.groups * self.state], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.config.mamba_dt_min_clamp)
         x = x.reshape(b, s, self.heads, self.head_dim)
-        y = self.scan(
-            x, dt, -torch.exp(self.A_log.float()),
-            B.reshape(b, s, self.groups, self.state), C.reshape(b, s, self.groups, self.state), initial_state,
-            **({"doc_ids": doc_ids} if doc_ids is not None else {}),
-        )
+        doc_kwargs = {"doc_ids": doc_ids} if doc_ids is not None else {}
+        scan_args = (x, dt, -torch.exp(self.A_log.float()), B.reshape(b, s, self.groups, self.state),
+                     C.reshape(b, s, self.groups, self.state), initial_state)
+        if self.recompute_scan and self.training and torch.is_grad_enabled():
+            from tessera.models.recompute import checkpoint  # megatron's checkpoint; this module stays torch-only
+
+            y = checkpoint(lambda *a: self.scan(*a, **doc_kwargs), *scan_args, module=self)
+        else:
+            y = self.scan(*scan_args, **doc_kwargs)
         y = y + x.float() * self.D.float()[:, None]
         y = gated_rms_norm(y.reshape(b, s, self.d_inner), z, self.norm_weight, self.norm_group,
                            self.config.layernorm_epsilon)

@@ -105,18 +105,19 @@ class MediaModule(nn.Module):
 
 def build_media_module(name: str, llm_hidden: int, pg_collection, projector_hidden: int | None = None,
                        frozen: bool = False, tubelets: bool = False, pruning_rate: float = 0.0,
-                       **overrides) -> MediaModule:
+                       recompute: str = "none", **overrides) -> MediaModule:
     """Encoder `name` from the registry (+ field overrides) with its projector to `llm_hidden`.
     projector_hidden defaults to the config's (a checkpoint's), else 4x the encoder's output width (Nano VL:
-    5120 -> 20480; Omni audio: 1024 -> 4096)."""
+    5120 -> 20480; Omni audio: 1024 -> 4096). recompute: the encoder's activation recompute mode
+    (models/recompute.py; a frozen encoder runs without grad, so it never recomputes)."""
     cfg = encoder_config(name, **overrides)
     projector_hidden = projector_hidden or cfg["projector_hidden"]
     if cfg["modality"] == "vision":
-        encoder = VisionEncoder(VisionTransformer(cfg, pg_collection))
+        encoder = VisionEncoder(VisionTransformer(cfg, pg_collection, recompute=recompute))
         projector = Projector(encoder.out_dim, projector_hidden or 4 * encoder.out_dim, llm_hidden)
         video = VideoEncoder(encoder, tubelets=tubelets, pruning_rate=pruning_rate)
         return MediaModule(cfg, encoder, projector, video, frozen)
-    encoder = AUDIO_FAMILIES[cfg["family"]](cfg)
+    encoder = AUDIO_FAMILIES[cfg["family"]](cfg, recompute=recompute)
     projector = SoundProjector(encoder.out_dim, projector_hidden or 4 * encoder.out_dim, llm_hidden)
     return MediaModule(cfg, encoder, projector, None, frozen)
 

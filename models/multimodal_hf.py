@@ -255,18 +255,18 @@ def export_hf(model, tp_shards: dict[str, list[dict]] | None = None) -> dict[str
 
 def import_hf(model, hf: dict, tp_rank: int = 0) -> None:
     """Load HF-layout tensors into a MultimodalModel (this rank's TP shard); every parameter must be given."""
-    from tessera.models.nemotron_h_hf import load_into
+    from tessera.models.nemotron_h_hf import PrefixView, load_into
 
     tp = model.llm.pg_collection.tp.size()
     for key, mod in model.media.items():
         root = PROJECTOR_ROOT[key]
-        mod.projector.load_state_dict({k[len(root):]: v for k, v in hf.items() if k.startswith(root)})
+        mod.projector.load_state_dict({k[len(root):]: hf[k] for k in hf if k.startswith(root)})
         if mod.cfg["modality"] == "vision":
             _load_params(mod.encoder.vit, vision_from_hf(hf, mod.cfg, tp_rank, tp))
         else:
             inner = mod.encoder.encoder
             _load_params(inner, sound_from_hf(hf, _params_only(inner.state_dict()).keys(), mod.cfg["family"]))
-    lm = {k[len("language_model."):]: v for k, v in hf.items() if k.startswith("language_model.")}
+    lm = PrefixView(hf, "language_model.")  # read on access: a LazyCheckpoint reads only what is used
     load_into(model.llm, lm, tp_rank, 0)
 
 

@@ -21,20 +21,24 @@ Layouts that differ from HF:
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from tessera.hetero.plan.layout import llm_sequence_parallel
 from tessera.models.hybrid_llm import ATTENTION, MAMBA, MLP_SYMBOL, MOE, HybridConfig, hybrid_config, stage_layers
 
 HF = "backbone.layers.{}."
 
 
 def hybrid_config_from_hf(source: str | Path | dict, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
-                          dtype: torch.dtype = torch.float32) -> HybridConfig:
+                          dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0) -> HybridConfig:
     """Our config from a checkpoint dir's config.json or a dict of its fields (models/configs.py).
-    transformers' own NemotronHConfig parses it, so legacy field names mean the same here as there."""
+    transformers' own NemotronHConfig parses it, so legacy field names mean the same here as there.
+    aux_loss_coeff > 0 adds megatron's sequence-level load-balancing loss (Megatron-Bridge's Nemotron-H
+    providers: seq_aux_loss, 1e-4) to the aux-loss-free expert bias; 0 leaves the expert bias alone."""
     from transformers import NemotronHConfig
 
     if isinstance(source, dict):
@@ -57,6 +61,7 @@ def hybrid_config_from_hf(source: str | Path | dict, tp: int = 1, pp: int = 1, e
         mamba_dt_min_clamp=c.time_step_min, init_method_std=c.initializer_range,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         context_parallel_size=cp, params_dtype=dtype, pipeline_dtype=dtype,
+        sequence_parallel=llm_sequence_parallel(moe, tp),
     )
     layers = len(c.hybrid_override_pattern)
     if pp > 1 and layers % pp:
@@ -69,6 +74,8 @@ def hybrid_config_from_hf(source: str | Path | dict, tp: int = 1, pp: int = 1, e
             moe_shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size * c.n_shared_experts,
             moe_router_topk_scaling_factor=float(c.routed_scaling_factor),
         )
+        if aux_loss_coeff:
+            fields.update(moe_aux_loss_coeff=float(aux_loss_coeff), moe_router_load_balancing_type="seq_aux_loss")
         if c.n_group > 1:
             fields.update(moe_router_num_groups=c.n_group, moe_router_group_topk=c.topk_group)
     return hybrid_config(**fields)
@@ -99,6 +106,59 @@ def load_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     for f in safetensors_files(hf_dir):
         state.update(load_file(str(f)))
     return state
+
+
+class LazyCheckpoint(Mapping):
+    """The tensors of a checkpoint directory's *.safetensors shards, each read from disk only when indexed
+    (safetensors memory-maps the files). A rank importing its shard of a large checkpoint reads only the
+    tensors its layout needs (its PP stage's layers, its EP rank's experts, the encoders it hosts) and holds
+    its shards plus the one tensor being cut, never the whole model. `read` names the tensors read so far;
+    `shape(k)` comes from the file header, without reading the tensor."""
+
+    def __init__(self, hf_dir: str | Path):
+        from safetensors import safe_open
+
+        self._where, self.read = {}, set()
+        for f in safetensors_files(hf_dir):
+            handle = safe_open(str(f), framework="pt")
+            self._where.update(dict.fromkeys(handle.keys(), handle))
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        tensor = self._where[key].get_tensor(key)
+        self.read.add(key)
+        return tensor
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, key) -> bool:
+        return key in self._where
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._where[key].get_slice(key).get_shape())
+
+
+class PrefixView(Mapping):
+    """`base` restricted to the keys under `prefix`, with the prefix stripped; values read on access."""
+
+    def __init__(self, base: Mapping, prefix: str):
+        self.base, self.prefix = base, prefix
+        self._keys = [k[len(prefix):] for k in base if k.startswith(prefix)]
+
+    def __getitem__(self, key: str):
+        return self.base[self.prefix + key]
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key) -> bool:
+        return self.prefix + key in self.base
 
 
 # ---- layout helpers: every pair is (split for one rank, merge of all ranks) -----------------------
@@ -135,11 +195,12 @@ def _qkv_unfuse(w, config: HybridConfig):
 
 
 def _rows(t, rank, size):
-    return t.chunk(size, dim=0)[rank]
+    # a copy, not a view: the full tensor (read from a checkpoint) is freed once its shard is cut
+    return t.chunk(size, dim=0)[rank].clone() if size > 1 else t
 
 
 def _cols(t, rank, size):
-    return t.chunk(size, dim=1)[rank]
+    return t.chunk(size, dim=1)[rank].clone() if size > 1 else t
 
 
 def _pad_vocab(t: torch.Tensor, config: HybridConfig, name: str) -> torch.Tensor:
@@ -193,7 +254,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], config: HybridConfig, tp_rank: i
         m = src + "mixer."
         if symbol == MAMBA:
             out[dst + "norm.weight"] = hf[src + "norm.weight"]
-            mixer = {k[len(m):]: v for k, v in hf.items() if k.startswith(m)}
+            mixer = {k[len(m):]: hf[k] for k in hf if k.startswith(m)}  # keys first: reads only these
             out.update({dst + "mixer." + k: v for k, v in mamba_to_megatron(mixer, config, tp_rank).items()})
         elif symbol == ATTENTION:
             out[dst + "input_layernorm.weight"] = hf[src + "norm.weight"]

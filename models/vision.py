@@ -40,6 +40,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from torch import nn
 
+from tessera.models.recompute import megatron_fields, run_layers
+
 ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
@@ -65,14 +67,16 @@ class BidirectionalCoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 
-def vit_transformer_config(cfg: dict, tp: int = 1, dtype: torch.dtype = torch.float32) -> TransformerConfig:
+def vit_transformer_config(cfg: dict, tp: int = 1, dtype: torch.dtype = torch.float32,
+                           recompute: str = "none") -> TransformerConfig:
+    """recompute: "none" | "selective" | "full" (models/recompute.py), as megatron's recompute fields."""
     return TransformerConfig(
         num_layers=cfg["layers"], hidden_size=cfg["hidden"], num_attention_heads=cfg["heads"],
         ffn_hidden_size=cfg["ffn"], normalization="LayerNorm", layernorm_epsilon=cfg["eps"],
         add_bias_linear=True, add_qkv_bias=True, gated_linear_unit=False, activation_func=ACTIVATIONS[cfg["act"]],
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-        tensor_model_parallel_size=tp, params_dtype=dtype, pipeline_dtype=dtype,
+        tensor_model_parallel_size=tp, params_dtype=dtype, pipeline_dtype=dtype, **megatron_fields(recompute),
     )
 
 
@@ -138,8 +142,8 @@ def patchify(pixels: torch.Tensor, patch: int) -> torch.Tensor:
 class VisionTransformer(MegatronModule):
     """Normalised pixels [n, 3, H, W] -> patch features [n, H/p, W/p, hidden] (prefix tokens dropped)."""
 
-    def __init__(self, cfg: dict, pg_collection, dtype: torch.dtype = torch.float32):
-        config = vit_transformer_config(cfg, pg_collection.tp.size(), dtype)
+    def __init__(self, cfg: dict, pg_collection, dtype: torch.dtype = torch.float32, recompute: str = "none"):
+        config = vit_transformer_config(cfg, pg_collection.tp.size(), dtype, recompute)
         super().__init__(config=config)
         self.cfg = cfg
         d, p = cfg["hidden"], cfg["patch"]
@@ -189,8 +193,7 @@ class VisionTransformer(MegatronModule):
         if self.prefix is not None:
             x = torch.cat([self.prefix.expand(x.shape[0], -1, -1), x], dim=1)
         hidden = x.transpose(0, 1).contiguous()  # megatron layers take [s, b, h]
-        for layer in self.layers:
-            hidden, _ = layer(hidden, attention_mask=None)
+        hidden = run_layers(self.layers, hidden, self.config, self.training, attention_mask=None)
         out = hidden.transpose(0, 1)[:, self.cfg["prefix_tokens"]:]
         if self.final_norm is not None:  # per token, so after dropping the prefix is the same as before it
             out = self.final_norm(out)   # (the Omni model normalises RadioModel's `features`)

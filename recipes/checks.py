@@ -16,6 +16,7 @@ import re
 import typing
 
 from tessera.hetero.plan.layout import HeteroLayout
+from tessera.hetero.plan.recompute import parse_recompute
 from tessera.hetero.planner.run_layout import resolve_run_layout
 from tessera.hetero.training.run_modules import ENCODER_KEYS, module_specs
 from tessera.models import configs, encoders
@@ -32,13 +33,18 @@ def llm_names() -> list[str]:
 
 
 def check_names(model) -> None:
-    """model.llm / model.vision / model.audio must be registered names of the right modality."""
+    """model.llm / model.vision / model.audio must be registered names of the right modality; model.recompute
+    must parse (the CLI's model is a run.Config: ModelConfig.__post_init__ has not run yet)."""
     module_specs(model)
+    parse_recompute(getattr(model, "recompute", "none"))
 
 
 def check_run(cfg, world_size: int) -> HeteroLayout:
     """Names, module keys, and the layout resolved and validated for `world_size` ranks (trainability included)."""
     check_names(cfg.model)
+    if getattr(cfg.optim, "use_distributed_optimizer", False) and cfg.model.dtype != "bfloat16":
+        raise ValueError(f"optim.use_distributed_optimizer=True shards the fp32 master weights of a bf16 run, and "
+                         f"model.dtype={cfg.model.dtype!r} has none: set model.dtype=bfloat16 or drop the option")
     return resolve_run_layout(cfg, world_size)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tessera.hetero.plan.lora import LORA_TARGETS, lora_targets, validate_lora
+from tessera.hetero.plan.recompute import parse_recompute
 
 
 @dataclass
@@ -40,7 +41,16 @@ class ModelConfig:
     video_pruning: float = 0.0              # fraction of video tokens dropped (EVS-style), 0 = keep all
     checkpoint: str | None = None           # initialise from an HF directory or a Tessera checkpoint
     dtype: str = "float32"                  # "float32" | "bfloat16"
+    # MoE LLMs: the expert bias always balances (aux-loss-free); > 0 adds megatron's seq_aux_loss with this
+    # coefficient (Megatron-Bridge's Nemotron-H default: 1e-4)
+    moe_aux_loss_coeff: float = 0.0
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank > 0: train adapters only (hetero/training/lora.py)
+    # activation recompute: none|selective|full for every module, or per module "language=full,vision=selective"
+    # (hetero/plan/recompute.py; what each mode covers: models/recompute.py)
+    recompute: str = "none"
+
+    def __post_init__(self):
+        parse_recompute(self.recompute)
 
 
 @dataclass
@@ -70,6 +80,9 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     clip_grad: float = 1.0                  # global grad-norm clip across all modules; 0 = off
+    # ZeRO-1 (megatron/NeMo's use_distributed_optimizer): fp32 masters and Adam states sharded over each
+    # module's DP group (routed experts: expert-DP); bf16 runs (hetero/training/zero.py)
+    use_distributed_optimizer: bool = False
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1               # cosine decay to lr * min_lr_ratio at max_steps
 

@@ -61,6 +61,8 @@ def test_world_size_mismatch():
     (ModelShapes(kv_heads={"language": 2}), ["'language'", "tp=4", "kv_heads"]),
     (ModelShapes(seq_length=100), ["'language'", "seq_length=100", "2*cp = 8", "pad"]),
     (ModelShapes(samples_per_microbatch=6), ["'vision'", "dp=4", "6 samples", "fan in/out", "multiple of 4"]),
+    # an MoE LLM with TP runs sequence parallel: each CP rank's 18 positions must split over tp=4
+    (ModelShapes(seq_length=72, moe=True), ["'language'", "seq_length=72", "tp=4", "sequence", "multiple of 16"]),
 ])
 def test_shape_validation(shapes, words):
     lay = HeteroLayout.parse("vision=dp4@0-3;language=tp4,cp4@4-19;audio=dp2,cp2@20-23")
@@ -73,3 +75,10 @@ def test_shape_validation(shapes, words):
 def test_valid_shapes_pass():
     lay = HeteroLayout.parse("vision=dp4@0-3;language=tp2,cp2@0-3")
     assert lay.validate(ModelShapes(heads={"language": 8, "vision": 4}, seq_length=64, samples_per_microbatch=8))
+
+
+def test_sequence_parallel_length_rule_binds_only_moe_with_tp():
+    lay = HeteroLayout.parse("vision=dp4@0-3;language=tp4,cp4@4-19;audio=dp2,cp2@20-23")
+    lay.validate(ModelShapes(seq_length=72))             # dense: zigzag needs 2*cp | 72 only
+    lay.validate(ModelShapes(seq_length=80, moe=True))   # 80 / cp4 = 20 positions, 5 per TP rank
+    HeteroLayout.parse("language=cp4@0-3").validate(ModelShapes(seq_length=72, moe=True))  # tp1: no SP

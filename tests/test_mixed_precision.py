@@ -44,7 +44,7 @@ def world1():
 
 
 def _groups(pg):
-    return {"m": SimpleNamespace(pgs=SimpleNamespace(dp_cp=pg, tp=pg, mp=pg))}
+    return {"m": SimpleNamespace(pgs=SimpleNamespace(dp_cp=pg, tp=pg, mp=pg, expt_dp=pg, ep=pg, tp_dp_cp=pg))}
 
 
 def _run(pg, param_dtype, steps=STEPS):

@@ -38,6 +38,10 @@ class MambaSSMMixer(Mamba2Mixer):
     """Mamba2Mixer with mamba_ssm's fused SSD scan and causal_conv1d's conv (GPU). Same parameters, so
     checkpoints and the HF import are shared with the CPU mixer."""
 
+    # mamba_chunk_scan_combined saves about its inputs and output for backward: selective recompute of the
+    # scan would buy no memory, only a second scan (models/recompute.py)
+    scan_keeps_intermediates = False
+
     # Packed documents: doc_ids [b, s] become the kernels' seq_idx (int32 [b, s], a new id = a new sequence:
     # the conv zeroes taps of other ids, the scan restarts its state), as megatron's MambaMixer does for THD.
     def conv(self, xbc: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:

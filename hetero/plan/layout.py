@@ -154,19 +154,29 @@ def _parse_module(item: str) -> tuple[str, ModuleLayout]:
     return key, ModuleLayout(first=int(m.group(1)), last=int(m.group(2)), **sizes)
 
 
+def llm_sequence_parallel(moe: bool, tp: int) -> bool:
+    """Whether the LLM runs sequence parallel: MoE with TP > 1 (megatron's MoE layer trains with TP only under
+    sequence parallelism); dense LLMs keep the plain TP path. The one rule: the model config and validation
+    both read it."""
+    return moe and tp > 1
+
+
 @dataclass(frozen=True)
 class ModelShapes:
     """What validation needs to know about the model and the batch (all optional).
 
     heads: attention heads per module (TP must divide them); kv_heads likewise.
-    seq_length: the LLM's (packed) sequence length; must divide by 2*cp for zigzag CP.
+    seq_length: the LLM's (packed) sequence length; must divide by 2*cp for zigzag CP (and each CP rank's
+    share by tp under sequence parallelism).
     samples_per_microbatch: the global number of samples in one microbatch, split over every module's DP.
+    moe: the LLM has MoE layers (then TP > 1 means sequence parallelism: llm_sequence_parallel).
     """
 
     heads: Mapping[str, int] = field(default_factory=dict)
     kv_heads: Mapping[str, int] = field(default_factory=dict)
     seq_length: int | None = None
     samples_per_microbatch: int | None = None
+    moe: bool = False
 
 
 @dataclass(frozen=True)
@@ -259,6 +269,13 @@ class HeteroLayout:
                 f"module '{LANGUAGE}': seq_length={shapes.seq_length} is not divisible by 2*cp = {2 * lang.cp} "
                 f"(zigzag context parallelism cuts the sequence into 2*cp chunks); pad the sequence to a "
                 f"multiple of {2 * lang.cp} or lower cp")
+        if (shapes.seq_length is not None and llm_sequence_parallel(shapes.moe, lang.tp)
+                and (shapes.seq_length // lang.cp) % lang.tp):
+            raise LayoutError(
+                f"module '{LANGUAGE}': each CP rank's {shapes.seq_length // lang.cp} of seq_length="
+                f"{shapes.seq_length} positions do not divide by tp={lang.tp} (an MoE LLM with TP runs sequence "
+                f"parallel: every TP rank holds 1/tp of them); use a seq_length that is a multiple of "
+                f"{math.lcm(2 * lang.cp, lang.cp * lang.tp)}")
         n = shapes.samples_per_microbatch
         if n is not None:
             for key, m in self.modules.items():

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.hyper_comm_grid import HyperCommGrid
 from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -69,6 +70,10 @@ def build_module_groups(layout: HeteroLayout, rank: int | None = None) -> dict[s
     """Create every module's process groups (collective: call on all ranks with the same layout)."""
     layout.validate(world_size=dist.get_world_size())
     rank = dist.get_rank() if rank is None else rank
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        # megatron's initialize_model_parallel creates it; we build groups without that global state, but the
+        # sequence-parallel gathers of the MoE allgather dispatcher (EP > 1) take their buffers from it
+        parallel_state._set_global_memory_buffer()
     out = {}
     for key in sorted(layout.modules):
         m = layout.modules[key]

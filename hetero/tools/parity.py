@@ -34,7 +34,7 @@ from tessera.hetero.runtime.cpu_shims import apply_cpu_shims, default_backend
 from tessera.hetero.runtime.device import bind_local_device, current_device
 from tessera.hetero.parallel.kernel_choice import select_kernels
 from tessera.models.hybrid_llm import HybridLM
-from tessera.models.nemotron_h_hf import hybrid_config_from_hf, load_hf_state_dict, load_into
+from tessera.models.nemotron_h_hf import LazyCheckpoint, hybrid_config_from_hf, load_into
 from tessera.models.hf_reference import BATCH, fixed_batch, max_rel_err, reference_logits, seq_length
 
 
@@ -50,7 +50,7 @@ def build_model(hf_dir: str, pg_collection: ProcessGroupCollection, kernels=None
     kernels = kernels or select_kernels(pg_collection, dtype=config.params_dtype)
     model = HybridLM(config, pg_collection, core_attention=kernels.core_attention,
                      mamba_mixer=kernels.mamba_mixer)
-    load_into(model, load_hf_state_dict(hf_dir), pg_collection.tp.rank(), pg_collection.pp.rank())
+    load_into(model, LazyCheckpoint(hf_dir), pg_collection.tp.rank(), pg_collection.pp.rank(), pg_collection.ep.rank())
     return model.to(current_device())
 
 
@@ -89,7 +89,8 @@ def compare(hf_dir: str, pg_collection: ProcessGroupCollection, kernels=None) ->
     model = build_model(hf_dir, pg_collection, kernels).eval()
     cp_group = pg_collection.cp
     cp = _size(cp_group)
-    input_ids = fixed_batch(model.config.vocab_size, seq_length(cp))
+    sp_tp = pg_collection.tp.size() if model.config.sequence_parallel else 1
+    input_ids = fixed_batch(model.config.vocab_size, seq_length(cp, sp_tp))
     local_ids = zigzag_shard(input_ids, cp, cp_group.rank(), dim=1) if cp > 1 else input_ids
     logits = pipeline_forward(model, local_ids, pg_collection.pp)
     # [max_rel_err, logits compared]; NCCL reduces device tensors only

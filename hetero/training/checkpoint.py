@@ -57,16 +57,30 @@ def _pieces(name: str, t: torch.Tensor, mamba_parts: list[int] | None) -> list[t
     return [("", t)]
 
 
-def _global_name(key: str, name: str, layer_offset: int) -> str:
+_LOCAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
+
+
+def _global_name(key: str, name: str, layer_offset: int, expert_offset: int = 0) -> str:
+    """The layout-free key: global layer index (PP) and global expert id (EP: this rank's local expert j is
+    expert ep_rank * experts_per_rank + j; at EP1 the key is the local one, so older checkpoints still load)."""
     if key == LANGUAGE and layer_offset:
         name = re.sub(r"^layers\.(\d+)\.", lambda m: f"layers.{int(m[1]) + layer_offset}.", name)
+    if expert_offset:
+        name = _LOCAL_EXPERT.sub(lambda m: f".experts.local_experts.{int(m[1]) + expert_offset}.", name)
     return f"{key}.{name}"
 
 
-def _param_specs(key: str, module: torch.nn.Module, g: ModuleGroups, mamba_parts, layer_offset: int):
+def _expert_offset(key: str, config, g: ModuleGroups) -> int:
+    """Global id of this rank's first routed expert (0 without EP)."""
+    experts = getattr(config, "num_moe_experts", None) if key == LANGUAGE else None
+    return g.pgs.ep.rank() * (experts // g.pgs.ep.size()) if experts else 0
+
+
+def _param_specs(key: str, module: torch.nn.Module, g: ModuleGroups, mamba_parts, layer_offset: int,
+                 expert_offset: int = 0):
     """Per parameter and persistent buffer (MoE expert bias, BatchNorm statistics): (tensor, global key,
     pieces of a same-shaped tensor, rank_offsets, replica_id)."""
-    tp, tp_rank, rep = g.pgs.tp.size(), g.pgs.tp.rank(), g.pgs.dp_cp.rank()
+    tp, tp_rank = g.pgs.tp.size(), g.pgs.tp.rank()
     seen = set()
     for name, p in module.state_dict(keep_vars=True).items():
         if not isinstance(p, torch.Tensor) or name.endswith("_extra_state") or id(p) in seen:
@@ -74,30 +88,26 @@ def _param_specs(key: str, module: torch.nn.Module, g: ModuleGroups, mamba_parts
         seen.add(id(p))
         sharded = bool(getattr(p, "tensor_model_parallel", False)) and tp > 1
         offsets = ((getattr(p, "partition_dim", 0), tp_rank, tp),) if sharded else ()
+        # replicas: dense tensors over DP x CP, routed experts (distinct per EP rank) over expert-DP
+        rep = (g.pgs.expt_dp if _LOCAL_EXPERT.search("." + name) else g.pgs.dp_cp).rank()
         replica = (0, rep) if sharded else (tp_rank, rep)  # exactly one writer per element
 
         def pieces(t, name=name):  # fused Mamba tensors split at every TP size, so keys never change
             return _pieces(name, t, mamba_parts)
 
-        yield p, _global_name(key, name, layer_offset), pieces, offsets, replica
+        yield p, _global_name(key, name, layer_offset, expert_offset), pieces, offsets, replica
 
 
 def _sharded_state(modules, opt, groups, configs, rank, world, with_rng=True) -> dict:
-    state, opt_state = {}, (opt.state_tensors() if opt is not None else {})
+    # per trainable parameter: fp32 Adam states and (bf16 run) master, sharded like their parameter
+    state, space = {}, (opt.param_space() if opt is not None else {})
     for key, module in modules.items():
         parts = _mamba_local_parts(configs[key], groups[key].pgs.tp.size()) if key == LANGUAGE else None
-        adam, masters = {}, {}
-        if key in opt_state:
-            adam = {id(p): opt_state[key][j] for j, p in enumerate(opt.params[key])}
-        if opt is not None and key in opt.masters:  # bf16 run: fp32 masters, sharded like their params
-            masters = {id(p): m for p, m in zip(opt.params[key], opt.masters[key])}
+        extra = {id(p): d for p, d in zip(opt.params[key], space[key])} if key in space else {}
         for p, gkey, pieces, offsets, replica in _param_specs(key, module, groups[key], parts,
-                                                              getattr(module, "layer_offset", 0)):
-            tensors = {"model": p.data}
-            if id(p) in masters:
-                tensors["optim.master"] = masters[id(p)]
-            if id(p) in adam:
-                tensors.update({f"optim.{f}": adam[id(p)][f] for f in ("exp_avg", "exp_avg_sq")})
+                                                              getattr(module, "layer_offset", 0),
+                                                              _expert_offset(key, configs.get(key), groups[key])):
+            tensors = {"model": p.data, **extra.get(id(p), {})}
             # the vocabulary's padded size depends on TP (models/hybrid_llm.py): as megatron does for its
             # embedding and output layer, a load reads the rows both layouts have and leaves the rest zero
             vocab = key == LANGUAGE and gkey in VOCAB_ROWS
@@ -167,8 +177,5 @@ def load_checkpoint(path: str | Path, modules, opt, groups, configs: dict) -> di
     if "rng" in loaded:
         torch.set_rng_state(loaded["rng"]["torch"])
     if opt is not None:
-        for per in opt.state_tensors().values():
-            for st in per.values():
-                st["step"].fill_(float(common["step"]))
-        opt.copy_masters_to_params()  # bf16 params = the loaded fp32 masters, rounded (as after a step)
+        opt.load_param_space(common["step"])  # ZeRO-1 shards, Adam step counts, bf16 params from the masters
     return common

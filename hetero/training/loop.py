@@ -118,15 +118,15 @@ def _build_model(run: _Run) -> None:
     """Groups, this rank's modules with their initial weights (checkpoint or seed), and the optimizers."""
     cfg = run.cfg
     run.groups = build_module_groups(run.layout)
-    run.configs = module_configs(run.layout, run.hf_fields)
+    run.configs = module_configs(run.layout, run.hf_fields, cfg.model.moe_aux_loss_coeff)
     run.modules = build_rank_modules(cfg.model, run.layout, run.groups, run.configs)
     if cfg.model.checkpoint and latest_checkpoint(cfg.model.checkpoint) is not None:
         load_checkpoint(latest_checkpoint(cfg.model.checkpoint), run.modules, None, run.groups, run.configs)
     else:
         if cfg.model.checkpoint:
-            from tessera.models.nemotron_h_hf import load_hf_state_dict
+            from tessera.models.nemotron_h_hf import LazyCheckpoint
 
-            full = load_hf_state_dict(cfg.model.checkpoint)
+            full = LazyCheckpoint(cfg.model.checkpoint)  # each rank reads only the tensors of its shards
             check_checkpoint_tensors(cfg.model.checkpoint, full, cfg.model, run.hf_fields)
         else:
             full = full_hf_state(cfg.model, run.hf_fields, cfg.trainer.seed)
@@ -141,7 +141,8 @@ def _build_model(run: _Run) -> None:
     # casts the modules to run.dtype; bf16 keeps fp32 master weights (taken before the cast) and fp32 grads
     run.opt = ModuleOptimizers(run.modules, run.groups, {k: lrs[k] for k in run.layout.modules}, cfg.optim.clip_grad,
                                cfg.optim.weight_decay, cfg.optim.betas, cfg.optim.eps,
-                               all_keys=list(run.layout.modules), param_dtype=run.dtype)
+                               all_keys=list(run.layout.modules), param_dtype=run.dtype,
+                               distributed=cfg.optim.use_distributed_optimizer)
 
 
 def _resume(run: _Run) -> None:

@@ -21,13 +21,14 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from tessera.hetero.runtime.groups import DENSE_GROUPS, EXPERT_GROUPS, ModuleGroups
 from tessera.hetero.parallel.kernel_choice import select_kernels
 from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
+from tessera.hetero.plan.recompute import parse_recompute
 from tessera.hetero.parallel.vocab_parallel_ce import vocab_parallel_cross_entropy_for
 from tessera.models.configs import REGISTRY as LLM_REGISTRY, hf_fields as llm_hf_fields
 from tessera.models.hybrid_llm import HybridLM
 from tessera.models.multimodal import MultimodalModel, build_media_module
 from tessera.models.multimodal_hf import (PROJECTOR_ROOT, export_hf, sound_from_hf, vision_from_hf, _load_params,
                                   _params_only)
-from tessera.models.nemotron_h_hf import hybrid_config_from_hf, load_into
+from tessera.models.nemotron_h_hf import PrefixView, hybrid_config_from_hf, load_into
 from tessera.hetero.training.run_modules import module_specs
 
 _single_rank_pgs: ProcessGroupCollection | None = None
@@ -54,8 +55,9 @@ def single_rank_pgs() -> ProcessGroupCollection:
     return _single_rank_pgs
 
 
-def _media_module(spec, model_cfg, llm_hidden: int, pgs):
-    return build_media_module(spec.name, llm_hidden, pgs, frozen=spec.freeze, pruning_rate=model_cfg.video_pruning)
+def _media_module(spec, model_cfg, llm_hidden: int, pgs, recompute: str = "none"):
+    return build_media_module(spec.name, llm_hidden, pgs, frozen=spec.freeze, pruning_rate=model_cfg.video_pruning,
+                              recompute=recompute)
 
 
 def full_hf_state(model_cfg, hf_fields: dict, seed: int) -> dict[str, torch.Tensor]:
@@ -84,7 +86,8 @@ def hf_shapes(model_cfg, hf_fields: dict) -> dict[str, tuple[int, ...]]:
 def check_checkpoint_tensors(source: str, full: dict[str, torch.Tensor], model_cfg, hf_fields: dict) -> None:
     """Every tensor of the checkpoint is one the model holds, with its shape, and none is missing: otherwise
     one error listing every difference (key, shapes), before any weight is loaded."""
-    want, got = hf_shapes(model_cfg, hf_fields), {k: tuple(v.shape) for k, v in full.items()}
+    shape = getattr(full, "shape", lambda k: tuple(full[k].shape))  # a LazyCheckpoint: from the file headers
+    want, got = hf_shapes(model_cfg, hf_fields), {k: shape(k) for k in full}
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     wrong = [f"{k}: checkpoint {got[k]}, model {want[k]}" for k in sorted(set(want) & set(got)) if want[k] != got[k]]
     if missing or extra or wrong:
@@ -97,16 +100,19 @@ def check_checkpoint_tensors(source: str, full: dict[str, torch.Tensor], model_c
                          f"checkpoint's own config.json, or a checkpoint of the model named by model.llm/vision/audio")
 
 
-def module_configs(layout: HeteroLayout, hf_fields: dict) -> dict:
-    """Per module key the config its layout needs (the LLM's HybridConfig carries TP/PP/CP sizes)."""
+def module_configs(layout: HeteroLayout, hf_fields: dict, aux_loss_coeff: float = 0.0) -> dict:
+    """Per module key the config its layout needs (the LLM's HybridConfig carries TP/PP/CP/EP sizes)."""
     lang = layout[LANGUAGE]
-    return {LANGUAGE: hybrid_config_from_hf(hf_fields, tp=lang.tp, pp=lang.pp, cp=lang.cp, ep=lang.ep)}
+    return {LANGUAGE: hybrid_config_from_hf(hf_fields, tp=lang.tp, pp=lang.pp, cp=lang.cp, ep=lang.ep,
+                                            aux_loss_coeff=aux_loss_coeff)}
 
 
 def build_rank_modules(model_cfg, layout: HeteroLayout, groups: dict[str, ModuleGroups],
                        configs: dict) -> dict[str, torch.nn.Module]:
     """The modules (or pipeline stage of the LLM) this rank hosts, empty-initialised."""
     specs, out = module_specs(model_cfg), {}  # validated once: names, frozen
+    # activation recompute per module (model.recompute; getattr: configs saved before the field existed)
+    modes = parse_recompute(getattr(model_cfg, "recompute", "none"))
     hidden = configs[LANGUAGE].hidden_size
     for key in layout.modules:
         g = groups[key]
@@ -117,25 +123,24 @@ def build_rank_modules(model_cfg, layout: HeteroLayout, groups: dict[str, Module
             kernels = select_kernels(g.pgs, dtype=getattr(torch, model_cfg.dtype))
             out[key] = HybridLM(configs[key], g.pgs, core_attention=kernels.core_attention,
                                 mamba_mixer=kernels.mamba_mixer,
-                                cross_entropy=vocab_parallel_cross_entropy_for(g.pgs.tp))
+                                cross_entropy=vocab_parallel_cross_entropy_for(g.pgs.tp), recompute=modes[LANGUAGE])
             if specs[LANGUAGE].freeze:
                 out[key].requires_grad_(False)
         else:
-            out[key] = _media_module(specs[key], model_cfg, hidden, g.pgs)
+            out[key] = _media_module(specs[key], model_cfg, hidden, g.pgs, modes[key])
     return out
 
 
-def load_full_state(modules: dict[str, torch.nn.Module], hf: dict[str, torch.Tensor],
-                    groups: dict[str, ModuleGroups]) -> None:
-    """Import this rank's shard of an HF-layout state dict into every module it hosts."""
+def load_full_state(modules: dict[str, torch.nn.Module], hf, groups: dict[str, ModuleGroups]) -> None:
+    """Import this rank's shard of an HF-layout state dict (a dict, or a LazyCheckpoint read tensor by tensor)
+    into every module it hosts; only the tensors these modules need are read."""
     for key, module in modules.items():
         pgs = groups[key].pgs
         if key == LANGUAGE:
-            lm = {k[len("language_model."):]: v for k, v in hf.items() if k.startswith("language_model.")}
-            load_into(module, lm, pgs.tp.rank(), pgs.pp.rank())
+            load_into(module, PrefixView(hf, "language_model."), pgs.tp.rank(), pgs.pp.rank(), pgs.ep.rank())
             continue
         root = PROJECTOR_ROOT[key]
-        module.projector.load_state_dict({k[len(root):]: v for k, v in hf.items() if k.startswith(root)})
+        module.projector.load_state_dict({k[len(root):]: hf[k] for k in hf if k.startswith(root)})
         if module.cfg["modality"] == "vision":
             _load_params(module.encoder.vit, vision_from_hf(hf, module.cfg, pgs.tp.rank(), pgs.tp.size()))
         else:

@@ -33,6 +33,11 @@ clip_grads.clip_grad_by_total_norm_fp32 asserts `param.grad.type() == 'torch.cud
 (clip_grads.py:167) and builds its buffers on device='cuda' (:103/:115). The cpu_shims (torch.cuda.current_device
 -> "cpu") reach neither literal 'cuda' strings nor these type names.
 
+Expert parallelism (MoE, EP > 1), as megatron's DDP does it: routed-expert parameters (megatron marks them
+`allreduce=False`) are distinct on every EP rank and replicated only over the expert-DP group, so their
+gradients are summed over expt_dp, not dp_cp (each module's parameters are ordered dense first, experts last,
+and the flat main-grad buffer is reduced in those two pieces); the grad norm adds every EP rank's experts.
+
 Gradients: each rank's loss share is already divided by the step's global token count
 (hetero/training/stages.py), so the right gradient is the SUM over the module's DP x CP group — for every
 module, whatever its DP size. Averaging instead (DDP's default) would scale each module's gradient by
@@ -48,6 +53,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from tessera.hetero.runtime.groups import ModuleGroups
+from tessera.hetero.training.zero import ShardedPart
 
 
 def lr_at(step: int, max_steps: int, warmup: int, min_ratio: float) -> float:
@@ -64,6 +70,16 @@ def _counts_once(p: torch.nn.Parameter, tp_rank: int) -> bool:
     return bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0
 
 
+def _routers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """MoE routers with an expert bias (aux-loss-free load balancing)."""
+    return [r for r in module.modules() if getattr(r, "expert_bias", None) is not None]
+
+
+def is_expert_param(p: torch.nn.Parameter) -> bool:
+    """A routed-expert parameter of an expert-parallel layer (megatron's rule: `allreduce` set False)."""
+    return not getattr(p, "allreduce", True)
+
+
 def _accumulate_main_grad(p: torch.nn.Parameter) -> None:
     """Post-accumulate-grad hook (megatron DDP's backward post-hook): this microbatch's bf16 gradient into the
     fp32 main grad, then free it, so gradients accumulate across microbatches in fp32."""
@@ -76,16 +92,25 @@ class ModuleOptimizers:
     def __init__(self, modules: dict[str, torch.nn.Module], groups: dict[str, ModuleGroups],
                  lrs: dict[str, float], clip_grad: float = 1.0, weight_decay: float = 0.0,
                  betas=(0.9, 0.95), eps: float = 1e-8, all_keys: list[str] | None = None,
-                 param_dtype: torch.dtype | None = None):
+                 param_dtype: torch.dtype | None = None, distributed: bool = False):
         """param_dtype: cast the modules to it here; bfloat16 takes fp32 master weights first (the module
-        docstring). None leaves the modules as they are (fp32 path)."""
+        docstring). None leaves the modules as they are (fp32 path). distributed: ZeRO-1, the fp32 masters and
+        Adam states sharded over each reduction group (hetero/training/zero.py); bf16 runs only."""
         self.modules, self.groups, self.clip = modules, groups, clip_grad
         self.all_keys = sorted(all_keys or modules)  # every module of the model, hosted here or not
-        self.params = {k: [p for p in m.parameters() if p.requires_grad] for k, m in modules.items()}
+        # dense parameters first, routed experts last (stable): each part is reduced over its own DP group
+        self.params = {k: sorted((p for p in m.parameters() if p.requires_grad), key=is_expert_param)
+                       for k, m in modules.items()}
+        self._n_dense = {k: sum(not is_expert_param(p) for p in ps) for k, ps in self.params.items()}
         self.peak_lr = dict(lrs)
         if param_dtype == torch.float16:
             raise ValueError("float16 needs loss scaling, which is not implemented: use bfloat16")
         self.mixed = param_dtype is not None and param_dtype != torch.float32
+        if distributed and not self.mixed:
+            raise ValueError("optim.use_distributed_optimizer shards the fp32 master weights and Adam states of a "
+                             "bf16 run: set model.dtype=bfloat16 (an fp32 run keeps its states on its parameters)")
+        # module -> its ZeRO-1 parts, dense and routed experts (distributed optimizer only)
+        self.zero: dict[str, list[ShardedPart]] = {}
         # module -> fp32 master per entry of self.params[module] (mixed precision only)
         self.masters: dict[str, list[torch.Tensor]] = {}
         self._grad_buffers: dict[str, torch.Tensor] = {}  # module -> flat fp32 main-grad buffer
@@ -94,9 +119,20 @@ class ModuleOptimizers:
             self.masters = {k: [p.detach().clone().float() for p in ps] for k, ps in self.params.items() if ps}
         if param_dtype is not None:
             for m in modules.values():
+                kept = [(r, r.expert_bias.detach().clone(), r.local_tokens_per_expert.detach().clone())
+                        for r in _routers(m)]
                 m.to(dtype=param_dtype)
+                for r, bias, counts in kept:  # the router's bias and token counts stay fp32 (megatron keeps
+                    r.expert_bias.data, r.local_tokens_per_expert.data = bias, counts  # the bias fp32 too)
         for key, masters in self.masters.items():
             params = self.params[key]
+            for p in params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_main_grad))
+            if distributed:
+                n = self._n_dense[key]
+                self.zero[key] = [ShardedPart(ps, group, ms) for (ps, group), ms
+                                  in zip(self._reduce_parts(key), (masters[:n], masters[n:])) if ps]
+                continue
             buf = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
             self._grad_buffers[key] = buf
             offset = 0
@@ -104,12 +140,16 @@ class ModuleOptimizers:
                 p.main_grad = buf[offset:offset + p.numel()].view_as(p)
                 master.grad = p.main_grad  # AdamW reads the fp32 main grad directly
                 offset += p.numel()
-                self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_main_grad))
+        if distributed:
+            self.masters = {}  # whole-model masters dropped: each rank keeps its shards
         self.optimizers = {}
         for key, params in self.params.items():
             if not params:  # a frozen module gets no optimizer and no state
                 continue
             stepped = self.masters.get(key, params)  # fp32 masters, or the fp32 parameters themselves
+            if key in self.zero:  # the master shards' per-parameter views, and their parameters
+                stepped = [v for part in self.zero[key] for v in part.master_views]
+                params = [q for part in self.zero[key] for q in part.segment_params()]
             decay = [q for p, q in zip(params, stepped) if p.dim() >= 2]
             no_decay = [q for p, q in zip(params, stepped) if p.dim() < 2]
             self.optimizers[key] = torch.optim.AdamW(
@@ -128,31 +168,59 @@ class ModuleOptimizers:
 
     def _grad(self, key: str, p: torch.nn.Parameter) -> torch.Tensor | None:
         """The gradient the optimizer uses: the fp32 main grad (mixed precision) or p.grad."""
-        return p.main_grad if key in self.masters else p.grad
+        return p.main_grad if self.mixed else p.grad
 
     def copy_masters_to_params(self) -> None:
         """Round every fp32 master into its bf16 parameter (after a step, after loading a checkpoint)."""
+        for parts in self.zero.values():
+            for part in parts:
+                part.gather_params()
         with torch.no_grad():
             for key, masters in self.masters.items():
                 torch._foreach_copy_([p.data for p in self.params[key]], masters)
 
+    def _reduce_parts(self, key: str):
+        """(params, process group) pieces of a module's gradient reduction: dense params over DP x CP, routed
+        experts over expert-DP (megatron DDP's expert buffers)."""
+        pgs, params, n = self.groups[key].pgs, self.params[key], self._n_dense[key]
+        return [(params[:n], pgs.dp_cp), (params[n:], pgs.expt_dp)]
+
     def sync_gradients(self) -> None:
-        """Sum every module's gradients over its own DP x CP group: one flat all-reduce per module."""
+        """Sum every module's gradients over its own DP x CP group (experts: expert-DP): one flat all-reduce
+        per module and part. First, under sequence parallelism, the gradients of weights every TP rank applies to
+        its own slice of the sequence (norms, router) are summed over TP (megatron: finalize_model_grads)."""
         for key in sorted(self.params):
-            params, group = self.params[key], self.groups[key].pgs.dp_cp
-            if not params or group.size() == 1:
-                continue
-            if key in self._grad_buffers:  # mixed precision: the fp32 main grads are one flat buffer already
-                dist.all_reduce(self._grad_buffers[key], group=group)
-                continue
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=group)
-            for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
-                if p.grad is None:
-                    p.grad = g
+            sp = [p for p in self.params[key] if getattr(p, "sequence_parallel", False)]
+            if sp and self.groups[key].pgs.tp.size() > 1:
+                grads = [self._grad(key, p) for p in sp]
+                if self.mixed:
+                    flat = _flatten_dense_tensors(grads)
+                    dist.all_reduce(flat, group=self.groups[key].pgs.tp)
+                    torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
                 else:
-                    p.grad.copy_(g)
+                    self._all_reduce_grads(sp, self.groups[key].pgs.tp)
+            for part in self.zero.get(key, []):
+                part.reduce_scatter()
+            offset = 0
+            for params, group in ([] if key in self.zero else self._reduce_parts(key)):
+                size = sum(p.numel() for p in params)
+                if params and group.size() > 1:
+                    if key in self._grad_buffers:  # mixed precision: fp32 main grads are one flat buffer already
+                        dist.all_reduce(self._grad_buffers[key][offset:offset + size], group=group)
+                    else:
+                        self._all_reduce_grads(params, group)
+                offset += size
+
+    @staticmethod
+    def _all_reduce_grads(params, group) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.copy_(g)
 
     def grad_norm(self) -> float:
         """L2 norm of the whole model's gradient (every module, every shard once), known on every rank."""
@@ -161,23 +229,55 @@ class ModuleOptimizers:
         for key, params in self.params.items():
             pgs = self.groups[key].pgs
             tp_rank = pgs.tp.rank()
-            grads = [(p, self._grad(key, p)) for p in params]
-            local = sum((g.double().pow(2).sum() for p, g in grads
-                         if g is not None and _counts_once(p, tp_rank)),
-                        torch.zeros((), dtype=torch.float64, device=device))
+            parts = []
+            for (part, group), shard in zip(self._reduce_parts(key), self._zero_parts(key)):
+                if shard is not None:  # ZeRO-1: this rank's shard, summed over the part's group
+                    parts.append(shard.sq_norm(lambda p: _counts_once(p, tp_rank)))
+                    dist.all_reduce(parts[-1], group=group)
+                    continue
+                parts.append(sum((g.double().pow(2).sum() for p, g in ((p, self._grad(key, p)) for p in part)
+                                  if g is not None and _counts_once(p, tp_rank)),
+                                 torch.zeros((), dtype=torch.float64, device=device)))
+            dense, experts = parts
+            if pgs.ep.size() > 1:
+                dist.all_reduce(experts, group=pgs.ep)  # every EP rank holds other experts
+            local = dense + experts
             dist.all_reduce(local, group=pgs.mp)  # this module's TP shards and PP stages
             sq[self.all_keys.index(key)] = local
         # members of one module agree on its value, non-members hold 0: MAX combines modules on any ranks
         dist.all_reduce(sq, op=dist.ReduceOp.MAX)
         return float(sq.sum().sqrt())
 
+    def _zero_parts(self, key: str) -> list[ShardedPart | None]:
+        """The ZeRO-1 part of each of _reduce_parts(key) (None: replicated optimizer, or an empty part)."""
+        parts = iter(self.zero.get(key, []))
+        return [next(parts) if key in self.zero and ps else None for ps, _ in self._reduce_parts(key)]
+
+    def update_router_expert_bias(self) -> None:
+        """Aux-loss-free load balancing, as megatron's finalize_model_grads does once per global batch
+        (moe_utils.get_updated_expert_bias): every router's token counts summed over the module's TP x DP x CP
+        ranks, bias += rate * sign(mean count - count), counts reset. Frozen modules are left as they are."""
+        for key in sorted(self.params):
+            routers = _routers(self.modules[key]) if self.params[key] else []
+            if not routers:
+                continue
+            counts = torch.stack([r.local_tokens_per_expert.float() for r in routers])
+            dist.all_reduce(counts, group=self.groups[key].pgs.tp_dp_cp)
+            offset = counts.mean(dim=-1, keepdim=True) - counts
+            with torch.no_grad():
+                for r, off in zip(routers, offset):
+                    r.expert_bias.add_(torch.sign(off) * r.config.moe_router_bias_update_rate)
+                    r.local_tokens_per_expert.zero_()
+
     def step(self, lr_scale: float = 1.0) -> dict:
         self.sync_gradients()
+        self.update_router_expert_bias()
         norm = self.grad_norm()
         coef = self.clip / (norm + 1e-6) if self.clip and norm > self.clip else 1.0
         for key, opt in self.optimizers.items():
-            for p in self.params[key]:
-                g = self._grad(key, p)
+            grads = ([part.grad_shard for part in self.zero[key]] if key in self.zero
+                     else [self._grad(key, p) for p in self.params[key]])
+            for g in grads:
                 if g is not None and coef != 1.0:
                     g.mul_(coef)
             for group in opt.param_groups:
@@ -186,22 +286,60 @@ class ModuleOptimizers:
         self.copy_masters_to_params()
         for buf in self._grad_buffers.values():
             buf.zero_()
+        for parts in self.zero.values():
+            for part in parts:
+                part.zero_grad()
         for params in self.params.values():
             for p in params:
                 p.grad = None
         return {"grad_norm": norm, "lr": {k: self.peak_lr[k] * lr_scale for k in self.all_keys if k in self.peak_lr}}
 
-    def state_tensors(self) -> dict[str, dict[int, dict[str, torch.Tensor]]]:
-        """module -> param index -> {exp_avg, exp_avg_sq, step} (materialised, zeros before the first step;
-        fp32, of the master, under mixed precision)."""
+    def _adam_state(self, opt, t: torch.Tensor) -> dict:
+        """AdamW's state of a stepped tensor, materialised (zeros before the first step)."""
+        st = opt.state[t]
+        if not st:
+            st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(t),
+                      exp_avg_sq=torch.zeros_like(t))
+        return st
+
+    def param_space(self) -> dict[str, list[dict[str, torch.Tensor]]]:
+        """What a checkpoint stores besides the weights, per module and trainable parameter (aligned with
+        self.params[key]), each tensor shaped like its parameter: 'optim.master' (mixed precision),
+        'optim.exp_avg', 'optim.exp_avg_sq' (fp32). The live tensors, or under ZeRO-1 whole copies gathered from
+        the shards (collective), which load_param_space() takes back after a load."""
         out = {}
         for key, opt in self.optimizers.items():
-            per = {}
-            for i, p in enumerate(self.masters.get(key, self.params[key])):  # what AdamW steps
-                st = opt.state[p]
-                if not st:
-                    st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
-                              exp_avg_sq=torch.zeros_like(p))
-                per[i] = st
+            if key in self.zero:
+                per = []
+                for part in self.zero[key]:
+                    states = [self._adam_state(opt, v) for v in part.master_views]
+                    fields = {"optim.master": part.full(lambda k, part=part: part.master_views[k])}
+                    for f in ("exp_avg", "exp_avg_sq"):
+                        fields[f"optim.{f}"] = part.full(lambda k, f=f: states[k][f])
+                    per += [dict(zip(fields, ts)) for ts in zip(*fields.values())]
+                out[key] = per
+                continue
+            stepped = self.masters.get(key, self.params[key])  # what AdamW steps
+            per = [{f"optim.{f}": self._adam_state(opt, t)[f] for f in ("exp_avg", "exp_avg_sq")} for t in stepped]
+            if key in self.masters:
+                for d, m in zip(per, self.masters[key]):
+                    d["optim.master"] = m
             out[key] = per
+        self._space = out
         return out
+
+    def load_param_space(self, step: int) -> None:
+        """After a checkpoint was loaded into the tensors of the last param_space(): ZeRO-1 ranks take their
+        shards, every Adam state's step count is set, and the params are re-derived from the masters."""
+        for key, opt in self.optimizers.items():
+            space, first = self._space[key], 0
+            for part in self.zero.get(key, []):  # parts tile self.params[key] in order (dense, experts)
+                mine = space[first:first + len(part.params)]
+                first += len(part.params)
+                part.load_full([d["optim.master"] for d in mine], lambda k: part.master_views[k])
+                for f in ("exp_avg", "exp_avg_sq"):
+                    part.load_full([d[f"optim.{f}"] for d in mine],
+                                   lambda k, f=f: self._adam_state(opt, part.master_views[k])[f])
+            for st in opt.state.values():
+                st["step"].fill_(float(step))
+        self.copy_masters_to_params()  # bf16 params = the loaded fp32 masters, rounded (as after a step)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
 
 from tessera.data.packing import PackedBatch
 from tessera.data.sharding import dp_rows
@@ -65,6 +66,10 @@ class LanguageStage:
         n, seq = batches[0].tokens.shape
         self.rows = torch.as_tensor(list(dp_rows(n, layout.dp_size, coord.dp)))
         self.pos = torch.as_tensor(zigzag_positions(seq, layout.cp, coord.cp))
+        if getattr(llm.config, "moe_aux_loss_coeff", 0.0):
+            # megatron scales the MoE aux loss's gradient by cp/microbatches and DDP then averages over DP x CP;
+            # gradients here are summed over DP x CP, so the same aux gradient is 1/(microbatches x dp)
+            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / (len(batches) * layout.dp_size), device=device))
 
     def _local(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's rows and zigzag positions of a host [N, S] batch tensor, on the run's device (the
@@ -72,7 +77,9 @@ class LanguageStage:
         return t[self.rows][:, self.pos].to(self.device, non_blocking=True)
 
     def input_shape(self, mb: int):
-        return (len(self.pos), len(self.rows), self.llm.config.hidden_size)
+        """[s, b, h] handed between pipeline stages: under sequence parallelism each TP rank's 1/tp of s."""
+        seq = len(self.pos) // (self.layout.tp if self.llm.config.sequence_parallel else 1)
+        return (seq, len(self.rows), self.llm.config.hidden_size)
 
     def _media_mask(self, batch: PackedBatch, key: str) -> torch.Tensor:
         mask = np.zeros(batch.tokens.shape, dtype=bool)

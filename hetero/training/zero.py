@@ -1,0 +1,115 @@
+"""ZeRO-1, megatron's distributed optimizer: fp32 master weights and Adam states sharded over each DP group.
+
+    part = ShardedPart(params, group, masters)   # one per module and reduction group (dense: DP x CP, experts:
+    ...backward...                               #   expert-DP); params' main_grad become views of part.grad
+    part.reduce_scatter()                        # the summed gradient of this rank's shard only
+    sq = part.sq_norm(tp_rank)                   # this shard's share of the grad norm (sum over the group)
+    AdamW(part.master_views) .step()             # fp32 masters and states of the shard only
+    part.gather_params()                         # updated shard -> every rank's parameters (param dtype)
+
+A part's parameters share one flat fp32 main-grad buffer of N elements, padded to a multiple of the group size
+g; rank r owns elements [r*N/g, (r+1)*N/g). The reduce-scatter sums exactly what the replicated optimizer's
+all-reduce sums, and Adam is elementwise, so every element gets the replicated optimizer's arithmetic: steps
+equal it up to the collective's summation order, while optimizer memory falls from 12 to 12/g bytes per
+parameter (fp32 master + exp_avg + exp_avg_sq) plus the 4-byte main grad.
+
+Why not megatron's DistributedOptimizer: hetero/training/optim.py (CUDA-only type checks and buffers).
+
+Checkpoints stay in parameter space, as megatron's "fully reshardable" format: `full(...)` all-gathers a part's
+shards into whole per-parameter tensors on save, `load_full(...)` takes each rank's shard back after a load; so
+a checkpoint moves between ZeRO and the replicated optimizer and between DP sizes. (The gather holds the
+part's full fp32 states for the duration of the save.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class ShardedPart:
+    def __init__(self, params: list[torch.nn.Parameter], group, masters: list[torch.Tensor]):
+        """params: the part's trainable parameters (already in the param dtype); masters: their fp32 values."""
+        self.params, self.group = params, group
+        g, r = group.size(), group.rank()
+        device = params[0].device
+        self.offsets, n = [], 0
+        for p in params:
+            self.offsets.append(n)
+            n += p.numel()
+        self.size = -(-n // g) * g
+        self.shard_len = self.size // g
+        lo, hi = r * self.shard_len, (r + 1) * self.shard_len
+        self.grad = torch.zeros(self.size, dtype=torch.float32, device=device)  # every rank: whole part
+        for p, o in zip(params, self.offsets):
+            p.main_grad = self.grad[o:o + p.numel()].view_as(p)
+        self.grad_shard = torch.zeros(self.shard_len, dtype=torch.float32, device=device)
+        self.master = torch.zeros(self.shard_len, dtype=torch.float32, device=device)
+        # (param index, first and last+1 element within the flat param, first element within the shard)
+        self.segments = []
+        for i, (p, o) in enumerate(zip(params, self.offsets)):
+            a, b = max(o, lo), min(o + p.numel(), hi)
+            if a < b:
+                self.segments.append((i, a - o, b - o, a - lo))
+        for i, a, b, s in self.segments:
+            self.master[s:s + b - a].copy_(masters[i].reshape(-1)[a:b])
+        # what AdamW steps: 1-D views of the master shard, each with the matching view of the gradient shard
+        self.master_views = []
+        for i, a, b, s in self.segments:
+            view = self.master[s:s + b - a]
+            view.grad = self.grad_shard[s:s + b - a]
+            self.master_views.append(view)
+
+    def segment_params(self) -> list[torch.nn.Parameter]:
+        """The parameter of each master view (for weight-decay groups and the grad norm)."""
+        return [self.params[i] for i, *_ in self.segments]
+
+    def reduce_scatter(self) -> None:
+        if self.group.size() == 1:
+            self.grad_shard.copy_(self.grad)
+        else:
+            dist.reduce_scatter_tensor(self.grad_shard, self.grad, group=self.group)
+
+    def sq_norm(self, counts) -> torch.Tensor:
+        """Squared L2 norm of this rank's gradient shard over the elements whose parameter `counts(p)`
+        (fp64); summed over the group it is the part's."""
+        total = torch.zeros((), dtype=torch.float64, device=self.grad.device)
+        for view, p in zip(self.master_views, self.segment_params()):
+            if counts(p):
+                total += view.grad.double().pow(2).sum()
+        return total
+
+    def gather_params(self) -> None:
+        """Every rank's parameters = the updated master shards, cast to the parameter dtype."""
+        dtype = self.params[0].dtype
+        full = torch.empty(self.size, dtype=dtype, device=self.master.device)
+        if self.group.size() == 1:
+            full.copy_(self.master)
+        else:
+            dist.all_gather_into_tensor(full, self.master.to(dtype), group=self.group)
+        with torch.no_grad():
+            for p, o in zip(self.params, self.offsets):
+                p.copy_(full[o:o + p.numel()].view_as(p))
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+        self.grad_shard.zero_()
+
+    def full(self, shard_of) -> list[torch.Tensor]:
+        """Whole fp32 tensors per parameter from a per-view quantity (`shard_of(view_index) -> 1-D tensor`),
+        all-gathered over the group (collective)."""
+        shard = torch.zeros(self.shard_len, dtype=torch.float32, device=self.master.device)
+        for k, (i, a, b, s) in enumerate(self.segments):
+            shard[s:s + b - a] = shard_of(k)
+        out = torch.empty(self.size, dtype=torch.float32, device=shard.device)
+        if self.group.size() == 1:
+            out.copy_(shard)
+        else:
+            dist.all_gather_into_tensor(out, shard, group=self.group)
+        return [out[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+
+    def load_full(self, full: list[torch.Tensor], into) -> None:
+        """Take this rank's shard of whole per-parameter tensors: `into(view_index)` is the 1-D tensor to fill."""
+        with torch.no_grad():
+            for k, (i, a, b, s) in enumerate(self.segments):
+                into(k).copy_(full[i].reshape(-1)[a:b])

@@ -1,0 +1,144 @@
+"""ZeRO-1 (optim.use_distributed_optimizer): the sharded optimizer against the replicated one, on real gloo ranks.
+
+(a) The optimizer alone, 4 ranks, `language=dp4,ep2`: a dense layer (reduced over DP4) and an expert layer
+    (distinct per EP rank, reduced over expert-DP 2), every rank its own gradients, clipping active: after
+    every step the bf16 parameters and the grad norm equal the replicated optimizer's (which tests/
+    test_mixed_precision.py ties to fp32 training), while each rank holds 1/4 of the dense and 1/2 of the
+    expert fp32 masters and Adam states.
+(b) The trainer, bf16, the tiny MoE model: ZeRO-1 follows the replicated optimizer's loss curve; a ZeRO-1
+    checkpoint resumes bitwise in its layout and continues in another layout with the replicated optimizer
+    (checkpoints are in parameter space).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tessera.hetero.tools.spawn import run_on_ranks
+from tessera.hetero.training.metrics import read_metrics
+
+pytestmark = pytest.mark.multiproc
+
+
+def _optimizer_steps(distributed: bool, steps: int = 4):
+    """(bf16 weights after each step, grad norms, optimizer elements on this rank)."""
+    from tessera.hetero.plan.layout import HeteroLayout
+    from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
+    from tessera.hetero.training.optim import ModuleOptimizers
+
+    groups = build_module_groups(HeteroLayout.parse("language=dp4,ep2@0-3"))
+    pgs = groups["language"].pgs
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(7, 5)                       # 40 elements: padded to 40 over 4 ranks
+    torch.manual_seed(1 + pgs.ep.rank())                # each EP rank its own experts
+    expert = torch.nn.Linear(5, 3, bias=False)          # 15 elements: padded to 16 over expert-DP 2
+    expert.weight.allreduce = False                     # megatron's mark of an expert-parallel parameter
+    module = torch.nn.Sequential(dense, expert)
+    opt = ModuleOptimizers({"language": module}, groups, {"language": 1e-2}, clip_grad=0.5, weight_decay=0.1,
+                           param_dtype=torch.bfloat16, distributed=distributed)
+    weights, norms = [], []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+        x = torch.randn(6, 7, generator=g).to(torch.bfloat16)
+        module(x).float().pow(2).sum().backward()
+        stats = opt.step()
+        norms.append(stats["grad_norm"])
+        weights.append([p.detach().float().tolist() for p in module.parameters()])  # plain data to the parent
+    held = sum(t.numel() for st in opt.optimizers["language"].state.values() for k, t in st.items() if k != "step")
+    held += sum(m.numel() for ms in opt.masters.values() for m in ms)
+    held += sum(part.master.numel() for parts in opt.zero.values() for part in parts)
+    destroy_module_groups(groups)
+    return weights, norms, held
+
+
+def _both():
+    return _optimizer_steps(False), _optimizer_steps(True)
+
+
+def test_zero1_steps_equal_the_replicated_optimizer_with_a_shard_of_its_state(trained):
+    _, per_rank = trained
+    held = []
+    for (w_rep, n_rep, held_rep), (w_zero, n_zero, held_zero) in per_rank:
+        for a, b in zip(w_rep, w_zero):
+            assert a == b, "ZeRO-1 weights differ from the replicated optimizer's"
+        assert max(abs(x - y) / y for x, y in zip(n_rep, n_zero)) < 1e-12, (n_rep, n_zero)
+        assert n_rep[0] > 0.5, "clipping is not exercised"
+        assert held_rep == 3 * 55, held_rep  # (40 + 15) x (master, exp_avg, exp_avg_sq)
+        held.append(held_zero)
+    # ZeRO-1: 40/4 dense + 16/2 expert elements (expert-DP rank 1's last one is padding: no Adam state)
+    assert sorted(held) == [3 * 10 + 8 + 2 * 7] * 2 + [3 * (10 + 8)] * 2, held
+
+
+# ---- (b) the trainer ------------------------------------------------------------------------------------
+
+LAYOUT = "vision=dp4@0-3;language=dp4,ep2@0-3"
+OTHER = "vision=dp2@0-1;language=dp2,ep2@2-3"
+STEPS, SAVE_AT = 10, 5
+
+
+def _train(run_dir: str, steps: int, distributed: bool, layout: str = LAYOUT, save_every: int = 0):
+    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+    from tessera.recipes.train import train
+
+    model = ModelConfig(llm="nemotron_h_tiny_moe", vision="radio_vit_tiny", dtype="bfloat16")
+    data = DataConfig(seq_length=128, rows_per_microbatch=4, microbatches=2)
+    trainer = TrainerConfig(max_steps=steps, run_dir=run_dir, save_every=save_every, progress=False,
+                            tensorboard=False)
+    optim = OptimConfig(lr=2e-3, warmup_steps=2, min_lr_ratio=1.0, use_distributed_optimizer=distributed)
+    return train(model, data, optim, trainer, layout=layout, name="zero")
+
+
+def _seed(src: Path, run_dir: Path) -> None:
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(src, run_dir / "checkpoints" / src.name)
+    (run_dir / "checkpoints" / "latest").write_text(src.name + "\n")
+
+
+def _runs(root: str):
+    """(a)'s optimizer comparison, then (b)'s runs (one launch: the processes start once)."""
+    both = _both()
+    root = Path(root)
+    _train(str(root / "replicated"), STEPS, False)
+    _train(str(root / "zero"), STEPS, True, save_every=SAVE_AT)
+    if dist.get_rank() == 0:
+        for name in ("resumed", "other"):
+            _seed(root / "zero" / "checkpoints" / f"step_{SAVE_AT:06d}", root / name)
+    dist.barrier()
+    _train(str(root / "resumed"), STEPS, True)
+    _train(str(root / "other"), STEPS, False, layout=OTHER)
+    return both
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zero")
+    return root, run_on_ranks(4, _runs, str(root), timeout=900)
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir)]
+
+
+def test_zero1_training_follows_the_replicated_curve_and_resumes(trained):
+    trained, _ = trained
+    rep, zero = _losses(trained / "replicated"), _losses(trained / "zero")
+    assert len(rep) == len(zero) == STEPS and zero[-1] < zero[0] - 0.5
+    assert max(abs(a - b) / b for a, b in zip(zero, rep)) <= 1e-6, (zero, rep)
+    assert _losses(trained / "resumed") == zero[SAVE_AT:], "a ZeRO-1 resume in its layout must be bitwise"
+    other = _losses(trained / "other")
+    # another layout computes in another order in bf16: the mixed-precision bound (tests/test_mixed_precision.py)
+    assert max(abs(a - b) / b for a, b in zip(other, zero[SAVE_AT:])) <= 2.0 ** -9, (other, zero[SAVE_AT:])
+
+
+def test_distributed_optimizer_needs_bf16():
+    from tessera.recipes.checks import check_run
+    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+
+    cfg = RunConfig("x", "", ModelConfig(), DataConfig(), OptimConfig(use_distributed_optimizer=True), TrainerConfig())
+    with pytest.raises(ValueError, match="model.dtype=bfloat16"):
+        check_run(cfg, 1)
