@@ -43,7 +43,8 @@ def model_shapes(cfg, llm_fields: dict | None = None) -> ModelShapes:
     heads = {k: c["heads"] for k, c in cfgs.items() if "heads" in c}
     heads[LANGUAGE] = llm["num_attention_heads"]
     return ModelShapes(heads=heads, kv_heads={LANGUAGE: llm["num_key_value_heads"]},
-                       seq_length=cfg.data.seq_length, samples_per_microbatch=cfg.data.rows_per_microbatch)
+                       seq_length=cfg.data.seq_length, samples_per_microbatch=cfg.data.rows_per_microbatch,
+                       moe="E" in llm.get("hybrid_override_pattern", ""))
 
 
 def resolve_run_layout(cfg, world: int, llm_fields: dict | None = None, cluster_name: str | None = None) -> HeteroLayout:
