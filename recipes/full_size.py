@@ -1,13 +1,15 @@
 """Full-size recipe families' modules, workloads and default layouts, as plain data (recipes/registry.py).
 
-Each default layout was picked with the planner (`python -m tessera.hetero.planner ...` at the recipe's GPU count,
-best layout of the recipe's placement with power-of-two sizes) and passes HeteroLayout.validate; the dry
-run (`python -m tessera.scripts.dryrun --recipe NAME --world 1024`) scales it by data parallelism.
+Each default layout is the planner's best (`python -m tessera.hetero.planner ...` at the recipe's GPU count)
+whose memory fits an 80 GB GPU with what the recipes turn on (ZeRO-1, full activation recompute; the planner's
+memory model agrees with a meta-device build of the real modules, `python -m tessera.scripts.dryrun --recipe
+NAME --world N`, within a few percent) and that the trainer can run; the dry run scales it by data parallelism.
 
     nemotron_vl_12b        RADIO ViT-H + Nemotron Nano 12B V2, images: 24 tiles (6144 tokens) per 16K row
-    nemotron_video_12b     same modules, video: 32 frames (8192 tokens) per 16K row; the LLM pipelines (pp2)
-    nemotron_omni_30b_a3b  RADIO ViT-H + Parakeet FastConformer 0.6B + Nemotron 3 Nano 30B-A3B (MoE, ep2):
-                           vision colocated with the LLM, audio on its own 4 GPUs (mixed placement)
+    nemotron_video_12b     same modules, video: 32 frames (8192 tokens) per 16K row
+    nemotron_omni_30b_a3b  RADIO ViT-H + Parakeet FastConformer 0.6B + Nemotron 3 Nano 30B-A3B (MoE, ep8)
+(The earlier tp4,cp2 / ep2 defaults predicted 80-97 GiB per rank once the memory model counted what the CP
+attention and the MoE shards really keep.)
 """
 
 from __future__ import annotations
@@ -35,13 +37,13 @@ RECIPES = {
     "nemotron_vl_12b": RecipeDefaults(
         llm="nemotron_nano_12b_v2", vision="radio_vit_h", audio=None, gpus=16,
         workload=Workload(seq_length=16384, global_batch=128, tiles=24),
-        layout="vision=tp2,dp8@0-15;language=tp4,cp2,dp2@0-15"),
+        layout="vision=tp2,dp8@0-15;language=tp2,dp8@0-15"),           # 67.3 GiB predicted
     "nemotron_video_12b": RecipeDefaults(
         llm="nemotron_nano_12b_v2", vision="radio_vit_h", audio=None, gpus=16,
         workload=Workload(seq_length=16384, global_batch=128, frames=32),
-        layout="vision=tp4,dp4@0-15;language=tp4,cp2,pp2,dp1@0-15"),
+        layout="vision=tp2,dp8@0-15;language=tp2,dp8@0-15"),           # 70.6 GiB predicted
     "nemotron_omni_30b_a3b": RecipeDefaults(
         llm="nemotron_3_nano_30b_a3b", vision="radio_vit_h", audio="fastconformer_parakeet_0_6b", gpus=32,
-        workload=Workload(seq_length=16384, global_batch=112, tiles=16, audio_seconds=120),
-        layout="audio=dp4@0-3;vision=tp2,dp14@4-31;language=tp2,dp14,ep2@4-31"),
+        workload=Workload(seq_length=16384, global_batch=128, tiles=16, audio_seconds=120),  # 4 rows per DP rank
+        layout="vision=dp32@0-31;audio=dp32@0-31;language=dp32,ep8@0-31"),  # 70.6 GiB predicted
 }

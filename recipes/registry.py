@@ -153,8 +153,9 @@ def _full(name: str, gpus: int, llm: str, audio: str | None) -> run.Config[RunCo
     return _run(
         name,
         # checkpoint=None starts from random weights; finetuning sets model.checkpoint=HF_DIR
+        # full recompute and ZeRO-1: what the default layouts' memory (recipes/full_size.py) assumes
         model=run.Config(ModelConfig, llm=llm, vision="radio_vit_h", audio=audio, dtype="bfloat16",
-                         lora=run.Config(LoraConfig)),
+                         recompute="full", lora=run.Config(LoraConfig)),
         layout=layout,
         # the global batch stays the planner's as GPUs grow: more DP means fewer microbatches per step
         data=run.Config(DataConfig, path=None, seq_length=seq_length, rows_per_microbatch=rows,
@@ -163,7 +164,8 @@ def _full(name: str, gpus: int, llm: str, audio: str | None) -> run.Config[RunCo
                         tiles_per_row=planned.workload.tiles if planned else None,
                         frames_per_row=planned.workload.frames if planned else None,
                         audio_seconds_per_row=planned.workload.audio_seconds if planned else None),
-        optim=run.Config(OptimConfig, lr=1e-4, weight_decay=0.05, warmup_steps=200, clip_grad=1.0),
+        optim=run.Config(OptimConfig, lr=1e-4, weight_decay=0.05, warmup_steps=200, clip_grad=1.0,
+                         use_distributed_optimizer=True),
         trainer=run.Config(TrainerConfig, max_steps=20000, log_every=10, save_every=1000, timeout_s=1800),
     )
 

@@ -48,10 +48,12 @@ def test_memory_of_a_known_layout():
     w = Workload(seq_length=4096, global_batch=8)
     p = predict("language=tp4,dp2@0-7", model, w, cluster("h100", 8), recompute=())
     llm = model["language"]
-    local = llm.params / 4                    # pp=1: every parameter, split by tp
+    rep = llm.replicated_params               # norms: whole on every TP rank
+    local = (llm.params - rep) / 4 + rep      # pp=1: every other parameter split by tp
     states = 2 * local + 4 * local + 12 * local / 2   # bf16 weights, fp32 grads, Adam over dp*cp = 2
     tokens = 4096                             # one sequence per microbatch per DP replica, cp=1
-    act = tokens * llm.act_bytes / 4 + tokens * 4 * 131072 / 4   # activations + fp32 logits, split by tp
+    # sharded activations split by tp, residual-width ones (4h per layer) whole; last stage: 4h + fp32 logits / tp
+    act = tokens * (llm.act_bytes / 4 + 62 * 4 * 5120) + tokens * (4 * 5120 + 4 * 131072 / 4)
     assert p.memory_gib["0-7"] == pytest.approx((states + act) / GIB, rel=1e-12)
     assert p.feasible and p.microbatches == 4
 

@@ -1,5 +1,5 @@
-"""Dry run at 1024 ranks: every recipe default passes (groups, boundary plans, schedule, memory); broken
-plans and layouts fail with the reason."""
+"""Dry run at 1024 ranks: every recipe default passes its groups, boundary plans and schedule, memory is
+counted on the real modules (meta device) next to the cost model; broken plans and layouts fail with the reason."""
 
 import dataclasses
 import multiprocessing as mp
@@ -27,13 +27,33 @@ def test_scale_layout_grows_data_parallelism():
 
 @pytest.mark.parametrize("name", sorted(defaults.RECIPES))
 def test_recipe_default_passes_at_1024_ranks(name):
+    """Boundary plans, schedules and memory pass: every default fits an 80 GB GPU with what the recipes turn on
+    (ZeRO-1, full recompute), by the cost model here and by the meta-device count below."""
     r = defaults.RECIPES[name]
     HeteroLayout.parse(r.layout).validate(world_size=r.gpus)
-    report = dry_run(r.layout, WORLD, 4, r.model(), r.workload, groups=False)  # groups: one process below
+    report = dry_run(r.layout, WORLD, 4, r.model(), r.workload, groups=False, meta=False)  # groups: below
     assert report.ok, str(report)
     assert report.world == WORLD and report.memory_gib
     assert any(n.startswith("schedule: 4 microbatches") for n in report.notes), report.notes
     assert report.seconds["total"] < 20
+    print(report)
+
+
+def test_dry_run_prints_meta_device_memory_per_module_and_rank():
+    """The real modules built on the meta device, per rank: params, grads, optimizer, measured activations per
+    module and in total, next to the cost model's with the difference; a rank over 0.9 x 80 GB fails."""
+    r = defaults.RECIPES["nemotron_vl_12b"]
+    report = dry_run(r.layout, None, 4, r.model(), r.workload, groups=False)
+    text = str(report)
+    assert "memory per rank, GiB (meta-device build" in text and "ZeRO-1" in text
+    rows = [line.split() for line in report.memory_lines if line.split()[0] in ("language", "vision", "total")]
+    assert [row[0] for row in rows] == ["language", "vision", "total"]
+    assert all("measured," in line for line in report.memory_lines if line.split()[0] in ("language", "vision"))
+    assert {(c.key, c.stage) for c in report.params} == {("language", 0), ("vision", 0)}
+    assert all(abs(c.rel) < 0.05 for c in report.params), report.params
+    total = float(rows[-1][rows[-1].index("=") + 1])
+    assert total <= 0.9 * 79.6 and report.ok, text  # the default fits the usable memory of an 80 GB GPU
+    assert report.seconds["meta"] < 120
 
 
 def _groups_of_every_default():
@@ -66,7 +86,8 @@ def test_broken_boundary_plan_is_caught():
 
 def test_bad_layouts_fail_with_the_reason():
     r = defaults.RECIPES["nemotron_vl_12b"]
-    bad_tp = dry_run("vision=dp4@0-3;language=tp3,dp4@4-15", None, 4, r.model(), r.workload, groups=False)
+    bad_tp = dry_run("vision=dp4@0-3;language=tp3,dp4@4-15", None, 4, r.model(), r.workload, groups=False,
+                     meta=False)
     assert not bad_tp.ok and any("tp=3 does not divide its 40 attention heads" in p for p in bad_tp.problems)
     bad_world = dry_run(r.layout, 1000, groups=False)
     assert not bad_world.ok and "not a multiple" in bad_world.problems[0]

@@ -19,10 +19,13 @@ microbatch's forward+backward (Megatron's overlap) except what sticks out. How m
     mixed          colocated phases around the pipeline of the non-colocated encoders; their pipeline fill
                    hides behind phase 1.
 
-Memory per GPU: bf16 weights (2 B/param), fp32 main grads (4 B), fp32 Adam master + moments (12 B) sharded
-over the module's DP x CP ranks (experts over their expert-DP ranks), activations of the microbatches in
-flight (1F1B's first stage holds pp of them), fp32 logits on the LLM's last stage. A layout that does not
-fit in HEADROOM of HBM, or fails HeteroLayout.validate, comes back with feasible=False and the reason.
+Memory per GPU: bf16 weights (2 B/param; replicated parameters whole on every TP rank), fp32 main grads
+(4 B), fp32 Adam master + moments (12 B) sharded over the module's DP x CP ranks (ZeRO-1; experts over their
+expert-DP ranks), activations of the microbatches in flight (1F1B's first stage holds pp of them; model.py
+has the per-token formulas) plus, under full recompute, the largest layer once, and the LLM head's fp32
+logits on its last stage. hetero/planner/meta_memory.py counts the same on the modules built on the meta
+device; the dry run prints both. A layout that does not fit in HEADROOM of HBM, or fails
+HeteroLayout.validate, comes back with feasible=False and the reason.
 
 This file prices modules (module_cost) and a layout (predict); how the placements combine module costs
 into a step is in step_time.py.
@@ -34,7 +37,8 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, ModelShapes, ModuleLayout
+from tessera.hetero.plan.layout import (LANGUAGE, HeteroLayout, LayoutError, ModelShapes, ModuleLayout,
+                                       llm_sequence_parallel)
 from tessera.hetero.planner import comm
 from tessera.hetero.planner.cluster import Cluster, Constants, Workload
 from tessera.hetero.planner.model import BF16, ModelDesc, ModuleDesc
@@ -64,6 +68,8 @@ class Prediction:
     gain: float | None = None           # tokens/s over the best homogeneous layout, minus 1 (search sets it)
     recompute: tuple[str, ...] = ()
     gpus: int = 0
+    modules: dict[str, ModuleCost] = field(default_factory=dict)  # each module as priced (memory per stage)
+    in_flight: dict[str, int] = field(default_factory=dict)       # microbatches alive on its first stage
 
     @property
     def max_memory_gib(self) -> float:
@@ -81,6 +87,30 @@ def items_of(mod: ModuleDesc, w: Workload) -> tuple[float, float, float, float]:
     clips = w.audio_seconds / w.audio_clip_seconds
     per_clip = mod.frames_per_second * w.audio_clip_seconds
     return clips, per_clip, clips * per_clip, mod.pre_flops_per_second * w.audio_clip_seconds
+
+
+def activation_bytes(mod: ModuleDesc, lay: ModuleLayout, tokens: float, ctx: float,
+                     recompute: bool) -> tuple[float, float, float]:
+    """Activation bytes on one rank of `lay` for `tokens` tokens of one microbatch (model.py's formulas):
+    (kept per microbatch in flight, the largest layer while full recompute rebuilds it (once), the LLM's head
+    on its last stage). Sequence parallelism (MoE LLM at TP > 1) splits the replicated part too."""
+    tp, pp = lay.tp, lay.pp
+    sp = tp if mod.kind == "llm" and llm_sequence_parallel(bool(mod.moe_layers), tp) else 1
+    cp = lay.cp > 1 and mod.kind == "llm"
+    per_layer_cp = {"*": mod.cp_ctx * ctx / max(1, mod.attn_layers), "M": mod.cp_act / max(1, mod.mamba_layers)}
+    if recompute:
+        per_mb = tokens * (mod.act_bytes_recompute / sp) / pp
+        peak = tokens * max(r / sp + (a + (per_layer_cp.get(ch, 0.0) if cp else 0.0)) / tp + u
+                            for ch, r, a, u in mod.act_peak)
+        peak += tokens * mod.act_ctx * ctx / tp / mod.layers
+    else:
+        extra = (mod.cp_ctx * ctx + mod.cp_act) if cp else 0.0
+        per_mb = tokens * (mod.act_replicated / sp + (mod.act_bytes + mod.act_ctx * ctx + extra) / tp
+                           + mod.act_unsplit) / pp
+        peak = 0.0
+    if mod.kind == "llm":
+        return per_mb, peak, tokens * (mod.act_edge / sp + mod.logits_bytes / tp)
+    return per_mb + tokens * mod.act_edge, peak, 0.0
 
 
 def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, cl: Cluster,
@@ -123,9 +153,11 @@ def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, c
     head = Stage(per_dp * toks * mod.head_flops / (tp * cp) * 3 / speed) if mod.head_flops else Stage()
     stages = tuple(body + head if i == pp - 1 else body for i in range(pp))
 
-    # memory: edge parameters (embedding, lm_head) sit on the first and last stage
+    # memory: edge parameters (embedding, lm_head) sit on the first and last stage; replicated parameters
+    # (norms, routers, encoder embeddings and projectors) are whole on every TP rank
     experts = mod.expert_params / (tp * lay.ep * pp)
-    dense = (mod.params - mod.edge_params - mod.expert_params) / (tp * pp)
+    dense = ((mod.params - mod.edge_params - mod.expert_params - mod.replicated_params) / tp
+             + mod.replicated_params) / pp
     edge_first = mod.edge_params / tp if pp == 1 else mod.edge_params / 2 / tp
     dp_ranks = grad_group or dp * cp
     expert_dp = max(1, cp * dp // lay.ep)
@@ -134,12 +166,9 @@ def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, c
         local = dense + edge + experts
         return Memory(BF16 * local, 4 * local, 12 * ((dense + edge) / dp_ranks + experts / expert_dp))
 
-    act_per_mb = tokens * (mod.act_bytes_recompute if recompute else mod.act_bytes) / tp / pp
-    if recompute:  # one layer's full activations while it is recomputed
-        act_per_mb += tokens * mod.act_bytes / mod.layers / tp
-    logits = tokens * mod.logits_bytes / tp
-    mem_first = weights(edge_first) + Memory(act=act_per_mb * in_flight + (logits if pp == 1 else 0.0))
-    mem_last = mem_first if pp == 1 else weights(edge_first) + Memory(act=act_per_mb + logits)
+    act_per_mb, act_peak, act_last = activation_bytes(mod, lay, tokens, ctx, recompute)
+    mem_first = weights(edge_first) + Memory(act=act_per_mb * in_flight + act_peak + (act_last if pp == 1 else 0.0))
+    mem_last = mem_first if pp == 1 else weights(edge_first) + Memory(act=act_per_mb + act_peak + act_last)
 
     dp_link = comm.group_link(cl, dp_ranks, tp)
     dp_s = 2 * comm.reduce_scatter((dense + edge_first) * BF16, dp_ranks, dp_link, cl, k)
@@ -220,8 +249,12 @@ def predict(layout: HeteroLayout | str, model: ModelDesc, w: Workload, cl: Clust
         out.reason = str(e)
         return out
     m = out.microbatches = w.global_batch // samples
-    price = lambda key, lay, flight, group=None: _module_cost(  # noqa: E731
-        model[key], _sizes(lay), samples, w, cl, k, key in recompute, flight, group)
+
+    def price(key, lay, flight, group=None):
+        out.modules[key], out.in_flight[key] = _module_cost(
+            model[key], _sizes(lay), samples, w, cl, k, key in recompute, flight, group), flight
+        return out.modules[key]
+
     boundary = lambda key, lay: _boundary(lay, lang, model[key], w, samples, cl, k)  # noqa: E731
     llm = price(LANGUAGE, lang, min(lang.pp, m))
     acc = StepParts.start(llm, lang, m)

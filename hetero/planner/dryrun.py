@@ -3,6 +3,7 @@
     .venv/bin/python -m tessera.scripts.dryrun --recipe nemotron_vl_12b --world 1024
     .venv/bin/python -m tessera.scripts.dryrun --layout "vision=dp8@0-7;language=tp4,dp2@8-15" --world 1024 \
         --llm nemotron_nano_12b_v2 --vision radio_vit_h
+(the command line is scripts/dryrun.py's: recipes sit above the planner, tests/test_layering.py)
 
 1. process groups: every module's groups are created with torch's fake backend, as rank p sees them, for a
    few probe ranks p (first/last/middle of every module); membership must match the layout's rank formula
@@ -15,7 +16,10 @@
    membership derived here, independently of hetero.plan.boundary_plan), and no more rows moved than needed.
 3. the pipeline schedule of every rank via hetero.plan.schedule_plan (build_schedule, check_schedule), when
    that module exists.
-4. per-rank memory from the cost model (hetero.planner.cost.predict).
+4. per-rank memory from the cost model (hetero.planner.cost.predict), and per module and rank from the real
+   modules built on the meta device in the same spawned fake world (hetero/planner/meta_memory.py: params,
+   grads, optimizer states, measured activations), printed next to the cost model's with the difference
+   (hetero/planner/memory_report.py); a rank over the GPU's usable memory fails the dry run.
 `scale_layout(layout, world)` (hetero/plan/layout.py) grows a recipe's layout (recipes/full_size.py) to N ranks by DP.
 """
 
@@ -35,7 +39,9 @@ from tessera.hetero.plan.boundary_plan import BoundaryBatch, BoundaryPlan, minim
 from tessera.hetero.plan.schedule_plan import ScheduleError, build_schedule, check_schedule
 from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, ModuleLayout, scale_layout
 from tessera.hetero.planner.cluster import Workload, cluster
-from tessera.hetero.planner.cost import predict
+from tessera.hetero.planner.cost import HEADROOM, items_of, predict
+from tessera.hetero.planner.memory_report import ParamCheck, memory_report, param_checks
+from tessera.hetero.planner.meta_memory import batch_for, model_config, rank_shards
 from tessera.hetero.planner.model import ModelDesc, describe_model
 
 
@@ -47,6 +53,8 @@ class Report:
     notes: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     memory_gib: dict[str, float] = field(default_factory=dict)
+    memory_lines: list[str] = field(default_factory=list)   # meta-device count vs cost model, per rank
+    params: list[ParamCheck] = field(default_factory=list)  # parameter bytes per module shard, meta vs planner
 
     @property
     def ok(self) -> bool:
@@ -54,7 +62,8 @@ class Report:
 
     def __str__(self) -> str:
         lines = [f"dry run: {self.layout} at {self.world} ranks"] + [f"  {n}" for n in self.notes]
-        lines += [f"  memory ranks {r}: {g:.1f} GiB" for r, g in self.memory_gib.items()]
+        lines += [f"  memory ranks {r}: {g:.1f} GiB (cost model)" for r, g in self.memory_gib.items()]
+        lines += [f"  {line}" for line in self.memory_lines]
         lines += [f"  FAIL {p}" for p in self.problems]
         timing = " ".join(f"{k}={v:.2f}s" for k, v in self.seconds.items())
         lines.append(f"dry run: {'PASS' if self.ok else 'FAIL'} {timing}")
@@ -195,9 +204,38 @@ def _in_fresh_process(fn, *args):
     return future
 
 
+def _fake_world_checks(spec: str, world: int, probes: list[int] | None, model_cfg, batch):
+    """Both fake-world parts in one spawned process: (group problems or None, meta shards or None)."""
+    problems = check_groups(spec, world, probes) if probes is not None else None
+    t = time.perf_counter()
+    shards = rank_shards(spec, model_cfg, batch) if model_cfg is not None else None
+    return problems, shards, time.perf_counter() - t
+
+
+def _meta_inputs(layout: HeteroLayout, model: ModelDesc, w: Workload, frozen, dtype: str):
+    """(model config, microbatch) for meta_memory, or (None, why) when the model has no registry names."""
+    if any(not mod.name for mod in model.modules):
+        return None, "meta-device count skipped: the model is not given by registry names"
+    items = {mod.key: items_of(mod, w)[0] for mod in model.encoders}
+    batch = batch_for(layout, w.micro_batch, w.seq_length, items, w.audio_clip_seconds)
+    return model_config({mod.key: mod.name for mod in model.modules}, set(frozen), dtype), batch
+
+
+def microbatch_workload(layout: HeteroLayout, w: Workload, microbatches: int) -> Workload:
+    """`w` with the smallest microbatch every module's DP divides (rows per LLM DP replica, as the full-size
+    recipes' rows_per_microbatch) and `microbatches` of them per step."""
+    dp = layout[LANGUAGE].dp_size
+    need = math.lcm(*(m.dp_size for m in layout.modules.values()))
+    samples = dp * (need // math.gcd(need, dp))
+    return dataclasses.replace(w, micro_batch=samples // dp, global_batch=samples * microbatches)
+
+
 def dry_run(layout_str: str, world: int | None = None, microbatches: int = 4, model: ModelDesc | None = None,
-            workload: Workload | None = None, cluster_name: str = "h100", groups: bool = True) -> Report:
-    """Check `layout_str` (scaled by DP to `world` ranks when given) at full size; see the module docstring."""
+            workload: Workload | None = None, cluster_name: str = "h100", groups: bool = True, meta: bool = True,
+            frozen: tuple[str, ...] = (), zero1: bool = True, dtype: str = "bfloat16") -> Report:
+    """Check `layout_str` (scaled by DP to `world` ranks when given) at full size; see the module docstring.
+    meta: count memory on the modules built on the meta device (needs `model`); frozen: module keys whose
+    parameters are frozen; zero1: whether the optimizer states are sharded (optim.use_distributed_optimizer)."""
     t0 = time.perf_counter()
     report = Report(layout_str, world or 0)
     try:
@@ -209,22 +247,31 @@ def dry_run(layout_str: str, world: int | None = None, microbatches: int = 4, mo
         return report
     report.layout, report.world = str(layout), layout.world_size
     lang = layout[LANGUAGE]
-    need = math.lcm(*(m.dp_size for m in layout.modules.values()))
-    samples = lang.dp_size * (need // math.gcd(need, lang.dp_size))  # smallest count every DP divides
+    w = microbatch_workload(layout, workload or Workload(), microbatches)
+    samples = w.micro_batch * lang.dp_size
+    pred = model_cfg = batch = None
+    cl = cluster(cluster_name, layout.world_size)
     if model is not None:
         # the cost model checks heads, sequence and batch divisibility and prices memory per rank range
-        w = workload or Workload()
-        w = dataclasses.replace(w, micro_batch=samples // lang.dp_size, global_batch=samples * microbatches)
-        pred = predict(layout, model, w, cluster(cluster_name, layout.world_size))
+        pred = predict(layout, model, w, cl)
         report.memory_gib = pred.memory_gib
         if not pred.feasible:
             report.problems.append(pred.reason)
         else:
             report.notes.append(f"cost model: {pred.tokens_per_s:.0f} tokens/s, {pred.tflops_per_gpu:.0f} "
                                 f"TFLOPS/GPU, recompute {','.join(pred.recompute) or 'none'}")
+        if meta and pred.modules:
+            model_cfg, batch = _meta_inputs(layout, model, w, frozen, dtype)
+            if model_cfg is None:
+                report.notes.append(batch)
+            else:
+                report.notes.append(f"meta-device microbatch per rank: {batch.llm_rows} row(s) x {batch.llm_tokens} "
+                                    f"LLM tokens, {batch.vision_tiles} tiles/frames, {batch.audio_clips} audio clips"
+                                    + (f"; frozen: {','.join(sorted(frozen))}" if frozen else ""))
     report.seconds["cost"] = time.perf_counter() - t0
-    future = _in_fresh_process(check_groups, str(layout), layout.world_size, probe_ranks(layout)) if groups else None
-
+    probes = probe_ranks(layout) if groups else None
+    future = (_in_fresh_process(_fake_world_checks, str(layout), layout.world_size, probes, model_cfg, batch)
+              if groups or model_cfg is not None else None)
     t = time.perf_counter()
     for i, key in enumerate(layout.encoders):
         batch = synthetic_batch(samples, lang.cp, seed=i)
@@ -251,9 +298,15 @@ def dry_run(layout_str: str, world: int | None = None, microbatches: int = 4, mo
 
     if future is not None:
         t = time.perf_counter()
-        found = future.result(timeout=600)
-        report.problems += [f"groups: {p}" for p in found]
-        report.notes.append(f"groups: built at {layout.world_size} ranks for probe ranks {probe_ranks(layout)}")
-        report.seconds["groups_wait"] = time.perf_counter() - t
+        found, shards, meta_s = future.result(timeout=1800)
+        if found is not None:
+            report.problems += [f"groups: {p}" for p in found]
+            report.notes.append(f"groups: built at {layout.world_size} ranks for probe ranks {probes}")
+        if shards is not None:
+            lines, over = memory_report(layout, shards, pred, cl.hbm_gib * HEADROOM, zero1, dtype != "float32")
+            report.memory_lines, report.params = lines, param_checks(shards, pred)
+            report.problems += over
+            report.seconds["meta"] = meta_s
+        report.seconds["fake_world_wait"] = time.perf_counter() - t
     report.seconds["total"] = time.perf_counter() - t0
     return report

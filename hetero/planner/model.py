@@ -22,8 +22,25 @@ Formulas (forward, per token; h = hidden, V = vocab; training = 3x forward, 4x w
     Conformer  2*(2*2*h*4h + 4*h^2 + h^2 + 2*h*2h + h*h + K*h) + 6*h*T  per 80 ms frame (two half FFNs,
                MHSA with relative-position projection and score term, conv module); dw-striding
                subsampling counted per 10 ms mel frame; projector 2*(h*f + f*h_llm) per output token.
-Activation bytes per token and layer count the bf16 tensors autograd keeps (flash attention: no S^2
-term); with full recompute only each layer's input (2*h bytes) is kept.
+Activation bytes per token are what autograd keeps for backward in Tessera's modules as built (fitted to and
+checked against a meta-device forward, hetero/planner/meta_memory.py; bf16 unless noted), in three parts: the
+TP-sharded part (act_bytes, at tp=1), the part every TP rank holds in full (act_replicated: norm inputs and
+outputs, residual-width tensors; under sequence parallelism, the MoE LLM at TP > 1, split over TP too) and,
+for MoE, the routed rows a rank's experts take (act_unsplit, neither). Per layer and token:
+    Mamba-2    4h | 6*conv + 30*di + 12*H          (conv in/out; fp32 y, x*D, gated RMSNorm; fused scan)
+    attention  4h | 2*(q + 2kv)*hd + 4*q*hd         (flash: no S^2 term)
+    at CP > 1  Tessera's CP kernels (hetero/parallel, also on GPU) keep more: the all-gather attention 8*q bytes
+               per local token and global key (bf16 scores, masked, fp32 softmax), the torch SSD scan
+               48*H*chunk bytes per token (intra-chunk decays and scores)
+    MLP        4h | 4*ffn
+    MoE        4h + 4E + 12k | 4*f_s + 6*k*f_e | 2*h*k + 12k  (router fp32 scores, top-k; shared expert;
+               per routed row: its h-wide copy, index and prob, and 3 expert-FFN-wide tensors)
+    ViT layer  12h (8h without layer scale) | 10h + 4*ffn;  outside: 2*3p^2 per patch, projector 4*(in + hidden)
+    Conformer  44h + 8f per frame + (4*heads + 1) per frame and context frame (rel-pos scores materialised);
+               outside: dw-striding subsampling 2*C*F*(2/4 + 3/16 + 3/64 ...) per mel frame, projector 4*(h + hidden)
+    LLM head   4h | 4*V fp32 logits (logits_bytes) on the last stage
+(bytes, separated by |: replicated | TP-sharded | unsplit). With full recompute each layer keeps only its input
+(2h, replicated) and the largest layer's activations live once while it is recomputed (act_peak).
 """
 
 from __future__ import annotations
@@ -42,6 +59,7 @@ class ModuleDesc:
     key: str                      # "language", "vision", "audio"
     kind: str                     # "llm", "vit", "conformer": which efficiency constant applies
     params: int                   # every parameter, projector included for encoders
+    replicated_params: int        # held in full by every TP rank (norms, routers, encoder embeddings and projectors)
     expert_params: int            # routed-expert parameters (sharded by ep), part of params
     edge_params: int              # embedding + lm_head: live on the first / last PP stage only
     layers: int                   # PP stages cut these
@@ -50,8 +68,13 @@ class ModuleDesc:
     linear_flops: float           # forward FLOPs per token, weights only (lm_head excluded)
     attn_flops: float             # forward FLOPs per token per context token
     head_flops: float             # forward FLOPs per token on the last stage only (lm_head)
-    act_bytes: float              # bytes per token kept for backward, all layers, tp=1
-    act_bytes_recompute: float    # same with full recompute (layer inputs only)
+    act_bytes: float              # bytes per token kept for backward, all layers: the TP-sharded part at tp=1
+    act_replicated: float         # same, the part every TP rank holds (split over TP under sequence parallelism)
+    act_unsplit: float            # same, split by neither (MoE: the routed rows of this rank's experts)
+    act_bytes_recompute: float    # with full recompute: every layer's input (replicated)
+    act_peak: tuple[tuple[str, float, float, float], ...]  # (layer symbol, replicated, sharded, unsplit) per token
+    act_edge: float               # per token outside the layers, replicated (LLM: last stage; encoders: embed,
+                                  # projector)
     logits_bytes: float           # per token on the last stage (fp32 logits for the loss), tp=1
     tp_collectives: int           # TP all-reduce pairs (fwd+bwd) per token pass over all layers
     attn_layers: int              # CP ring attention layers
@@ -67,6 +90,10 @@ class ModuleDesc:
     temporal_patch: int = 0       # ViT: frames fused per video tubelet (0: none)
     frames_per_second: float = 0  # conformer: encoder frames (after subsampling) per audio second
     pre_flops_per_second: float = 0  # conformer: subsampling FLOPs per audio second
+    act_ctx: float = 0            # bytes per token and context token (materialised attention scores), TP-sharded
+    cp_ctx: float = 0             # LLM at CP > 1: bytes per local token and global key, all attention layers, sharded
+    cp_act: float = 0             # LLM at CP > 1: bytes per token, all Mamba layers (torch SSD scan), sharded
+    name: str = ""                # registry name (models/configs.py, models/encoders.py); "" for raw config fields
 
 
 @dataclass(frozen=True)
@@ -90,31 +117,36 @@ class ModelDesc:
 
 
 def _llm_blocks(c: dict) -> dict[str, dict[str, float]]:
-    """Per layer kind: params, linear FLOPs/token, attention FLOPs/token/ctx, activation bytes/token."""
+    """Per layer kind: params (rep_params of them replicated over TP), linear FLOPs/token, attention
+    FLOPs/token/ctx, activation bytes/token (act: TP-sharded at tp=1, rep: replicated, unsplit: MoE routed rows)."""
     h, hd, q, kv = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
     di, nh = c["mamba_num_heads"] * c["mamba_head_dim"], c["mamba_num_heads"]
     g, n, K, Q = c["n_groups"], c["ssm_state_size"], c["conv_kernel"], c["chunk_size"]
     in_out = 2 * di + 2 * g * n + nh
     conv = di + 2 * g * n
     blocks = {
-        "M": dict(params=h * in_out + conv * K + conv + 3 * nh + di + di * h + h,
+        "M": dict(params=h * in_out + conv * K + conv + 3 * nh + di + di * h + h, rep_params=h,
                   flops=2 * h * in_out + 2 * di * h + 2 * conv * K + g * n * Q + di * Q + 4 * di * n,
-                  attn=0.0,
-                  # norm in, in_proj in, in_proj out, conv in/out, y, gated-norm (y, z), out_proj in
-                  act=BF16 * (2 * h + in_out + 2 * conv + di + 2 * di + di)),
-        "*": dict(params=h * (q + 2 * kv) * hd + q * hd * h + h,
+                  attn=0.0, rep=4 * h, act=6 * conv + 30 * di + 12 * nh,
+                  cp=48 * nh * Q),
+        "*": dict(params=h * (q + 2 * kv) * hd + q * hd * h + h, rep_params=h,
                   flops=2 * h * (q + 2 * kv) * hd + 2 * q * hd * h, attn=2.0 * q * hd,
-                  act=BF16 * (2 * h + (q + 2 * kv) * hd + 2 * q * hd)),
-        "-": dict(params=2 * h * c["intermediate_size"] + h, flops=4 * h * c["intermediate_size"], attn=0.0,
-                  act=BF16 * (2 * h + 2 * c["intermediate_size"])),
+                  rep=4 * h, act=2 * (q + 2 * kv) * hd + 4 * q * hd, cp_ctx=8 * q),
+        "-": dict(params=2 * h * c["intermediate_size"] + h, rep_params=h, flops=4 * h * c["intermediate_size"],
+                  attn=0.0, rep=4 * h, act=4 * c["intermediate_size"]),
     }
     if "n_routed_experts" in c:
         E, k, fe = c["n_routed_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
         fs = c.get("moe_shared_expert_intermediate_size", 0) * c.get("n_shared_experts", 0)
-        blocks["E"] = dict(params=h * E + E + E * 2 * h * fe + 2 * h * fs + h, experts=E * 2 * h * fe,
-                           flops=2 * h * E + k * 4 * h * fe + 4 * h * fs, attn=0.0,
-                           act=BF16 * (2 * h + h + k * (h + 2 * fe) + h + 2 * fs))
+        # the router's expert bias is a buffer, not a parameter
+        blocks["E"] = dict(params=h * E + E * 2 * h * fe + 2 * h * fs + h, rep_params=h * E + h,
+                           experts=E * 2 * h * fe, flops=2 * h * E + k * 4 * h * fe + 4 * h * fs, attn=0.0,
+                           rep=4 * h + 4 * E + 12 * k, act=4 * fs + 6 * k * fe, unsplit=2 * h * k + 12 * k)
     return blocks
+
+
+def _peaks(blocks: dict, kinds: str) -> tuple[tuple[str, float, float, float], ...]:
+    return tuple((ch, b["rep"], b["act"], b.get("unsplit", 0.0)) for ch, b in blocks.items() if ch in kinds)
 
 
 def describe_llm(name: str | dict) -> ModuleDesc:
@@ -127,14 +159,19 @@ def describe_llm(name: str | dict) -> ModuleDesc:
     attn_layers, mamba_layers = pattern.count("*"), pattern.count("M")
     tp_divides = (c["num_attention_heads"], c["num_key_value_heads"], c["n_groups"], c["mamba_num_heads"])
     return ModuleDesc(
-        key="language", kind="llm", params=int(total("params") + edge + h), expert_params=int(total("experts")),
+        key="language", kind="llm", params=int(total("params") + edge + h),
+        replicated_params=int(total("rep_params") + h), expert_params=int(total("experts")),
         edge_params=edge, layers=len(pattern), hidden=h, out_hidden=h,
         linear_flops=total("flops"), attn_flops=total("attn"), head_flops=2.0 * h * V,
-        act_bytes=total("act"), act_bytes_recompute=BF16 * h * len(pattern), logits_bytes=4.0 * V,
+        act_bytes=total("act"), act_replicated=total("rep"), act_unsplit=total("unsplit"),
+        act_bytes_recompute=BF16 * h * len(pattern), act_peak=_peaks(blocks, pattern),
+        cp_ctx=total("cp_ctx"), cp_act=total("cp"),
+        act_edge=2 * BF16 * h, logits_bytes=4.0 * V,
         tp_collectives=len(pattern), attn_layers=attn_layers, mamba_layers=mamba_layers,
         state_bytes=4 * c["mamba_num_heads"] * c["mamba_head_dim"] * c["ssm_state_size"],
         moe_layers=pattern.count("E"), topk=c.get("num_experts_per_tok", 0),
-        kv_width=2 * c["num_key_value_heads"] * c["head_dim"], tp_divides=tp_divides)
+        kv_width=2 * c["num_key_value_heads"] * c["head_dim"], tp_divides=tp_divides,
+        name=name if isinstance(name, str) else "")
 
 
 def describe_vit(name: str, llm_hidden: int) -> ModuleDesc:
@@ -143,50 +180,64 @@ def describe_vit(name: str, llm_hidden: int) -> ModuleDesc:
     patches = (c["tile"] // p) ** 2
     T = patches + c["prefix_tokens"]
     out = patches // (s * s)
-    proj_in, proj_hidden = s * s * h, 4 * s * s * h  # models.multimodal: projector hidden = 4x its input
+    proj_in, proj_hidden = s * s * h, c["projector_hidden"] or 4 * s * s * h  # models.multimodal's default
     proj_params = proj_in + proj_in * proj_hidden + proj_hidden * llm_hidden
-    layer_params = 4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h  # qkv/proj/fc1/fc2 with biases, 2 norms
-    embed_params = 3 * p * p * h + h + c["pos_grid"] ** 2 * h + c["prefix_tokens"] * h
+    scale = c["layer_scale"] is not None
+    # TP splits qkv/proj/fc1/fc2 weights and the column-parallel (qkv, fc1) biases; the rest is replicated
+    sharded = 4 * h * h + 2 * h * ffn + 3 * h + ffn
+    layer_params = sharded + h + h + 4 * h + 2 * h * scale  # + proj/fc2 biases, 2 LayerNorms, layer scales
+    embed_params = (3 * p * p * h + h * (c["family"] == "siglip") + c["pos_grid"] ** 2 * h + c["prefix_tokens"] * h
+                    + c["temporal_patch"] * 3 * p * p * h + 2 * h * c["final_norm"])
+    params = L * layer_params + embed_params + proj_params
     # everything per *internal* token: patch embed and projector are rescaled from per-patch / per-output
     per_token = (L * 2 * (4 * h * h + 2 * h * ffn) + 2 * 3 * p * p * h * patches / T
                  + 2 * (proj_in * proj_hidden + proj_hidden * llm_hidden) * out / T)
-    act_layer = BF16 * (6 * h + 2 * h + 2 * ffn)  # attention: norm/qkv in, q/k/v, out; MLP: norm/fc1 in, fc1/fc2 out
+    rep, act = (12 if scale else 8) * h, 10 * h + 4 * ffn  # LN in/out (and layer-scale inputs) | qkv, out x2, fc1/fc2
     return ModuleDesc(
-        key="vision", kind="vit", params=int(L * layer_params + embed_params + proj_params), expert_params=0,
-        edge_params=0, layers=L, hidden=h, out_hidden=llm_hidden, linear_flops=per_token,
-        attn_flops=4.0 * h * L, head_flops=0.0,
-        act_bytes=L * act_layer + BF16 * (proj_in + proj_hidden) * out / T,
-        act_bytes_recompute=BF16 * h * L, logits_bytes=0.0, tp_collectives=2 * L, attn_layers=0,
+        key="vision", kind="vit", params=int(params), replicated_params=int(params - L * sharded),
+        expert_params=0, edge_params=0, layers=L, hidden=h, out_hidden=llm_hidden, linear_flops=per_token,
+        attn_flops=4.0 * h * L, head_flops=0.0, act_bytes=L * act, act_replicated=L * rep, act_unsplit=0.0,
+        act_bytes_recompute=BF16 * h * L, act_peak=(("L", rep, act, 0.0),),
+        act_edge=BF16 * (3 * p * p * patches + 2 * (proj_in + proj_hidden) * out) / T,
+        logits_bytes=0.0, tp_collectives=2 * L, attn_layers=0,
         mamba_layers=0, state_bytes=0, moe_layers=0, topk=0, kv_width=2 * h, tp_divides=(c["heads"],),
-        tokens_per_tile=T, out_per_tile=out, temporal_patch=c["temporal_patch"])
+        tokens_per_tile=T, out_per_tile=out, temporal_patch=c["temporal_patch"], name=name)
 
 
 def describe_conformer(name: str, llm_hidden: int) -> ModuleDesc:
     c = encoders.encoder_config(name)
     h, L, K, sub, C = c["hidden"], c["layers"], c["conv_kernel"], c["subsampling"], c["subsampling_channels"]
-    f = h * c["ff_expansion"]
+    F, f = c["n_mels"], h * c["ff_expansion"]
     mel_fps = 1.0 / c["window_stride"]
     fps = mel_fps / sub
     # dw-striding: conv(1->C, 3x3, s2) then log2(sub)-1 x [depthwise 3x3 s2 + pointwise C->C], then linear
     stages = sub.bit_length() - 1
-    pre, area = 0.0, c["n_mels"] * mel_fps  # (freq x time) positions per second before each stage
+    pre, area = 0.0, F * mel_fps  # (freq x time) positions per second before each stage
     for i in range(stages):
         area /= 4
         pre += 2 * area * C * 9 if i == 0 else 2 * area * C * (9 + C)
-    pre += 2 * fps * (C * c["n_mels"] // sub) * h
-    layer_params = 2 * (2 * h * f + f + h) + 4 * h * h + h * h + 2 * h * h + K * h + h * h + 10 * h
-    proj_hidden = 4 * h  # models.multimodal: sound projector hidden = 4x the encoder width
+    pre += 2 * fps * (C * F // sub) * h
+    # two half FFNs, 5 LayerNorms, conv module (pointwise 2h, depthwise, BatchNorm, pointwise), rel-pos MHSA
+    # (q, k, v, out with biases, bias-free pos projection, pos_bias_u/v)
+    layer_params = 2 * (2 * h * f + f + h) + 10 * h + (2 * h * h + 2 * h + K * h + h + 2 * h + h * h + h) \
+        + (4 * h * h + 4 * h + h * h + 2 * h)
+    proj_hidden = c["projector_hidden"] or 4 * h  # models.multimodal: sound projector hidden = 4x the width
     proj_params = h + h * proj_hidden + proj_hidden * llm_hidden
-    sub_params = 9 * C + (stages - 1) * (9 * C + C * C) + C * c["n_mels"] // sub * h
+    sub_params = 9 * C + C + (stages - 1) * (9 * C + C + C * C + C) + C * F // sub * h + h
     per_frame = (L * 2 * (2 * h * f + 4 * h * h + h * h + 2 * h * h + K * h + h * h)
                  + 2 * (h * proj_hidden + proj_hidden * llm_hidden))
-    act_layer = BF16 * (2 * (2 * h + 2 * f) + 6 * h + 8 * h + 2 * h)  # 2 half FFNs, MHSA, conv module, norm
+    # subsampling activations per mel frame: 2 tensors at the first stage's resolution, 3 at each later one
+    pre_act = sum(BF16 * C * F * (2 if i == 0 else 3) / 4 ** (i + 1) for i in range(stages)) + BF16 * F
+    layer = 44 * h + 8 * f  # 2 half FFNs, 5 LayerNorm inputs, q/k/v/pos/out, GLU conv module
+    params = L * layer_params + proj_params + sub_params
     return ModuleDesc(
-        key="audio", kind="conformer", params=int(L * layer_params + proj_params + sub_params), expert_params=0,
+        key="audio", kind="conformer", params=int(params), replicated_params=int(params), expert_params=0,
         edge_params=0, layers=L, hidden=h, out_hidden=llm_hidden, linear_flops=per_frame, attn_flops=6.0 * h * L,
-        head_flops=0.0, act_bytes=L * act_layer + BF16 * (h + proj_hidden), act_bytes_recompute=BF16 * h * L,
-        logits_bytes=0.0, tp_collectives=4 * L, attn_layers=0, mamba_layers=0, state_bytes=0, moe_layers=0,
-        topk=0, kv_width=2 * h, tp_divides=(c["heads"],), frames_per_second=fps, pre_flops_per_second=pre)
+        head_flops=0.0, act_bytes=0.0, act_replicated=L * layer, act_unsplit=0.0, act_bytes_recompute=BF16 * h * L,
+        act_peak=(("L", layer, 0.0, 0.0),), act_edge=pre_act * sub + 4 * (h + proj_hidden),
+        act_ctx=L * (4 * c["heads"] + 1.0), logits_bytes=0.0, tp_collectives=4 * L, attn_layers=0, mamba_layers=0,
+        state_bytes=0, moe_layers=0, topk=0, kv_width=2 * h, tp_divides=(c["heads"],), frames_per_second=fps,
+        pre_flops_per_second=pre, name=name)
 
 
 def describe_model(llm: str | dict, vision: str | None = None, audio: str | None = None, name: str = "") -> ModelDesc:
