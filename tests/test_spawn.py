@@ -36,3 +36,30 @@ def test_workers_see_the_environment_of_the_call_not_of_the_server_start(monkeyp
 def test_a_failing_rank_raises_with_its_traceback():
     with pytest.raises(AssertionError, match=r"rank 1 failed:(.|\n)*RuntimeError: rank one broke"):
         run_on_ranks(2, _fail_on_rank_1, timeout=60)
+
+
+def _fail_while_a_rank_holds_a_child(pid_file: str):
+    import multiprocessing
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        time.sleep(8)  # rank 1 has started its child by then
+        raise RuntimeError("rank 0 fails")
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(600,))
+    child.start()
+    with open(pid_file, "w") as f:
+        f.write(str(child.pid))
+    time.sleep(600)  # blocked, as a rank waiting in a collective for the failed one
+
+
+def test_a_failed_run_leaves_no_grandchild_behind(tmp_path):
+    import psutil
+
+    pid_file = tmp_path / "child.pid"
+    with pytest.raises(AssertionError, match="rank 0 fails"):
+        run_on_ranks(2, _fail_while_a_rank_holds_a_child, str(pid_file), timeout=120)
+    child = int(pid_file.read_text())
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE, \
+        "the blocked rank's child outlived the run"

@@ -56,6 +56,23 @@ def _worker(rank, world, store, fn, args, queue, environ):
         queue.put((rank, "error", traceback.format_exc()))
 
 
+def _kill_tree(pid: int) -> None:
+    """Kill a process and every descendant (psutil: a pyproject dependency)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        family = proc.children(recursive=True) + [proc]
+    except psutil.NoSuchProcess:
+        return
+    for q in family:
+        try:
+            q.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(family, timeout=10)  # SIGKILL is asynchronous: return once they are gone
+
+
 def run_on_ranks(world: int, fn, *args, timeout: float = 240.0) -> list:
     """fn(*args) on `world` gloo ranks; returns the per-rank results; raises with the first traceback."""
     ctx = _context()
@@ -80,7 +97,7 @@ def run_on_ranks(world: int, fn, *args, timeout: float = 240.0) -> list:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)
             if p.is_alive():
-                p.terminate()
+                _kill_tree(p.pid)  # with its own children (a checkpoint writer's Manager): a kill skips their shutdown
         if os.path.exists(store):
             os.unlink(store)
     if errors:
