@@ -256,7 +256,9 @@ class ModuleOptimizers:
     def update_router_expert_bias(self) -> None:
         """Aux-loss-free load balancing, as megatron's finalize_model_grads does once per global batch
         (moe_utils.get_updated_expert_bias): every router's token counts summed over the module's TP x DP x CP
-        ranks, bias += rate * sign(mean count - count), counts reset. Frozen modules are left as they are."""
+        ranks, bias += rate * sign(mean count - count), counts reset. Frozen modules are left as they are.
+        (megatron's function is not called: it all-reduces over parallel_state's global TP x DP x CP group, which
+        a heterogeneous layout never sets; each module here has its own.)"""
         for key in sorted(self.params):
             routers = _routers(self.modules[key]) if self.params[key] else []
             if not routers:
