@@ -235,25 +235,43 @@ def _train(run_dir: str, layout: str, export: str | None = None):
                  trainer, layout=layout, name="lora")
 
 
-def _base_worker(export: str):
+def _base_weights(export: str):
+    """base.safetensors next to the export: the run's initial weights, rebuilt from the seed (1234)."""
+    import torch.distributed as dist
+
     from tessera.hetero.training.model_build import full_hf_state
 
     fields = json.loads((Path(export) / "tessera.json").read_text())["llm_hf_config"]
-    save_file(full_hf_state(_model_cfg(audio=None), fields, 1234), str(Path(export) / "base.safetensors"))
+    base = full_hf_state(_model_cfg(audio=None), fields, 1234)  # on every rank: a first call is collective
+    if dist.get_rank() == 0:
+        save_file(base, str(Path(export) / "base.safetensors"))
 
 
-def _resume_all(root: str):
+def _all_runs(root: str):
+    """The whole scenario in one launch: the 6-step run with its export, the base weights, then the step-3
+    checkpoint resumed in the same layout and at TP 1."""
+    import torch.distributed as dist
+
+    root = Path(root)
+    _train(str(root / "run"), LAYOUT, str(root / "export"))
+    _base_weights(str(root / "export"))
+    if dist.get_rank() == 0:
+        ckpt = root / "run" / "checkpoints" / f"step_{SAVE:06d}"
+        for name, _ in RESUME:
+            (root / name / "checkpoints").mkdir(parents=True)
+            shutil.copytree(ckpt, root / name / "checkpoints" / ckpt.name)
+            (root / name / "checkpoints" / "latest").write_text(ckpt.name + "\n")
+    dist.barrier()
     for name, layout in RESUME:
-        _train(str(Path(root) / name), layout)
+        _train(str(root / name), layout)
 
 
 def test_lora_run_learns_keeps_base_frozen_and_resumes_exactly(tmp_path):
     export = tmp_path / "export"
-    run_on_ranks(4, _train, str(tmp_path / "run"), LAYOUT, str(export), timeout=900)
+    run_on_ranks(4, _all_runs, str(tmp_path), timeout=1200)
     losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
     assert len(losses) == STEPS and losses[-1] < losses[0], losses
 
-    run_on_ranks(1, _base_worker, str(export), timeout=300)
     base, merged = load_file(str(export / "base.safetensors")), load_file(str(export / "model.safetensors"))
     adapters = load_file(str(export / "adapters" / "adapter_model.safetensors"))
     adapted = {k[len("base_model.model."):-len(".lora_A.weight")] for k in adapters if k.endswith(".lora_A.weight")}
@@ -264,12 +282,6 @@ def test_lora_run_learns_keeps_base_frozen_and_resumes_exactly(tmp_path):
                             adapters[f"base_model.model.{m}.lora_A.weight"]) if m in adapted else w
         assert torch.allclose(merged[k], want, rtol=4 * EPS, atol=4 * EPS * float(want.abs().max())), k
 
-    ckpt = tmp_path / "run" / "checkpoints" / f"step_{SAVE:06d}"
-    for name, _ in RESUME:
-        (tmp_path / name / "checkpoints").mkdir(parents=True)
-        shutil.copytree(ckpt, tmp_path / name / "checkpoints" / ckpt.name)
-        (tmp_path / name / "checkpoints" / "latest").write_text(ckpt.name + "\n")
-    run_on_ranks(4, _resume_all, str(tmp_path), timeout=900)
     same = [r["loss"] for r in read_metrics(tmp_path / "same")]
     assert same == losses[SAVE:], ("resume in the same layout must be bitwise identical", same, losses)
     tp1 = [r["loss"] for r in read_metrics(tmp_path / "tp1")]

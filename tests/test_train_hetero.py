@@ -46,12 +46,36 @@ def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
+def _seed_run_dir(src_ckpt: Path, run_dir: Path) -> None:
+    """A fresh run directory whose only (and latest) checkpoint is src_ckpt."""
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(src_ckpt, run_dir / "checkpoints" / src_ckpt.name)
+    (run_dir / "checkpoints" / "latest").write_text(src_ckpt.name + "\n")
+
+
+RUNS = [("homogeneous", HOMOGENEOUS, STEPS, 10), ("colocated", COLOCATED, STEPS, 0),
+        ("non_colocated", NON_COLOCATED, STEPS, 0)]
+RESUME_LAYOUTS = (("same", HOMOGENEOUS), ("colocated", COLOCATED), ("non_colocated", NON_COLOCATED))
+
+
+def _all_runs(root: str) -> None:
+    """Every run of this file in one launch: the three 30-step layouts, then the homogeneous run's step-10
+    checkpoint resumed to step 14 in each layout (under resume/)."""
+    import torch.distributed as dist
+
+    _train_layouts(root, RUNS)
+    if dist.get_rank() == 0:
+        for name, _ in RESUME_LAYOUTS:
+            _seed_run_dir(Path(root) / "homogeneous" / "checkpoints" / "step_000010", Path(root) / "resume" / name)
+    dist.barrier()
+    for name, layout in RESUME_LAYOUTS:
+        _train(str(Path(root) / "resume" / name), layout, 14)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
-    run_on_ranks(4, _train_layouts, str(root), [("homogeneous", HOMOGENEOUS, STEPS, 10),
-                                                ("colocated", COLOCATED, STEPS, 0),
-                                                ("non_colocated", NON_COLOCATED, STEPS, 0)], timeout=900)
+    run_on_ranks(4, _all_runs, str(root), timeout=1200)
     return root
 
 
@@ -71,32 +95,17 @@ def test_loss_and_grad_norm_match_homogeneous_at_every_step(runs, name):
     assert (runs / name / "loss.png").stat().st_size > 1000
 
 
-def _seed_run_dir(src_ckpt: Path, run_dir: Path) -> None:
-    """A fresh run directory whose only (and latest) checkpoint is src_ckpt."""
-    (run_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(src_ckpt, run_dir / "checkpoints" / src_ckpt.name)
-    (run_dir / "checkpoints" / "latest").write_text(src_ckpt.name + "\n")
-
-
-def test_resume_same_layout_is_bitwise_and_other_layouts_continue_the_curve(runs, tmp_path):
+def test_resume_same_layout_is_bitwise_and_other_layouts_continue_the_curve(runs):
+    """The homogeneous run's step-10 checkpoint, resumed to step 14 (in the fixture's launch) in the same
+    layout and in both heterogeneous ones."""
     ckpt = runs / "homogeneous" / "checkpoints" / "step_000010"
     assert ckpt.is_dir() and (runs / "homogeneous" / "checkpoints" / "step_000030").is_dir()
     loss_h, _ = _curves(runs / "homogeneous")
-    for name, _ in RESUME_LAYOUTS:
-        _seed_run_dir(ckpt, tmp_path / name)
-    run_on_ranks(4, _resume_all, str(tmp_path), timeout=600)
+    resumed = runs / "resume"
     for name in ("same", "colocated", "non_colocated"):
-        assert [r["step"] for r in read_metrics(tmp_path / name)] == [11, 12, 13, 14]
-    same, _ = _curves(tmp_path / "same")
+        assert [r["step"] for r in read_metrics(resumed / name)] == [11, 12, 13, 14]
+    same, _ = _curves(resumed / "same")
     assert same == loss_h[10:14], "resume in the same layout must be bitwise identical"
     for name in ("colocated", "non_colocated"):
-        loss, _ = _curves(tmp_path / name)
+        loss, _ = _curves(resumed / name)
         assert _rel(loss, loss_h[10:14]) <= 1e-5, f"resume into {name}: {_rel(loss, loss_h[10:14]):.2e}"
-
-
-RESUME_LAYOUTS = (("same", HOMOGENEOUS), ("colocated", COLOCATED), ("non_colocated", NON_COLOCATED))
-
-
-def _resume_all(root: str):
-    for name, layout in RESUME_LAYOUTS:
-        _train(str(Path(root) / name), layout, 14)

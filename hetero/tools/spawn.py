@@ -32,6 +32,27 @@ def _context():
     return ctx
 
 
+def _fork_started_checkpoint_queue() -> None:
+    """megatron's checkpoint writer (dist_checkpointing, torch_dist) hands its write results back through a
+    multiprocessing Manager queue, created at a process's first save with the "spawn" start method. That
+    Manager's server is a fresh interpreter which imports torch to unpickle the first result: ~4 s of CPU
+    per rank and launch (a launch is a new set of processes). Here it is started with "fork" instead, from the
+    rank itself (torch already loaded): the same Manager and queue, ~0.05 s. Created at the first save, as
+    megatron does (a fork from a rank with gloo threads, like megatron's own per-save writer processes).
+    Test/benchmark launcher only; torchrun jobs keep megatron's spawned Manager."""
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    def results_queue():
+        if fa._results_queue is None:
+            fa._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        return fa._results_queue
+
+    if hasattr(fa, "_get_write_results_queue") and hasattr(fa, "_results_queue"):  # megatron-core 0.16's names
+        fa._get_write_results_queue = results_queue
+
+
 def _worker(rank, world, store, fn, args, queue, environ):
     os.environ.clear()
     os.environ.update(environ)
@@ -44,6 +65,7 @@ def _worker(rank, world, store, fn, args, queue, environ):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     apply_cpu_shims()
+    _fork_started_checkpoint_queue()
     try:
         os.environ["LOCAL_RANK"] = str(rank)  # one node: what torchrun would set
         bind_local_device(rank)  # with GPUs: rank r on cuda:r (raises when world > GPUs), before NCCL
