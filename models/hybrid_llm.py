@@ -205,6 +205,22 @@ def build_hybrid_layer_specs(config: HybridConfig, core_attention=SDPACoreAttent
     return specs
 
 
+def vocab_embedding(config: HybridConfig, tp_group) -> tensor_parallel.VocabParallelEmbedding:
+    """The first stage's vocab-parallel embedding (also built alone by the seeded initialisation)."""
+    return tensor_parallel.VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size,
+                                                  init_method=config.init_method, config=config, tp_group=tp_group)
+
+
+def final_norm_and_output_layer(config: HybridConfig, tp_group):
+    """The last stage's final RMSNorm and vocab-parallel output layer (also built alone by the seeded init)."""
+    norm = RMSNorm(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
+    output = tensor_parallel.ColumnParallelLinear(
+        config.hidden_size, config.padded_vocab_size, config=config, init_method=config.init_method,
+        bias=False, gather_output=False, skip_bias_add=False, tp_group=tp_group,
+    )
+    return norm, output
+
+
 class HybridLM(MegatronModule):
     """Embedding -> this stage's hybrid layers -> final RMSNorm -> vocab-parallel output layer.
 
@@ -234,10 +250,7 @@ class HybridLM(MegatronModule):
         self.real_vocab_rows = min(max(config.vocab_size - tp_group.rank() * shard, 0), shard)
 
         if self.pre_process:
-            self.embedding = tensor_parallel.VocabParallelEmbedding(
-                config.padded_vocab_size, config.hidden_size, init_method=config.init_method, config=config,
-                tp_group=tp_group,
-            )
+            self.embedding = vocab_embedding(config, tp_group)
         specs = build_hybrid_layer_specs(config, core_attention, mamba_mixer)
         # layer_number is 1-based and stage-local, as megatron's TransformerBlock passes it
         # (TransformerLayer adds the stage offset itself).
@@ -246,12 +259,7 @@ class HybridLM(MegatronModule):
             for i, symbol in enumerate(self.layer_symbols)
         )
         if self.post_process:
-            self.final_norm = RMSNorm(config=config, hidden_size=config.hidden_size,
-                                      eps=config.layernorm_epsilon)
-            self.output_layer = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size, config.padded_vocab_size, config=config, init_method=config.init_method,
-                bias=False, gather_output=False, skip_bias_add=False, tp_group=tp_group,
-            )
+            self.final_norm, self.output_layer = final_norm_and_output_layer(config, tp_group)
         with torch.no_grad():  # padding rows start (and, with zero gradient, stay) zero, as after an HF import
             for layer in (getattr(self, "embedding", None), getattr(self, "output_layer", None)):
                 if layer is not None:

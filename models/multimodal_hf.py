@@ -234,6 +234,18 @@ def sound_from_hf(hf: dict, encoder_keys, family: str) -> dict[str, torch.Tensor
     return {k: hf[SOUND_ROOT + rename(k)].clone() for k in encoder_keys}
 
 
+def media_to_hf(key: str, mod, tp_shards: list[dict] | None = None) -> dict[str, torch.Tensor]:
+    """HF-layout tensors of one media module (encoder + projector); tp_shards: the vision tower's per-TP-rank
+    state dicts when it ran with TP>1."""
+    sd = {k: v.detach().clone() for k, v in mod.projector.state_dict().items()}
+    out = {PROJECTOR_ROOT[key] + k: v for k, v in sd.items()}
+    if mod.cfg["modality"] == "vision":
+        out.update(vision_to_hf([_params_only(s) for s in tp_shards or [mod.encoder.vit.state_dict()]], mod.cfg))
+    else:
+        out.update(sound_to_hf(_params_only(mod.encoder.encoder.state_dict()), mod.cfg["family"]))
+    return out
+
+
 def export_hf(model, tp_shards: dict[str, list[dict]] | None = None) -> dict[str, torch.Tensor]:
     """HF-layout tensors of a MultimodalModel's encoders, projectors and (TP=1) LLM.
     tp_shards: module key -> per-TP-rank vision tower state dicts, when the tower ran with TP>1."""
@@ -241,13 +253,7 @@ def export_hf(model, tp_shards: dict[str, list[dict]] | None = None) -> dict[str
 
     out = {}
     for key, mod in model.media.items():
-        sd = {k: v.detach().clone() for k, v in mod.projector.state_dict().items()}
-        out.update({PROJECTOR_ROOT[key] + k: v for k, v in sd.items()})
-        if mod.cfg["modality"] == "vision":
-            shards = (tp_shards or {}).get(key) or [mod.encoder.vit.state_dict()]
-            out.update(vision_to_hf([_params_only(s) for s in shards], mod.cfg))
-        else:
-            out.update(sound_to_hf(_params_only(mod.encoder.encoder.state_dict()), mod.cfg["family"]))
+        out.update(media_to_hf(key, mod, (tp_shards or {}).get(key)))
     llm = megatron_to_hf({(0, 0, 0): model.llm.state_dict()}, model.llm.config)
     out.update({"language_model." + k: v for k, v in llm.items()})
     return out

@@ -269,14 +269,16 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], config: HybridConfig, tp_rank: i
             out[dst + "pre_mlp_layernorm.weight"] = hf[src + "norm.weight"]
             out[dst + "mlp.router.weight"] = hf[m + "gate.weight"]
             out[dst + "mlp.router.expert_bias"] = hf[m + "gate.e_score_correction_bias"].float()
+            # the layer's dense tensors first, then its routed experts: a seeded source (SeededState) builds
+            # each routed expert as a unit of its own, so the dense unit is built once per layer
+            s, o = m + "shared_experts.", dst + "mlp.shared_experts."
+            out[o + "linear_fc1.weight"] = _rows(hf[s + "up_proj.weight"], tp_rank, tp)
+            out[o + "linear_fc2.weight"] = _cols(hf[s + "down_proj.weight"], tp_rank, tp)
             local = config.num_moe_experts // ep
             for j in range(local):
                 e, o = f"{m}experts.{ep_rank * local + j}.", f"{dst}mlp.experts.local_experts.{j}."
                 out[o + "linear_fc1.weight"] = _rows(hf[e + "up_proj.weight"], etp_rank, etp)
                 out[o + "linear_fc2.weight"] = _cols(hf[e + "down_proj.weight"], etp_rank, etp)
-            s, o = m + "shared_experts.", dst + "mlp.shared_experts."
-            out[o + "linear_fc1.weight"] = _rows(hf[s + "up_proj.weight"], tp_rank, tp)
-            out[o + "linear_fc2.weight"] = _cols(hf[s + "down_proj.weight"], tp_rank, tp)
     return out
 
 
@@ -295,62 +297,85 @@ def load_into(model, hf: dict[str, torch.Tensor], tp_rank: int, pp_rank: int, ep
 
 # ---- export ---------------------------------------------------------------------------------------
 
+def layer_to_hf(symbol: str, shard, src: str, dst: str, config: HybridConfig) -> dict[str, torch.Tensor]:
+    """One hybrid layer's HF tensors (keys under `dst`) from its megatron tensors (keys under `src`) in every
+    rank's stage state dict: shard(tp_rank, ep_rank) -> that rank's dict."""
+    tp, ep = config.tensor_model_parallel_size, config.expert_model_parallel_size
+    etp = config.expert_tensor_parallel_size or tp
+    first, m, hf = shard(0, 0), dst + "mixer.", {}
+
+    def tps(key):
+        return [shard(r, 0)[key] for r in range(tp)]
+
+    if symbol == MAMBA:
+        mx, parts = src + "mixer.", _mamba_parts(config)
+        hf[dst + "norm.weight"] = first[src + "norm.weight"]
+        hf[m + "in_proj.weight"] = _merge_parts(tps(mx + "in_proj.weight"), parts)
+        hf[m + "conv1d.weight"] = _merge_parts(tps(mx + "conv1d_weight"), parts[1:4])[:, None]
+        hf[m + "conv1d.bias"] = _merge_parts(tps(mx + "conv1d_bias"), parts[1:4])
+        for name in ("A_log", "D", "dt_bias"):
+            hf[m + name] = torch.cat(tps(mx + name))
+        hf[m + "norm.weight"] = torch.cat(tps(mx + "norm_weight"))
+        hf[m + "out_proj.weight"] = torch.cat(tps(mx + "out_proj.weight"), dim=1)
+    elif symbol == ATTENTION:
+        hf[dst + "norm.weight"] = first[src + "input_layernorm.weight"]
+        q, k, v = _qkv_unfuse(torch.cat(tps(src + "self_attention.linear_qkv.weight")), config)
+        hf[m + "q_proj.weight"], hf[m + "k_proj.weight"], hf[m + "v_proj.weight"] = q, k, v
+        hf[m + "o_proj.weight"] = torch.cat(tps(src + "self_attention.linear_proj.weight"), dim=1)
+    elif symbol == MLP_SYMBOL:
+        hf[dst + "norm.weight"] = first[src + "pre_mlp_layernorm.weight"]
+        hf[m + "up_proj.weight"] = torch.cat(tps(src + "mlp.linear_fc1.weight"))
+        hf[m + "down_proj.weight"] = torch.cat(tps(src + "mlp.linear_fc2.weight"), dim=1)
+    elif symbol == MOE:
+        hf[dst + "norm.weight"] = first[src + "pre_mlp_layernorm.weight"]
+        hf[m + "gate.weight"] = first[src + "mlp.router.weight"]
+        hf[m + "gate.e_score_correction_bias"] = first[src + "mlp.router.expert_bias"]
+        local = config.num_moe_experts // ep
+        for ep_rank in range(ep):
+            for j in range(local):
+                o = f"{src}mlp.experts.local_experts.{j}."
+                # expert-TP rank r lives on every tp rank with tp_rank % etp == r; take the first.
+                up = torch.cat([shard(r, ep_rank)[o + "linear_fc1.weight"] for r in range(etp)])
+                down = torch.cat([shard(r, ep_rank)[o + "linear_fc2.weight"] for r in range(etp)], 1)
+                hf.update(expert_to_hf(f"{m}experts.{ep_rank * local + j}.", up, down))
+        s = src + "mlp.shared_experts."
+        hf[m + "shared_experts.up_proj.weight"] = torch.cat(tps(s + "linear_fc1.weight"))
+        hf[m + "shared_experts.down_proj.weight"] = torch.cat(tps(s + "linear_fc2.weight"), 1)
+    return hf
+
+
+def expert_to_hf(prefix: str, fc1: torch.Tensor, fc2: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A routed expert's HF tensors (`prefix` = ...mixer.experts.<global id>.) from its full fc1/fc2."""
+    return {prefix + "up_proj.weight": fc1, prefix + "down_proj.weight": fc2}
+
+
+def embedding_to_hf(tp_shards: list[torch.Tensor], config: HybridConfig) -> dict[str, torch.Tensor]:
+    """The embedding's HF tensor from its TP shards (vocabulary padding stripped)."""
+    return {"backbone.embeddings.weight": _strip_vocab(torch.cat(tp_shards), config)}
+
+
+def head_to_hf(final_norm: torch.Tensor, output_tp_shards: list[torch.Tensor],
+               config: HybridConfig) -> dict[str, torch.Tensor]:
+    """The final norm's and output layer's HF tensors (vocabulary padding stripped)."""
+    return {"backbone.norm_f.weight": final_norm,
+            "lm_head.weight": _strip_vocab(torch.cat(output_tp_shards), config)}
+
+
 def megatron_to_hf(shards: dict[tuple[int, int, int], dict[str, torch.Tensor]],
                    config: HybridConfig) -> dict[str, torch.Tensor]:
     """Full HF state dict from every rank's state dict, keyed by (tp_rank, pp_rank, ep_rank)."""
-    tp, pp, ep = (config.tensor_model_parallel_size, config.pipeline_model_parallel_size,
-                  config.expert_model_parallel_size)
-    etp = config.expert_tensor_parallel_size or tp
+    tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
 
-    def tps(pp_rank, key, ep_rank=0):
-        return [shards[(r, pp_rank, ep_rank)][key] for r in range(tp)]
+    def tps(pp_rank, key):
+        return [shards[(r, pp_rank, 0)][key] for r in range(tp)]
 
-    hf = {
-        "backbone.embeddings.weight": _strip_vocab(torch.cat(tps(0, "embedding.weight")), config),
-        "backbone.norm_f.weight": shards[(0, pp - 1, 0)]["final_norm.weight"],
-        "lm_head.weight": _strip_vocab(torch.cat(tps(pp - 1, "output_layer.weight")), config),
-    }
+    hf = embedding_to_hf(tps(0, "embedding.weight"), config)
+    hf.update(head_to_hf(shards[(0, pp - 1, 0)]["final_norm.weight"], tps(pp - 1, "output_layer.weight"), config))
     for pp_rank in range(pp):
         offset, symbols = stage_layers(config, pp_rank)
-        first = shards[(0, pp_rank, 0)]
         for i, symbol in enumerate(symbols):
-            src, dst = f"layers.{i}.", HF.format(offset + i)
-            m = dst + "mixer."
-            if symbol == MAMBA:
-                mx, parts = src + "mixer.", _mamba_parts(config)
-                hf[dst + "norm.weight"] = first[src + "norm.weight"]
-                hf[m + "in_proj.weight"] = _merge_parts(tps(pp_rank, mx + "in_proj.weight"), parts)
-                hf[m + "conv1d.weight"] = _merge_parts(tps(pp_rank, mx + "conv1d_weight"), parts[1:4])[:, None]
-                hf[m + "conv1d.bias"] = _merge_parts(tps(pp_rank, mx + "conv1d_bias"), parts[1:4])
-                for name in ("A_log", "D", "dt_bias"):
-                    hf[m + name] = torch.cat(tps(pp_rank, mx + name))
-                hf[m + "norm.weight"] = torch.cat(tps(pp_rank, mx + "norm_weight"))
-                hf[m + "out_proj.weight"] = torch.cat(tps(pp_rank, mx + "out_proj.weight"), dim=1)
-            elif symbol == ATTENTION:
-                hf[dst + "norm.weight"] = first[src + "input_layernorm.weight"]
-                qkv = torch.cat(tps(pp_rank, src + "self_attention.linear_qkv.weight"))
-                q, k, v = _qkv_unfuse(qkv, config)
-                hf[m + "q_proj.weight"], hf[m + "k_proj.weight"], hf[m + "v_proj.weight"] = q, k, v
-                hf[m + "o_proj.weight"] = torch.cat(tps(pp_rank, src + "self_attention.linear_proj.weight"), dim=1)
-            elif symbol == MLP_SYMBOL:
-                hf[dst + "norm.weight"] = first[src + "pre_mlp_layernorm.weight"]
-                hf[m + "up_proj.weight"] = torch.cat(tps(pp_rank, src + "mlp.linear_fc1.weight"))
-                hf[m + "down_proj.weight"] = torch.cat(tps(pp_rank, src + "mlp.linear_fc2.weight"), dim=1)
-            elif symbol == MOE:
-                hf[dst + "norm.weight"] = first[src + "pre_mlp_layernorm.weight"]
-                hf[m + "gate.weight"] = first[src + "mlp.router.weight"]
-                hf[m + "gate.e_score_correction_bias"] = first[src + "mlp.router.expert_bias"]
-                local = config.num_moe_experts // ep
-                for ep_rank in range(ep):
-                    for j in range(local):
-                        o, e = f"{src}mlp.experts.local_experts.{j}.", f"{m}experts.{ep_rank * local + j}."
-                        # expert-TP rank r lives on every tp rank with tp_rank % etp == r; take the first.
-                        up = [shards[(r, pp_rank, ep_rank)][o + "linear_fc1.weight"] for r in range(etp)]
-                        down = [shards[(r, pp_rank, ep_rank)][o + "linear_fc2.weight"] for r in range(etp)]
-                        hf[e + "up_proj.weight"], hf[e + "down_proj.weight"] = torch.cat(up), torch.cat(down, 1)
-                s = src + "mlp.shared_experts."
-                hf[m + "shared_experts.up_proj.weight"] = torch.cat(tps(pp_rank, s + "linear_fc1.weight"))
-                hf[m + "shared_experts.down_proj.weight"] = torch.cat(tps(pp_rank, s + "linear_fc2.weight"), 1)
+            hf.update(layer_to_hf(symbol, lambda tp_rank, ep_rank: shards[(tp_rank, pp_rank, ep_rank)],
+                                  f"layers.{i}.", HF.format(offset + i), config))
     return {k: v.contiguous() for k, v in hf.items()}
 
 

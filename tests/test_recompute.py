@@ -167,7 +167,7 @@ def test_vit_recompute_is_exact_and_keeps_fewer_activations(pg):
 
 
 @pytest.mark.parametrize("name", ["fastconformer_tiny", "parakeet_hf_tiny"])
-def test_audio_recompute_is_exact_and_counts_batchnorm_statistics_once(name):
+def test_audio_recompute_is_exact_and_counts_batchnorm_statistics_once(name, pg):  # pg: the CPU shims
     from tessera.models.audio import AUDIO_FAMILIES
 
     cfg = encoder_config(name)

@@ -1,6 +1,6 @@
 """The Tessera trainer against a plain-PyTorch training loop written here from its definition.
 
-Same data (the synthetic data set through the same loader), same initial weights (the seed), one process,
+Same data (the synthetic data set through the same loader), same initial weights (the seed's state), one process,
 no Tessera trainer: the tiny image+audio model (Nemotron-H tiny + RADIO-tiny + FastConformer-tiny) run on
 every packed document of a row as a sequence of its own (no attention or Mamba state across documents), every
 microbatch's per-token loss summed and divided by the step's global target-token count, backward,
@@ -86,9 +86,10 @@ def _reference_losses() -> list[dict]:
 
     from tessera.data.pipeline import build_train_loader, synthetic_dataset
     from tessera.data.tokens import Tokenizer
-    from tessera.hetero.training.model_build import llm_fields, single_rank_pgs
+    from tessera.hetero.training.model_build import full_hf_state, llm_fields, single_rank_pgs
     from tessera.models.hybrid_llm import HybridLM
-    from tessera.models.multimodal import build_media_module
+    from tessera.models.multimodal import MultimodalModel, build_media_module
+    from tessera.models.multimodal_hf import import_hf
     from tessera.models.nemotron_h_hf import hybrid_config_from_hf
 
     cfg = _configs("")
@@ -96,11 +97,12 @@ def _reference_losses() -> list[dict]:
     data_path, tok_path = synthetic_dataset(root)  # what the trainer uses when data.path is None
     fields = llm_fields(cfg["model"], Tokenizer(tok_path).vocab_size)
 
-    # the whole model on one device from the seed: LLM first, then the encoders in module-key order
+    # the whole model on one device with the run's initial weights (the seed's state, HF layout)
     pgs = single_rank_pgs()
-    torch.manual_seed(SEED)
     llm = HybridLM(hybrid_config_from_hf(fields), pgs, cross_entropy=_plain_ce)
-    modules = {"language": llm, **{k: build_media_module(n, llm.config.hidden_size, pgs) for k, n in ENCODERS.items()}}
+    media = {k: build_media_module(n, llm.config.hidden_size, pgs) for k, n in ENCODERS.items()}
+    import_hf(MultimodalModel(llm, media), full_hf_state(cfg["model"], fields, SEED))
+    modules = {"language": llm, **media}
     for m in modules.values():
         m.train()
     params = [p for m in modules.values() for p in m.parameters()]

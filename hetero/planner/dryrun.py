@@ -41,7 +41,8 @@ from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, Modu
 from tessera.hetero.planner.cluster import Workload, cluster
 from tessera.hetero.planner.cost import HEADROOM, items_of, predict
 from tessera.hetero.planner.memory_report import ParamCheck, memory_report, param_checks
-from tessera.hetero.planner.meta_memory import batch_for, model_config, rank_shards
+from tessera.hetero.planner.step_time import GIB
+from tessera.hetero.planner.meta_memory import batch_for, model_config, rank_shards, seeded_init_units
 from tessera.hetero.planner.model import ModelDesc, describe_model
 
 
@@ -209,7 +210,8 @@ def _fake_world_checks(spec: str, world: int, probes: list[int] | None, model_cf
     problems = check_groups(spec, world, probes) if probes is not None else None
     t = time.perf_counter()
     shards = rank_shards(spec, model_cfg, batch) if model_cfg is not None else None
-    return problems, shards, time.perf_counter() - t
+    units = seeded_init_units(model_cfg) if model_cfg is not None else None
+    return problems, shards, units, time.perf_counter() - t
 
 
 def _meta_inputs(layout: HeteroLayout, model: ModelDesc, w: Workload, frozen, dtype: str):
@@ -219,6 +221,15 @@ def _meta_inputs(layout: HeteroLayout, model: ModelDesc, w: Workload, frozen, dt
     items = {mod.key: items_of(mod, w)[0] for mod in model.encoders}
     batch = batch_for(layout, w.micro_batch, w.seq_length, items, w.audio_clip_seconds)
     return model_config({mod.key: mod.name for mod in model.modules}, set(frozen), dtype), batch
+
+
+def init_note(units: dict[tuple, int]) -> str:
+    """What a rank holds in host memory while it initialises from the seed (no checkpoint)."""
+    big = max(units, key=units.get)
+    name = "/".join(map(str, big))
+    return (f"init from the seed (no checkpoint): a rank holds its fp32 shard + one unit at a time, the "
+            f"largest {name} {units[big] * 4 / GIB:.2f} GiB ({len(units)} units; the whole model in fp32 would "
+            f"be {sum(units.values()) * 4 / GIB:.1f} GiB)")
 
 
 def microbatch_workload(layout: HeteroLayout, w: Workload, microbatches: int) -> Workload:
@@ -298,7 +309,7 @@ def dry_run(layout_str: str, world: int | None = None, microbatches: int = 4, mo
 
     if future is not None:
         t = time.perf_counter()
-        found, shards, meta_s = future.result(timeout=1800)
+        found, shards, units, meta_s = future.result(timeout=1800)
         if found is not None:
             report.problems += [f"groups: {p}" for p in found]
             report.notes.append(f"groups: built at {layout.world_size} ranks for probe ranks {probes}")
@@ -307,6 +318,8 @@ def dry_run(layout_str: str, world: int | None = None, microbatches: int = 4, mo
             report.memory_lines, report.params = lines, param_checks(shards, pred)
             report.problems += over
             report.seconds["meta"] = meta_s
+        if units:
+            report.notes.append(init_note(units))
         report.seconds["fake_world_wait"] = time.perf_counter() - t
     report.seconds["total"] = time.perf_counter() - t0
     return report

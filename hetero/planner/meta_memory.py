@@ -33,10 +33,9 @@ from types import SimpleNamespace
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._device import _device_constructors
 
 from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
+from tessera.models.meta_device import meta_build, skip_init
 
 
 @dataclass
@@ -73,22 +72,6 @@ class Batch:
     measure: tuple[str, ...] = ("language", "vision", "audio")   # modules whose activations are measured
 
 
-class _MetaFactories(TorchFunctionMode):
-    """torch.device("meta") for tensor factories, except torch.tensor/as_tensor of data (NeMo computes shapes
-    with them and calls .item())."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _device_constructors() and func not in (torch.tensor, torch.as_tensor) \
-                and kwargs.get("device") is None:
-            kwargs["device"] = "meta"
-        return func(*args, **kwargs)
-
-
-def _skip_init(tensor, *args, **kwargs):
-    return tensor
-
-
 @contextlib.contextmanager
 def meta_init():
     """Build (and run) modules on the meta device: factories go to meta, torch.nn.init is a no-op (init on meta
@@ -97,19 +80,14 @@ def meta_init():
     import torch._dynamo
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher as D
 
-    inits = {n: getattr(nn.init, n) for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")}
     saved = (torch.cuda.current_device, torch._dynamo.config.disable, D.dispatch_postprocess, D.combine_preprocess)
-    for n in inits:
-        setattr(nn.init, n, _skip_init)
     torch.cuda.current_device = lambda: "meta"
     torch._dynamo.config.disable = True
     D.dispatch_postprocess, D.combine_preprocess = _balanced_dispatch, _balanced_combine
     try:
-        with _MetaFactories():
+        with meta_build():
             yield
     finally:
-        for n, f in inits.items():
-            setattr(nn.init, n, f)
         torch.cuda.current_device, torch._dynamo.config.disable, D.dispatch_postprocess, D.combine_preprocess = saved
 
 
@@ -330,7 +308,7 @@ def shards_at(spec: str, model_cfg, rank: int, batch: Batch | None = None, meta:
         configs = module_configs(layout, llm_fields(model_cfg, 0))
         # megatron's init_method is captured before meta_init patches torch.nn.init; with
         # perform_initialization=False it would also skip the tensor_model_parallel marks
-        configs[LANGUAGE].init_method = configs[LANGUAGE].output_layer_init_method = _skip_init
+        configs[LANGUAGE].init_method = configs[LANGUAGE].output_layer_init_method = skip_init
         wanted = {k for k, g in groups.items() if g.is_member and (k, g.coord.pp) not in skip}
         t0 = time.perf_counter()
         with meta_init() if meta else contextlib.nullcontext():
@@ -350,6 +328,24 @@ def shards_at(spec: str, model_cfg, rank: int, batch: Batch | None = None, meta:
     finally:
         dist.destroy_process_group()
     return out
+
+
+def seeded_init_units(model_cfg) -> dict[tuple, int]:
+    """Elements of every unit the initialisation from a seed builds (hetero/training/seeded_init.py), from a
+    meta-device build in a one-rank fake world. Run it in a process of its own (it creates and destroys the
+    default process group)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tessera.hetero.training import model_build
+    from tessera.hetero.training.seeded_init import SeededState
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        return SeededState(model_cfg, model_build.llm_fields(model_cfg, 0), 0).unit_elements()
+    finally:
+        dist.destroy_process_group()
+        model_build._single_rank_pgs = None  # its groups died with the default group
 
 
 def batch_for(layout: HeteroLayout, rows_per_dp: int, seq_length: int, items_per_row: dict[str, float],

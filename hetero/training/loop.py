@@ -36,9 +36,10 @@ from tessera.hetero.training.loader_state import decode_loader_state, encode_loa
 from tessera.hetero.training.lora import apply_lora
 from tessera.hetero.training.metrics import RunMetrics
 from tessera.hetero.training.run_modules import checkpoint_llm_fields, encoder_names, module_specs
-from tessera.hetero.training.model_build import (build_rank_modules, check_checkpoint_tensors, full_hf_state,
+from tessera.hetero.training.model_build import (build_rank_modules, check_checkpoint_tensors,
                                                  llm_fields, load_full_state, module_configs)
 from tessera.hetero.training.optim import ModuleOptimizers, lr_at
+from tessera.hetero.training.seeded_init import SeededState
 from tessera.hetero.training.stages import LanguageStage, MediaEncoderStage, global_token_count
 
 
@@ -128,8 +129,8 @@ def _build_model(run: _Run) -> None:
 
             full = LazyCheckpoint(cfg.model.checkpoint)  # each rank reads only the tensors of its shards
             check_checkpoint_tensors(cfg.model.checkpoint, full, cfg.model, run.hf_fields)
-        else:
-            full = full_hf_state(cfg.model, run.hf_fields, cfg.trainer.seed)
+        else:  # from the seed: only the units this rank's shards read are built, one at a time
+            full = SeededState(cfg.model, run.hf_fields, cfg.trainer.seed)
         load_full_state(run.modules, full, run.groups)
         del full
     # LoRA (model.lora.rank > 0): base weights frozen, adapters on the targeted layers; only they get

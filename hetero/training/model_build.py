@@ -25,11 +25,13 @@ from tessera.hetero.plan.recompute import parse_recompute
 from tessera.hetero.parallel.vocab_parallel_ce import vocab_parallel_cross_entropy_for
 from tessera.models.configs import REGISTRY as LLM_REGISTRY, hf_fields as llm_hf_fields
 from tessera.models.hybrid_llm import HybridLM
+from tessera.models.meta_device import meta_build
 from tessera.models.multimodal import MultimodalModel, build_media_module
-from tessera.models.multimodal_hf import (PROJECTOR_ROOT, export_hf, sound_from_hf, vision_from_hf, _load_params,
-                                  _params_only)
+from tessera.models.multimodal_hf import (PROJECTOR_ROOT, export_hf, media_to_hf, sound_from_hf, vision_from_hf,
+                                          _load_params, _params_only)
 from tessera.models.nemotron_h_hf import PrefixView, hybrid_config_from_hf, load_into
 from tessera.hetero.training.run_modules import module_specs
+from tessera.hetero.training.seeded_init import SeededState
 
 _single_rank_pgs: ProcessGroupCollection | None = None
 
@@ -55,32 +57,33 @@ def single_rank_pgs() -> ProcessGroupCollection:
     return _single_rank_pgs
 
 
-def _media_module(spec, model_cfg, llm_hidden: int, pgs, recompute: str = "none"):
+def media_module(spec, model_cfg, llm_hidden: int, pgs, recompute: str = "none"):
     return build_media_module(spec.name, llm_hidden, pgs, frozen=spec.freeze, pruning_rate=model_cfg.video_pruning,
                               recompute=recompute)
 
 
 def full_hf_state(model_cfg, hf_fields: dict, seed: int) -> dict[str, torch.Tensor]:
-    """The whole model's initial weights (HF layout) from `seed`, identical on every rank."""
-    pgs = single_rank_pgs()
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    llm = HybridLM(hybrid_config_from_hf(hf_fields), pgs)
-    media = {k: _media_module(spec, model_cfg, llm.config.hidden_size, pgs)
-             for k, spec in module_specs(model_cfg).items() if k != LANGUAGE}
-    full = export_hf(MultimodalModel(llm, media))
-    torch.random.set_rng_state(state)
-    return full
+    """The whole model's initial weights (HF layout) from `seed`, identical on every rank: every unit of
+    hetero/training/seeded_init.py built once. Training reads SeededState lazily instead (its own shards)."""
+    return SeededState(model_cfg, hf_fields, seed).materialize()
 
 
 def hf_shapes(model_cfg, hf_fields: dict) -> dict[str, tuple[int, ...]]:
     """The HF-layout key -> shape of the whole model, from a build on the meta device (no memory, no init)."""
     pgs = single_rank_pgs()
-    with torch.device("meta"):
+    with meta_build():
         llm = HybridLM(hybrid_config_from_hf(hf_fields), pgs)
-        media = {k: _media_module(spec, model_cfg, llm.config.hidden_size, pgs)
+        media = {k: media_module(spec, model_cfg, llm.config.hidden_size, pgs)
                  for k, spec in module_specs(model_cfg).items() if k != LANGUAGE}
         return {k: tuple(v.shape) for k, v in export_hf(MultimodalModel(llm, media)).items()}
+
+
+def media_keys(model_cfg, hf_fields: dict) -> dict[str, list[str]]:
+    """Per media module key, the HF-layout keys of its tensors (a meta-device build)."""
+    pgs, hidden = single_rank_pgs(), hybrid_config_from_hf(hf_fields).hidden_size
+    with meta_build():
+        return {k: list(media_to_hf(k, media_module(spec, model_cfg, hidden, pgs)))
+                for k, spec in module_specs(model_cfg).items() if k != LANGUAGE}
 
 
 def check_checkpoint_tensors(source: str, full: dict[str, torch.Tensor], model_cfg, hf_fields: dict) -> None:
@@ -127,7 +130,7 @@ def build_rank_modules(model_cfg, layout: HeteroLayout, groups: dict[str, Module
             if specs[LANGUAGE].freeze:
                 out[key].requires_grad_(False)
         else:
-            out[key] = _media_module(specs[key], model_cfg, hidden, g.pgs, modes[key])
+            out[key] = media_module(specs[key], model_cfg, hidden, g.pgs, modes[key])
     return out
 
 
