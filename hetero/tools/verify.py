@@ -13,6 +13,15 @@ bytes moved against the minimum. Rank 0's last line is
 
 FAIL when any error exceeds 1e-5 (fp32) or the boundary moved more bytes than the minimum.
 
+    --llm moe       every LLM layer's MLP becomes a mixture of experts (hetero.tools.verify_chain_moe): megatron's
+                    MoELayer (sigmoid top-2 router over 4 experts with a fixed expert bias, allgather dispatcher,
+                    one shared expert) with the layout's expert parallelism (language=...,epN: N must divide the
+                    4 experts and the LLM's cp*dp); with tp > 1 the LLM runs sequence parallel. Every routed
+                    expert's gradient is compared on the EP ranks that own it; expert gradients are summed over
+                    the expert-DP group, the router's (and other sequence-parallel weights') over TP first. E.g.
+
+        torchrun --nproc-per-node 4 -m tessera.hetero.tools.verify --llm moe --layout "vision=tp2,dp2@0-3;language=tp2,dp2,ep2@0-3"
+
     --documents K   packs K documents of random lengths into every LLM row: LLM attention stays inside a
                     document (the zigzag CP attention gets real document ids), and besides the one-device
                     comparison every document's outputs and per-token losses must equal the one-device LLM
@@ -40,6 +49,7 @@ from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, Mode
 from tessera.hetero.tools.verify_chain_model import (ChainDims, ParallelEncoder, ParallelLanguage, encoder_token_meta, make_weights,
                                  reference_documents_alone, reference_forward, sharded_reference_grad,
                                  token_segments)
+from tessera.hetero.tools.verify_chain_moe import LLMS, reduce_moe_gradients
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 
@@ -49,14 +59,24 @@ def batch_shape(layout: HeteroLayout) -> tuple[int, int]:
     return 2 * math.lcm(*(m.dp_size for m in layout.modules.values())), 8 * 2 * layout[LANGUAGE].cp
 
 
-def validated_layout(spec: str, dims: ChainDims, world_size: int) -> HeteroLayout:
+def validated_layout(spec: str, dims: ChainDims, world_size: int, llm: str = "dense") -> HeteroLayout:
     """Parse and validate against the chain's shapes; raises LayoutError before any work."""
+    if llm not in LLMS:
+        raise ValueError(f"llm={llm!r}: use one of {LLMS}")
     layout = HeteroLayout.parse(spec)
     layout.validate(world_size=world_size)
+    ep = layout[LANGUAGE].ep
+    if llm == "dense" and ep > 1:
+        raise LayoutError(f"module '{LANGUAGE}': ep={ep} but the dense chain has no experts to spread; run with "
+                          f"--llm moe (llm=\"moe\") or drop ep{ep}")
+    if llm == "moe" and dims.moe_experts % ep:
+        fits = [d for d in range(1, dims.moe_experts + 1) if dims.moe_experts % d == 0]
+        raise LayoutError(f"module '{LANGUAGE}': ep={ep} does not divide the MoE chain's {dims.moe_experts} "
+                          f"experts (each EP rank holds an equal share); use ep in {fits}")
     n, seq = batch_shape(layout)
     heads = {k: dims.enc_heads for k in layout.encoders} | {LANGUAGE: dims.llm_heads}
     return layout.validate(ModelShapes(heads=heads, kv_heads={LANGUAGE: dims.llm_kv_heads}, seq_length=seq,
-                                       samples_per_microbatch=n), world_size=world_size)
+                                       samples_per_microbatch=n, moe=llm == "moe"), world_size=world_size)
 
 
 def make_batch(layout: HeteroLayout, dims: ChainDims, seed: int, dtype, documents: int = 0):
@@ -154,22 +174,25 @@ class _LanguageStage:
 
 
 def run_verify(spec: str, seed: int = 1234, dtype=torch.float32, dims: ChainDims = ChainDims(),
-               microbatches: int = 1, documents: int = 0) -> dict:
+               microbatches: int = 1, documents: int = 0, llm: str = "dense") -> dict:
     """Run the check on every rank of an initialised world; results are global (identical on all ranks).
 
     With several microbatches the step accumulates gradients over them through hetero.runtime.step_executor, and the
-    reference is the single-device model over the same microbatches."""
-    layout = validated_layout(spec, dims, dist.get_world_size())
+    reference is the single-device model over the same microbatches. llm="moe": the LLM's MLPs are mixtures of
+    experts (hetero.tools.verify_chain_moe) spread over the layout's EP."""
+    layout = validated_layout(spec, dims, dist.get_world_size(), llm)
+    if llm == "moe" and dtype != torch.float32:  # hetero.tools.verify_chain_moe: megatron's router sigmoid is fp32
+        raise ValueError(f"llm='moe' checks float32 only (megatron's MoE router rounds its scores to fp32), not {dtype}")
     lang, rank = layout[LANGUAGE], dist.get_rank()
     micro = [make_batch(layout, dims, seed + 7 * mb, dtype, documents) for mb in range(microbatches)]
     total = microbatches * micro[0][2].numel()  # the loss is normalised by the step's global element count
     # the run's device: the local GPU with NCCL, the CPU with gloo (the reference always runs on the CPU)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     groups = build_module_groups(layout)
-    w = make_weights(layout, dims, seed, dtype)
+    w = make_weights(layout, dims, seed, dtype, llm)
 
     # ---- single-device reference, in float64 so its own rounding does not count against the layout ----
-    ref_w = {k: v.double().requires_grad_() for k, v in w.items()}
+    ref_w = {k: v.double().requires_grad_(not k.endswith("expert_bias")) for k, v in w.items()}
     ref_loss, ref_ys = torch.zeros((), dtype=torch.float64), []
     alone_ys = []
     for batches, inputs, text, target, docs in micro:
@@ -193,13 +216,14 @@ def run_verify(spec: str, seed: int = 1234, dtype=torch.float32, dims: ChainDims
             encoders[key] = _EncoderStage(modules[key], layout[key], g.coord, micro, key, dims, dev)
     lg = groups[LANGUAGE]
     if lg.is_member:
-        modules[LANGUAGE] = ParallelLanguage(w, layout, dims, lg.pgs, lg.coord.pp, dtype).to(dev)
+        modules[LANGUAGE] = ParallelLanguage(w, layout, dims, lg.pgs, lg.coord.pp, dtype, llm).to(dev)
         language = _LanguageStage(modules[LANGUAGE], layout, lg.coord, micro, dims, dev, total)
     comms = {k: BoundaryCommunicator(layout[k], lang, dims.llm_hidden, dtype, dev, dst_format="dense")
              for k in sorted(layout.encoders)}
     like = torch.empty(0, dtype=dtype, device=dev)
     result = hetero_step(layout, groups, encoders, language, comms, [m[0] for m in micro], like)
-    reduce_gradients(modules, groups)
+    # dense: everything over DP x CP; MoE: experts over expert-DP, sequence-parallel weights over TP first
+    (reduce_moe_gradients if llm == "moe" else reduce_gradients)(modules, groups)
 
     # ---- compare ----
     errors = {}
@@ -236,7 +260,7 @@ def run_verify(spec: str, seed: int = 1234, dtype=torch.float32, dims: ChainDims
     destroy_module_groups(groups)
     ok = worst.item() <= TOLERANCE[dtype] and int(moved.item()) <= min_bytes
     return {"ok": ok, "max_rel_err": worst.item(), "bytes": int(moved.item()), "min_bytes": min_bytes,
-            "errors": errors, "loss": float(ref_loss), "placement": layout.placement}
+            "errors": errors, "loss": float(ref_loss), "placement": layout.placement, "llm": llm}
 
 
 def main(argv=None) -> int:
@@ -244,11 +268,13 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", required=True, help='e.g. "vision=dp4@0-3;language=tp2,cp2@0-3"')
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--microbatches", type=int, default=1, help="microbatches per step (gradient accumulation)")
+    ap.add_argument("--llm", choices=LLMS, default="dense",
+                    help="the LLM's MLPs: dense, or moe (mixture of experts over the layout's EP; TP runs SP)")
     ap.add_argument("--documents", type=int, default=0,
                     help="pack K documents of random lengths into every LLM row (0: one sequence per row)")
     args = ap.parse_args(argv)
     try:  # before any process group exists: a bad layout costs nothing
-        validated_layout(args.layout, ChainDims(), int(os.environ.get("WORLD_SIZE", "1")))
+        validated_layout(args.layout, ChainDims(), int(os.environ.get("WORLD_SIZE", "1")), args.llm)
     except LayoutError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"verify: FAIL invalid layout: {e}", file=sys.stderr)
@@ -259,9 +285,9 @@ def main(argv=None) -> int:
     dist.init_process_group(default_backend())
     rank = dist.get_rank()
     torch.set_num_threads(1)
-    res = run_verify(args.layout, args.seed, microbatches=args.microbatches, documents=args.documents)
+    res = run_verify(args.layout, args.seed, microbatches=args.microbatches, documents=args.documents, llm=args.llm)
     if rank == 0:
-        print(f"layout: {args.layout} ({res['placement']}, world {dist.get_world_size()}, fp32)")
+        print(f"layout: {args.layout} ({res['placement']}, world {dist.get_world_size()}, fp32, llm {args.llm})")
         for name, err in sorted(res["errors"].items()):
             print(f"  rank0 {name:32s} rel_err={err:.3e}")
         verdict = "PASS" if res["ok"] else "FAIL"

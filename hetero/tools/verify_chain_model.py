@@ -7,7 +7,9 @@ difference between the two is a bug in the layouts, the boundary or the kernels.
 
 Every encoder block: bidirectional attention within each sample (CP: keys gathered over the CP group)
 and an MLP; the projector maps to the LLM width. Every LLM layer: causal attention within each sample
-(zigzag CP) and an MLP. Loss: squared error to a fixed target, summed, over (samples*seq*hidden).
+(zigzag CP) and an MLP, or with llm="moe" a mixture of experts (hetero.tools.verify_chain_moe: megatron's
+MoELayer with EP; TP then runs sequence parallel). Loss: squared error to a fixed target, summed, over
+(samples*seq*hidden).
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, gather_from_sequence_parallel_region,
+                                          scatter_to_sequence_parallel_region)
 
 from tessera.hetero.plan.boundary_plan import BoundaryBatch
 from tessera.hetero.parallel.cp_gather_attention import context_parallel_attention, masked_attention
-from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, llm_sequence_parallel
+from tessera.hetero.tools.verify_chain_moe import LLMS, ParallelMoE, is_moe, moe_config, moe_weights, reference_moe
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,10 @@ class ChainDims:
     llm_heads: int = 8
     llm_kv_heads: int = 4
     ffn_mult: int = 2
+    moe_experts: int = 4    # llm="moe": routed experts per LLM layer (EP must divide it)
+    moe_topk: int = 2
+    moe_ffn: int = 32       # each routed expert's FFN width
+    moe_shared_ffn: int = 64
 
 
 def depth(pp: int) -> int:
@@ -44,8 +52,12 @@ def stage_layers(n_layers: int, pp: int, stage: int) -> list[int]:
     return [int(i) for i in np.array_split(np.arange(n_layers), pp)[stage]]
 
 
-def make_weights(layout: HeteroLayout, dims: ChainDims, seed: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """Full (unsharded) weights of the whole chain, identical on every rank."""
+def make_weights(layout: HeteroLayout, dims: ChainDims, seed: int, dtype=torch.float32,
+                 llm: str = "dense") -> dict[str, torch.Tensor]:
+    """Full (unsharded) weights of the whole chain, identical on every rank. llm="moe": every LLM layer's MLP
+    is a mixture of experts (router, fixed expert bias, routed and shared experts) instead of fc1/fc2."""
+    if llm not in LLMS:
+        raise ValueError(f"llm={llm!r}: use one of {LLMS}")
     g = torch.Generator().manual_seed(seed)
     w = {}
 
@@ -54,7 +66,7 @@ def make_weights(layout: HeteroLayout, dims: ChainDims, seed: int, dtype=torch.f
         if bias:
             w[name + ".bias"] = (torch.randn(out_f, generator=g) * 0.02).to(dtype)
 
-    def block(prefix, d, heads, kv_heads):
+    def block(prefix, d, heads, kv_heads, mlp=True):
         hd = d // heads
         # no q/k/v bias (as in the Nemotron LLMs); a key bias would also get an identically-zero gradient
         # (softmax ignores a per-query constant), which no relative error can compare
@@ -62,8 +74,9 @@ def make_weights(layout: HeteroLayout, dims: ChainDims, seed: int, dtype=torch.f
         lin(prefix + ".k", kv_heads * hd, d, bias=False)
         lin(prefix + ".v", kv_heads * hd, d, bias=False)
         lin(prefix + ".o", d, heads * hd)
-        lin(prefix + ".fc1", d * dims.ffn_mult, d)
-        lin(prefix + ".fc2", d, d * dims.ffn_mult)
+        if mlp:
+            lin(prefix + ".fc1", d * dims.ffn_mult, d)
+            lin(prefix + ".fc2", d, d * dims.ffn_mult)
 
     for key in sorted(layout.encoders):
         lin(f"{key}.embed", dims.enc_hidden, dims.d_in)
@@ -72,7 +85,9 @@ def make_weights(layout: HeteroLayout, dims: ChainDims, seed: int, dtype=torch.f
         lin(f"{key}.proj1", dims.llm_hidden * dims.ffn_mult, dims.enc_hidden)
         lin(f"{key}.proj2", dims.llm_hidden, dims.llm_hidden * dims.ffn_mult)
     for i in range(depth(layout[LANGUAGE].pp)):
-        block(f"{LANGUAGE}.layers.{i}", dims.llm_hidden, dims.llm_heads, dims.llm_kv_heads)
+        block(f"{LANGUAGE}.layers.{i}", dims.llm_hidden, dims.llm_heads, dims.llm_kv_heads, mlp=llm == "dense")
+        if llm == "moe":
+            moe_weights(w, g, f"{LANGUAGE}.layers.{i}", dims, dtype)
     return w
 
 
@@ -81,13 +96,15 @@ def _ref_lin(w, name, x):
     return F.linear(x, w[name + ".weight"], w.get(name + ".bias"))
 
 
-def _ref_block(w, prefix, x, pos, seg, heads, kv_heads, causal):
+def _ref_block(w, prefix, x, pos, seg, heads, kv_heads, causal, topk=0):
     hd = x.shape[-1] // heads
     q = _ref_lin(w, prefix + ".q", x).view(-1, heads, hd)
     k = _ref_lin(w, prefix + ".k", x).view(-1, kv_heads, hd)
     v = _ref_lin(w, prefix + ".v", x).view(-1, kv_heads, hd)
     a = masked_attention(q, k, v, pos, pos, seg, seg, causal).reshape(x.shape[0], -1)
     x = x + _ref_lin(w, prefix + ".o", a)
+    if is_moe(w, prefix):
+        return x + reference_moe(w, prefix, x, topk)
     return x + _ref_lin(w, prefix + ".fc2", F.gelu(_ref_lin(w, prefix + ".fc1", x)))
 
 
@@ -125,7 +142,8 @@ def token_segments(n: int, seq: int, docs: torch.Tensor | None = None) -> torch.
 def reference_llm(w, layout: HeteroLayout, dims: ChainDims, x: torch.Tensor, pos, seg) -> torch.Tensor:
     """The LLM layers on flat tokens x [T, H] with their positions and segments."""
     for i in range(depth(layout[LANGUAGE].pp)):
-        x = _ref_block(w, f"{LANGUAGE}.layers.{i}", x, pos, seg, dims.llm_heads, dims.llm_kv_heads, causal=True)
+        x = _ref_block(w, f"{LANGUAGE}.layers.{i}", x, pos, seg, dims.llm_heads, dims.llm_kv_heads, causal=True,
+                       topk=dims.moe_topk)
     return x
 
 
@@ -157,7 +175,7 @@ def reference_documents_alone(w, layout: HeteroLayout, dims: ChainDims, inputs: 
 class ParallelBlock(torch.nn.Module):
     """One attention + MLP block in a module's TP/CP layout, weights sliced from the full tensors."""
 
-    def __init__(self, w, prefix, d, heads, kv_heads, config, pgs, causal: bool):
+    def __init__(self, w, prefix, d, heads, kv_heads, config, pgs, causal: bool, moe=None):
         super().__init__()
         self.tp, self.cp_group, self.causal = pgs.tp.size(), pgs.cp, causal
         self.hd, self.heads, self.kv_heads = d // heads, heads // self.tp, kv_heads // self.tp
@@ -179,15 +197,21 @@ class ParallelBlock(torch.nn.Module):
         self.k = col(".k", kv_heads * self.hd, d, bias=False)
         self.v = col(".v", kv_heads * self.hd, d, bias=False)
         self.o = row(".o", d, heads * self.hd)
-        self.fc1 = col(".fc1", w[prefix + ".fc1.weight"].shape[0], d)
-        self.fc2 = row(".fc2", d, w[prefix + ".fc2.weight"].shape[1])
+        if moe is None:
+            self.fc1 = col(".fc1", w[prefix + ".fc1.weight"].shape[0], d)
+            self.fc2 = row(".fc2", d, w[prefix + ".fc2.weight"].shape[1])
+        else:  # the MoE MLP (ParallelMoE) in its place
+            self.moe = moe
 
     def forward(self, x, pos, seg, counts=None):
-        q = self.q(x)[0].view(x.shape[0], self.heads, self.hd)
-        k = self.k(x)[0].view(x.shape[0], self.kv_heads, self.hd)
-        v = self.v(x)[0].view(x.shape[0], self.kv_heads, self.hd)
+        n = pos.shape[0]  # this rank's tokens; under sequence parallelism x holds 1/tp of them (q/k/v gather)
+        q = self.q(x)[0].view(n, self.heads, self.hd)
+        k = self.k(x)[0].view(n, self.kv_heads, self.hd)
+        v = self.v(x)[0].view(n, self.kv_heads, self.hd)
         a = context_parallel_attention(q, k, v, pos, seg, self.causal, self.cp_group, counts)
-        x = x + self.o(a.reshape(x.shape[0], -1))[0]
+        x = x + self.o(a.reshape(n, -1))[0]  # under sequence parallelism: reduce-scattered to x's slice
+        if hasattr(self, "moe"):
+            return x + self.moe(x)
         return x + self.fc2(F.gelu(self.fc1(x)[0]))[0]
 
 
@@ -202,9 +226,9 @@ def _load(module, w, name, tp_rank, tp, dim):
     module.shard = (tp_rank, tp, dim)
 
 
-def mp_config(tp: int, dtype) -> ModelParallelConfig:
+def mp_config(tp: int, dtype, sequence_parallel: bool = False) -> ModelParallelConfig:
     return ModelParallelConfig(tensor_model_parallel_size=tp, params_dtype=dtype, use_cpu_initialization=True,
-                               perform_initialization=False)
+                               perform_initialization=False, sequence_parallel=sequence_parallel)
 
 
 class ParallelEncoder(torch.nn.Module):
@@ -242,20 +266,36 @@ class ParallelEncoder(torch.nn.Module):
 
 
 class ParallelLanguage(torch.nn.Module):
-    """One rank's pipeline stage of the LLM; input and output are [local samples * seq/cp, hidden]."""
+    """One rank's pipeline stage of the LLM; input and output are [local samples * seq/cp, hidden].
 
-    def __init__(self, w, layout: HeteroLayout, dims: ChainDims, pgs, stage: int, dtype=torch.float32):
+    llm="moe": every layer's MLP is megatron's MoELayer (ParallelMoE). With TP > 1 it then runs sequence
+    parallel (llm_sequence_parallel), as models/hybrid_llm.HybridLM: the stage scatters its input over TP along
+    the tokens, the layers carry 1/tp of them (q/k/v and the MoE dispatcher gather, the attention output
+    reduce-scatters) and the stage gathers its output again. Stage boundaries (PP, the loss) stay whole tokens,
+    replicated over TP as in the dense chain, so the gather's backward only takes this rank's slice of the
+    (replicated) gradient."""
+
+    def __init__(self, w, layout: HeteroLayout, dims: ChainDims, pgs, stage: int, dtype=torch.float32,
+                 llm: str = "dense"):
         super().__init__()
+        if llm not in LLMS:
+            raise ValueError(f"llm={llm!r}: use one of {LLMS}")
         m = layout[LANGUAGE]
-        cfg = mp_config(m.tp, dtype)
+        self.sp, self.tp_group = llm_sequence_parallel(llm == "moe", m.tp), pgs.tp
+        cfg = mp_config(m.tp, dtype, self.sp)
+        mcfg = moe_config(dims, m, dtype, self.sp) if llm == "moe" else None
         self.layers = torch.nn.ModuleList(
             ParallelBlock(w, f"{LANGUAGE}.layers.{i}", dims.llm_hidden, dims.llm_heads, dims.llm_kv_heads, cfg,
-                          pgs, True)
+                          pgs, True, moe=ParallelMoE(w, f"{LANGUAGE}.layers.{i}", mcfg, pgs, i + 1) if mcfg else None)
             for i in stage_layers(depth(m.pp), m.pp, stage))
 
     def forward(self, x, pos, seg):
+        if self.sp:
+            x = scatter_to_sequence_parallel_region(x, group=self.tp_group)
         for layer in self.layers:
             x = layer(x, pos, seg)
+        if self.sp:
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=self.tp_group)
         return x
 
 
