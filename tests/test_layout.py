@@ -82,3 +82,24 @@ def test_sequence_parallel_length_rule_binds_only_moe_with_tp():
     lay.validate(ModelShapes(seq_length=72))             # dense: zigzag needs 2*cp | 72 only
     lay.validate(ModelShapes(seq_length=80, moe=True))   # 80 / cp4 = 20 positions, 5 per TP rank
     HeteroLayout.parse("language=cp4@0-3").validate(ModelShapes(seq_length=72, moe=True))  # tp1: no SP
+
+
+@pytest.mark.parametrize("spec,rows,micro,want", [
+    ("vision=tp2,dp8@0-15;language=tp2,dp8@0-15", 8, 16, (8, 16)),        # fits: unchanged
+    ("vision=tp2,dp32@0-63;language=tp2,dp32@0-63", 8, 16, (32, 4)),      # a 16-GPU recipe on 64 GPUs
+    ("vision=dp2@0-1;language=dp6@2-7", 4, 6, (6, 4)),                     # lcm(2, 6) = 6 divides 24
+    ("vision=dp4@0-3;language=dp4@4-7", 2, 3, (4, 0)),                     # no multiple of 4 divides 6 rows
+    ("vision=dp3@0-2;language=dp4@3-6", 8, 6, (12, 4)),                    # lcm 12: the smallest >= 8 dividing 48
+])
+def test_rows_per_microbatch_follow_the_layout_and_keep_the_step(spec, rows, micro, want):
+    from tessera.hetero.plan.layout import rows_for_layout
+
+    layout = HeteroLayout.parse(spec)
+    if want[1] == 0:
+        with pytest.raises(LayoutError, match="multiple of 4 rows"):
+            rows_for_layout(layout, rows, micro)
+        return
+    got = rows_for_layout(layout, rows, micro)
+    assert got[0] * got[1] == rows * micro
+    assert all(got[0] % m.dp_size == 0 for m in layout.modules.values())
+    assert got == want

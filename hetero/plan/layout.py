@@ -297,3 +297,23 @@ def scale_layout(layout: HeteroLayout | str, world: int) -> HeteroLayout:
     f = world // layout.world_size
     return HeteroLayout({k: dataclasses.replace(m, first=m.first * f, last=(m.last + 1) * f - 1, dp=m.dp_size * f)
                          for k, m in layout.modules.items()})
+
+
+def rows_for_layout(layout: HeteroLayout, rows: int, microbatches: int) -> tuple[int, int]:
+    """(rows per microbatch, microbatches) for `layout` with the same rows per step (rows x microbatches): the
+    given ones when every module's DP divides `rows`; else the smallest multiple of lcm(DP sizes) >= rows that
+    divides the step's rows (fewer microbatches, as megatron derives them from the global batch and DP), or
+    the largest smaller one. LayoutError naming the fix when no multiple divides the step's rows."""
+    need = math.lcm(*(m.dp_size for m in layout.modules.values()))
+    if rows % need == 0:
+        return rows, microbatches
+    step = rows * microbatches
+    fits = [r for r in range(need, step + 1, need) if step % r == 0]
+    if not fits:
+        dps = ", ".join(f"{k} dp={m.dp_size}" for k, m in layout.modules.items())
+        raise LayoutError(f"layout {layout}: no whole number of rows per microbatch gives every module an equal "
+                          f"share ({dps}: a multiple of {need}) and divides the step's {step} rows "
+                          f"(data.rows_per_microbatch={rows} x data.microbatches={microbatches}); use a step of a "
+                          f"multiple of {need} rows or change dp")
+    chosen = min((r for r in fits if r >= rows), default=max(fits))
+    return chosen, step // chosen

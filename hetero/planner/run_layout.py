@@ -7,8 +7,11 @@
   ""      every module data-parallel on all `world` ranks (the homogeneous baseline);
   "auto"  the planner's best layout on `world` ranks among those the trainer can run;
   a spec  parsed; when `world` is a whole multiple of its ranks, grown by data parallelism to `world`;
-then checks the module keys against the model, validates sizes against the model's heads, the row length and
-the rows per microbatch, and applies the one trainability rule (hetero/plan/trainable.py). Every error is a
+then checks the module keys against the model; when the layout's DP sizes do not divide
+data.rows_per_microbatch, sets data.rows_per_microbatch / data.microbatches to a split of the same rows per step
+that they do divide (hetero/plan/layout.rows_for_layout: a recipe sized for 16 GPUs runs on 64 with 4x the rows
+per microbatch and 1/4 the microbatches); validates sizes against the model's heads, the row length and the
+rows per microbatch, and applies the one trainability rule (hetero/plan/trainable.py). Every error is a
 LayoutError naming the module, the field and the fix, raised before any process group exists.
 
 The workload the planner prices comes from the run's `data` config: row length, rows per step, and media per
@@ -18,7 +21,10 @@ row (`data.tiles_per_row` ..., set by the full-size recipes; else max_tiles + th
 
 from __future__ import annotations
 
-from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, ModelShapes, ModuleLayout, scale_layout
+import dataclasses
+
+from tessera.hetero.plan.layout import (LANGUAGE, HeteroLayout, LayoutError, ModelShapes, ModuleLayout, rows_for_layout,
+                                        scale_layout)
 from tessera.hetero.plan.trainable import check_trainable, untrainable_reasons
 from tessera.hetero.planner.cluster import Workload, cluster
 from tessera.hetero.planner.model import describe_model
@@ -59,6 +65,9 @@ def resolve_run_layout(cfg, world: int, llm_fields: dict | None = None, cluster_
     if layout.world_size != world and world % layout.world_size == 0:
         layout = scale_layout(layout, world)
     layout = fit_modules(layout, keys)
+    # every module's DP takes whole rows of each microbatch: the step's rows are kept, their split may change
+    cfg.data.rows_per_microbatch, cfg.data.microbatches = rows_for_layout(layout, cfg.data.rows_per_microbatch,
+                                                                          cfg.data.microbatches)
     layout.validate(model_shapes(cfg, llm_fields), world_size=world)
     return check_trainable(layout, encoder_has_tp(cfg.model))
 
@@ -108,7 +117,9 @@ def _problems(spec: str, cfg, world: int, llm_fields: dict | None) -> list[str]:
     """Why this run cannot train `spec` on `world` ranks (empty when it can)."""
     layout = HeteroLayout.parse(spec)
     try:
-        layout.validate(model_shapes(cfg, llm_fields), world_size=world)
+        rows, _ = rows_for_layout(layout, cfg.data.rows_per_microbatch, cfg.data.microbatches)
+        shapes = dataclasses.replace(model_shapes(cfg, llm_fields), samples_per_microbatch=rows)
+        layout.validate(shapes, world_size=world)
     except LayoutError as e:
         return [str(e)]
     return untrainable_reasons(layout, encoder_has_tp(cfg.model))
@@ -120,8 +131,8 @@ def best_layout_for_run(cfg, world: int, cluster_name: str = "h100", llm_fields:
         if not _problems(p.layout, cfg, world, llm_fields):
             return p.layout
     raise LayoutError(f"layout=auto: no layout of {cfg.model.llm} + encoders on {world} ranks is both feasible on "
-                      f"{cluster_name} and trainable with rows_per_microbatch={cfg.data.rows_per_microbatch}; "
-                      f"give layout=... explicitly or change data.rows_per_microbatch")
+                      f"{cluster_name} and trainable with {cfg.data.rows_per_microbatch * cfg.data.microbatches} rows "
+                      f"per step; give layout=... explicitly or change data.rows_per_microbatch / data.microbatches")
 
 
 def plan_table_for_run(cfg, gpus: int, cluster_name: str = "h100", top: int = 10) -> str:
