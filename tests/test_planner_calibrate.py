@@ -105,3 +105,25 @@ def test_evaluate_reports_rank_quality_of_wrong_constants(cl):
     assert off.rel_rmse > 0.05
     with pytest.raises(ValueError, match="cannot fit 4 constants"):
         fit(measured[:2], MODEL, WORK, cl)
+
+
+def test_interleaved_orders_run_every_layout_early_and_late():
+    from tessera.scripts.calibrate_planner import interleaved_orders
+
+    orders = interleaved_orders(4, 3)
+    assert orders == [[0, 1, 2, 3], [0, 3, 2, 1], [2, 3, 0, 1]]
+    assert all(sorted(o) == [0, 1, 2, 3] for o in orders)
+    positions = {i: {o.index(i) for o in orders} for i in range(4)}
+    assert all(len(p) > 1 for p in positions.values()), positions
+
+
+def test_repeats_combine_to_medians_spreads_and_the_measurements_own_rank_agreement():
+    from tessera.scripts.calibrate_planner import combine_repeats
+
+    runs = [{"a": 1.0, "b": 2.0, "c": 3.0}, {"a": 1.2, "b": 1.9, "c": 3.3}, {"a": 0.8, "b": 2.2, "c": 2.7}]
+    median, spread, pairs = combine_repeats(runs)
+    assert median == {"a": 1.0, "b": 2.0, "c": 3.0}
+    assert spread["a"] == pytest.approx(0.4) and spread["c"] == pytest.approx(0.2)
+    assert pairs == [1.0, 1.0, 1.0]          # every repeat ranks a < b < c
+    _, _, swapped = combine_repeats([{"a": 1.0, "b": 2.0, "c": 3.0}, {"a": 3.0, "b": 2.0, "c": 1.0}])
+    assert swapped == [-1.0]
