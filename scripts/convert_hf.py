@@ -24,7 +24,8 @@ from tessera.hetero.training.hf_export import one_rank_world, export_checkpoint,
 
 def init_checkpoint(recipe_name: str, out: str | Path, vocab_size: int = 0, seed: int = 0) -> Path:
     """A recipe's model with fresh weights, written in HF layout (vocab grown to vocab_size if larger)."""
-    from tessera.hetero.training.model_build import full_hf_state, llm_fields
+    from tessera.hetero.training.model_build import llm_fields
+    from tessera.hetero.training.seeded_init import full_hf_state
     from tessera.recipes.registry import recipe
 
     import fiddle as fdl

@@ -64,7 +64,8 @@ def test_cli_overrides_reach_model_lora():
 def _export_worker(out: str):
     from tessera.hetero.training.hf_export import _single_rank_model, export_modules
     from tessera.hetero.training.lora import apply_lora
-    from tessera.hetero.training.model_build import full_hf_state, llm_fields, load_full_state
+    from tessera.hetero.training.model_build import llm_fields, load_full_state
+    from tessera.hetero.training.seeded_init import full_hf_state
     from tessera.hetero.training.optim import ModuleOptimizers
 
     results = {}
@@ -165,7 +166,8 @@ def _tp_worker():
     from tessera.hetero.plan.layout import HeteroLayout
     from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
     from tessera.hetero.training.lora import apply_lora
-    from tessera.hetero.training.model_build import (build_rank_modules, full_hf_state, llm_fields, load_full_state,
+    from tessera.hetero.training.seeded_init import full_hf_state
+    from tessera.hetero.training.model_build import (build_rank_modules, llm_fields, load_full_state,
                                                      module_configs)
 
     cfg = _model_cfg(vision=None, audio=None)
@@ -239,7 +241,7 @@ def _base_weights(export: str):
     """base.safetensors next to the export: the run's initial weights, rebuilt from the seed (1234)."""
     import torch.distributed as dist
 
-    from tessera.hetero.training.model_build import full_hf_state
+    from tessera.hetero.training.seeded_init import full_hf_state
 
     fields = json.loads((Path(export) / "tessera.json").read_text())["llm_hf_config"]
     base = full_hf_state(_model_cfg(audio=None), fields, 1234)  # on every rank: a first call is collective

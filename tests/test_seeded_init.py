@@ -26,7 +26,8 @@ PATTERN = "MEM*E-"
 @pytest.fixture(scope="module")
 def setup():
     single_rank_world()
-    from tessera.hetero.training.model_build import full_hf_state, llm_fields
+    from tessera.hetero.training.model_build import llm_fields
+    from tessera.hetero.training.seeded_init import full_hf_state
     from tessera.recipes.config import ModelConfig
 
     cfg = ModelConfig(llm="nemotron_h_tiny_moe", vision="radio_vit_tiny", audio="fastconformer_tiny")

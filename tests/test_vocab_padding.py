@@ -160,7 +160,8 @@ def _recipe_rank(root: str, vocab: int) -> dict:
     from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
     from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
     from tessera.hetero.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from tessera.hetero.training.model_build import (build_rank_modules, full_hf_state, llm_fields,
+    from tessera.hetero.training.seeded_init import full_hf_state
+    from tessera.hetero.training.model_build import (build_rank_modules, llm_fields,
                                                      load_full_state, module_configs)
     from tessera.recipes.config import ModelConfig
 

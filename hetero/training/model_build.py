@@ -2,14 +2,14 @@
 
     configs, hf_fields = module_configs(model_cfg, layout, vocab_size)
     modules = build_rank_modules(model_cfg, layout, groups, configs)
-    load_full_state(modules, full_hf_state(model_cfg, hf_fields, seed), groups)
+    load_full_state(modules, SeededState(model_cfg, hf_fields, seed), groups)   # hetero/training/seeded_init.py
 
-Initial weights are defined once, as the Hugging Face (NemotronH_Nano_VL_V2 / Omni) state dict of the
-whole model built on one device from the seed, and every rank imports its TP/PP shard of it through the
-same converters that load released checkpoints (models/multimodal_hf.py, models/nemotron_h_hf.py). So
-any two layouts start from identical weights — what loss parity between layouts needs — and fine-tuning
-a provided checkpoint is the same call with the checkpoint's tensors. (Building the full model on every
-rank is meant for small models and for initialisation of new modules; large runs start from checkpoints.)
+Initial weights are defined once, as a Hugging Face (NemotronH_Nano_VL_V2 / Omni) state dict of the whole
+model from the seed, read lazily (hetero/training/seeded_init.py: unit by unit, each rank only the units of
+its shards), and every rank imports its TP/PP/EP shard of it through the same converters that load released
+checkpoints (models/multimodal_hf.py, models/nemotron_h_hf.py). So any two layouts start from identical
+weights — what loss parity between layouts needs — and fine-tuning a provided checkpoint is the same call
+with the checkpoint's tensors (a LazyCheckpoint).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from tessera.models.multimodal_hf import (PROJECTOR_ROOT, export_hf, media_to_hf
                                           _load_params, _params_only)
 from tessera.models.nemotron_h_hf import PrefixView, hybrid_config_from_hf, load_into
 from tessera.hetero.training.run_modules import module_specs
-from tessera.hetero.training.seeded_init import SeededState
 
 _single_rank_pgs: ProcessGroupCollection | None = None
 
@@ -60,12 +59,6 @@ def single_rank_pgs() -> ProcessGroupCollection:
 def media_module(spec, model_cfg, llm_hidden: int, pgs, recompute: str = "none"):
     return build_media_module(spec.name, llm_hidden, pgs, frozen=spec.freeze, pruning_rate=model_cfg.video_pruning,
                               recompute=recompute)
-
-
-def full_hf_state(model_cfg, hf_fields: dict, seed: int) -> dict[str, torch.Tensor]:
-    """The whole model's initial weights (HF layout) from `seed`, identical on every rank: every unit of
-    hetero/training/seeded_init.py built once. Training reads SeededState lazily instead (its own shards)."""
-    return SeededState(model_cfg, hf_fields, seed).materialize()
 
 
 def hf_shapes(model_cfg, hf_fields: dict) -> dict[str, tuple[int, ...]]:

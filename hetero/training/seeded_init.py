@@ -28,6 +28,7 @@ from dataclasses import replace
 import torch
 from megatron.core.transformer.spec_utils import build_module
 
+from tessera.hetero.training.model_build import hf_shapes, media_keys, media_module, single_rank_pgs
 from tessera.hetero.training.run_modules import module_specs
 from tessera.models.hybrid_llm import MOE, build_hybrid_layer_specs, final_norm_and_output_layer, vocab_embedding
 from tessera.models.multimodal_hf import media_to_hf
@@ -56,14 +57,18 @@ def llm_unit(key: str) -> tuple:
     return ("layer", int(layer))
 
 
+def full_hf_state(model_cfg, hf_fields: dict, seed: int) -> dict[str, torch.Tensor]:
+    """The whole model's initial weights (HF layout) from `seed`, identical on every rank: every unit built
+    once (one-device references, scripts/convert_hf.py). Training reads SeededState lazily instead."""
+    return SeededState(model_cfg, hf_fields, seed).materialize()
+
+
 class SeededState(Mapping):
     """The whole model's initial HF-layout state dict from `seed`, read tensor by tensor (like LazyCheckpoint):
     a tensor's unit is built on first access and kept until a tensor of another unit is read.
     `built` lists the units built, in order (each rank's loading builds each of its units once)."""
 
     def __init__(self, model_cfg, hf_fields: dict, seed: int, pgs=None):
-        from tessera.hetero.training.model_build import hf_shapes, media_keys, single_rank_pgs
-
         self.model_cfg, self.seed = model_cfg, seed
         self.pgs = pgs or single_rank_pgs()
         self.config = hybrid_config_from_hf(hf_fields)  # TP1/PP1/EP1: units are built whole
@@ -121,8 +126,6 @@ class SeededState(Mapping):
             if kind == "media":
                 key = unit[1]
                 spec = module_specs(self.model_cfg)[key]
-                from tessera.hetero.training.model_build import media_module
-
                 return media_to_hf(key, media_module(spec, self.model_cfg, self.config.hidden_size, self.pgs))
             config, tp = self.config, self.pgs.tp
             if kind == "embedding":
