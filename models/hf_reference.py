@@ -1,14 +1,20 @@
-"""The single-device side of logit parity with transformers' NemotronH: a fixed batch and the reference.
+"""The single-device side of logit parity with transformers: fixed inputs and the reference logits.
 
 transformers' NemotronHForCausalLM (float32, torch path) loaded from a local HF directory gives the reference
 logits of `fixed_batch`; `max_rel_err = max|ours - ref| / max|ref|`. The command that runs Tessera's HybridLM
 in a TP/PP/CP layout against it is hetero/tools/parity.py (`torchrun ... -m tessera.hetero.tools.parity`):
 process groups live there, so models/ keeps no import of torch.distributed or hetero/.
+
+For a released multimodal checkpoint (transformers' NemotronH_Omni_Reasoning_V3): `omni_samples` (an image,
+an audio and mixed samples from the config, random from a fixed seed) and `omni_reference_logits` (the Omni
+forward on each sample alone, fed exactly what Tessera's encoders see); the layout side is
+hetero/tools/parity_multimodal.py.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,3 +42,178 @@ def reference_logits(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
 
 def max_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+# ---- the released Omni model (NemotronH_Omni_Reasoning_V3): multimodal samples and their reference logits ----
+
+OMNI_SEED = 4321
+
+
+@dataclass
+class OmniSample:
+    """One sample (one document): token ids with media placeholders, and its media items in position order.
+
+    media: [(module, kind, item, start, length)]; item is uint8 tiles [T, 3, tile, tile] (kind "image", each
+    tile one image of (tile/patch)^2 patches) or a float32 16 kHz waveform (kind "audio"); tokens[start:start +
+    length] are that item's placeholders (the config's image/audio token id)."""
+
+    name: str
+    tokens: torch.Tensor
+    media: list = field(default_factory=list)
+
+
+def omni_token_ids(hf_dir: str) -> tuple[int, int, bool]:
+    """(image token id, audio token id, taken from config.json): the config's ids; a config that sets none
+    (transformers' default, e.g. scripts/tiny_release.py without image_token_id=...) gets the last two
+    vocabulary ids, which omni_reference_logits then gives the reference model too."""
+    from tessera.models.released import llm_fields_of, read_config
+
+    config = read_config(hf_dir)
+    vocab = llm_fields_of(config)["vocab_size"]
+    image, audio = config.get("image_token_id"), config.get("audio_token_id")
+    own = image is not None and (audio is not None or "audio" not in _modalities(hf_dir))
+    spare = (i for i in range(vocab - 1, -1, -1) if i not in (image, audio))
+    image = next(spare) if image is None else image
+    audio = next(spare) if audio is None else audio
+    return int(image), int(audio), own
+
+
+def _modalities(hf_dir: str) -> list[str]:
+    from tessera.models.released import modalities_of, read_config
+
+    return modalities_of(read_config(hf_dir))
+
+
+def _audio_samples(seconds: float, rate: int, hop: int, subsampling: int) -> int:
+    """Samples near `seconds` at `rate` whose mel frame count (samples // hop) is not a multiple of the
+    subsampling: only there do Tessera's placeholders (the encoder's valid frames, ceil(n / s)) and
+    transformers' audio embeddings (get_audio_features keeps ceil((n + 1) / s)) agree."""
+    n = round(seconds * rate) // hop
+    while n % subsampling == 0:
+        n += 1
+    return n * hop + hop // 2
+
+
+def omni_samples(hf_dir: str, seed: int = OMNI_SEED) -> list[OmniSample]:
+    """Four samples from DIR's config, random from `seed` (pixels, waveforms, text ids): an image (two tiles),
+    an audio clip, a mixed one (text, image, text, audio, text) and a mixed one in the other order. Without an
+    audio encoder the audio sample is text only and the mixed ones keep their images. Placeholder counts come
+    from the encoders' own token arithmetic (models/encoders.tokens_config), as the data side sizes them."""
+    import numpy as np
+
+    from tessera.models.encoders import encoder_config, tokens_config
+    from tessera.models.released import encoder_name, llm_fields_of, read_config
+
+    vocab = llm_fields_of(read_config(hf_dir))["vocab_size"]
+    image_id, audio_id, _ = omni_token_ids(hf_dir)
+    cfg = {m: encoder_config(encoder_name(hf_dir, m)) for m in _modalities(hf_dir)}
+    rng = np.random.default_rng(seed)
+    text_ids = np.setdiff1d(np.arange(vocab), [image_id, audio_id])
+
+    def tiles(n):
+        side = cfg["vision"]["tile"]
+        return rng.integers(0, 256, size=(n, 3, side, side), dtype=np.uint8)
+
+    def wave(seconds):
+        a = cfg["audio"]
+        n = _audio_samples(seconds, a["sample_rate"], round(a["window_stride"] * a["sample_rate"]), a["subsampling"])
+        return (0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    plans = {"image": [7, ("image", 2), 9], "audio": [5, ("audio", 1.3), 8],
+             "mixed": [6, ("image", 1), 5, ("audio", 0.9), 11],
+             "mixed_audio_first": [3, ("audio", 0.7), 4, ("image", 1), 8]}
+    samples = []
+    for name, plan in plans.items():
+        tokens, media = [], []
+        for part in plan:
+            if isinstance(part, int):
+                tokens += rng.choice(text_ids, size=part).tolist()
+                continue
+            kind, amount = part
+            module = "vision" if kind == "image" else "audio"
+            if module not in cfg:
+                continue  # a checkpoint without this encoder: the sample keeps its text
+            item = tiles(amount) if kind == "image" else wave(amount)
+            count = tokens_config(cfg[module]).tokens(kind, len(item))
+            media.append((module, kind, item, len(tokens), count))
+            tokens += [image_id if kind == "image" else audio_id] * count
+        samples.append(OmniSample(name if media or name != "audio" else "text", torch.tensor(tokens), media))
+    return samples
+
+
+def processor_pixels(tiles: torch.Tensor, patch: int, mean, std) -> torch.Tensor:
+    """uint8 [T, 3, H, W] -> [T * (H/p)(W/p), 3 * p * p]: NemotronH_Omni_Reasoning_V3ImageProcessor's steps for
+    an image already at its patch grid (tests/test_released_loss.py): float32, the fused rescale + normalize,
+    then row-major patches, each channel-major."""
+    x = tiles.to(torch.float32)
+    rescale_factor = 1 / 255
+    fused_mean = torch.tensor(mean) * (1.0 / rescale_factor)
+    fused_std = torch.tensor(std) * (1.0 / rescale_factor)
+    x = x.sub_(fused_mean.view(-1, 1, 1)).div_(fused_std.view(-1, 1, 1))
+    n, c, h, w = x.shape
+    x = x.reshape(n, c, h // patch, patch, w // patch, patch).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(n * (h // patch) * (w // patch), c * patch * patch)
+
+
+def omni_inputs(sample: OmniSample, vcfg: dict | None, audio_frontend) -> dict:
+    """The Omni forward's inputs for one sample: exactly what Tessera's encoders see (every tile one image of
+    its patch grid; the mel features of Tessera's audio front end, with their mask)."""
+    import numpy as np
+
+    inputs = {"input_ids": sample.tokens[None]}
+    images = [torch.as_tensor(np.asarray(item)) for m, kind, item, _, _ in sample.media if kind == "image"]
+    if images:
+        tiles = torch.cat(images)
+        side = tiles.shape[-1] // vcfg["patch"]
+        inputs["pixel_values"] = processor_pixels(tiles, vcfg["patch"], vcfg["mean"], vcfg["std"])
+        inputs["image_grid_hw"] = torch.tensor([[side, side]] * tiles.shape[0])
+    clips = [item for m, kind, item, _, _ in sample.media if kind == "audio"]
+    if clips:
+        if len(clips) > 1:
+            raise ValueError(f"sample {sample.name}: one clip per sample (a batch of clips would share the "
+                             f"conformer's BatchNorm statistics; Tessera encodes every clip alone)")
+        feats, feat_len = audio_frontend.features([torch.as_tensor(np.asarray(clips[0]))])  # [1, mels, t]
+        inputs["input_features"] = feats.transpose(1, 2)
+        inputs["input_features_mask"] = torch.arange(feats.shape[-1])[None] < feat_len[:, None]
+    return inputs
+
+
+def omni_reference_logits(hf_dir: str, samples: list[OmniSample]) -> list[torch.Tensor]:
+    """transformers' NemotronH_Omni_Reasoning_V3 (float32) on every sample alone: logits [n_i, vocab].
+
+    Eval mode except the Parakeet conformer's BatchNorm: Tessera encodes each clip alone in a training step, so
+    it normalises a clip with the clip's own statistics; in eval transformers would use the running statistics
+    (another function). Same choice as tests/test_released_loss.py."""
+    from transformers import NemotronH_Omni_Reasoning_V3
+
+    from tessera.models.audio import AUDIO_FAMILIES
+    from tessera.models.encoders import encoder_config
+    from tessera.models.released import encoder_name
+
+    model = NemotronH_Omni_Reasoning_V3.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            m.train()
+    model.image_token_id, model.audio_token_id, _ = omni_token_ids(hf_dir)  # the config's, when it sets them
+    modalities = _modalities(hf_dir)
+    vcfg = encoder_config(encoder_name(hf_dir, "vision"))
+    audio_frontend = None
+    if "audio" in modalities:
+        acfg = encoder_config(encoder_name(hf_dir, "audio"))
+        audio_frontend = AUDIO_FAMILIES[acfg["family"]](acfg)  # only its mel front end is used
+    out = []
+    with torch.no_grad():
+        for sample in samples:
+            inputs = omni_inputs(sample, vcfg, audio_frontend)
+            if "input_features" in inputs:  # placeholders Tessera sized vs embeddings transformers keeps
+                keeps = int(model.audio_tower._get_subsampling_output_length(
+                    inputs["input_features_mask"].sum(-1) + 1).sum())
+                placed = sum(n for _, kind, _, _, n in sample.media if kind == "audio")
+                if keeps != placed:
+                    raise ValueError(f"sample {sample.name}: {placed} audio placeholders but transformers keeps "
+                                     f"{keeps} audio embeddings (a mel frame count that is a multiple of the "
+                                     f"subsampling)")
+            logits = model(**inputs).logits[0].float()
+            assert logits.shape == (len(sample.tokens), model.config.text_config.vocab_size), logits.shape
+            out.append(logits)
+    return out

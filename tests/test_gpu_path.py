@@ -38,13 +38,13 @@ def _audited_steps(run_dir: str) -> dict:
     cfg = RunConfig("gpu_path", LAYOUT, ModelConfig(vision="radio_vit_tiny", audio="fastconformer_tiny"),
                     DataConfig(seq_length=128, rows_per_microbatch=2, microbatches=2), OptimConfig(),
                     TrainerConfig(max_steps=3, run_dir=run_dir, progress=False, tensorboard=False))
-    run = loop._Run(cfg, Path(run_dir), dist.get_rank(), dist.get_world_size(), RUN, torch.float32)
+    run = loop.RunState(cfg, Path(run_dir), dist.get_rank(), dist.get_world_size(), RUN, torch.float32)
     loop._resolve(run)
     out = {}
     with DeviceAudit(RUN) as audit:
         loop._build_model(run)
         loader = loop._build_loader(run)
-        comms, like, hosts_loss = loop._step_context(run)
+        comms, like, hosts_loss = loop.step_context(run)
         it = audit.host_batches(iter(loader))
         record = loop._train_step(run, 0, it, comms, like, hosts_loss)
         out["clean"] = list(audit.violations)

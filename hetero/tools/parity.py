@@ -14,11 +14,20 @@ max_rel_err = max|ours - ref| / max|ref| over all logits. Rank 0 prints the verd
 models/hf_reference.py holds the single-device parts (batch, transformers' logits); this module the process
 groups, the TP/PP/CP forward of HybridLM and the comparison. `compare(hf_dir, pg_collection)` only uses the
 groups it is given, so tests call it from their own gloo worlds.
+
+A released multimodal checkpoint (config.json of transformers' NemotronH_Omni_Reasoning_V3, e.g. what
+scripts/tiny_release.py writes) is compared in a heterogeneous layout instead (hetero/tools/parity_multimodal.py:
+image, audio and mixed samples through the trainer's own modules, boundary and step, against the Omni model):
+    python -m tessera.hetero.tools.parity --hf-dir OMNI_DIR                                   # one rank
+    torchrun --nproc-per-node 4 -m tessera.hetero.tools.parity --hf-dir OMNI_DIR \
+        --layout "vision=dp2@0-1;audio=dp2@0-1;language=tp2@2-3"
+The same verdict line ends it; video is left out (a line says so).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -124,6 +133,11 @@ def init_groups(tp: int = 1, pp: int = 1, cp: int = 1) -> ProcessGroupCollection
 
 def _init_from_env(tp: int, pp: int, cp: int) -> ProcessGroupCollection:
     """gloo (or NCCL) world from torchrun's environment, or a one-rank world for a plain `python -m`."""
+    _init_world()
+    return init_groups(tp, pp, cp)
+
+
+def _init_world() -> None:
     apply_cpu_shims()
     bind_local_device()  # cuda:LOCAL_RANK (checked against the GPU count) before NCCL binds a device
     if "RANK" in os.environ:
@@ -131,12 +145,25 @@ def _init_from_env(tp: int, pp: int, cp: int) -> ProcessGroupCollection:
     else:
         store = tempfile.NamedTemporaryFile(prefix="tessera_parity_", delete=False).name
         dist.init_process_group(default_backend(), init_method=f"file://{store}", rank=0, world_size=1)
-    return init_groups(tp, pp, cp)
+
+
+def _is_multimodal(hf_dir: str) -> bool:
+    """DIR's config.json is transformers' NemotronH_Omni_Reasoning_V3 (models/released.py's OMNI)."""
+    path = os.path.join(os.path.expanduser(hf_dir), "config.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        return json.load(f).get("model_type") == "nemotron_h_omni"
 
 
 def run(args) -> int:
     """The command after argument parsing."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if _is_multimodal(args.hf_dir):
+        return run_multimodal(args)
+    if args.layout is not None:
+        raise SystemExit(f"--layout is for multimodal (NemotronH_Omni_Reasoning_V3) checkpoints; {args.hf_dir} holds "
+                         f"an LLM alone: use --tp/--pp/--cp")
     pg_collection = _init_from_env(args.tp, args.pp, args.cp)
     kernels = select_kernels(pg_collection, dtype=torch.float32)  # parity runs the fp32 model
     err = compare(args.hf_dir, pg_collection, kernels)
@@ -151,6 +178,29 @@ def run(args) -> int:
     return 0 if ok else 1
 
 
+def run_multimodal(args) -> int:
+    """A released Omni checkpoint in a heterogeneous layout (hetero/tools/parity_multimodal.py)."""
+    from tessera.hetero.tools.parity_multimodal import VIDEO_NOTE, compare_multimodal
+
+    if (args.tp, args.pp, args.cp) != (1, 1, 1):
+        raise SystemExit("a multimodal checkpoint takes --layout (e.g. "
+                         "'vision=dp2@0-1;audio=dp2@0-1;language=tp2@2-3'), not --tp/--pp/--cp")
+    _init_world()
+    res = compare_multimodal(args.hf_dir, args.layout or "")
+    ok = res["max_rel_err"] <= args.tol  # NaN fails
+    if dist.get_rank() == 0:
+        print(f"layout {res['layout']} on {dist.get_world_size()} rank(s); samples {', '.join(res['samples'])}; "
+              f"{res['compared']} logits compared", flush=True)
+        if not res["token_ids_from_config"]:
+            print("config.json sets no image/audio token id: the last vocabulary ids stand in, on both sides",
+                  flush=True)
+        print(VIDEO_NOTE, flush=True)
+        verdict = "PASS" if ok else "FAIL"
+        print(f"parity: {verdict} max_rel_err={res['max_rel_err']:.3e}" + ("" if ok else f" > {args.tol}"), flush=True)
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf-dir", required=True, help="local dir with config.json + *.safetensors")
@@ -158,6 +208,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size (zigzag)")
     parser.add_argument("--tol", type=float, default=1e-4, help="max relative error allowed (fp32)")
+    parser.add_argument("--layout", default=None,
+                        help="multimodal checkpoints: the heterogeneous layout, e.g. "
+                             "'vision=dp2@0-1;audio=dp2@0-1;language=tp2@2-3' (default: every module on every rank)")
     return parser.parse_args(argv)
 
 

@@ -76,7 +76,7 @@ def _maybe_fail(step: int, rank: int) -> None:
 
 
 @dataclass
-class _Run:
+class RunState:
     """What one rank trains with, built in the order below and read by every step."""
 
     cfg: object
@@ -101,7 +101,7 @@ class _Run:
         return self.run_dir / "checkpoints"
 
 
-def _resolve(run: _Run) -> None:
+def _resolve(run: RunState) -> None:
     """Data set, tokenizer, the LLM's shape (from the checkpoint when fine-tuning) and the layout."""
     from tessera.data.tokens import Tokenizer
 
@@ -115,7 +115,7 @@ def _resolve(run: _Run) -> None:
     run.layout = resolve_run_layout(cfg, run.world, run.hf_fields)
 
 
-def _build_model(run: _Run) -> None:
+def _build_model(run: RunState) -> None:
     """Groups, this rank's modules with their initial weights (checkpoint or seed), and the optimizers."""
     cfg = run.cfg
     run.groups = build_module_groups(run.layout)
@@ -146,7 +146,7 @@ def _build_model(run: _Run) -> None:
                                distributed=cfg.optim.use_distributed_optimizer)
 
 
-def _resume(run: _Run) -> None:
+def _resume(run: RunState) -> None:
     """Continue from the run directory's last complete checkpoint (model, optimizer, loader position)."""
     last = latest_checkpoint(run.ckpt_root) if run.cfg.trainer.resume else None
     if last is not None:
@@ -156,7 +156,7 @@ def _resume(run: _Run) -> None:
             print(f"resumed from {last} (step {run.start}, saved in layout {common['layout']})", flush=True)
 
 
-def _build_loader(run: _Run):
+def _build_loader(run: RunState):
     from tessera.data.pipeline import build_train_loader
 
     d = run.cfg.data
@@ -169,7 +169,7 @@ def _build_loader(run: _Run):
                               defer_upscale=run.device.type != "cpu")
 
 
-def _train_step(run: _Run, step: int, it, comms: dict, like: torch.Tensor, hosts_loss: bool) -> dict:
+def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, hosts_loss: bool) -> dict:
     """One optimizer step over `data.microbatches` microbatches; returns the metrics record (every rank)."""
     cfg, layout, groups, modules = run.cfg, run.layout, run.groups, run.modules
     t0 = time.perf_counter()
@@ -196,7 +196,7 @@ def _train_step(run: _Run, step: int, it, comms: dict, like: torch.Tensor, hosts
             "skipped_by_reason": dict(sum((Counter(b.skipped) for b in batches), Counter()))}
 
 
-def _save(run: _Run, step: int, loader) -> None:
+def _save(run: RunState, step: int, loader) -> None:
     save_checkpoint(run.ckpt_root, step, run.modules, run.opt, run.groups, run.configs,
                     # all text, so the common state is torch.load(weights_only=True)-safe and the
                     # loader state is data, never a pickle (hetero/training/loader_state.py)
@@ -204,7 +204,7 @@ def _save(run: _Run, step: int, loader) -> None:
                      "config": json.dumps(asdict(run.cfg)), "llm_hf_config": json.dumps(run.hf_fields)})
 
 
-def _step_context(run: _Run) -> tuple[dict, torch.Tensor, bool]:
+def step_context(run: RunState) -> tuple[dict, torch.Tensor, bool]:
     """What every step shares: the boundary communicators, the dtype/device exemplar, whether this rank
     holds the loss (last LLM stage, TP rank 0)."""
     comms = {k: BoundaryCommunicator(run.layout[k], run.layout[LANGUAGE], run.configs[LANGUAGE].hidden_size,
@@ -218,13 +218,13 @@ def _step_context(run: _Run) -> tuple[dict, torch.Tensor, bool]:
 def run_training(cfg, run_dir: Path, device: torch.device | None = None) -> dict:
     """Train `cfg` on this rank: resolve, build, resume, then steps with metrics and checkpoints.
     `device`: where this rank computes; default the one its launcher bound (hetero/runtime/device.py)."""
-    run = _Run(cfg, run_dir, dist.get_rank(), dist.get_world_size(), device or current_device(),
+    run = RunState(cfg, run_dir, dist.get_rank(), dist.get_world_size(), device or current_device(),
                {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype])
     _resolve(run)
     _build_model(run)
     _resume(run)
     loader = _build_loader(run)
-    comms, like, hosts_loss = _step_context(run)
+    comms, like, hosts_loss = step_context(run)
     metrics = RunMetrics(run_dir, cfg.trainer.max_steps, run.start, cfg.trainer.progress,
                          cfg.trainer.tensorboard) if run.rank == 0 else None
 
