@@ -56,7 +56,8 @@ def synthetic_dataset(root: Path, samples: int = 96, seed: int = 0) -> tuple[Pat
 
 def encoder_tokens(encoders: dict[str, str], max_tiles: int = 2, video_frames: int = 4,
                    video_pruning: float = 0.0) -> EncoderTokens:
-    """EncoderTokens from registry names: vision tile/patch/pixel shuffle, audio rate/hop/n_fft/subsampling.
+    """EncoderTokens from registry names: vision tile/patch/pixel shuffle, audio rate/hop/n_fft/subsampling
+    and which mel frames the audio count covers (models/encoders.tokens_config).
 
     encoders maps module key ("vision", "audio") to a registry name; each config must be of that modality."""
     from tessera.models.encoders import encoder_config, tokens_config
@@ -71,7 +72,7 @@ def encoder_tokens(encoders: dict[str, str], max_tiles: int = 2, video_frames: i
             fields.update(tile=t.tile, patch=t.patch, pixel_shuffle=t.pixel_shuffle)
         else:
             fields.update(audio_rate=t.audio_rate, audio_hop=t.audio_hop, audio_n_fft=t.audio_n_fft,
-                          audio_subsampling=t.audio_subsampling)
+                          audio_subsampling=t.audio_subsampling, audio_token_frames=t.audio_token_frames)
     return EncoderTokens(max_tiles=max_tiles, video_frames=video_frames, video_pruning=video_pruning, **fields)
 
 

@@ -2,9 +2,12 @@
 sound projector.
 
 Both families take 16 kHz mono waveforms (data/media.decode_audio) and use NeMo's
-AudioToMelSpectrogramPreprocessor, so the frame count is the one data/tokens.EncoderTokens.audio_tokens
-predicts: dither is off (it would make the features random) and pad_to=0 (padding the mel frames to a
-multiple of 16 would not change the valid length, but we trim to the valid length anyway).
+AudioToMelSpectrogramPreprocessor (dither off: it would make the features random; pad_to=0, so a batch has
+1 + longest // hop frames, as transformers' ParakeetFeatureExtractor gives). How many embeddings a clip keeps is
+models/media_tokens.EncoderTokens.audio_tokens_of_frames of its valid mel frames, the rule the data side sizes
+placeholders with (one rule, models/encoders.tokens_config): for fastconformer the encoder's valid length (NeMo);
+for parakeet_hf the released Omni model's count, which takes one more row of the encoder's output when the mel
+frame count is a multiple of the subsampling (transformers' get_audio_features keeps that masked position).
     fastconformer  nemo.collections.asr.modules.ConformerEncoder (dw_striding subsampling, rel-pos attention)
     parakeet_hf    transformers' ParakeetEncoder: the same architecture, HF's implementation and key names
                    (what NemotronH Omni checkpoints store under sound_encoder.encoder.*)
@@ -19,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tessera.models.encoders import tokens_config
 from tessera.models.recompute import megatron_fields, recompute_module
 from tessera.models.vision import SquaredReLU  # the same ReLU^2 as the vision projector (mlp1.2)
 
@@ -58,6 +62,7 @@ class FastConformerEncoder(nn.Module):
         from nemo.collections.asr.modules import ConformerEncoder
 
         self.cfg = cfg
+        self.tokens = tokens_config(cfg)
         self.preprocessor = mel_preprocessor(cfg)
         self.encoder = ConformerEncoder(
             feat_in=cfg["n_mels"], n_layers=cfg["layers"], d_model=cfg["hidden"], n_heads=cfg["heads"],
@@ -86,8 +91,17 @@ class FastConformerEncoder(nn.Module):
         return out.transpose(1, 2), out_len
 
     def forward(self, waves: list[torch.Tensor]) -> list[torch.Tensor]:
-        out, out_len = self.encode_features(*self.features(waves))
-        return [out[i, : int(n)] for i, n in enumerate(out_len)]
+        feats, feat_len = self.features(waves)
+        out, out_len = self.encode_features(feats, feat_len)
+        # the rows each clip keeps: the data side's rule on its valid mel frames, never fewer than the encoder's
+        # valid length and never past its output
+        keep = [self.tokens.audio_tokens_of_frames(n) for n in feat_len.tolist()]
+        for k, n in zip(keep, out_len.tolist()):
+            if not n <= k <= out.shape[1]:
+                name = self.cfg.get("name", self.cfg["family"])
+                raise RuntimeError(f"{name}: keeping {k} of {out.shape[1]} encoder frames (valid {n}) - the token "
+                                   f"rule and the encoder disagree")
+        return [out[i, :k] for i, k in enumerate(keep)]
 
 
 class ParakeetHFEncoder(FastConformerEncoder):
@@ -98,6 +112,7 @@ class ParakeetHFEncoder(FastConformerEncoder):
         from transformers import ParakeetEncoder, ParakeetEncoderConfig
 
         self.cfg = cfg
+        self.tokens = tokens_config(cfg)
         self.preprocessor = mel_preprocessor(cfg)
         self.encoder = ParakeetEncoder(parakeet_hf_config(cfg, ParakeetEncoderConfig))
         recompute_conformer(self.encoder.layers, recompute)

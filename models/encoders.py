@@ -88,6 +88,12 @@ REGISTRY = {
 }
 
 
+# Which mel frames an audio family's embeddings cover (EncoderTokens.audio_token_frames): NeMo's FastConformer
+# keeps its valid length; parakeet_hf is the released Omni sound encoder, whose model (transformers'
+# NemotronH_Omni_Reasoning_V3.get_audio_features) and processor count one more frame, the centre-padded last
+# STFT frame (models/media_tokens.py).
+AUDIO_TOKEN_FRAMES = {"fastconformer": "valid", "parakeet_hf": "stft"}
+
 # Families whose layers are megatron tensor-parallel (the ViTs); the conformers run with tp1.
 TENSOR_PARALLEL_FAMILIES = frozenset({"radio", "siglip"})
 
@@ -131,4 +137,5 @@ def tokens_config(cfg: dict):
     if cfg["modality"] == "vision":
         return EncoderTokens(tile=cfg["tile"], patch=cfg["patch"], pixel_shuffle=cfg["pixel_shuffle"])
     return EncoderTokens(audio_rate=cfg["sample_rate"], audio_hop=round(cfg["window_stride"] * cfg["sample_rate"]),
-                         audio_n_fft=cfg["n_fft"], audio_subsampling=cfg["subsampling"])
+                         audio_n_fft=cfg["n_fft"], audio_subsampling=cfg["subsampling"],
+                         audio_token_frames=AUDIO_TOKEN_FRAMES[cfg["family"]])

@@ -84,14 +84,11 @@ def _modalities(hf_dir: str) -> list[str]:
     return modalities_of(read_config(hf_dir))
 
 
-def _audio_samples(seconds: float, rate: int, hop: int, subsampling: int) -> int:
-    """Samples near `seconds` at `rate` whose mel frame count (samples // hop) is not a multiple of the
-    subsampling: only there do Tessera's placeholders (the encoder's valid frames, ceil(n / s)) and
-    transformers' audio embeddings (get_audio_features keeps ceil((n + 1) / s)) agree."""
-    n = round(seconds * rate) // hop
-    while n % subsampling == 0:
-        n += 1
-    return n * hop + hop // 2
+def _audio_samples(seconds: float, rate: int, hop: int) -> int:
+    """Samples near `seconds` at `rate`: a whole number of mel hops plus half a hop (any frame count; the
+    audio sample's 1.28 s is n = 128 frames, a multiple of the 8x subsampling, where the release keeps one
+    embedding more than the encoder's valid length: models/media_tokens.audio_tokens_of_frames)."""
+    return round(seconds * rate) // hop * hop + hop // 2
 
 
 def omni_samples(hf_dir: str, seed: int = OMNI_SEED) -> list[OmniSample]:
@@ -116,10 +113,10 @@ def omni_samples(hf_dir: str, seed: int = OMNI_SEED) -> list[OmniSample]:
 
     def wave(seconds):
         a = cfg["audio"]
-        n = _audio_samples(seconds, a["sample_rate"], round(a["window_stride"] * a["sample_rate"]), a["subsampling"])
+        n = _audio_samples(seconds, a["sample_rate"], round(a["window_stride"] * a["sample_rate"]))
         return (0.1 * rng.standard_normal(n)).astype(np.float32)
 
-    plans = {"image": [7, ("image", 2), 9], "audio": [5, ("audio", 1.3), 8],
+    plans = {"image": [7, ("image", 2), 9], "audio": [5, ("audio", 1.28), 8],
              "mixed": [6, ("image", 1), 5, ("audio", 0.9), 11],
              "mixed_audio_first": [3, ("audio", 0.7), 4, ("image", 1), 8]}
     samples = []

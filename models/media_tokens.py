@@ -17,8 +17,11 @@ class EncoderTokens:
     """How many LLM positions each media item occupies; mirrors the encoder configs.
 
     vision: a `tile`² tile is cut into (tile/patch)² patches, then pixel shuffle merges shuffle² patches
-    into one token. video frames are one tile each. audio: NeMo's mel preprocessor (hop, n_fft, center=True)
-    followed by `subsampling`× striding (log2(subsampling) conv stages, kernel 3, stride 2, padding 1)."""
+    into one token. video frames are one tile each. audio: the mel front end (hop, n_fft, center=True) gives
+    n = (samples + 2 (n_fft // 2) - n_fft) // hop valid frames; `audio_tokens_of_frames` is the one rule that
+    turns them into embeddings, for the data side's placeholders and the audio encoders' output alike
+    (models/audio.py trims the encoder's output with it): `subsampling`× striding (log2(subsampling) conv
+    stages, kernel 3, stride 2, padding 1, i.e. ceil-halving) of the frames `audio_token_frames` counts."""
 
     tile: int = 512
     patch: int = 16
@@ -31,6 +34,15 @@ class EncoderTokens:
     audio_hop: int = 160
     audio_n_fft: int = 512
     audio_subsampling: int = 8
+    # Which mel frames the subsampling counts (models/encoders.AUDIO_TOKEN_FRAMES sets it per encoder family):
+    #   "valid"  NeMo (FastConformer): the n valid frames; the encoder's own valid length, ceil(n / subsampling).
+    #   "stft"   the released Omni model (transformers' NemotronH_Omni_Reasoning_V3): n + 1, every centre-padded
+    #            STFT frame, the last of which the front end zeroes and masks. Its processor announces
+    #            subsample(1 + samples // hop) placeholders and get_audio_features keeps
+    #            subsample(input_features_mask.sum(-1) + 1) embeddings, so when n is a multiple of the
+    #            subsampling a clip keeps one embedding past the encoder's valid length (a masked position
+    #            of its output: e.g. 1.28 s at 16 kHz is 17 tokens, not 16).
+    audio_token_frames: str = "valid"
     # The released audio front end (Parakeet, in transformers' Omni processor) pads a clip shorter than 0.1 s
     # with zeros to 0.1 s; the data side does the same, so a short clip trains instead of ending the job.
     audio_min_seconds: float = 0.1
@@ -45,6 +57,8 @@ class EncoderTokens:
                              f"{self.pixel_shuffle}")
         if self.audio_subsampling & (self.audio_subsampling - 1):
             raise ValueError(f"audio_subsampling={self.audio_subsampling} must be a power of two (stride-2 stages)")
+        if self.audio_token_frames not in ("valid", "stft"):
+            raise ValueError(f"audio_token_frames={self.audio_token_frames!r} must be 'valid' or 'stft'")
 
     @property
     def tokens_per_tile(self) -> int:
@@ -66,11 +80,20 @@ class EncoderTokens:
         """The length a clip of num_samples has after the front end's padding to audio_min_seconds."""
         return max(num_samples, self.audio_min_samples)
 
-    def audio_tokens(self, num_samples: int) -> int:
-        frames = (num_samples + 2 * (self.audio_n_fft // 2) - self.audio_n_fft) // self.audio_hop
+    def audio_mel_frames(self, num_samples: int) -> int:
+        """Valid mel frames of a clip (the front end's feature length; its STFT has one more, centre-padded)."""
+        return (num_samples + 2 * (self.audio_n_fft // 2) - self.audio_n_fft) // self.audio_hop
+
+    def audio_tokens_of_frames(self, mel_frames: int) -> int:
+        """Embeddings a clip of `mel_frames` valid mel frames gives: what the data side announces and what the
+        audio encoders keep of their output (models/audio.py), one rule for both."""
+        frames = mel_frames + (1 if self.audio_token_frames == "stft" else 0)
         for _ in range(int(math.log2(self.audio_subsampling))):
             frames = (frames + 2 * 1 - 3) // 2 + 1
         return max(frames, 0)
+
+    def audio_tokens(self, num_samples: int) -> int:
+        return self.audio_tokens_of_frames(self.audio_mel_frames(num_samples))
 
     def tokens(self, kind: str, units: int) -> int:
         """Tokens for one media item of `kind` with `units` tiles (image), frames (video) or 16 kHz samples."""

@@ -51,17 +51,17 @@ def _kind(key: str) -> str:
 
 def _tone(rng: random.Random) -> tuple[bytes, str, str]:
     """A 5-8 s tone at 16 or 22.05 kHz, mono or stereo (22.05 kHz is resampled by the loader); long, so that
-    the audio documents pack into the first microbatch. Every length here has a mel frame count n = samples //
-    160 that is not a multiple of 8: only there do Tessera's placeholders (ceil(n / 8), the encoder's valid
-    frames) and the Omni model's audio embeddings (get_audio_features keeps ceil((n + 1) / 8)) agree."""
+    the audio documents pack into the first microbatch. 5.12 s and 7.68 s have a mel frame count n = samples //
+    160 that is a multiple of 8 (also after resampling), where the Omni model keeps ceil((n + 1) / 8) audio
+    embeddings, one more than the encoder's valid length (tests/test_audio_token_count.py); 6.1 s is not."""
     import io
     import math
 
     import soundfile as sf
 
-    rate, seconds, channels = rng.choice([16000, 22050]), rng.choice([5.3, 6.1, 7.7]), rng.choice([1, 2])
+    rate, seconds, channels = rng.choice([16000, 22050]), rng.choice([5.12, 6.1, 7.68]), rng.choice([1, 2])
     freq = rng.choice([220, 330, 440, 660, 880])
-    t = np.arange(int(rate * seconds)) / rate
+    t = np.arange(round(rate * seconds)) / rate
     wave = (0.3 * np.sin(2 * math.pi * freq * t) + 0.05 * np.sin(2 * math.pi * 3.1 * freq * t)) * np.minimum(1, 10 * t)
     buf = io.BytesIO()
     sf.write(buf, np.stack([wave] * channels, axis=1).astype(np.float32), rate, format="FLAC")
@@ -255,13 +255,15 @@ def test_first_step_loss_equals_transformers_omni(tmp_path):
     (record,) = read_metrics(tmp_path / "run")
 
     batch = _first_batch(*_configs(str(ckpt), str(data_path)))
+    frames = [len(item) // 160 for row in batch.media for _, item in row.get("audio", [])]
+    assert any(n % 8 == 0 for n in frames), frames  # clips where the release keeps one more embedding
     ref, count, kinds = oracle_loss(str(ckpt), batch)
     # the rebuilt microbatch is the trainer's: same target-token count, and every kind of document is in it
     assert count == record["target_tokens"], (count, record["target_tokens"])
     assert set(kinds) == {"image", "audio", "chat"}, kinds
     err = abs(record["loss"] - ref) / abs(ref)
     print(f"\nfirst-step loss: tessera {record['loss']:.8f}  transformers {ref:.8f}  rel err {err:.2e}  "
-          f"({count} target tokens, documents {kinds})")
+          f"({count} target tokens, documents {kinds}, audio mel frames {frames})")
     assert err <= TOL
 
     # the export of the trained model is what transformers loads as it loads the release (the release's
