@@ -8,6 +8,9 @@ The model is rebuilt with every module on one rank and dist_checkpointing reshar
   OUT/tessera.json           the run's model config (which encoders, which LLM), or, for a model fine-tuned
                              from a released checkpoint, OUT/config.json: the release's own (transformers
                              loads OUT like the release)
+  OUT/config.json            for a model built from registry names, NemotronH_Omni_Reasoning_V3's config of it
+                             when that architecture computes it alike (RADIO vision, Parakeet audio:
+                             models/release_config.py), so transformers loads OUT too
   OUT/language_model/        config.json + model.safetensors: transformers' NemotronHForCausalLM loads it
 A LoRA run (model.lora.rank > 0, hetero/training/lora.py) exports, per model.lora.export:
   merged     the files above with every adapted weight W + (alpha/r) B A (a plain model: no adapters needed)
@@ -75,6 +78,7 @@ def write_hf(out: Path, full: dict, model_cfg, hf_fields: dict) -> Path:
     else:
         (out / "tessera.json").write_text(json.dumps({"model": _fields(model_cfg), "llm_hf_config": hf_fields},
                                                      indent=2))
+        _write_release_config(out, full, model_cfg, hf_fields)
     lm = out / "language_model"
     lm.mkdir(exist_ok=True)
     save_file({k[len("language_model."):]: v.contiguous() for k, v in full.items() if k.startswith("language_model.")},
@@ -83,6 +87,27 @@ def write_hf(out: Path, full: dict, model_cfg, hf_fields: dict) -> Path:
 
     NemotronHConfig(**hf_fields).save_pretrained(str(lm))
     return out
+
+
+def _write_release_config(out: Path, full: dict, model_cfg, hf_fields: dict) -> None:
+    """OUT/config.json of transformers' NemotronH_Omni_Reasoning_V3 for a model built from registry names,
+    when that architecture computes it alike (models/release_config.py); else a line saying why there is none."""
+    from transformers import NemotronH_Omni_Reasoning_V3_Config
+
+    from tessera.hetero.training.run_modules import encoder_names
+    from tessera.models.encoders import encoder_config
+    from tessera.models.release_config import omni_config
+
+    names = encoder_names(model_cfg)
+    cfgs = {k: encoder_config(names[k]) if k in names else None for k in ("vision", "audio")}
+    config, why = omni_config(cfgs["vision"], cfgs["audio"], hf_fields, {k: tuple(v.shape) for k, v in full.items()},
+                              getattr(model_cfg, "video_pruning", 0.0) or 0.0)
+    (out / "config.json").unlink(missing_ok=True)
+    if config is None:
+        print(f"export: no config.json for transformers' NemotronH_Omni_Reasoning_V3 ({why}); tessera.json "
+              f"describes the model", flush=True)
+        return
+    NemotronH_Omni_Reasoning_V3_Config(**config).save_pretrained(str(out))
 
 
 def _hf_module(key: str, name: str) -> list[str]:

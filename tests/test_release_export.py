@@ -1,0 +1,71 @@
+"""A model built from registry names exports as a release (issue 15, item 1): config.json of transformers'
+NemotronH_Omni_Reasoning_V3 next to model.safetensors, so transformers loads the export with no missing, left-over
+or mis-shaped tensor and holds every exported tensor bit for bit; Tessera's own reading of that config.json
+(models/released.py, what `model.checkpoint=OUT` would use) gives back the registry encoders it came from.
+Encoders the release's architecture computes differently get no config.json and a line saying why.
+
+The oracle is transformers itself (its config classes and from_pretrained).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests._mcore_cpu import single_rank_world
+
+# architecture fields of a registry entry that the release's config.json carries (not: the data path's tile,
+# the name, the mel front end the registry fixes for every audio family)
+VISION_FIELDS = ("family", "patch", "hidden", "layers", "heads", "ffn", "eps", "act", "prefix_tokens", "pos_grid",
+                 "pos_interp", "pos_resize", "pixel_shuffle", "temporal_patch", "mean", "std", "final_norm",
+                 "layer_scale", "summary_idxs")
+AUDIO_FIELDS = ("family", "n_mels", "hidden", "layers", "heads", "ff_expansion", "conv_kernel", "subsampling",
+                "subsampling_channels", "attention_bias", "convolution_bias", "scale_input")
+
+
+def _export(tmp_path, llm: str, vision: str | None, audio: str | None):
+    single_rank_world()
+    from tessera.hetero.training.hf_export import write_hf
+    from tessera.hetero.training.model_build import llm_fields
+    from tessera.hetero.training.seeded_init import full_hf_state
+    from tessera.recipes.config import ModelConfig
+
+    cfg = ModelConfig(llm=llm, vision=vision, audio=audio)
+    fields = llm_fields(cfg, 0)
+    out = tmp_path / f"{vision}_{audio}"
+    write_hf(out, full_hf_state(cfg, fields, seed=5), cfg, fields)
+    return out
+
+
+@pytest.mark.parametrize("llm,audio", [("nemotron_h_tiny_moe", "parakeet_hf_tiny"), ("nemotron_h_tiny_dense", None)])
+def test_registry_model_exports_as_a_release_transformers_loads_exactly(tmp_path, llm, audio):
+    from transformers import NemotronH_Omni_Reasoning_V3
+
+    from tessera.models.encoders import encoder_config
+    from tessera.models.released import encoder_config_of, encoder_name
+
+    out = _export(tmp_path, llm, "radio_vit_tiny", audio)
+    model, info = NemotronH_Omni_Reasoning_V3.from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    # what it holds, in the release's key layout: its own save_pretrained (its state_dict names differ)
+    model.save_pretrained(str(tmp_path / "resaved"))
+    exported, held = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "resaved" / "model.safetensors"))
+    assert set(exported) == set(held), set(exported) ^ set(held)
+    assert all(torch.equal(held[k], v) for k, v in exported.items())
+    # Tessera reads the config back as the encoders it was built from
+    for modality, name, fields in (("vision", "radio_vit_tiny", VISION_FIELDS), ("audio", audio, AUDIO_FIELDS)):
+        if name is None:
+            assert model.config.audio_config is None
+            continue
+        want, got = encoder_config(name), encoder_config_of(encoder_name(out, modality))
+        assert {f: got[f] for f in fields} == {f: want[f] for f in fields}, modality
+
+
+@pytest.mark.parametrize("vision,audio,why", [("radio_vit_tiny", "fastconformer_tiny", "fastconformer"),
+                                              ("siglip_tiny", None, "siglip")])
+def test_encoders_the_release_computes_differently_get_no_config(tmp_path, capsys, vision, audio, why):
+    out = _export(tmp_path, "nemotron_h_tiny_dense", vision, audio)
+    assert not (out / "config.json").exists()
+    assert (out / "tessera.json").exists() and (out / "language_model" / "config.json").exists()
+    assert why in capsys.readouterr().out
