@@ -83,7 +83,7 @@ def test_a_tensor_depends_only_on_the_seed_and_its_unit(setup):
     cfg, fields, full = setup
     keys = list(full)
     # any single tensor read first, alone, is the eager value (no dependence on what was built before)
-    for k in keys[::7] + keys[-3:]:
+    for k in keys[5::29] + keys[-2:]:  # media, LLM layers, experts, head (a fresh state each: ~1 s apiece)
         assert torch.equal(SeededState(cfg, fields, seed=11)[k], full[k]), k
     other = SeededState(cfg, fields, seed=12)
     assert not any(torch.equal(other[k], full[k]) for k in keys if full[k].numel() > 8 and full[k].std() > 0)
