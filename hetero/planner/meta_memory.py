@@ -337,9 +337,11 @@ def seeded_init_units(model_cfg) -> dict[tuple, int]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from tessera.hetero.runtime.cpu_shims import apply_cpu_shims
     from tessera.hetero.training import model_build
     from tessera.hetero.training.seeded_init import SeededState
 
+    apply_cpu_shims()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
     try:
         return SeededState(model_cfg, model_build.llm_fields(model_cfg, 0), 0).unit_elements()
