@@ -140,8 +140,9 @@ def omni_samples(hf_dir: str, seed: int = OMNI_SEED) -> list[OmniSample]:
 
 def processor_pixels(tiles: torch.Tensor, patch: int, mean, std) -> torch.Tensor:
     """uint8 [T, 3, H, W] -> [T * (H/p)(W/p), 3 * p * p]: NemotronH_Omni_Reasoning_V3ImageProcessor's steps for
-    an image already at its patch grid (tests/test_released_loss.py): float32, the fused rescale + normalize,
-    then row-major patches, each channel-major."""
+    an image already at its patch grid (its module needs torchvision, which this venv lacks): float32, the
+    fused rescale + normalize (mean and std scaled by 1 / rescale_factor, then torchvision's normalize:
+    subtract, divide) and convert_image_to_patches (row-major patches, each channel-major)."""
     x = tiles.to(torch.float32)
     rescale_factor = 1 / 255
     fused_mean = torch.tensor(mean) * (1.0 / rescale_factor)

@@ -35,6 +35,7 @@ import torch
 from tessera.scripts.tiny_release import AUDIO, VISION
 
 from tessera.models import configs
+from tessera.models.hf_reference import processor_pixels
 
 LAYOUT = "vision=dp2@0-1;audio=dp2@0-1;language=tp2@2-3"
 SEQ, ROWS = 384, 2
@@ -183,21 +184,6 @@ def _documents(batch):
     return docs
 
 
-def _processor_pixels(tiles: torch.Tensor, patch: int, mean, std) -> torch.Tensor:
-    """uint8 [T, 3, H, W] -> [T * (H/p)(W/p), 3 * p * p]: NemotronH_Omni_Reasoning_V3ImageProcessor's steps for
-    an image already at its patch grid (its module needs torchvision, which this venv lacks): float32, the
-    fused rescale + normalize (mean and std scaled by 1 / rescale_factor, then torchvision's normalize:
-    subtract, divide) and convert_image_to_patches (row-major patches, each channel-major)."""
-    x = tiles.to(torch.float32)
-    rescale_factor = 1 / 255
-    fused_mean = torch.tensor(mean) * (1.0 / rescale_factor)
-    fused_std = torch.tensor(std) * (1.0 / rescale_factor)
-    x = x.sub_(fused_mean.view(-1, 1, 1)).div_(fused_std.view(-1, 1, 1))
-    n, c, h, w = x.shape
-    x = x.reshape(n, c, h // patch, patch, w // patch, patch).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(n * (h // patch) * (w // patch), c * patch * patch)
-
-
 def _oracle_inputs(doc, vcfg, audio_encoder) -> dict:
     inputs = {"input_ids": doc["tokens"][None]}
     tiles = [torch.as_tensor(np.asarray(item)) for kind, item in doc.get("vision", [])]
@@ -205,7 +191,7 @@ def _oracle_inputs(doc, vcfg, audio_encoder) -> dict:
         assert all(kind == "image" for kind, _ in doc["vision"]), "video is not part of this test"
         tiles = torch.cat(tiles)  # uint8 [T, 3, tile, tile]: each tile one image, not resized again
         side = tiles.shape[-1] // vcfg["patch"]
-        inputs["pixel_values"] = _processor_pixels(tiles, vcfg["patch"], vcfg["mean"], vcfg["std"])
+        inputs["pixel_values"] = processor_pixels(tiles, vcfg["patch"], vcfg["mean"], vcfg["std"])
         inputs["image_grid_hw"] = torch.tensor([[side, side]] * tiles.shape[0])
     clips = doc.get("audio", [])
     if clips:
