@@ -25,8 +25,8 @@ from torch import nn
 from tessera.models.audio import AUDIO_FAMILIES, SoundProjector
 from tessera.models.encoders import encoder_config
 from tessera.models.tiling import TileSource
-from tessera.models.video import VideoEncoder
-from tessera.models.vision import Projector, VisionEncoder, VisionTransformer
+from tessera.models.video import VideoEncoder, evs_prune
+from tessera.models.vision import Projector, VisionEncoder, VisionTransformer, pixel_shuffle
 
 
 def _pixels(item, device: torch.device) -> torch.Tensor:
@@ -68,8 +68,79 @@ class MediaModule(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        """Where this module lives (its projector's parameters): decoded items are moved here."""
-        return next(self.projector.parameters()).device
+        """Where this module lives (its parameters): decoded items are moved here."""
+        return next(self.parameters()).device
+
+    @property
+    def pipelined(self) -> bool:
+        """A vision pipeline stage (the tower split over pp > 1 stages): run through forward_stage."""
+        return self.cfg["modality"] == "vision" and self.encoder.vit.pp > 1
+
+    def stage_tokens(self, items: list) -> list[tuple[int, int]]:
+        """(tiles, tokens per tile) of each item between vision pipeline stages: prefix + patches per tile."""
+        out = []
+        p, prefix = self.cfg["patch"], self.cfg["prefix_tokens"]
+        for kind, item in items:
+            if kind not in ("image", "video"):
+                raise ValueError(f"vision module got a {kind!r} item")
+            n, _, h, w = (item if kind == "image" else item[0]).shape  # tiles, or video frames (each one tile)
+            out.append((n, prefix + (h // p) * (w // p)))
+        return out
+
+    def stage_shape(self, items: list) -> tuple[int, int]:
+        """Shape of the activation between vision pipeline stages for `items`: [sum of tiles x tokens, hidden]
+        ([0, hidden] when there are none: the stages still exchange the empty message the schedule holds)."""
+        return sum(n * s for n, s in self.stage_tokens(items)), self.cfg["hidden"]
+
+    def forward_stage(self, items: list, x: torch.Tensor | None = None) -> torch.Tensor:
+        """One vision pipeline stage over `items`, each encoded on its own (as forward does, item by item).
+
+        Between stages the activation is every item's hidden states concatenated, [sum over items of tiles x
+        (prefix + patches), hidden] in (item, tile, token) order (stage_tokens sizes it); stage 0 reads the
+        items' pixels (x is None), a later stage splits x back per item. The last stage returns the
+        projected [tokens, llm_hidden] of the items, concatenated; another stage its layers' output. Video
+        frames go through as tiles, the grid pruned on the last stage as VideoEncoder does (tubelets are
+        refused at build under pp > 1)."""
+        vit = self.encoder.vit
+        sizes = self.stage_tokens(items)
+        if vit.first_stage != (x is None):
+            raise ValueError(f"vision stage {vit.stage} of {vit.pp}: stage 0 reads the pixels (x=None), a later "
+                             f"stage takes the previous stage's output")
+        if x is not None and tuple(x.shape) != self.stage_shape(items):
+            raise ValueError(f"vision stage {vit.stage} got hidden states {tuple(x.shape)} for items of "
+                             f"{self.stage_shape(items)}")
+        outs, offset, dev = [], 0, self.device
+        for (kind, item), (n, s) in zip(items, sizes):
+            pixels = item if kind == "image" else item[0]  # video frames go through as tiles (no tubelets)
+            with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
+                if x is None:
+                    h = vit.embed(self.encoder.normalize(_pixels(pixels, dev)))  # [n, s, hidden]
+                else:
+                    h = x[offset:offset + n * s].reshape(n, s, -1)
+                    offset += n * s
+                hidden = vit.run_stage_layers(h.transpose(0, 1).contiguous())  # [s, n, hidden]
+                if not vit.last_stage:
+                    outs.append(hidden.transpose(0, 1).reshape(n * s, -1))
+                    continue
+                rows, cols = pixels.shape[-2] // self.cfg["patch"], pixels.shape[-1] // self.cfg["patch"]
+                grid = pixel_shuffle(vit.head(hidden, rows, cols), self.cfg["pixel_shuffle"])
+                if kind == "video" and self.video.pruning_rate:  # VideoEncoder.forward's pruning of the grid
+                    feats = evs_prune(grid, self.video.pruning_rate)[0]
+                else:
+                    feats = grid.flatten(0, 2)
+            outs.append(self.projector(feats))
+        if outs:
+            out = torch.cat(outs)
+        elif vit.last_stage:
+            out = next(self.projector.parameters()).new_zeros(0, self.llm_hidden)
+        elif x is not None:
+            out = x  # no items: the empty activation goes on
+        else:
+            out = next(self.parameters()).new_zeros(self.stage_shape(items))
+        if x is not None and x.requires_grad and (self.frozen or not items):
+            # keep the received activation in the graph, so its (zero) gradient goes back to the previous stage
+            out = out + 0 * x.sum()
+        return out
 
     def _features(self, items: list) -> list[torch.Tensor]:
         # decoded items arrive as host arrays: each goes to the module's device once, in its stored dtype
@@ -91,6 +162,8 @@ class MediaModule(nn.Module):
         return out
 
     def forward(self, items: list) -> torch.Tensor:
+        if self.pipelined:
+            raise RuntimeError("this vision module is one pipeline stage: run it through forward_stage")
         if not items:
             return next(self.projector.parameters()).new_zeros(0, self.llm_hidden)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
@@ -114,7 +187,11 @@ def build_media_module(name: str, llm_hidden: int, pg_collection, projector_hidd
     projector_hidden = projector_hidden or cfg["projector_hidden"]
     if cfg["modality"] == "vision":
         encoder = VisionEncoder(VisionTransformer(cfg, pg_collection, recompute=recompute))
-        projector = Projector(encoder.out_dim, projector_hidden or 4 * encoder.out_dim, llm_hidden)
+        # a pipeline stage of the tower: the projector lives on its last stage only
+        projector = Projector(encoder.out_dim, projector_hidden or 4 * encoder.out_dim, llm_hidden) \
+            if encoder.vit.last_stage else None
+        if tubelets and encoder.vit.pp > 1:
+            raise ValueError(f"encoder {name}: video tubelets need the vision tower on one pipeline stage (pp1)")
         video = VideoEncoder(encoder, tubelets=tubelets, pruning_rate=pruning_rate)
         return MediaModule(cfg, encoder, projector, video, frozen)
     encoder = AUDIO_FAMILIES[cfg["family"]](cfg, recompute=recompute)

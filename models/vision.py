@@ -139,28 +139,54 @@ def patchify(pixels: torch.Tensor, patch: int) -> torch.Tensor:
     return x.permute(0, 2, 4, 1, 3, 5).reshape(n, (h // patch) * (w // patch), c * patch * patch)
 
 
+def vit_stage_layers(n_layers: int, pp: int, stage: int) -> range:
+    """Global indices of the ViT layers of pipeline stage `stage` of `pp`: megatron's even split, n // pp
+    per stage, the remainder on the last stage."""
+    per = n_layers // pp
+    if per == 0:
+        raise ValueError(f"the vision encoder has {n_layers} layers: it cannot split over pp{pp} stages "
+                         f"(at most pp{n_layers})")
+    start = stage * per
+    return range(start, n_layers if stage == pp - 1 else start + per)
+
+
 class VisionTransformer(MegatronModule):
-    """Normalised pixels [n, 3, H, W] -> patch features [n, H/p, W/p, hidden] (prefix tokens dropped)."""
+    """Normalised pixels [n, 3, H, W] -> patch features [n, H/p, W/p, hidden] (prefix tokens dropped).
+
+    Pipeline stages (pg_collection.pp of size > 1): the tower is that function cut at layer boundaries.
+    Stage 0 holds the embedder, position table, prefix tokens (and video embedder), every stage its layers
+    (vit_stage_layers), the last stage the final norm; `embed`, `run_stage_layers` and `head` are the pieces."""
 
     def __init__(self, cfg: dict, pg_collection, dtype: torch.dtype = torch.float32, recompute: str = "none"):
         config = vit_transformer_config(cfg, pg_collection.tp.size(), dtype, recompute)
         super().__init__(config=config)
         self.cfg = cfg
         d, p = cfg["hidden"], cfg["patch"]
-        self.embedder = nn.Linear(3 * p * p, d, bias=cfg["family"] == "siglip", dtype=dtype)
-        self.pos_embed = nn.Parameter(0.02 * torch.randn(1, cfg["pos_grid"] ** 2, d, dtype=dtype))
-        self.prefix = nn.Parameter(0.02 * torch.randn(cfg["prefix_tokens"], d, dtype=dtype)) \
-            if cfg["prefix_tokens"] else None
-        # Video tubelets: one linear over temporal_patch frames' patches, a Conv3D(kernel=stride) in effect.
-        t = cfg.get("temporal_patch", 0)
-        self.video_embedder = nn.Linear(t * 3 * p * p, d, bias=False, dtype=dtype) if t else None
+        pp_group = getattr(pg_collection, "pp", None)
+        self.pp = pp_group.size() if pp_group is not None else 1
+        self.stage = pp_group.rank() if pp_group is not None else 0
+        self.first_stage, self.last_stage = self.stage == 0, self.stage == self.pp - 1
+        self.layer_ids = vit_stage_layers(cfg["layers"], self.pp, self.stage)
+        self.embedder = self.pos_embed = self.prefix = self.video_embedder = self.final_norm = None
+        if self.first_stage:
+            self.embedder = nn.Linear(3 * p * p, d, bias=cfg["family"] == "siglip", dtype=dtype)
+            self.pos_embed = nn.Parameter(0.02 * torch.randn(1, cfg["pos_grid"] ** 2, d, dtype=dtype))
+            self.prefix = nn.Parameter(0.02 * torch.randn(cfg["prefix_tokens"], d, dtype=dtype)) \
+                if cfg["prefix_tokens"] else None
+            # Video tubelets: one linear over temporal_patch frames' patches, a Conv3D(kernel=stride) in effect.
+            t = cfg.get("temporal_patch", 0)
+            self.video_embedder = nn.Linear(t * 3 * p * p, d, bias=False, dtype=dtype) if t else None
         spec = vit_layer_spec(cfg, dtype)
-        self.layers = nn.ModuleList(
-            build_module(spec, config=config, layer_number=i + 1, pg_collection=pg_collection)
-            for i in range(cfg["layers"]))
+        built = [(i, build_module(spec, config=config, layer_number=i + 1, pg_collection=pg_collection))
+                 for i in self.layer_ids]
+        # one stage: a ModuleList (layers.N); a pipeline stage keys its layers by their *global* index, so its
+        # state dict names (layers.N.*) are the single-stage ones and checkpoints stay layout-free
+        self.layers = nn.ModuleList(m for _, m in built) if self.pp == 1 else \
+            nn.ModuleDict({str(i): m for i, m in built})
         # RadioModel ends at its last block; a final LayerNorm exists for SigLIP (post_layernorm) and, for RADIO,
         # only where NemotronH_Omni_Reasoning_V3 builds `vision_final_layernorm` (LLM with MTP layers).
-        self.final_norm = nn.LayerNorm(d, eps=cfg["eps"], dtype=dtype) if cfg["final_norm"] else None
+        if self.last_stage and cfg["final_norm"]:
+            self.final_norm = nn.LayerNorm(d, eps=cfg["eps"], dtype=dtype)
 
     def position_embedding(self, rows: int, cols: int) -> torch.Tensor:
         """The learned table resampled to a rows x cols patch grid: [1, rows*cols, hidden].
@@ -182,8 +208,12 @@ class VisionTransformer(MegatronModule):
         table = table[:, :, :rows, :cols]  # the CPE window (a no-op for "plain")
         return table.to(self.pos_embed.dtype).permute(0, 2, 3, 1).reshape(1, rows * cols, -1)
 
-    def forward(self, pixels: torch.Tensor, patch_embeddings: torch.Tensor | None = None) -> torch.Tensor:
-        """`patch_embeddings` [n, rows*cols, hidden] replaces the per-image embedder (video tubelets)."""
+    def embed(self, pixels: torch.Tensor, patch_embeddings: torch.Tensor | None = None) -> torch.Tensor:
+        """First stage: pixels [n, 3, H, W] -> the layers' input [n, prefix + patches, hidden] (patch embedding,
+        position embedding, prefix tokens). `patch_embeddings` [n, rows*cols, hidden] replaces the per-image
+        embedder (video tubelets)."""
+        if not self.first_stage:
+            raise RuntimeError(f"vision pipeline stage {self.stage} has no embedding (stage 0 has)")
         p = self.cfg["patch"]
         rows, cols = pixels.shape[-2] // p, pixels.shape[-1] // p
         if pixels.shape[-2] % p or pixels.shape[-1] % p:
@@ -192,12 +222,30 @@ class VisionTransformer(MegatronModule):
         x = x + self.position_embedding(rows, cols)
         if self.prefix is not None:
             x = torch.cat([self.prefix.expand(x.shape[0], -1, -1), x], dim=1)
-        hidden = x.transpose(0, 1).contiguous()  # megatron layers take [s, b, h]
-        hidden = run_layers(self.layers, hidden, self.config, self.training, attention_mask=None)
+        return x
+
+    def run_stage_layers(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This stage's layers on megatron's [s, b, hidden]."""
+        layers = list(self.layers) if isinstance(self.layers, nn.ModuleList) else list(self.layers.values())
+        return run_layers(layers, hidden, self.config, self.training, attention_mask=None)
+
+    def head(self, hidden: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """Last stage: the layers' output [s, n, hidden] -> patch features [n, rows, cols, hidden]."""
+        if not self.last_stage:
+            raise RuntimeError(f"vision pipeline stage {self.stage} is not the last ({self.pp} stages)")
         out = hidden.transpose(0, 1)[:, self.cfg["prefix_tokens"]:]
         if self.final_norm is not None:  # per token, so after dropping the prefix is the same as before it
             out = self.final_norm(out)   # (the Omni model normalises RadioModel's `features`)
         return out.reshape(out.shape[0], rows, cols, -1)
+
+    def forward(self, pixels: torch.Tensor, patch_embeddings: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole tower (one pipeline stage only): embed -> layers -> head."""
+        if self.pp != 1:
+            raise RuntimeError("a vision pipeline stage runs through MediaModule.forward_stage, not forward")
+        p = self.cfg["patch"]
+        x = self.embed(pixels, patch_embeddings)
+        hidden = self.run_stage_layers(x.transpose(0, 1).contiguous())  # megatron layers take [s, b, h]
+        return self.head(hidden, pixels.shape[-2] // p, pixels.shape[-1] // p)
 
 
 def pixel_shuffle(x: torch.Tensor, factor: int = 2) -> torch.Tensor:

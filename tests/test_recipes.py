@@ -149,7 +149,7 @@ def test_the_one_resolution_scales_handles_auto_and_refuses_what_cannot_train():
     assert auto.world_size == 4 and not any(auto[k].cp > 1 or auto[k].pp > 1 for k in auto.encoders)
     # the trainer's rule, before launch: encoder CP/PP and audio TP
     for bad, why in (("vision=cp2,dp2@0-3;language=dp4@0-3", "cp1, pp1"),
-                     ("vision=pp2,dp2@0-3;language=dp4@0-3", "cp1, pp1"),
+                     ("vision=dp4@0-3;audio=pp2,dp2@0-3;language=dp4@0-3", "cp1, pp1"),
                      ("vision=dp4@0-3;audio=tp2,dp2@0-3;language=dp4@0-3", "audio encoder has no tensor parallelism")):
         with pytest.raises(LayoutError, match=re.escape(why)):
             checks.check_run(_run(bad, audio="fastconformer_tiny"), 4)

@@ -21,6 +21,9 @@ def _layouts():
         out.append(f"vision=dp2,pp2@4-7;audio=dp2@8-9;language={lang}@0-3")
         out.append(f"vision=dp2@4-5;audio=dp2@4-5;language={lang}@0-3")
         out.append(f"vision=dp4@0-3;audio=dp2@4-5;language={lang}@0-3")  # one colocated, one not
+        # a colocated encoder pipeline: earlier stages on LLM first-stage ranks join the boundary
+        out.append(f"vision=pp2,dp2@0-3;language={lang}@0-3")
+        out.append(f"vision=pp4@0-3;audio=dp4@0-3;language={lang}@0-3")
     return out
 
 

@@ -77,6 +77,12 @@ def _stage_ops(layout: HeteroLayout, key: str, rank: int, event: tuple[str, int]
     prev = m.rank_of(c.tp, c.cp, c.dp, c.pp - 1) if c.pp > 0 else -1
     nxt = m.rank_of(c.tp, c.cp, c.dp, c.pp + 1) if c.pp < m.pp - 1 else -1
     is_encoder_last = key != LANGUAGE and nxt < 0
+    # an earlier stage of a colocated encoder on an LLM first-stage rank: the rank receives (and sends back the
+    # gradient of) its LLM rows of that encoder's boundary, right after handing its activation on (before
+    # taking its gradient back), in the order the encoder's last stage runs the boundary
+    lang = layout[LANGUAGE]
+    joins_boundary = (key != LANGUAGE and nxt >= 0 and layout.colocated(key, LANGUAGE) and rank in lang.ranks
+                      and lang.coord(rank).pp == 0)
     ops: list[Op] = []
     if kind == "F":
         ops += [Op("boundary_fwd", k, mb) for k in boundary]
@@ -85,10 +91,12 @@ def _stage_ops(layout: HeteroLayout, key: str, rank: int, event: tuple[str, int]
         ops.append(Op("fwd", key, mb))
         if nxt >= 0:
             ops.append(Op("send", key, mb, nxt, "act"))
+            ops += [Op("boundary_fwd", key, mb)] if joins_boundary else []
         elif is_encoder_last:
             ops.append(Op("boundary_fwd", key, mb))
     else:
         if nxt >= 0:
+            ops += [Op("boundary_bwd", key, mb)] if joins_boundary else []
             ops += [Op("recv", key, mb, nxt, "grad"), Op("bwd", key, mb)]
         elif is_encoder_last:
             ops.append(Op("boundary_bwd", key, mb))  # runs this stage's backward through autograd

@@ -1,9 +1,11 @@
 """What the trainer can run: the one trainability rule, shared by the trainer, `layout=auto` and the planner.
 
 A layout can be valid (hetero/plan/layout.py: ranges tile the world, sizes divide heads and samples) and
-still not be trainable by hetero/training: the real encoders run as one pipeline stage without context
-parallelism, and only encoders with tensor-parallel layers take tp > 1. The reference chain of
-`hetero.tools.verify` goes further (encoder CP/PP), but training does not yet.
+still not be trainable by hetero/training: the encoders run without context parallelism, only the vision
+tower splits over pipeline stages (models/multimodal.MediaModule.forward_stage: its layers cut at layer
+boundaries, items encoded each on its own; colocated or on ranks of its own), the audio encoder runs as one
+stage (NeMo's conformer forward is monolithic), and only encoders with tensor-parallel layers take tp > 1.
+The reference chain of `hetero.tools.verify` goes further (encoder CP), but training does not yet.
 
 Pure: the caller says which encoders have tensor-parallel layers (from the encoder registry), so this
 module needs no model code.
@@ -15,6 +17,9 @@ from typing import Mapping
 
 from tessera.hetero.plan.layout import HeteroLayout, LayoutError
 
+# encoder module keys whose training splits the encoder over pipeline stages (pp > 1)
+PIPELINED_ENCODERS = frozenset({"vision"})
+
 
 def untrainable_reasons(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool]) -> list[str]:
     """Why the trainer cannot run `layout` (empty when it can); each reason names the module and the fix.
@@ -23,9 +28,15 @@ def untrainable_reasons(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool]
     reasons = []
     for key in layout.encoders:
         m = layout[key]
-        if m.cp > 1 or m.pp > 1:
-            reasons.append(f"{key}={m.to_spec()}: training runs the encoders as one pipeline stage without context "
-                           f"parallelism (cp1, pp1); use tp/dp for {key}")
+        rule = (f"training runs the encoders without context parallelism and, except "
+                f"{', '.join(sorted(PIPELINED_ENCODERS))}, as one pipeline stage (cp1, pp1; "
+                f"{', '.join(sorted(PIPELINED_ENCODERS))} may take ppN)")
+        if m.cp > 1:
+            reasons.append(f"{key}={m.to_spec()}: {rule}; use tp/dp{'/pp' if key in PIPELINED_ENCODERS else ''} "
+                           f"for {key}")
+        if m.pp > 1 and key not in PIPELINED_ENCODERS:
+            reasons.append(f"{key}={m.to_spec()}: {rule} (the {key} encoder's forward is one piece); use tp/dp "
+                           f"for {key}")
         if m.tp > 1 and not encoder_has_tp.get(key, False):
             reasons.append(f"{key}=tp{m.tp}: the {key} encoder has no tensor parallelism; use tp1 for {key} "
                            f"(more dp instead)")

@@ -20,7 +20,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from tessera.hetero.runtime.groups import DENSE_GROUPS, EXPERT_GROUPS, ModuleGroups
 from tessera.hetero.parallel.kernel_choice import select_kernels
-from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError
 from tessera.hetero.plan.recompute import parse_recompute
 from tessera.hetero.parallel.vocab_parallel_ce import vocab_parallel_cross_entropy_for
 from tessera.models.configs import REGISTRY as LLM_REGISTRY, hf_fields as llm_hf_fields
@@ -30,6 +30,7 @@ from tessera.models.multimodal import MultimodalModel, build_media_module
 from tessera.models.multimodal_hf import (PROJECTOR_ROOT, export_hf, media_to_hf, sound_from_hf, vision_from_hf,
                                           _load_params, _params_only)
 from tessera.models.nemotron_h_hf import PrefixView, hybrid_config_from_hf, load_into
+from tessera.hetero.training.lora import lora_settings
 from tessera.hetero.training.run_modules import module_specs
 
 _single_rank_pgs: ProcessGroupCollection | None = None
@@ -123,6 +124,9 @@ def build_rank_modules(model_cfg, layout: HeteroLayout, groups: dict[str, Module
             if specs[LANGUAGE].freeze:
                 out[key].requires_grad_(False)
         else:
+            if g.layout.pp > 1 and lora_settings(model_cfg) is not None:
+                raise LayoutError(f"{key}={g.layout.to_spec()}: LoRA on an encoder split over pipeline stages is "
+                                  f"not supported; use pp1 for {key} with model.lora")
             out[key] = media_module(specs[key], model_cfg, hidden, g.pgs, modes[key])
     return out
 
@@ -136,9 +140,14 @@ def load_full_state(modules: dict[str, torch.nn.Module], hf, groups: dict[str, M
             load_into(module, PrefixView(hf, "language_model."), pgs.tp.rank(), pgs.pp.rank(), pgs.ep.rank())
             continue
         root = PROJECTOR_ROOT[key]
-        module.projector.load_state_dict({k[len(root):]: hf[k] for k in hf if k.startswith(root)})
+        if module.projector is not None:  # (a vision pipeline stage holds it on its last stage only)
+            module.projector.load_state_dict({k[len(root):]: hf[k] for k in hf if k.startswith(root)})
         if module.cfg["modality"] == "vision":
-            _load_params(module.encoder.vit, vision_from_hf(hf, module.cfg, pgs.tp.rank(), pgs.tp.size()))
+            # the whole tower's tensors are read (and checked); a pipeline stage keeps the ones it holds
+            vit = module.encoder.vit
+            full = vision_from_hf(hf, module.cfg, pgs.tp.rank(), pgs.tp.size())
+            mine = set(vit.state_dict())
+            _load_params(vit, {k: v for k, v in full.items() if k in mine} if vit.pp > 1 else full)
         else:
             inner = module.encoder.encoder
             _load_params(inner, sound_from_hf(hf, _params_only(inner.state_dict()).keys(), module.cfg["family"]))

@@ -36,21 +36,32 @@ def global_token_count(batches: list[PackedBatch]) -> int:
 
 
 class MediaEncoderStage:
-    """One encoder's stage (PP=1): [tokens, llm_hidden] embeddings of this rank's rows, in (row, position)
-    order — the source order hetero.plan.boundary_plan expects."""
+    """One encoder's pipeline stage: on the last stage, [tokens, llm_hidden] embeddings of this rank's rows, in
+    (row, position) order — the source order hetero.plan.boundary_plan expects.
+
+    A vision tower split over pp > 1 stages (models/multimodal.MediaModule.forward_stage) hands on every item's
+    hidden states concatenated, [sum over items of tiles x (prefix + patches), hidden]: every stage of one DP
+    rank decodes the same rows (data/sharding.decode_plan), so each knows the items and the shape it receives."""
 
     def __init__(self, module, key: str, layout: ModuleLayout, coord: RankCoord, batches: list[PackedBatch],
                  device: torch.device):
         self.module, self.key, self.layout, self.coord, self.batches = module, key, layout, coord, batches
         self.device = device  # where the module lives; MediaModule moves its decoded items there
 
-    def input_shape(self, mb: int):
-        raise AssertionError("encoders run as one pipeline stage in training (pp=1)")
-
-    def forward(self, x, mb: int) -> torch.Tensor:
+    def _items(self, mb: int) -> list:
         batch = self.batches[mb]
         rows = dp_rows(batch.tokens.shape[0], self.layout.dp_size, self.coord.dp)
-        items = [it for r in rows for it in batch.media[r].get(self.key, [])]
+        return [it for r in rows for it in batch.media[r].get(self.key, [])]
+
+    def input_shape(self, mb: int):
+        if self.layout.pp == 1:
+            raise AssertionError(f"{self.key} runs as one pipeline stage: it receives no activation")
+        return self.module.stage_shape(self._items(mb))
+
+    def forward(self, x, mb: int) -> torch.Tensor:
+        items = self._items(mb)
+        if self.layout.pp > 1:
+            return self.module.forward_stage(items, x)
         if not items:
             return self.module([])
         return torch.cat([self.module([it]) for it in items])
