@@ -12,6 +12,7 @@ import pytest
 
 from tessera.hetero.tools.spawn import run_on_ranks
 from tessera.hetero.training.metrics import read_metrics
+from tests._run_curves import curves as _curves, rel as _rel, seed_run_dir as _seed_run_dir
 
 pytestmark = pytest.mark.multiproc
 
@@ -51,29 +52,16 @@ def _train(run_dir: str, layout: str, fields: dict, steps: int = STEPS):
 def _all_runs(root: str) -> dict[str, str]:
     """Every run in one launch; run name -> the layout it trained in. Then each of RESUMES: a fresh run directory
     whose latest checkpoint is a finished run's step-6 one, trained on to step 8 in another layout."""
-    import shutil
-
     import torch.distributed as dist
 
     out = {name: _train(str(Path(root) / name), layout, fields)["layout"] for name, (layout, fields) in RUNS.items()}
     for name, (src, layout) in RESUMES.items():
         ckpt, run_dir = Path(root) / src / "checkpoints" / f"step_{STEPS:06d}", Path(root) / "resume" / name
         if dist.get_rank() == 0:
-            (run_dir / "checkpoints").mkdir(parents=True)
-            shutil.copytree(ckpt, run_dir / "checkpoints" / ckpt.name)
-            (run_dir / "checkpoints" / "latest").write_text(ckpt.name + "\n")
+            _seed_run_dir(ckpt, run_dir)
         dist.barrier()
         out[name] = _train(str(run_dir), layout, {}, RESUMED)["layout"]
     return out
-
-
-def _curves(run_dir) -> tuple[list[float], list[float]]:
-    rows = read_metrics(run_dir)
-    return [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
-
-
-def _rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")

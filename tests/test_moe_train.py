@@ -15,13 +15,13 @@ way at DP4 and at TP2 x DP2 x EP2.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
 from tessera.hetero.tools.spawn import run_on_ranks
 from tessera.hetero.training.metrics import read_metrics
+from tests._run_curves import curves as _curves, rel as _rel, seed_run_dir as _seed_run_dir
 
 pytestmark = pytest.mark.multiproc
 
@@ -69,9 +69,7 @@ def _train_all(root: str):
     src = Path(root) / "ep2_colocated" / "checkpoints" / f"step_{SAVE_AT:06d}"
     if dist.get_rank() == 0:  # fresh run directories whose latest checkpoint is the EP2 run's step 10
         for name in RESUME:
-            (Path(root) / name / "checkpoints").mkdir(parents=True)
-            shutil.copytree(src, Path(root) / name / "checkpoints" / src.name)
-            (Path(root) / name / "checkpoints" / "latest").write_text(src.name + "\n")
+            _seed_run_dir(src, Path(root) / name)
     dist.barrier()
     for name, layout in RESUME.items():
         _train(str(Path(root) / name), layout, SAVE_AT + 4)
@@ -84,15 +82,6 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     run_on_ranks(4, _train_all, str(root), timeout=1200)
     return root
-
-
-def _curves(run_dir) -> tuple[list[float], list[float]]:
-    rows = read_metrics(run_dir)
-    return [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
-
-
-def _rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "ep1"])

@@ -146,7 +146,10 @@ def test_the_one_resolution_scales_handles_auto_and_refuses_what_cannot_train():
     assert str(hl) == "vision=dp4@0-3;language=tp2,dp2@4-7"
     # auto: the planner's best trainable layout, valid for this world
     auto = checks.check_run(_run("auto"), 4)
-    assert auto.world_size == 4 and not any(auto[k].cp > 1 or auto[k].pp > 1 for k in auto.encoders)
+    from tessera.hetero.plan.trainable import untrainable_reasons
+    from tessera.hetero.planner.run_layout import encoder_has_tp
+
+    assert auto.world_size == 4 and untrainable_reasons(auto, encoder_has_tp(_run("auto").model)) == []
     # the trainer's rule, before launch: encoder CP/PP and audio TP
     for bad, why in (("vision=cp2,dp2@0-3;language=dp4@0-3", "cp1, pp1"),
                      ("vision=dp4@0-3;audio=pp2,dp2@0-3;language=dp4@0-3", "cp1, pp1"),

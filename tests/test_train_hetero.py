@@ -4,13 +4,13 @@ on the synthetic data set; every layout sees the same global batches and starts 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
 from tessera.hetero.tools.spawn import run_on_ranks
 from tessera.hetero.training.metrics import read_metrics
+from tests._run_curves import curves as _curves, rel as _rel, seed_run_dir as _seed_run_dir
 
 pytestmark = pytest.mark.multiproc
 
@@ -35,22 +35,6 @@ def _train(run_dir: str, layout: str, steps: int, save_every: int = 0, resume: b
 
 def _train_layouts(root: str, runs: list[tuple[str, str, int, int]]):
     return [_train(str(Path(root) / name), layout, steps, save_every) for name, layout, steps, save_every in runs]
-
-
-def _curves(run_dir) -> tuple[list[float], list[float]]:
-    rows = read_metrics(run_dir)
-    return [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
-
-
-def _rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
-def _seed_run_dir(src_ckpt: Path, run_dir: Path) -> None:
-    """A fresh run directory whose only (and latest) checkpoint is src_ckpt."""
-    (run_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(src_ckpt, run_dir / "checkpoints" / src_ckpt.name)
-    (run_dir / "checkpoints" / "latest").write_text(src_ckpt.name + "\n")
 
 
 RUNS = [("homogeneous", HOMOGENEOUS, STEPS, 10), ("colocated", COLOCATED, STEPS, 0),
