@@ -28,6 +28,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout  # noqa: E402
 from tessera.hetero.planner import Workload, cluster, predict, search  # noqa: E402
 from tessera.recipes import full_size as defaults  # noqa: E402
+from tessera.hetero.plan.trainable import untrainable_reasons  # noqa: E402
+from tessera.models import encoders  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = {"colocated": 0.493, "non-colocated": 0.130}
@@ -69,16 +71,24 @@ def study(gpu_counts, seqs):
                 w = workload(r.workload, seq, gpus)
                 t = time.perf_counter()
                 preds = [p for p in search(model, w, cluster("h100", gpus), gpus) if p.feasible]
-                best = {}
+                has_tp = {mod.key: encoders.has_tensor_parallel(mod.name) for mod in model.encoders}
+                best, trainable = {}, {}
                 for p in preds:
                     kind = "non-colocated" if p.placement == "mixed" else p.placement
                     best.setdefault(kind, p)
-                row = dict(family=name, gpus=gpus, seq=seq, seconds=time.perf_counter() - t, best=best)
+                    if not untrainable_reasons(HeteroLayout.parse(p.layout), has_tp):
+                        trainable.setdefault(kind, p)
+                row = dict(family=name, gpus=gpus, seq=seq, seconds=time.perf_counter() - t, best=best,
+                           trainable=trainable)
                 for kind in ("colocated", "non-colocated"):
                     p, base = best.get(kind), best.get("homogeneous")
                     row[f"{kind}_gain"] = p.tokens_per_s / base.tokens_per_s - 1 if p and base else None
                     same = same_llm_homogeneous(p, model, w, gpus) if p else None
                     row[f"{kind}_same_llm_gain"] = p.tokens_per_s / same.tokens_per_s - 1 if same else None
+                    # what the trainer runs today: the best trainable layout of each placement vs the best
+                    # trainable homogeneous one (hetero/plan/trainable.py: no encoder CP, no audio PP/TP)
+                    tp_, tbase = trainable.get(kind), trainable.get("homogeneous")
+                    row[f"{kind}_trainable_gain"] = tp_.tokens_per_s / tbase.tokens_per_s - 1 if tp_ and tbase else None
                 rows.append(row)
                 print(f"{name:<24} {gpus:>5} GPUs {seq // 1024:>4}K  "
                       + "  ".join(f"{k}={_pct(row[f'{k}_gain'])}/{_pct(row[f'{k}_same_llm_gain'])}"
@@ -124,48 +134,58 @@ def markdown(rows, pngs) -> str:
              "the TFLOPS/GPU ratio here: both count the same useful FLOPs per step). `same LLM` = over the",
              "homogeneous layout with the same LLM TP/CP/PP (the paper's kind of baseline). Paper: colocated",
              f"+{100 * PAPER['colocated']:.1f}% TFLOPS/GPU, non-colocated +{100 * PAPER['non-colocated']:.1f}% tokens/s.",
+             "Trainable = among the layouts the trainer runs today (hetero/plan/trainable.py: encoder CP refused,",
+             "vision PP allowed, audio PP/TP refused), best of a placement over the best trainable homogeneous one.",
              "", "| family | GPUs | context | best homogeneous | colocated gain (same LLM) | non-colocated/mixed gain"
-             " (same LLM) | best layout |", "|---|---|---|---|---|---|---|"]
+             " (same LLM) | best layout | trainable: colocated / non-colocated | best trainable layout |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        b = r["best"]
+        b, t = r["best"], r["trainable"]
         top = max(b.values(), key=lambda p: p.tokens_per_s) if b else None
+        ttop = max(t.values(), key=lambda p: p.tokens_per_s) if t else None
         homo = b.get("homogeneous")
         lines.append(f"| {r['family']} | {r['gpus']} | {r['seq'] // 1024}K | "
                      f"{f'{homo.tflops_per_gpu:.0f} TFLOPS' if homo else '-'} | "
                      f"{_pct(r['colocated_gain'])} ({_pct(r['colocated_same_llm_gain'])}) | "
                      f"{_pct(r['non-colocated_gain'])} ({_pct(r['non-colocated_same_llm_gain'])}) | "
-                     f"`{top.layout if top else '-'}` |")
+                     f"`{top.layout if top else '-'}` | "
+                     f"{_pct(r['colocated_trainable_gain'])} / {_pct(r['non-colocated_trainable_gain'])} | "
+                     f"`{ttop.layout if ttop else '-'}` |")
     lines += [""] + [f"![{p.stem}]({p.name})" for p in pngs]
     return "\n".join(lines) + "\n"
 
 
 FINDINGS = """## Reading the numbers (and why they differ from the paper)
 
-* **Colocated, best vs best: a few percent** (vl/video, 64-1024 GPUs). The encoder is ~10% of the step's
-  FLOPs, and the best homogeneous layout already avoids what hurts a Megatron-style encoder most: it
-  picks TP (and recompute) instead of CP, so the encoder is not replicated over CP ranks. What is left to
-  win is the encoder's TP all-reduces and the LLM's freedom to pick its own CP/TP.
-* **Colocated, paper-style (same LLM layout): +24% to +61% at 32K-128K.** When the LLM needs CP for
-  long rows, the homogeneous baseline runs the ViT on every CP rank for the same media; giving the encoder
-  its own DP removes that waste. This is the magnitude of the paper's +49.3% TFLOPS/GPU, and likely the
-  comparison it made (the model reproduces it only against that baseline, not against the best
-  homogeneous layout the planner would choose instead).
-* **Colocated is infeasible at 8 GPUs** and for long steps: the three-phase schedule keeps every
-  microbatch's encoder activations until phase 3; with 100+ microbatches per step even full recompute
-  (inputs of each layer only) does not fit. Megatron's three-phase schedule has the same property; running
-  the phases per group of microbatches would lift it at the cost of more LLM pipeline fills.
-* **Non-colocated loses or ties (-44% to +1%), against the paper's +13.0% tokens/s.** With one pipeline
-  across modules the slower side sets the pace and the other idles (the `idle` column of
-  `python -m tessera.hetero.planner`); disjoint blocks come in coarse sizes (1/32 of the GPUs and up) and make the
-  LLM's DP a non-power of two, so the global batch no longer divides evenly. The model gives disjoint
-  placement no efficiency advantage of its own: achieved FLOPs per module kind do not depend on group
-  size, launch overheads and stragglers are not modelled, and an encoder on its own GPUs does not compete
-  for memory bandwidth or HBM with the LLM. The paper's gain probably comes from such effects and from
-  encoder-heavier batches; calibrating on measured steps (hetero/planner/calibrate.py) is the way to find
-  out which.
-* **Omni (30B-A3B MoE):** two KV heads cap the LLM's TP at 2, expert parallelism dominates its layout,
-  and encoder work is small next to the MoE all-to-alls: colocated is within a few percent of homogeneous,
-  non-colocated loses. 8 GPUs do not hold the model's optimizer states, 128K rows do not fit at 64 GPUs.
+Redone after the cost model learned what the CP attention and the MoE shards really keep (issue 14's memory
+work) and with the layouts the trainer runs today (the `trainable` columns; vision PP trains since issue 16,
+encoder CP does not yet).
+
+* **Colocated, best vs best: -10% to +4%** (vl/video, 64-1024 GPUs, 8K-32K rows), and every non-negative one is
+  `vision=tp2,cp2,...`: the ViT with context parallelism next to an LLM at tp4. Among the layouts the trainer
+  runs today the best colocated one is 7-24% *slower* than the best homogeneous one: without encoder CP,
+  heterogeneity buys the ViT nothing the homogeneous TP4 layout does not already give it. Encoder CP in
+  training (issue 16, item 1) is what turns the colocated column positive in this model.
+* **Paper-style (same LLM layout): at most +4%** now, against the paper's +49.3% TFLOPS/GPU. The earlier study
+  found +24% to +61% at 32K-128K against a homogeneous layout with the LLM's CP; with the memory model counting
+  the CP attention's score blocks, those CP layouts no longer fit 80 GB, 128K rows fit no layout at all, and the
+  homogeneous baselines that waste the ViT over CP ranks are gone from the table.
+* **Non-colocated loses (-7% to -37%)**, against the paper's +13.0% tokens/s and Megatron-Bridge's Qwen3.5-VL
+  result (+23-45% tokens/s/GPU with the ViT on GPUs of its own). With one pipeline across modules the slower
+  side sets the pace and the other idles (the `idle` column of `nemo tessera plan`); disjoint blocks come in
+  coarse sizes and make DP sizes non-powers of two. The model gives disjoint placement no efficiency of its
+  own: achieved FLOPs per module kind do not depend on group size, and launch overheads, stragglers, memory
+  bandwidth contention and the encoder's smaller-batch kernels are not modelled. Those effects (and
+  encoder-heavier batches: Qwen3.5-VL's ViT is a larger share of the step) are where measured non-colocated
+  gains come from; calibration on GPU steps (scripts/calibrate_planner.py with a GPU preset) is how to find
+  which. On this CPU box the calibration cannot rank even 10 tiny layouts against itself better than
+  Spearman 0.79 (run-to-run), so no CPU fit settles it.
+* **Omni (30B-A3B MoE):** expert parallelism dominates its layout; colocated is within -3%..+1.5% of
+  homogeneous. At 32K rows on 64 and 512 GPUs the only layouts that fit *and* train put the audio encoder on
+  GPUs of its own (64: `vision=dp8@0-7;audio=dp8@8-15;language=tp2,dp24,ep4@16-63`; 512: vision colocated, audio
+  on 32 GPUs): every fitting homogeneous layout gives the
+  audio encoder the LLM's tp2, which NeMo's conformer does not have, so there heterogeneity is not a speed-up
+  but the way to train at all. 8 GPUs do not hold the model's optimizer states.
 
 Assumptions behind every number: constant achieved-FLOPs fraction per module kind (defaults 0.50 LLM, 0.40
 ViT, 0.35 Conformer), 80% of link bandwidth, 10 us per message, distributed optimizer, DP communication
@@ -178,12 +198,13 @@ more trustworthy than absolute gains.
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "docs"), help="folder for planner_study.md and the plots")
     a = ap.parse_args()
     gpus = [8, 64] if a.quick else [8, 64, 512, 1024]
     seqs = [8192, 32768] if a.quick else [8192, 32768, 131072]
     rows = study(gpus, seqs)
-    out = ROOT / "docs"
-    out.mkdir(exist_ok=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     pngs = plots(rows, out)
     text = markdown(rows, pngs)
     (out / "planner_study.md").write_text(text + "\n" + FINDINGS)
