@@ -24,13 +24,16 @@ STEPS = 6
 RUNS = {"reference": (REFERENCE, {}),
         "non_colocated_pp2": (PIPELINE, {}),
         "colocated_pp2": (COLOCATED, {}),
+        # both pipelined on the same ranks: what layout=auto picks for the tiny VL recipe on 4 ranks
+        "vision_and_llm_pp2": ("vision=pp2,dp2@0-3;language=pp2,dp2@0-3", {}),
         # SigLIP: no prefix tokens, a final norm (on the last stage)
         "siglip_reference": (REFERENCE, {"vision": "siglip_tiny"}),
         "siglip_pp2": (PIPELINE, {"vision": "siglip_tiny"}),
         # a frozen tower: no encoder gradient, yet the received activation stays in the graph
         "frozen_reference": (REFERENCE, {"freeze_vision": True}),
         "frozen_pp2": (PIPELINE, {"freeze_vision": True})}
-PIPELINED = {"non_colocated_pp2": "reference", "colocated_pp2": "reference", "siglip_pp2": "siglip_reference", "frozen_pp2": "frozen_reference"}
+PIPELINED = {"non_colocated_pp2": "reference", "colocated_pp2": "reference", "vision_and_llm_pp2": "reference",
+             "siglip_pp2": "siglip_reference", "frozen_pp2": "frozen_reference"}
 
 
 RESUMED = 8  # the step-6 checkpoints resumed to step 8: pp2 -> homogeneous, homogeneous -> pp2, and the reference
