@@ -154,22 +154,29 @@ def processor_pixels(tiles: torch.Tensor, patch: int, mean, std) -> torch.Tensor
 
 
 def omni_inputs(sample: OmniSample, vcfg: dict | None, audio_frontend) -> dict:
-    """The Omni forward's inputs for one sample: exactly what Tessera's encoders see (every tile one image of
-    its patch grid; the mel features of Tessera's audio front end, with their mask)."""
+    """The Omni forward's inputs for one sample (omni_forward_inputs of its tokens, images and clip)."""
+    return omni_forward_inputs(sample.tokens, [item for m, kind, item, _, _ in sample.media if kind == "image"],
+                               [item for m, kind, item, _, _ in sample.media if kind == "audio"], vcfg,
+                               audio_frontend, sample.name)
+
+
+def omni_forward_inputs(tokens, images: list, clips: list, vcfg: dict | None, audio_frontend,
+                        name: str = "sample") -> dict:
+    """The Omni forward's inputs for one document: exactly what Tessera's encoders see (every uint8 tile one
+    image of its patch grid; the mel features of Tessera's audio front end, with their mask). At most one clip:
+    a batch of clips would share the conformer's BatchNorm statistics, and Tessera encodes every clip alone."""
     import numpy as np
 
-    inputs = {"input_ids": sample.tokens[None]}
-    images = [torch.as_tensor(np.asarray(item)) for m, kind, item, _, _ in sample.media if kind == "image"]
+    inputs = {"input_ids": tokens[None]}
     if images:
-        tiles = torch.cat(images)
+        tiles = torch.cat([torch.as_tensor(np.asarray(item)) for item in images])  # [T, 3, tile, tile]
         side = tiles.shape[-1] // vcfg["patch"]
         inputs["pixel_values"] = processor_pixels(tiles, vcfg["patch"], vcfg["mean"], vcfg["std"])
         inputs["image_grid_hw"] = torch.tensor([[side, side]] * tiles.shape[0])
-    clips = [item for m, kind, item, _, _ in sample.media if kind == "audio"]
     if clips:
         if len(clips) > 1:
-            raise ValueError(f"sample {sample.name}: one clip per sample (a batch of clips would share the "
-                             f"conformer's BatchNorm statistics; Tessera encodes every clip alone)")
+            raise ValueError(f"{name}: one clip per document (a batch of clips would share the conformer's "
+                             f"BatchNorm statistics; Tessera encodes every clip alone)")
         feats, feat_len = audio_frontend.features([torch.as_tensor(np.asarray(clips[0]))])  # [1, mels, t]
         inputs["input_features"] = feats.transpose(1, 2)
         inputs["input_features_mask"] = torch.arange(feats.shape[-1])[None] < feat_len[:, None]

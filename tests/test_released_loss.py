@@ -35,7 +35,7 @@ import torch
 from tessera.scripts.tiny_release import AUDIO, VISION
 
 from tessera.models import configs
-from tessera.models.hf_reference import processor_pixels
+from tessera.models.hf_reference import omni_forward_inputs
 
 LAYOUT = "vision=dp2@0-1;audio=dp2@0-1;language=tp2@2-3"
 SEQ, ROWS = 384, 2
@@ -185,21 +185,9 @@ def _documents(batch):
 
 
 def _oracle_inputs(doc, vcfg, audio_encoder) -> dict:
-    inputs = {"input_ids": doc["tokens"][None]}
-    tiles = [torch.as_tensor(np.asarray(item)) for kind, item in doc.get("vision", [])]
-    if tiles:
-        assert all(kind == "image" for kind, _ in doc["vision"]), "video is not part of this test"
-        tiles = torch.cat(tiles)  # uint8 [T, 3, tile, tile]: each tile one image, not resized again
-        side = tiles.shape[-1] // vcfg["patch"]
-        inputs["pixel_values"] = processor_pixels(tiles, vcfg["patch"], vcfg["mean"], vcfg["std"])
-        inputs["image_grid_hw"] = torch.tensor([[side, side]] * tiles.shape[0])
-    clips = doc.get("audio", [])
-    if clips:
-        assert len(clips) == 1, "one clip per document: a batch of clips would share BatchNorm statistics"
-        feats, feat_len = audio_encoder.features([torch.as_tensor(np.asarray(clips[0][1]))])  # [1, mels, t]
-        inputs["input_features"] = feats.transpose(1, 2)
-        inputs["input_features_mask"] = torch.arange(feats.shape[-1])[None] < feat_len[:, None]
-    return inputs
+    assert all(kind == "image" for kind, _ in doc.get("vision", [])), "video is not part of this test"
+    return omni_forward_inputs(doc["tokens"], [item for _, item in doc.get("vision", [])],
+                               [item for _, item in doc.get("audio", [])], vcfg, audio_encoder, doc["key"])
 
 
 def oracle_loss(ckpt: str, batch) -> tuple[float, int, dict]:
