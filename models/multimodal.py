@@ -26,13 +26,17 @@ from tessera.models.audio import AUDIO_FAMILIES, SoundProjector
 from tessera.models.encoders import encoder_config
 from tessera.models.tiling import TileSource
 from tessera.models.video import VideoEncoder, evs_prune
+from tessera.hetero.plan.encoder_cp import plan_vision_cp
 from tessera.models.vision import Projector, VisionEncoder, VisionTransformer, pixel_shuffle
+from tessera.models.vision_cp import encode_parts
 
 
 def _pixels(item, device: torch.device) -> torch.Tensor:
     """uint8 tiles/frames [T, 3, tile, tile] on `device`; a TileSource is resized there (models/tiling.py)."""
     if isinstance(item, TileSource):
         return item.tiles(device)
+    if isinstance(item, torch.Tensor):  # (the dry run's meta tiles)
+        return item.to(device)
     return torch.as_tensor(np.asarray(item), device=device)
 
 
@@ -142,6 +146,30 @@ class MediaModule(nn.Module):
             out = out + 0 * x.sum()
         return out
 
+    def forward_cp(self, rows: list[list]) -> torch.Tensor:
+        """This context-parallel rank's part of the vision tokens of `rows` (each row's items in order), projected:
+        [tokens, llm_hidden], for each row its contiguous part of the row's tokens (hetero/plan/encoder_cp.py),
+        rows in order — what the boundary plan expects of this encoder CP rank. Every CP rank of the rows calls
+        it (the tower's attention gathers over them). Video frames go through as tiles (tubelets and pruning
+        are refused at build under cp > 1)."""
+        vit, p = self.encoder.vit, self.cfg["patch"]
+        grids, tiles = [], []
+        for items in rows:
+            row = []
+            for kind, item in items:
+                if kind not in ("image", "video"):
+                    raise ValueError(f"vision module got a {kind!r} item")
+                pixels = self.encoder.normalize(_pixels(item if kind == "image" else item[0], self.device))
+                row += [(pixels.shape[-2] // p, pixels.shape[-1] // p)] * len(pixels)
+                tiles.extend(pixels)
+            grids.append(row)
+        if not tiles:  # no item in any row: every CP rank of the rows sees the same, so none runs the layers
+            return next(self.projector.parameters()).new_zeros(0, self.llm_hidden)
+        plan = plan_vision_cp(grids, self.cfg["pixel_shuffle"], self.cfg["prefix_tokens"], vit.cp)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
+            feats = encode_parts(vit, tiles, plan)
+        return self.projector(feats)
+
     def _features(self, items: list) -> list[torch.Tensor]:
         # decoded items arrive as host arrays: each goes to the module's device once, in its stored dtype
         # (uint8 tiles/frames: 4x less to copy than after normalisation)
@@ -164,6 +192,8 @@ class MediaModule(nn.Module):
     def forward(self, items: list) -> torch.Tensor:
         if self.pipelined:
             raise RuntimeError("this vision module is one pipeline stage: run it through forward_stage")
+        if self.cfg["modality"] == "vision" and self.encoder.vit.cp > 1:
+            raise RuntimeError("this vision module is context-parallel: run it through forward_cp")
         if not items:
             return next(self.projector.parameters()).new_zeros(0, self.llm_hidden)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
@@ -178,20 +208,28 @@ class MediaModule(nn.Module):
 
 def build_media_module(name: str, llm_hidden: int, pg_collection, projector_hidden: int | None = None,
                        frozen: bool = False, tubelets: bool = False, pruning_rate: float = 0.0,
-                       recompute: str = "none", **overrides) -> MediaModule:
+                       recompute: str = "none", core_attention=None, **overrides) -> MediaModule:
     """Encoder `name` from the registry (+ field overrides) with its projector to `llm_hidden`.
     projector_hidden defaults to the config's (a checkpoint's), else 4x the encoder's output width (Nano VL:
     5120 -> 20480; Omni audio: 1024 -> 4096). recompute: the encoder's activation recompute mode
-    (models/recompute.py; a frozen encoder runs without grad, so it never recomputes)."""
+    (models/recompute.py; a frozen encoder runs without grad, so it never recomputes). core_attention: the vision
+    tower's core attention class (a context-parallel one under cp > 1, injected by the runtime)."""
     cfg = encoder_config(name, **overrides)
     projector_hidden = projector_hidden or cfg["projector_hidden"]
     if cfg["modality"] == "vision":
-        encoder = VisionEncoder(VisionTransformer(cfg, pg_collection, recompute=recompute))
+        encoder = VisionEncoder(VisionTransformer(cfg, pg_collection, recompute=recompute,
+                                                  core_attention=core_attention))
         # a pipeline stage of the tower: the projector lives on its last stage only
         projector = Projector(encoder.out_dim, projector_hidden or 4 * encoder.out_dim, llm_hidden) \
             if encoder.vit.last_stage else None
         if tubelets and encoder.vit.pp > 1:
             raise ValueError(f"encoder {name}: video tubelets need the vision tower on one pipeline stage (pp1)")
+        if encoder.vit.cp > 1 and (tubelets or pruning_rate):
+            # a tubelet spans frames and EVS pruning ranks a whole clip's tokens: neither splits at the token
+            # parts each CP rank hands on
+            raise ValueError(f"encoder {name}: video {'tubelets' if tubelets else 'pruning (EVS)'} need the vision "
+                             f"encoder without context parallelism; use cp1 for vision, or "
+                             f"{'no tubelets' if tubelets else 'model.video_pruning=0'}")
         video = VideoEncoder(encoder, tubelets=tubelets, pruning_rate=pruning_rate)
         return MediaModule(cfg, encoder, projector, video, frozen)
     encoder = AUDIO_FAMILIES[cfg["family"]](cfg, recompute=recompute)

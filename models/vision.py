@@ -25,11 +25,13 @@ after the layers is replicated across TP ranks. Attention is bidirectional.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -45,11 +47,46 @@ from tessera.models.recompute import megatron_fields, run_layers
 ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
+@dataclass
+class TileSeqParams(PackedSeqParams):
+    """megatron's packed_seq_params channel for tokens of many tiles flattened into one [T, 1] sequence (the
+    vision encoder under context parallelism, models/vision_cp.py; SelfAttention hands it to its core
+    attention untouched when qkv_format is not "thd").
+
+    query_slices: per tile, the [start, stop) rows of its queries in this rank's sequence (tiles contiguous,
+        in order); key_index: per tile, the rows of its keys/values in the key sequence (on one device this
+        rank's own; under CP every rank's sequences gathered rank after rank); counts: every CP rank's
+        sequence length (the gathers' row counts)."""
+
+    qkv_format: str = "sbhd"
+    query_slices: tuple = ()
+    key_index: tuple = ()
+    counts: tuple = ()
+
+
+def tile_attention(query, keys, values, params: TileSeqParams, scale) -> torch.Tensor:
+    """Bidirectional attention of each tile's queries over that tile's keys only (patches of different
+    tiles never attend to each other). query [T, 1, heads, d]; keys/values [T_keys, 1, heads, d] -> [T, 1,
+    heads * d]."""
+    outs = []
+    for (start, stop), index in zip(params.query_slices, params.key_index):
+        q = query[start:stop, 0].transpose(0, 1)[None]  # [1, heads, n, d]
+        k, v = (t[index, 0].transpose(0, 1)[None] for t in (keys, values))
+        outs.append(F.scaled_dot_product_attention(q, k, v, scale=scale)[0].transpose(0, 1).flatten(1))
+    out = torch.cat(outs) if outs else query.new_zeros(0, query.shape[2] * query.shape[3])
+    end = params.query_slices[-1][1] if params.query_slices else 0
+    if end != query.shape[0]:
+        raise ValueError(f"tile attention: the tiles' query rows end at {end}, the sequence has {query.shape[0]}")
+    return out[:, None]
+
+
 class BidirectionalCoreAttention(MegatronModule):
     """softmax(QK^T/sqrt(d))V over all tokens of an image, on megatron's [s, b, heads, dim] layout.
 
     megatron's local DotProductAttention forks the CUDA RNG tracker per call and materialises the scores;
-    SDPA does neither. Dropout is off in every ViT we load, so no RNG tracker is needed."""
+    SDPA does neither. Dropout is off in every ViT we load, so no RNG tracker is needed. With TileSeqParams
+    the sequence is many tiles flattened (b = 1), each attending within itself; a context-parallel class
+    (hetero/parallel/cp_tile_attention.py) plugs in through `vit_layer_spec(core_attention=...)`."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type="self", cp_comm_type=None,
                  softmax_scale=None, pg_collection=None):
@@ -60,8 +97,10 @@ class BidirectionalCoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask=None, *, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
+        if isinstance(packed_seq_params, TileSeqParams) and attention_bias is None:
+            return tile_attention(query, key, value, packed_seq_params, self.softmax_scale)
         if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("vision attention takes whole images [s, b, h, d], no packing or bias")
+            raise ValueError("vision attention takes whole images [s, b, h, d] (or TileSeqParams), no bias")
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         out = F.scaled_dot_product_attention(q, k, v, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
@@ -106,9 +145,10 @@ class LayerScaleBiasDropoutAdd(nn.Module):
         return scaled_bda
 
 
-def vit_layer_spec(cfg: dict, dtype: torch.dtype = torch.float32) -> ModuleSpec:
+def vit_layer_spec(cfg: dict, dtype: torch.dtype = torch.float32, core_attention=None) -> ModuleSpec:
     """Pre-norm attention + pre-norm MLP, both from megatron's local backend; with cfg["layer_scale"] set, both
-    residual adds scale their branch per channel (LayerScaleBiasDropoutAdd, initialised to that value)."""
+    residual adds scale their branch per channel (LayerScaleBiasDropoutAdd, initialised to that value).
+    core_attention: the core attention class (BidirectionalCoreAttention; a context-parallel one is injected)."""
     backend = LocalSpecProvider()
     column, row = backend.column_parallel_linear(), backend.row_parallel_linear()
     scale = cfg["layer_scale"]
@@ -120,7 +160,7 @@ def vit_layer_spec(cfg: dict, dtype: torch.dtype = torch.float32) -> ModuleSpec:
             input_layernorm=WrappedTorchNorm,
             self_attention=ModuleSpec(
                 module=SelfAttention, params={"attn_mask_type": AttnMaskType.no_mask},
-                submodules=SelfAttentionSubmodules(linear_qkv=column, core_attention=BidirectionalCoreAttention,
+                submodules=SelfAttentionSubmodules(linear_qkv=column, core_attention=core_attention or BidirectionalCoreAttention,
                                                    linear_proj=row),
             ),
             self_attn_bda=bda,
@@ -153,11 +193,14 @@ def vit_stage_layers(n_layers: int, pp: int, stage: int) -> range:
 class VisionTransformer(MegatronModule):
     """Normalised pixels [n, 3, H, W] -> patch features [n, H/p, W/p, hidden] (prefix tokens dropped).
 
-    Pipeline stages (pg_collection.pp of size > 1): the tower is that function cut at layer boundaries.
+    Context parallelism (pg_collection.cp of size > 1): models/vision_cp.py runs the same pieces on this rank's
+    part of the tokens. Pipeline stages (pg_collection.pp of size > 1): the tower is that function cut at layer
+    boundaries.
     Stage 0 holds the embedder, position table, prefix tokens (and video embedder), every stage its layers
     (vit_stage_layers), the last stage the final norm; `embed`, `run_stage_layers` and `head` are the pieces."""
 
-    def __init__(self, cfg: dict, pg_collection, dtype: torch.dtype = torch.float32, recompute: str = "none"):
+    def __init__(self, cfg: dict, pg_collection, dtype: torch.dtype = torch.float32, recompute: str = "none",
+                 core_attention=None):
         config = vit_transformer_config(cfg, pg_collection.tp.size(), dtype, recompute)
         super().__init__(config=config)
         self.cfg = cfg
@@ -166,6 +209,14 @@ class VisionTransformer(MegatronModule):
         self.pp = pp_group.size() if pp_group is not None else 1
         self.stage = pp_group.rank() if pp_group is not None else 0
         self.first_stage, self.last_stage = self.stage == 0, self.stage == self.pp - 1
+        # context parallelism (models/vision_cp.py): this rank computes its part of every row's tokens; the
+        # injected core attention gathers keys/values over pg_collection.cp
+        cp_group = getattr(pg_collection, "cp", None)
+        self.cp = cp_group.size() if cp_group is not None else 1
+        self.cp_rank = cp_group.rank() if cp_group is not None else 0
+        if self.cp > 1 and self.pp > 1:
+            raise ValueError(f"vision encoder cp{self.cp} x pp{self.pp}: context parallelism runs the tower as one "
+                             f"pipeline stage; use cp or pp for the vision encoder, not both")
         self.layer_ids = vit_stage_layers(cfg["layers"], self.pp, self.stage)
         self.embedder = self.pos_embed = self.prefix = self.video_embedder = self.final_norm = None
         if self.first_stage:
@@ -176,7 +227,7 @@ class VisionTransformer(MegatronModule):
             # Video tubelets: one linear over temporal_patch frames' patches, a Conv3D(kernel=stride) in effect.
             t = cfg.get("temporal_patch", 0)
             self.video_embedder = nn.Linear(t * 3 * p * p, d, bias=False, dtype=dtype) if t else None
-        spec = vit_layer_spec(cfg, dtype)
+        spec = vit_layer_spec(cfg, dtype, core_attention)
         built = [(i, build_module(spec, config=config, layer_number=i + 1, pg_collection=pg_collection))
                  for i in self.layer_ids]
         # one stage: a ModuleList (layers.N); a pipeline stage keys its layers by their *global* index, so its
@@ -224,10 +275,11 @@ class VisionTransformer(MegatronModule):
             x = torch.cat([self.prefix.expand(x.shape[0], -1, -1), x], dim=1)
         return x
 
-    def run_stage_layers(self, hidden: torch.Tensor) -> torch.Tensor:
-        """This stage's layers on megatron's [s, b, hidden]."""
+    def run_stage_layers(self, hidden: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
+        """This stage's layers on megatron's [s, b, hidden] (TileSeqParams: many tiles flattened, b = 1)."""
         layers = list(self.layers) if isinstance(self.layers, nn.ModuleList) else list(self.layers.values())
-        return run_layers(layers, hidden, self.config, self.training, attention_mask=None)
+        return run_layers(layers, hidden, self.config, self.training, attention_mask=None,
+                          packed_seq_params=packed_seq_params)
 
     def head(self, hidden: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         """Last stage: the layers' output [s, n, hidden] -> patch features [n, rows, cols, hidden]."""

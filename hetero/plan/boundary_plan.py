@@ -130,7 +130,7 @@ class _Elements:
     dst_row: np.ndarray
 
 
-def _contiguous_part(token: np.ndarray, count: np.ndarray, parts: int) -> np.ndarray:
+def contiguous_part(token: np.ndarray, count: np.ndarray, parts: int) -> np.ndarray:
     """Index of the part holding `token` when `count` tokens are cut into `parts` near-equal contiguous
     parts (the first count % parts parts get one extra token, like numpy.array_split)."""
     base, extra = count // parts, count % parts
@@ -171,7 +171,7 @@ def _elements(src: ModuleLayout, dst: ModuleLayout, batch: BoundaryBatch, dst_fo
     pos = np.concatenate(batch.positions) if n else np.zeros(0, np.int64)
 
     src_dp = sample // (n // src.dp_size)
-    src_cp = _contiguous_part(token, batch.tokens_per_sample[sample], src.cp)
+    src_cp = contiguous_part(token, batch.tokens_per_sample[sample], src.cp)
     src_row = _rank_in_group(src_dp * src.cp + src_cp)
 
     dst_dp = sample // (n // dst.dp_size)
@@ -277,5 +277,5 @@ def source_shard(src: ModuleLayout, batch: BoundaryBatch, dp: int, cp: int) -> n
     """Global element ids held by the source (dp, cp) shard, in its row order."""
     sample, token = _sample_and_token(batch)
     src_dp = sample // (batch.num_samples // src.dp_size)
-    src_cp = _contiguous_part(token, batch.tokens_per_sample[sample], src.cp)
+    src_cp = contiguous_part(token, batch.tokens_per_sample[sample], src.cp)
     return np.flatnonzero((src_dp == dp) & (src_cp == cp))

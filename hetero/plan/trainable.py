@@ -1,11 +1,13 @@
 """What the trainer can run: the one trainability rule, shared by the trainer, `layout=auto` and the planner.
 
 A layout can be valid (hetero/plan/layout.py: ranges tile the world, sizes divide heads and samples) and
-still not be trainable by hetero/training: the encoders run without context parallelism, only the vision
-tower splits over pipeline stages (models/multimodal.MediaModule.forward_stage: its layers cut at layer
-boundaries, items encoded each on its own; colocated or on ranks of its own), the audio encoder runs as one
-stage (NeMo's conformer forward is monolithic), and only encoders with tensor-parallel layers take tp > 1.
-The reference chain of `hetero.tools.verify` goes further (encoder CP), but training does not yet.
+still not be trainable by hetero/training:
+- the vision tower splits over context-parallel ranks (models/vision_cp.py: each CP rank computes its part of
+  every row's tokens, attention gathers each tile's keys/values) or over pipeline stages
+  (models/multimodal.MediaModule.forward_stage: layers cut at layer boundaries), not both at once;
+- the audio encoder runs on one rank's whole clips, as one stage: NeMo's conformer forward is monolithic, and its
+  convolution and subsampling windows cross any cut of a clip's frames;
+- only encoders with tensor-parallel layers take tp > 1.
 
 Pure: the caller says which encoders have tensor-parallel layers (from the encoder registry), so this
 module needs no model code.
@@ -17,8 +19,10 @@ from typing import Mapping
 
 from tessera.hetero.plan.layout import HeteroLayout, LayoutError
 
-# encoder module keys whose training splits the encoder over pipeline stages (pp > 1)
+# encoder module keys whose training splits the encoder over pipeline stages (pp > 1) or context-parallel
+# ranks (cp > 1), one of the two at a time
 PIPELINED_ENCODERS = frozenset({"vision"})
+CONTEXT_PARALLEL_ENCODERS = frozenset({"vision"})
 
 
 def untrainable_reasons(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool]) -> list[str]:
@@ -28,15 +32,15 @@ def untrainable_reasons(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool]
     reasons = []
     for key in layout.encoders:
         m = layout[key]
-        rule = (f"training runs the encoders without context parallelism and, except "
-                f"{', '.join(sorted(PIPELINED_ENCODERS))}, as one pipeline stage (cp1, pp1; "
-                f"{', '.join(sorted(PIPELINED_ENCODERS))} may take ppN)")
-        if m.cp > 1:
-            reasons.append(f"{key}={m.to_spec()}: {rule}; use tp/dp{'/pp' if key in PIPELINED_ENCODERS else ''} "
-                           f"for {key}")
+        if m.cp > 1 and key not in CONTEXT_PARALLEL_ENCODERS:
+            reasons.append(f"{key}={m.to_spec()}: the {key} encoder runs without context parallelism (its "
+                           f"convolution and subsampling windows cross any cut of a clip); use tp/dp for {key}")
         if m.pp > 1 and key not in PIPELINED_ENCODERS:
-            reasons.append(f"{key}={m.to_spec()}: {rule} (the {key} encoder's forward is one piece); use tp/dp "
-                           f"for {key}")
+            reasons.append(f"{key}={m.to_spec()}: the {key} encoder runs as one pipeline stage (its forward is "
+                           f"one piece); use tp/dp for {key}")
+        if m.cp > 1 and m.pp > 1:
+            reasons.append(f"{key}={m.to_spec()}: the {key} encoder splits over cp or pp, not both; use cp{m.cp} "
+                           f"or pp{m.pp} for {key}")
         if m.tp > 1 and not encoder_has_tp.get(key, False):
             reasons.append(f"{key}=tp{m.tp}: the {key} encoder has no tensor parallelism; use tp1 for {key} "
                            f"(more dp instead)")

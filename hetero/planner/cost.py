@@ -98,15 +98,17 @@ def activation_bytes(mod: ModuleDesc, lay: ModuleLayout, tokens: float, ctx: flo
     sp = tp if mod.kind == "llm" and llm_sequence_parallel(bool(mod.moe_layers), tp) else 1
     cp = lay.cp > 1 and mod.kind == "llm"
     per_layer_cp = {"*": mod.cp_ctx * ctx / max(1, mod.attn_layers), "M": mod.cp_act / max(1, mod.mamba_layers)}
+    # vision CP (models/vision_cp.py): each layer keeps the K/V it gathered from the cp ranks for its backward
+    gathered = lay.cp * mod.kv_width * BF16 / tp if lay.cp > 1 and mod.kind != "llm" else 0.0
     if recompute:
         per_mb = tokens * (mod.act_bytes_recompute / sp) / pp
         peak = tokens * max(r / sp + (a + (per_layer_cp.get(ch, 0.0) if cp else 0.0)) / tp + u
                             for ch, r, a, u in mod.act_peak)
-        peak += tokens * mod.act_ctx * ctx / tp / mod.layers
+        peak += tokens * (mod.act_ctx * ctx / tp / mod.layers + gathered)
     else:
         extra = (mod.cp_ctx * ctx + mod.cp_act) if cp else 0.0
         per_mb = tokens * (mod.act_replicated / sp + (mod.act_bytes + mod.act_ctx * ctx + extra) / tp
-                           + mod.act_unsplit) / pp
+                           + mod.act_unsplit + gathered * mod.layers) / pp
         peak = 0.0
     if mod.kind == "llm":
         return per_mb, peak, tokens * (mod.act_edge / sp + mod.logits_bytes / tp)
@@ -125,7 +127,7 @@ def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, c
         tokens = per_dp * toks / cp
         fwd_item = toks * (mod.linear_flops + mod.attn_flops * ctx)
         fwd_body = per_dp * fwd_item / (tp * cp * pp)
-    else:                        # encoder CP splits a sequence's media items, which are independent
+    else:                        # encoder CP splits a sequence's media tokens (hetero/plan/encoder_cp.py)
         rank_items = per_dp * items / cp
         tokens, ctx = rank_items * toks, toks
         fwd_item = toks * (mod.linear_flops + mod.attn_flops * ctx) + extra
@@ -143,6 +145,14 @@ def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, c
         attn_compute = per_dp * toks * mod.attn_flops * ctx / (tp * cp * pp) * mult / speed
         state = (mod.mamba_layers / pp) * 2 * (cp - 1) * comm.p2p(per_dp * mod.state_bytes / tp, ring_link, k)
         cp_s = max(0.0, ring - attn_compute) + state
+    elif cp > 1:
+        # vision CP: every layer all-gathers its tiles' K/V over the CP group (again when recompute reruns the
+        # forward) and all-reduces their gradient in backward; not overlapped with compute
+        kv = tokens * cp * mod.kv_width * BF16 / tp
+        link = comm.group_link(cl, cp, tp)
+        per_layer = (2 if recompute else 1) * comm.reduce_scatter(kv, cp, link, cl, k) + comm.all_reduce(
+            kv, cp, link, cl, k)
+        cp_s = (mod.layers / pp) * per_layer
     ep_s = 0.0
     if mod.moe_layers and lay.ep > 1:
         ep_s = (mod.moe_layers / pp) * 4 * comm.all_to_all(

@@ -221,7 +221,10 @@ def _forward(key: str, module: nn.Module, batch: Batch, cfg_dtype: torch.dtype):
         return module(None, labels)
     frozen = getattr(module, "frozen", False)
     if module.cfg["modality"] == "vision":
-        tile = module.cfg["tile"]
+        tile, cp = module.cfg["tile"], module.encoder.vit.cp
+        if cp > 1:  # one row of the CP group's tiles; this rank computes its part, gathering K/V (fake world)
+            tiles = torch.zeros(batch.vision_tiles * cp, 3, tile, tile, dtype=torch.uint8, **meta)
+            return module.forward_cp([[("image", tiles)]])
         with torch.set_grad_enabled(not frozen):
             feats = module.encoder(torch.zeros(batch.vision_tiles, 3, tile, tile, dtype=torch.uint8, **meta))
         return module.projector(feats)

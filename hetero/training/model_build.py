@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from tessera.hetero.runtime.groups import DENSE_GROUPS, EXPERT_GROUPS, ModuleGroups
+from tessera.hetero.parallel.cp_tile_attention import TileCPCoreAttention
 from tessera.hetero.parallel.kernel_choice import select_kernels
 from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError
 from tessera.hetero.plan.recompute import parse_recompute
@@ -58,8 +59,11 @@ def single_rank_pgs() -> ProcessGroupCollection:
 
 
 def media_module(spec, model_cfg, llm_hidden: int, pgs, recompute: str = "none"):
+    # a context-parallel vision tower gathers each tile's keys/values over its CP group
+    cp = getattr(pgs, "cp", None)
     return build_media_module(spec.name, llm_hidden, pgs, frozen=spec.freeze, pruning_rate=model_cfg.video_pruning,
-                              recompute=recompute)
+                              recompute=recompute,
+                              core_attention=TileCPCoreAttention if cp is not None and cp.size() > 1 else None)
 
 
 def hf_shapes(model_cfg, hf_fields: dict) -> dict[str, tuple[int, ...]]:

@@ -39,6 +39,8 @@ class MediaEncoderStage:
     """One encoder's pipeline stage: on the last stage, [tokens, llm_hidden] embeddings of this rank's rows, in
     (row, position) order — the source order hetero.plan.boundary_plan expects.
 
+    A context-parallel vision tower (cp > 1) hands on, per row, its CP rank's contiguous part of the row's tokens
+    (hetero/plan/encoder_cp.py), as the boundary plan's source shards are cut.
     A vision tower split over pp > 1 stages (models/multimodal.MediaModule.forward_stage) hands on every item's
     hidden states concatenated, [sum over items of tiles x (prefix + patches), hidden]: every stage of one DP
     rank decodes the same rows (data/sharding.decode_plan), so each knows the items and the shape it receives."""
@@ -48,10 +50,14 @@ class MediaEncoderStage:
         self.module, self.key, self.layout, self.coord, self.batches = module, key, layout, coord, batches
         self.device = device  # where the module lives; MediaModule moves its decoded items there
 
-    def _items(self, mb: int) -> list:
+    def _rows(self, mb: int) -> list[list]:
+        """Each of this rank's DP rows' items of this encoder, in order."""
         batch = self.batches[mb]
         rows = dp_rows(batch.tokens.shape[0], self.layout.dp_size, self.coord.dp)
-        return [it for r in rows for it in batch.media[r].get(self.key, [])]
+        return [batch.media[r].get(self.key, []) for r in rows]
+
+    def _items(self, mb: int) -> list:
+        return [it for row in self._rows(mb) for it in row]
 
     def input_shape(self, mb: int):
         if self.layout.pp == 1:
@@ -59,6 +65,8 @@ class MediaEncoderStage:
         return self.module.stage_shape(self._items(mb))
 
     def forward(self, x, mb: int) -> torch.Tensor:
+        if self.layout.cp > 1:  # this CP rank's contiguous part of each row's tokens (models/vision_cp.py)
+            return self.module.forward_cp(self._rows(mb))
         items = self._items(mb)
         if self.layout.pp > 1:
             return self.module.forward_stage(items, x)
