@@ -1,6 +1,7 @@
-"""The vision encoder under context parallelism (hetero/plan/encoder_cp.py, models/vision_cp.py,
-hetero/parallel/cp_tile_attention.py): the plan gives every CP rank exactly the tokens the boundary plan expects of
-it, and the sharded tower's output and gradients are the one-device tower's (gloo ranks, fp32)."""
+"""Encoders under context parallelism (hetero/plan/encoder_cp.py): the vision tower split by tokens
+(models/vision_cp.py, hetero/parallel/cp_tile_attention.py), the audio encoder by items (hetero/training/stages.py).
+The plans give every CP rank exactly the tokens the boundary plan expects of it, the sharded tower's output and
+gradients are the one-device tower's, and training in CP layouts equals the homogeneous run (gloo ranks, fp32)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from tessera.hetero.plan.boundary_plan import BoundaryBatch, plan_boundary
-from tessera.hetero.plan.encoder_cp import block_patches, plan_vision_cp
+from tessera.hetero.plan.encoder_cp import block_patches, item_cp_index, item_owners, plan_vision_cp
 from tessera.hetero.plan.layout import HeteroLayout
 from tessera.hetero.tools.spawn import run_on_ranks
 from tessera.models.vision import pixel_shuffle
@@ -67,6 +68,28 @@ def test_block_patches_follow_pixel_shuffle():
 def test_plan_refuses_a_grid_the_shuffle_does_not_divide():
     with pytest.raises(ValueError, match="3x4 is not divisible by the pixel-shuffle factor 2"):
         plan_vision_cp([[(3, 4)]], shuffle=2, prefix_tokens=0, cp=2)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_item_parallel_cp_keeps_each_ranks_boundary_part(cp):
+    """Item-parallel CP (audio): items dealt to ranks balancing tokens; after the gather each rank's index picks,
+    row by row, exactly the boundary plan's contiguous part of the row's tokens, in order."""
+    tokens = [[7, 3, 12], [], [5], [1, 1, 9, 4]]
+    owners = item_owners(tokens, cp)
+    loads = [sum(n for row, own in zip(tokens, owners) for n, q in zip(row, own) if q == r) for r in range(cp)]
+    assert max(loads) - min(loads) <= max(max(row, default=0) for row in tokens)
+    # gathered sequence: rank after rank, each rank's items in (row, item) order, labelled (row, token in row)
+    labels = []
+    for q in range(cp):
+        for r, (row, own) in enumerate(zip(tokens, owners)):
+            for j, (n, o) in enumerate(zip(row, own)):
+                if o == q:
+                    labels += [(r, sum(row[:j]) + t) for t in range(n)]
+    labels = np.array(labels)
+    for rank in range(cp):
+        want = [(r, t) for r, row in enumerate(tokens) if sum(row)
+                for t in np.array_split(np.arange(sum(row)), cp)[rank]]
+        assert labels[item_cp_index(tokens, owners, cp, rank)].tolist() == [list(w) for w in want]
 
 
 # ---- the tower on gloo ranks vs one device ----
@@ -170,11 +193,17 @@ def test_cp_tower_equals_one_device(name):
 
 # ---- training: loss and grad norm equal the homogeneous run's at every step ----
 
-REFERENCE = "vision=dp4@0-3;language=dp4@0-3"
-CP_RUNS = {"colocated_cp2": "vision=cp2,dp2@0-3;language=dp4@0-3",
-           "vision_and_llm_cp2": "vision=cp2,dp2@0-3;language=cp2,dp2@0-3",
-           "vision_cp2_tp2": "vision=tp2,cp2@0-3;language=dp4@0-3",
-           "non_colocated_cp2": "vision=cp2@0-1;language=tp2@2-3"}
+OMNI = {"audio": "fastconformer_tiny"}  # the tiny VL model + an audio encoder
+# run name -> (layout, model fields, the run it must equal)
+RUNS = {"reference": ("vision=dp4@0-3;language=dp4@0-3", {}, None),
+        "colocated_cp2": ("vision=cp2,dp2@0-3;language=dp4@0-3", {}, "reference"),
+        "vision_and_llm_cp2": ("vision=cp2,dp2@0-3;language=cp2,dp2@0-3", {}, "reference"),
+        "vision_cp2_tp2": ("vision=tp2,cp2@0-3;language=dp4@0-3", {}, "reference"),
+        "non_colocated_cp2": ("vision=cp2@0-1;language=tp2@2-3", {}, "reference"),
+        "omni_reference": ("vision=dp4@0-3;audio=dp4@0-3;language=dp4@0-3", OMNI, None),
+        "omni_all_cp2": ("vision=cp2,dp2@0-3;audio=cp2,dp2@0-3;language=cp2,dp2@0-3", OMNI, "omni_reference"),
+        "omni_audio_cp2_own_ranks": ("vision=dp2@0-1;audio=cp2@2-3;language=tp2@0-1", OMNI, "omni_reference")}
+CP_RUNS = {name: layout for name, (layout, _, ref) in RUNS.items() if ref}
 STEPS = 6
 
 
@@ -183,8 +212,8 @@ def _all_runs(root: str) -> dict[str, str]:
 
     from tests.test_encoder_pp import _train
 
-    return {name: _train(str(Path(root) / name), layout, {}, STEPS)["layout"]
-            for name, layout in {"reference": REFERENCE, **CP_RUNS}.items()}
+    return {name: _train(str(Path(root) / name), layout, fields, STEPS)["layout"]
+            for name, (layout, fields, _) in RUNS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -195,16 +224,17 @@ def runs(tmp_path_factory):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", sorted(CP_RUNS))
-def test_vision_cp_trains_as_the_homogeneous_run(runs, name):
-    """The tiny VL recipe's model with its vision tower on cp2 (colocated, with a cp2 LLM, with TP, on ranks of its
-    own): loss and global grad norm within 1e-5 relative of the homogeneous run at every step."""
+def test_encoder_cp_trains_as_the_homogeneous_run(runs, name):
+    """The tiny VL model with its vision tower on cp2 (colocated, with a cp2 LLM, with TP, on ranks of its own), and
+    with an audio encoder: vision, audio and LLM all cp2, audio cp2 on ranks of its own: loss and global grad norm
+    within 1e-5 relative of the same model's homogeneous run at every step."""
     from tessera.hetero.plan.layout import HeteroLayout
     from tessera.hetero.training.metrics import read_metrics
     from tests._run_curves import curves, rel
 
     root, layouts = runs
-    assert HeteroLayout.parse(layouts[name]).modules["vision"].cp == 2, layouts[name]
-    loss_ref, norm_ref = curves(root / "reference")
+    assert max(m.cp for k, m in HeteroLayout.parse(layouts[name]).modules.items() if k != "language") == 2
+    loss_ref, norm_ref = curves(root / RUNS[name][2])
     loss, norm = curves(root / name)
     assert len(loss) == len(loss_ref) == STEPS and loss[-1] < loss[0]
     print(f"{name}: max rel loss diff {rel(loss, loss_ref):.2e}, grad norm {rel(norm, norm_ref):.2e}")
@@ -213,8 +243,8 @@ def test_vision_cp_trains_as_the_homogeneous_run(runs, name):
 
 
 def test_what_encoder_cp_refuses():
-    """Audio CP (the conformer's windows cross any cut of a clip), vision cp x pp at once, and video tubelets or
-    EVS pruning under vision CP are refused, each named with its fix."""
+    """Vision cp x pp at once, and video tubelets or EVS pruning under vision CP are refused, each named with its
+    fix; audio CP (item-parallel) trains."""
     import re
 
     from tessera.hetero.plan.layout import HeteroLayout, LayoutError
@@ -224,11 +254,8 @@ def test_what_encoder_cp_refuses():
     has_tp = {"vision": True, "audio": False}
     for good in (*CP_RUNS.values(), "vision=cp4@0-3;language=tp2,cp2@4-7"):
         assert untrainable_reasons(HeteroLayout.parse(good), has_tp) == [], good
-    for bad, why in (("vision=dp2@0-1;audio=cp2@0-1;language=tp2@2-3", "the audio encoder runs without context "
-                      "parallelism"),
-                     ("vision=cp2,pp2@0-3;language=dp4@0-3", "splits over cp or pp, not both; use cp2 or pp2")):
-        with pytest.raises(LayoutError, match=re.escape(why)):
-            check_trainable(HeteroLayout.parse(bad), has_tp)
+    with pytest.raises(LayoutError, match=re.escape("splits over cp or pp, not both; use cp2 or pp2")):
+        check_trainable(HeteroLayout.parse("vision=cp2,pp2@0-3;language=dp4@0-3"), has_tp)
 
     class _Group:  # a CP group of two as the module sees it (size and rank only)
         def size(self):

@@ -150,9 +150,8 @@ def test_the_one_resolution_scales_handles_auto_and_refuses_what_cannot_train():
     from tessera.hetero.planner.run_layout import encoder_has_tp
 
     assert auto.world_size == 4 and untrainable_reasons(auto, encoder_has_tp(_run("auto").model)) == []
-    # the trainer's rule, before launch: audio CP/PP, vision cp x pp, and audio TP
+    # the trainer's rule, before launch: audio PP, vision cp x pp, and audio TP
     for bad, why in (("vision=cp2,pp2@0-3;language=dp4@0-3", "splits over cp or pp, not both"),
-                     ("vision=dp4@0-3;audio=cp2,dp2@0-3;language=dp4@0-3", "audio encoder runs without context"),
                      ("vision=dp4@0-3;audio=pp2,dp2@0-3;language=dp4@0-3", "audio encoder runs as one pipeline"),
                      ("vision=dp4@0-3;audio=tp2,dp2@0-3;language=dp4@0-3", "audio encoder has no tensor parallelism")):
         with pytest.raises(LayoutError, match=re.escape(why)):
@@ -238,8 +237,8 @@ def test_cli_dryrun_prints_the_resolved_config():
     (["--factory", "nemotron_vl_tiny", "model.vision=clip_l"], "registered vision encoders"),
     (["--factory", "nemotron_vl_tiny", "trainer.max_stepz=3"], "trainer has no 'max_stepz'; its keys: max_steps"),
     # what the trainer cannot run is refused before launch (not on the ranks after a Slurm queue)
-    (["--factory", "nemotron_omni_tiny", "layout=vision=dp4@0-3;audio=cp2,dp2@0-3;language=tp2,cp2@0-3"],
-     "the audio encoder runs without context parallelism"),
+    (["--factory", "nemotron_vl_tiny", "layout=vision=cp2,pp2@0-3;language=tp2,dp2@0-3"],
+     "the vision encoder splits over cp or pp, not both"),
     (["--factory", "nemotron_omni_tiny", "layout=vision=dp4@0-3;audio=tp2,dp2@0-3;language=tp2,cp2@0-3"],
      "the audio encoder has no tensor parallelism"),
 ])

@@ -109,3 +109,43 @@ def plan_vision_cp(rows: Sequence[Sequence[tuple[int, int]]], shuffle: int, pref
             start += n
             tile += 1
     return VisionCPPlan(tuple(tuple(p) for p in parts), prefix_tokens, shuffle)
+
+
+# ---- item-parallel CP (the audio encoder): whole items per rank, outputs gathered, each rank keeps its part ----
+# A conformer's convolution and subsampling windows cross any cut of a clip, but clips are encoded each on its own
+# (hetero/training/stages.py), so CP can split a microbatch's *items*: each rank encodes the items dealt to it,
+# the outputs are all-gathered over the CP group (backward: each item's gradient summed back to its encoder), and
+# each rank keeps the boundary plan's contiguous part of every row's tokens. Exact by construction.
+
+def item_owners(tokens_per_item: Sequence[Sequence[int]], cp: int) -> list[list[int]]:
+    """Per row, per item: the CP rank that encodes it. All items of the microbatch are dealt largest first to the
+    rank with the fewest tokens so far (ties: the lower rank), so every rank computes the same deal."""
+    flat = [(n, r, j) for r, row in enumerate(tokens_per_item) for j, n in enumerate(row)]
+    load = [0] * cp
+    owners = [[0] * len(row) for row in tokens_per_item]
+    for n, r, j in sorted(flat, key=lambda t: (-t[0], t[1], t[2])):
+        q = min(range(cp), key=lambda i: (load[i], i))
+        owners[r][j] = q
+        load[q] += n
+    return owners
+
+
+def item_cp_index(tokens_per_item: Sequence[Sequence[int]], owners: Sequence[Sequence[int]], cp: int,
+                  rank: int) -> np.ndarray:
+    """Rows of the gathered outputs (rank after rank, each rank's items in (row, item) order) that make up
+    `rank`'s part: for each row in order, the contiguous part `rank` of the row's tokens (as the boundary plan
+    cuts them)."""
+    start, offset = {}, 0  # (row, item) -> its first row in the gathered sequence
+    for q in range(cp):
+        for r, row in enumerate(tokens_per_item):
+            for j, n in enumerate(row):
+                if owners[r][j] == q:
+                    start[r, j] = offset
+                    offset += n
+    out = []
+    for r, row in enumerate(tokens_per_item):
+        full = np.concatenate([np.arange(start[r, j], start[r, j] + n) for j, n in enumerate(row)] +
+                              [np.zeros(0, np.int64)]).astype(np.int64)
+        if len(full):
+            out.append(full[contiguous_part(np.arange(len(full)), np.int64(len(full)), cp) == rank])
+    return np.concatenate(out) if out else np.zeros(0, np.int64)

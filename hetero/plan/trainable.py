@@ -2,11 +2,12 @@
 
 A layout can be valid (hetero/plan/layout.py: ranges tile the world, sizes divide heads and samples) and
 still not be trainable by hetero/training:
-- the vision tower splits over context-parallel ranks (models/vision_cp.py: each CP rank computes its part of
-  every row's tokens, attention gathers each tile's keys/values) or over pipeline stages
-  (models/multimodal.MediaModule.forward_stage: layers cut at layer boundaries), not both at once;
-- the audio encoder runs on one rank's whole clips, as one stage: NeMo's conformer forward is monolithic, and its
-  convolution and subsampling windows cross any cut of a clip's frames;
+- every encoder takes context parallelism (hetero/plan/encoder_cp.py): the vision tower computes each CP rank's
+  part of every row's tokens (models/vision_cp.py: attention gathers each tile's keys/values); the audio encoder,
+  whose convolution and subsampling windows cross any cut of a clip, encodes whole clips per CP rank and gathers
+  the outputs (hetero/training/stages.py);
+- the vision tower splits over pipeline stages (models/multimodal.MediaModule.forward_stage: layers cut at layer
+  boundaries), not together with CP; the audio encoder runs as one stage (NeMo's conformer forward is monolithic);
 - only encoders with tensor-parallel layers take tp > 1.
 
 Pure: the caller says which encoders have tensor-parallel layers (from the encoder registry), so this
@@ -19,10 +20,8 @@ from typing import Mapping
 
 from tessera.hetero.plan.layout import HeteroLayout, LayoutError
 
-# encoder module keys whose training splits the encoder over pipeline stages (pp > 1) or context-parallel
-# ranks (cp > 1), one of the two at a time
+# encoder module keys whose training splits the encoder over pipeline stages (pp > 1), never with cp > 1
 PIPELINED_ENCODERS = frozenset({"vision"})
-CONTEXT_PARALLEL_ENCODERS = frozenset({"vision"})
 
 
 def untrainable_reasons(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool]) -> list[str]:
@@ -32,9 +31,6 @@ def untrainable_reasons(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool]
     reasons = []
     for key in layout.encoders:
         m = layout[key]
-        if m.cp > 1 and key not in CONTEXT_PARALLEL_ENCODERS:
-            reasons.append(f"{key}={m.to_spec()}: the {key} encoder runs without context parallelism (its "
-                           f"convolution and subsampling windows cross any cut of a clip); use tp/dp for {key}")
         if m.pp > 1 and key not in PIPELINED_ENCODERS:
             reasons.append(f"{key}={m.to_spec()}: the {key} encoder runs as one pipeline stage (its forward is "
                            f"one piece); use tp/dp for {key}")

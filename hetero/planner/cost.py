@@ -99,7 +99,7 @@ def activation_bytes(mod: ModuleDesc, lay: ModuleLayout, tokens: float, ctx: flo
     cp = lay.cp > 1 and mod.kind == "llm"
     per_layer_cp = {"*": mod.cp_ctx * ctx / max(1, mod.attn_layers), "M": mod.cp_act / max(1, mod.mamba_layers)}
     # vision CP (models/vision_cp.py): each layer keeps the K/V it gathered from the cp ranks for its backward
-    gathered = lay.cp * mod.kv_width * BF16 / tp if lay.cp > 1 and mod.kind != "llm" else 0.0
+    gathered = lay.cp * mod.kv_width * BF16 / tp if lay.cp > 1 and mod.kind == "vit" else 0.0
     if recompute:
         per_mb = tokens * (mod.act_bytes_recompute / sp) / pp
         peak = tokens * max(r / sp + (a + (per_layer_cp.get(ch, 0.0) if cp else 0.0)) / tp + u
@@ -120,7 +120,7 @@ def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, c
     """One module in layout `lay`, fed `samples` sequences per microbatch (global); `in_flight`
     microbatches' activations are alive at once on its first stage."""
     tp, cp, pp, dp = lay.tp, lay.cp, lay.pp, lay.dp_size
-    items, toks, _, extra = items_of(mod, w)
+    items, toks, out_toks, extra = items_of(mod, w)
     per_dp = samples / dp
     if mod.kind == "llm":       # one sequence per item, the sequence split over CP (zigzag)
         rank_items, ctx = per_dp, toks
@@ -145,7 +145,7 @@ def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, c
         attn_compute = per_dp * toks * mod.attn_flops * ctx / (tp * cp * pp) * mult / speed
         state = (mod.mamba_layers / pp) * 2 * (cp - 1) * comm.p2p(per_dp * mod.state_bytes / tp, ring_link, k)
         cp_s = max(0.0, ring - attn_compute) + state
-    elif cp > 1:
+    elif cp > 1 and mod.kind == "vit":
         # vision CP: every layer all-gathers its tiles' K/V over the CP group (again when recompute reruns the
         # forward) and all-reduces their gradient in backward; not overlapped with compute
         kv = tokens * cp * mod.kv_width * BF16 / tp
@@ -153,6 +153,11 @@ def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, c
         per_layer = (2 if recompute else 1) * comm.reduce_scatter(kv, cp, link, cl, k) + comm.all_reduce(
             kv, cp, link, cl, k)
         cp_s = (mod.layers / pp) * per_layer
+    elif cp > 1:
+        # item-parallel CP (audio): whole clips per rank; their outputs all-gathered, the gradient all-reduced
+        out = per_dp * out_toks * mod.out_hidden * BF16  # every output of the DP rank's rows
+        link = comm.group_link(cl, cp, tp)
+        cp_s = comm.reduce_scatter(out, cp, link, cl, k) + comm.all_reduce(out, cp, link, cl, k)
     ep_s = 0.0
     if mod.moe_layers and lay.ep > 1:
         ep_s = (mod.moe_layers / pp) * 4 * comm.all_to_all(

@@ -207,7 +207,8 @@ def compare_multimodal(hf_dir: str, layout: str = "", perturb: dict[str, float] 
 
     batch = packed_batch(samples, seq)
     comms, like, _ = step_context(run)
-    enc = {k: MediaEncoderStage(run.modules[k], k, hetero[k], run.groups[k].coord, [batch], device)
+    enc = {k: MediaEncoderStage(run.modules[k], k, hetero[k], run.groups[k].coord, [batch], device,
+                                 run.groups[k].pgs.cp)
            for k in run.modules if k != LANGUAGE}
     lang = (_LogitsStage(_LogitsOnly(run.modules[LANGUAGE]), hetero[LANGUAGE], run.groups[LANGUAGE].coord, [batch],
                          1, device) if LANGUAGE in run.modules else None)

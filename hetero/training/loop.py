@@ -175,7 +175,7 @@ def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, h
     t0 = time.perf_counter()
     batches = [next(it) for _ in range(cfg.data.microbatches)]
     total = global_token_count(batches)
-    enc = {k: MediaEncoderStage(modules[k], k, layout[k], groups[k].coord, batches, run.device)
+    enc = {k: MediaEncoderStage(modules[k], k, layout[k], groups[k].coord, batches, run.device, groups[k].pgs.cp)
            for k in modules if k != LANGUAGE}
     lang = (LanguageStage(modules[LANGUAGE], layout[LANGUAGE], groups[LANGUAGE].coord, batches, total, run.device)
             if LANGUAGE in modules else None)

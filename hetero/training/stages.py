@@ -23,6 +23,8 @@ from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
 
 from tessera.data.packing import PackedBatch
 from tessera.data.sharding import dp_rows
+from tessera.hetero.parallel.cp_gather_attention import gather_rows
+from tessera.hetero.plan.encoder_cp import item_cp_index, item_owners
 from tessera.hetero.plan.zigzag import zigzag_positions
 from tessera.hetero.plan.layout import ModuleLayout, RankCoord
 from tessera.models.sdpa_attention import document_ids
@@ -39,16 +41,20 @@ class MediaEncoderStage:
     """One encoder's pipeline stage: on the last stage, [tokens, llm_hidden] embeddings of this rank's rows, in
     (row, position) order — the source order hetero.plan.boundary_plan expects.
 
-    A context-parallel vision tower (cp > 1) hands on, per row, its CP rank's contiguous part of the row's tokens
-    (hetero/plan/encoder_cp.py), as the boundary plan's source shards are cut.
+    Under CP (cp > 1) a rank hands on, per row, its CP rank's contiguous part of the row's tokens, as the boundary
+    plan's source shards are cut (hetero/plan/encoder_cp.py): the vision tower computes just those tokens, other
+    encoders (audio) encode whole items per rank and gather the outputs.
     A vision tower split over pp > 1 stages (models/multimodal.MediaModule.forward_stage) hands on every item's
     hidden states concatenated, [sum over items of tiles x (prefix + patches), hidden]: every stage of one DP
     rank decodes the same rows (data/sharding.decode_plan), so each knows the items and the shape it receives."""
 
     def __init__(self, module, key: str, layout: ModuleLayout, coord: RankCoord, batches: list[PackedBatch],
-                 device: torch.device):
+                 device: torch.device, cp_group=None):
         self.module, self.key, self.layout, self.coord, self.batches = module, key, layout, coord, batches
         self.device = device  # where the module lives; MediaModule moves its decoded items there
+        self.cp_group = cp_group  # item-parallel CP gathers the items' outputs over it
+        if layout.cp > 1 and cp_group is None:
+            raise ValueError(f"{key}={layout.to_spec()}: an encoder stage under CP needs its cp group")
 
     def _rows(self, mb: int) -> list[list]:
         """Each of this rank's DP rows' items of this encoder, in order."""
@@ -65,14 +71,33 @@ class MediaEncoderStage:
         return self.module.stage_shape(self._items(mb))
 
     def forward(self, x, mb: int) -> torch.Tensor:
-        if self.layout.cp > 1:  # this CP rank's contiguous part of each row's tokens (models/vision_cp.py)
-            return self.module.forward_cp(self._rows(mb))
+        if self.layout.cp > 1 and self.module.cfg["modality"] == "vision":
+            return self.module.forward_cp(self._rows(mb))  # this CP rank's part of the tokens (models/vision_cp.py)
+        if self.layout.cp > 1:
+            return self._forward_items_cp(self._rows(mb))
         items = self._items(mb)
         if self.layout.pp > 1:
             return self.module.forward_stage(items, x)
         if not items:
             return self.module([])
         return torch.cat([self.module([it]) for it in items])
+
+
+    def _forward_items_cp(self, rows: list[list]) -> torch.Tensor:
+        """Item-parallel CP (hetero/plan/encoder_cp.item_owners): this rank encodes the items dealt to it, the
+        outputs are gathered over the CP group, and it keeps its contiguous part of each row's tokens."""
+        cp, rank = self.layout.cp, self.coord.cp
+        counts = [[self.module.num_tokens(kind, item) for kind, item in row] for row in rows]
+        owners = item_owners(counts, cp)
+        mine = [it for row, own in zip(rows, owners) for it, q in zip(row, own) if q == rank]
+        local = torch.cat([self.module([it]) for it in mine]) if mine else self.module([])
+        per_rank = [sum(n for row, own in zip(counts, owners) for n, q in zip(row, own) if q == r) for r in range(cp)]
+        if not sum(per_rank):
+            return local
+        if torch.is_grad_enabled() and not local.requires_grad:
+            local = local.detach().requires_grad_()  # no item here: still join the gather's backward all-reduce
+        gathered = gather_rows(local, self.cp_group, per_rank)
+        return gathered[torch.as_tensor(item_cp_index(counts, owners, cp, rank), device=gathered.device)]
 
 
 class LanguageStage:
