@@ -43,7 +43,8 @@ from megatron.energon.state import FlexState
 from tessera.data.media import (MediaError, blank_item, choose_grid, decode_audio, decode_image, decode_video,
                         probe_audio, probe_image, probe_video, sample_indices)
 from tessera.data.packing import EncodedSample, PackedSample, collate, first_fit_decreasing, pack_row
-from tessera.data.tokens import MODULE_OF_KIND, MEDIA_TAGS, EncoderTokens, PromptError, Tokenizer, encode_conversation
+from tessera.data.tokens import (DEFAULT_TEMPLATE, MODULE_OF_KIND, MEDIA_TAGS, EncoderTokens, PromptError, Tokenizer,
+                                 encode_conversation)
 
 log = logging.getLogger("tessera.data")
 
@@ -74,13 +75,15 @@ class ChatTaskEncoder(TaskEncoder):
 
     def __init__(self, tokenizer: str | Path | Tokenizer, seq_length: int, encoder: EncoderTokens = EncoderTokens(),
                  strict: bool = False, decode: dict[str, range] | None = None, modules=None,
-                 defer_upscale: bool = False):
+                 defer_upscale: bool = False, template: str = DEFAULT_TEMPLATE):
         """decode: encoder module -> rows of the microbatch to decode on this rank (decode_plan); modules
         not named are not decoded; None decodes every row of every module (single-rank use).
         modules: the encoder modules the model has; a sample with media for another one is skipped
         (its placeholders would otherwise be trained on as text). None accepts every modality.
         defer_upscale: images/videos smaller than their tiles are delivered as models.tiling.TileSource and
-        resized on the encoding device (a GPU run: less loader CPU, less to copy)."""
+        resized on the encoding device (a GPU run: less loader CPU, less to copy).
+        template: the prompt template's name (data/templates.py): how media tags are wrapped."""
+        self.template = template
         self.defer_upscale = defer_upscale
         self.modules = None if modules is None else frozenset(modules)
         self.tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
@@ -139,7 +142,7 @@ class ChatTaskEncoder(TaskEncoder):
                 self._skip(sample, e.reason or f"undecodable_{kind}", str(e))
         try:
             prompt = encode_conversation(self.tok, turns, [k for k, _ in raw],
-                                         [self.enc.tokens(k, u) for (k, _), u in zip(raw, units)])
+                                         [self.enc.tokens(k, u) for (k, _), u in zip(raw, units)], self.template)
         except PromptError as e:
             self._skip(sample, "missing_modality" if "missing modality" in str(e) else "extra_media", str(e))
         if len(prompt) > self.seq_length:

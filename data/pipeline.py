@@ -12,13 +12,15 @@ audio produces.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from tessera.data.loader import ChatTaskEncoder, build_loader
-from tessera.data.tokens import EncoderTokens
+from tessera.data.templates import template_for_encoders
+from tessera.data.tokens import SPECIAL_TOKENS, EncoderTokens
 
 _DONE = ".complete"  # written last inside the temporary folder, so a renamed folder is always whole
 
@@ -33,11 +35,14 @@ def synthetic_dataset(root: Path, samples: int = 96, seed: int = 0) -> tuple[Pat
     Safe when several ranks (processes, hosts on a shared filesystem) call it at once: each builds a
     private temporary folder next to the target and renames it into place; a rename onto an existing
     folder fails, so exactly one copy wins and the others delete theirs. Nobody ever sees a partial set,
-    and a crash leaves only a temporary folder behind (named `.synthetic-*.tmp*`), never a broken target."""
+    and a crash leaves only a temporary folder behind (named `.synthetic-*.tmp*`), never a broken target.
+    The folder's name carries a digest of the template's special tokens: a set cached with another token set
+    has a tokenizer that Tokenizer refuses, so it is never reused (a new one is built beside it)."""
     from tessera.data.prepare import make_synthetic  # lazily: media encoders load only when generating
 
     root = Path(root)
-    path = root / f"synthetic-{samples}-{seed}"
+    tokens_digest = hashlib.sha1("\0".join(SPECIAL_TOKENS).encode()).hexdigest()[:8]
+    path = root / f"synthetic-{samples}-{seed}-{tokens_digest}"
     if not _complete(path):
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp", dir=root))
@@ -76,6 +81,17 @@ def encoder_tokens(encoders: dict[str, str], max_tiles: int = 2, video_frames: i
     return EncoderTokens(max_tiles=max_tiles, video_frames=video_frames, video_pruning=video_pruning, **fields)
 
 
+def chat_task_encoder(tokenizer, encoders: dict[str, str], seq_length: int, *,
+                      decode: dict[str, range] | None = None, max_tiles: int = 2, video_frames: int = 4,
+                      video_pruning: float = 0.0, defer_upscale: bool = False) -> ChatTaskEncoder:
+    """The task encoder of a model with these encoders: placeholder sizes from their registry configs
+    (encoder_tokens) and the prompt template of their family (omni with an audio encoder, else vl:
+    data/templates.template_for_encoders), the one place a run's template is chosen."""
+    return ChatTaskEncoder(tokenizer, seq_length, encoder_tokens(encoders, max_tiles, video_frames, video_pruning),
+                           decode=decode, modules=set(encoders), defer_upscale=defer_upscale,
+                           template=template_for_encoders(encoders))
+
+
 def build_train_loader(path: str | Path, tokenizer: str | Path, encoders: dict[str, str], seq_length: int,
                        rows_per_microbatch: int, *, decode: dict[str, range] | None, num_workers: int = 0,
                        seed: int = 0, max_tiles: int = 2, video_frames: int = 4, video_pruning: float = 0.0,
@@ -85,6 +101,6 @@ def build_train_loader(path: str | Path, tokenizer: str | Path, encoders: dict[s
     decode: what data.sharding.decode_plan returns for this rank (None: decode every row, one process).
     state: a loader.save_state_rank() result to resume from (same num_workers, see build_loader).
     defer_upscale: media smaller than their tiles are resized on the encoding device (ChatTaskEncoder)."""
-    te = ChatTaskEncoder(tokenizer, seq_length, encoder_tokens(encoders, max_tiles, video_frames, video_pruning),
-                         decode=decode, modules=set(encoders), defer_upscale=defer_upscale)
+    te = chat_task_encoder(tokenizer, encoders, seq_length, decode=decode, max_tiles=max_tiles,
+                           video_frames=video_frames, video_pruning=video_pruning, defer_upscale=defer_upscale)
     return build_loader(path, te, rows_per_microbatch, num_workers=num_workers, seed=seed, state=state)

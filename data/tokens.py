@@ -2,10 +2,12 @@
 
 A conversation is a list of {"role": "system"|"user"|"assistant", "content": str} turns. The content holds
 media tags (<image>, <video>, <audio>); the i-th tag of a kind refers to the i-th media item of that kind.
-Each tag expands to exactly the number of embeddings its encoder will produce, computed by EncoderTokens
-from the *decoded* media (tiles, frames, waveform samples), so the LLM sequence and the encoder output can
-only disagree if EncoderTokens disagrees with the model config — which tests/test_data_tokens.py checks
-against NeMo's audio encoder and against the pixel-shuffle arithmetic.
+Each tag expands, as its prompt template says (data/templates.py: the released families' wrapping, e.g. omni's
+<img> <image>xN </img>), around exactly the number of embeddings its encoder will produce, computed by
+EncoderTokens from the *decoded* media (tiles, frames, waveform samples), so the LLM sequence and the encoder
+output can only disagree if EncoderTokens disagrees with the model config — which tests/test_data_tokens.py
+checks against NeMo's audio encoder and against the pixel-shuffle arithmetic, and tests/test_prompt_parity.py
+against the released Omni processor's input_ids.
 
 Template (ChatML-like; loss only on assistant content and its closing <|im_end|>, never on media tokens):
     <|im_start|>user\\n{content}<|im_end|>\\n<|im_start|>assistant\\n{content}<|im_end|>\\n
@@ -21,9 +23,11 @@ import numpy as np
 
 from tessera.models.media_tokens import EncoderTokens  # noqa: F401  (re-exported: the encoders define it)
 
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+from tessera.data.templates import (DEFAULT_TEMPLATE, IM_END, IM_START, SPECIAL_TOKENS,  # noqa: F401
+                                    PromptTemplate, prompt_template)
+
+#: A media item's tag in a conversation's text (Tessera's data format; the template decides what it becomes).
 MEDIA_TAGS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
-SPECIAL_TOKENS = (IM_START, IM_END, *MEDIA_TAGS.values())
 #: Which encoder module produces the embeddings of a media kind (module keys as in hetero/plan/layout.py).
 MODULE_OF_KIND = {"image": "vision", "video": "vision", "audio": "audio"}
 _TAG_RE = re.compile("(" + "|".join(re.escape(t) for t in MEDIA_TAGS.values()) + ")")
@@ -53,8 +57,9 @@ class Tokenizer:
             self._id = lambda p: (i if (i := self._sp.piece_to_id(p)) != self._sp.unk_id() else None)
         missing = [t for t in SPECIAL_TOKENS if self._id(t) is None]
         if missing:
-            raise ValueError(f"tokenizer {self.path} lacks the special tokens {missing}; train it with them as "
-                             f"user-defined symbols (data.tokens.train_sentencepiece does)")
+            raise ValueError(f"tokenizer {self.path} lacks the special tokens {missing} (the prompt templates' "
+                             f"turn and media tokens, data/templates.py); train it with them as user-defined "
+                             f"symbols (data.tokens.train_sentencepiece does)")
         self.special = {t: self._id(t) for t in SPECIAL_TOKENS}
         pad = self._id("<pad>")
         self.pad_id = pad if pad is not None else self.special[IM_END]
@@ -113,13 +118,15 @@ class EncodedPrompt:
         return len(self.tokens)
 
 
-def encode_conversation(tok: Tokenizer, turns: list[dict], media_kinds: list[str],
-                        media_tokens: list[int]) -> EncodedPrompt:
-    """Tokenize `turns`, expanding the k-th tag of each kind to media_tokens of the k-th item of that kind.
+def encode_conversation(tok: Tokenizer, turns: list[dict], media_kinds: list[str], media_tokens: list[int],
+                        template: str | PromptTemplate = DEFAULT_TEMPLATE) -> EncodedPrompt:
+    """Tokenize `turns`, expanding the k-th tag of each kind to media_tokens of the k-th item of that kind,
+    wrapped as `template` (data/templates.py) says; each span covers the embedding positions only.
 
     media_kinds/media_tokens describe the sample's media items in storage order. Raises PromptError when tags
     and media disagree: a media item with no tag would be computed but never attended to, a tag with no item
     would make the LLM read another sample's embeddings — both are silent misalignments."""
+    template = prompt_template(template)
     queues: dict[str, list[tuple[int, int]]] = {
         k: [(i, n) for i, (kk, n) in enumerate(zip(media_kinds, media_tokens)) if kk == k] for k in MEDIA_TAGS}
     # pieces, not tokens: a video's placeholders are thousands of ids, and per-token Python lists cost more
@@ -146,9 +153,17 @@ def encode_conversation(tok: Tokenizer, turns: list[dict], media_kinds: list[str
                 kind = _KIND_OF_TAG[part]
                 if not queues[kind]:
                     raise PromptError(f"more {part} placeholders than {kind} items (missing modality)")
+                wrap = template.media.get(kind)
+                if wrap is None:
+                    raise PromptError(f"the {template.name} prompt template has no {kind} media (its released "
+                                      f"model takes none)")
                 item, n = queues[kind].pop(0)
+                if wrap.start:
+                    add(tok.template(wrap.start), False)
                 spans.append((MODULE_OF_KIND[kind], length, n, item))
-                add(np.full(n, tok.special[part], dtype=np.int32), False)
+                add(np.full(n, tok.special[wrap.context], dtype=np.int32), False)
+                if wrap.end:
+                    add(tok.template(wrap.end), False)
             elif part:
                 add(np.asarray(tok.encode(part), dtype=np.int32), learn)
         add(tok.template(IM_END), learn)

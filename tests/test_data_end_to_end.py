@@ -139,7 +139,8 @@ def test_encoder_modality_must_match_module():
 
 def test_synthetic_dataset_is_built_once_and_a_losing_racer_keeps_the_winner(tmp_path, monkeypatch):
     path, tok = synthetic_dataset(tmp_path, samples=8, seed=3)
-    assert path == tmp_path / "synthetic-8-3" and tok == path / "tokenizer.model" and tok.exists()
+    assert path.parent == tmp_path and path.name.startswith("synthetic-8-3-")  # + the special tokens' digest
+    assert tok == path / "tokenizer.model" and tok.exists()
     assert len(list(path.glob("shard-*.tar"))) == 1 and (path / ".nv-meta" / "index.sqlite").exists()
     stamp = (path / ".nv-meta" / "index.sqlite").stat().st_mtime_ns
 
@@ -158,7 +159,7 @@ def test_synthetic_dataset_is_built_once_and_a_losing_racer_keeps_the_winner(tmp
     monkeypatch.setattr(prep, "make_synthetic", lambda out, **k: (out / "loser.txt").write_text("x"))
     assert synthetic_dataset(tmp_path, samples=8, seed=3) == (path, tok)
     assert not (path / "loser.txt").exists() and (path / ".nv-meta" / "index.sqlite").stat().st_mtime_ns == stamp
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["synthetic-8-3"]  # no temporary folder left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temporary folder left behind
 
 
 def test_samples_for_a_missing_encoder_are_skipped_and_counted(prepared):

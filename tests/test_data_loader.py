@@ -13,6 +13,7 @@ from PIL import Image
 
 from tessera.data.loader import ChatTaskEncoder, SkipStats, build_loader, close_loader
 from tessera.data.packing import IGNORE
+from tessera.data.templates import TEMPLATES
 from tessera.data.tokens import EncoderTokens, Tokenizer
 from tessera.data.prepare import (FIELD_PREFIX, caption_chat, energon_prepare, synth_audio,
                                   synth_image, synth_video)
@@ -50,7 +51,7 @@ def test_batches_are_aligned_packed_and_masked(blend):
                 assert b.labels[r, end - 1] == IGNORE
             tgt = b.labels[r] != IGNORE
             assert bool((b.labels[r, :-1][tgt[:-1]] == b.tokens[r, 1:][tgt[:-1]]).all())
-            media_ids = {tok.special[t] for t in ("<image>", "<video>", "<audio>")}
+            media_ids = {tok.special[t] for t in TEMPLATES["omni"].special_tokens}  # placeholders, wrappers
             assert not any(int(t) in media_ids for t in b.labels[r][tgt])
 
 

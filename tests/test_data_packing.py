@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tessera.data.packing import IGNORE, EncodedSample, first_fit_decreasing, pack_row
+from tessera.data.templates import TEMPLATES
 from tessera.data.tokens import IM_END, IM_START, EncoderTokens, Tokenizer, encode_conversation, train_sentencepiece
 
 TEXTS = ["Describe the image.", "A red circle on a blue background.", "What happens in this video?",
@@ -94,7 +95,7 @@ def test_labels_are_exactly_each_samples_next_assistant_token(tok):
         for end in cu[1:]:
             assert row.labels[end - 1] == IGNORE
         assert (row.labels[cu[len(b)]:] == IGNORE).all() and (row.tokens[cu[len(b)]:] == tok.pad_id).all()
-        media = {tok.special[t] for t in ("<image>", "<video>", "<audio>")}
+        media = {tok.special[t] for t in TEMPLATES["omni"].special_tokens}  # placeholders and their wrappers
         assert not media & set(row.labels[row.labels != IGNORE].tolist())
     assert sorted(seen) == list(range(len(samples)))
 

@@ -10,6 +10,7 @@ from PIL import Image
 
 from tessera.data.media import (choose_grid, decode_audio, decode_image, decode_video, probe_audio, probe_image,
                         probe_video, sample_indices)
+from tessera.data.templates import TEMPLATES
 from tessera.data.tokens import (IM_END, EncoderTokens, PromptError, Tokenizer, encode_conversation,
                          train_sentencepiece)
 from tessera.data.prepare import synth_video
@@ -95,8 +96,8 @@ def test_conversation_expands_tags_and_masks_assistant_only(tok):
     assert [(m, n, i) for m, _, n, i in p.spans] == [("vision", 1792, 1), ("audio", 25, 0), ("vision", 2048, 2)]
     for module, start, n, _ in p.spans:
         assert not p.target[start:start + n].any()
-    ids = {t: tok.special[t] for t in ("<image>", "<video>", "<audio>")}
-    assert (p.tokens == ids["<image>"]).sum() == 1792 and (p.tokens == ids["<audio>"]).sum() == 25
+    ids = {k: tok.special[w.context] for k, w in TEMPLATES["omni"].media.items()}  # the default template's
+    assert (p.tokens == ids["image"]).sum() == 1792 and (p.tokens == ids["audio"]).sum() == 25
     # The target tokens are exactly both assistant answers, each closed by <|im_end|>.
     target = p.tokens[p.target].tolist()
     answer = tok.encode("A red circle.") + [tok.special[IM_END]] + tok.encode("The square moves.") + [tok.special[IM_END]]
@@ -138,8 +139,10 @@ def test_hf_tokenizer_json_encodes_the_template(tmp_path):
     p = encode_conversation(tok, turns, ["image", "audio"], [32, 5])
     assert [(m, n) for m, _, n, _ in p.spans] == [("vision", 32), ("audio", 5)]
     for module, start, n, _ in p.spans:
-        tag = "<image>" if module == "vision" else "<audio>"
-        assert set(p.tokens[start:start + n].tolist()) == {tok.special[tag]}
+        wrap = TEMPLATES["omni"].media["image" if module == "vision" else "audio"]
+        assert set(p.tokens[start:start + n].tolist()) == {tok.special[wrap.context]}
+        # the span is the embedding run alone, between the template's wrapper tokens
+        assert p.tokens[start - 1] == tok.special[wrap.start] and p.tokens[start + n] == tok.special[wrap.end]
     # Loss covers exactly the assistant text and its closing <|im_end|>; the text round-trips through HF.
     learned = p.tokens[p.target].tolist()
     assert learned[-1] == tok.special[IM_END]

@@ -5,7 +5,7 @@ trainer logs in a heterogeneous layout equals the loss transformers' NemotronH_O
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_released_loss.py -q -s
 
 The run: a tiny random Omni checkpoint (save_pretrained, image/audio token ids = the Tessera tokenizer's
-`<image>` / `<audio>`, vocabulary = the tokenizer's), a small data set of image-only, audio-only and
+`<image>` / `<so_embedding>` (the omni prompt template's), vocabulary = the tokenizer's), a small data set of image-only, audio-only and
 text+image conversations, one step on 4 gloo ranks (vision and audio dp2 on ranks 0-1, the LLM tp2 on
 ranks 2-3); the loss of step 1 is computed before the update.
 The oracle: the same first microbatch rebuilt in this process by the trainer's loader (same data set, seed
@@ -34,8 +34,11 @@ import pytest
 import torch
 from tessera.scripts.tiny_release import AUDIO, VISION
 
+from tessera.data.templates import TEMPLATES
 from tessera.models import configs
 from tessera.models.hf_reference import omni_forward_inputs
+
+OMNI = TEMPLATES["omni"]  # the template the loader uses for a model with an audio encoder
 
 LAYOUT = "vision=dp2@0-1;audio=dp2@0-1;language=tp2@2-3"
 SEQ, ROWS = 384, 2
@@ -114,7 +117,8 @@ def _checkpoint(directory, tok) -> None:
         vision_config=dict(VISION), audio_config=dict(AUDIO),
         text_config=dict(configs.TINY_DENSE, vocab_size=tok.vocab_size),  # not a multiple of 128: padded rows
         vision_hidden_size=VISION["hidden_size"], downsample_ratio=0.5, projector_hidden_size=72,
-        image_token_id=tok.special["<image>"], audio_token_id=tok.special["<audio>"])
+        image_token_id=tok.special[OMNI.media["image"].context],
+        audio_token_id=tok.special[OMNI.media["audio"].context])
     torch.manual_seed(0)
     model = NemotronH_Omni_Reasoning_V3(cfg)
     with torch.no_grad():

@@ -1,0 +1,93 @@
+"""Prompt templates of the released model families: the turn markers and how each media tag is wrapped.
+
+Plain data, one entry per family. data/tokens.encode_conversation applies a template; which family a run uses
+is decided once, from the model's encoders (template_for_encoders, called by data/pipeline.build_train_loader).
+
+A media tag of a conversation (<image>, <video>, <audio>, data/tokens.MEDIA_TAGS) becomes
+    start + context x N + end
+where N is the number of embeddings its encoder produces (data/tokens.EncoderTokens). Only the `context`
+positions take encoder embeddings (they are the span data/packing.py turns into positions); `start` / `end` are
+ordinary text tokens the LLM embeds itself. Each piece is a single special token of the tokenizer.
+
+Where the wrapping comes from:
+  omni  transformers 5.23, models/nemotron_h_omni/processing_nemotron_h_omni.py (NemotronH_Omni_Reasoning_V3
+        Processor): token strings at l.66-72; image, replace_image_token l.158-162: <img> <image>xN </img>;
+        audio, replace_audio_token l.205-208: <so_start> <so_embedding>xN <so_end>. The processor's text tag of
+        an audio clip is its context token <so_embedding> itself; Tessera's conversations say <audio>.
+        tests/test_prompt_parity.py checks input_ids against that processor.
+  vl    Nemotron Nano V2 VL (12B): transformers has no processor for it. vLLM's port
+        (vllm/transformers_utils/processors/nano_nemotron_vl.py, NanoNemotronVLProcessor.get_image_repl) wraps
+        all tiles of an image, thumbnail included, in one <img> <image>xN </img>: the same as omni's image. It has
+        no audio. Not checked against NVIDIA's own (remote-code) processor, which is not available offline.
+  video (both) a bare run of <video>, Tessera's own. The releases put a text label ("Frame 1: ", or with
+        timestamps "Frame 1 sampled at 0.00 seconds: ") and <img> <image>xk </img> around every frame (vl) or
+        2-frame tubelet (omni), and scatter the video embeddings at <image> positions; Tessera's video encoder has
+        no tubelets and prunes (EVS) over the whole clip, so its run is one span and is not split per frame yet.
+The turn template (ChatML, data/tokens.py) is not part of either processor: processor(text=...) tokenizes the
+text it is given, and the released chat templates (tokenizer_config / chat_template.jinja) are not available
+offline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+
+@dataclass(frozen=True)
+class MediaWrap:
+    """One media item in the token stream: `start`, then `context` once per embedding, then `end`
+    ("" = no wrapper token)."""
+
+    context: str
+    start: str = ""
+    end: str = ""
+
+    @property
+    def tokens(self) -> tuple[str, ...]:
+        return tuple(t for t in (self.start, self.context, self.end) if t)
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """A family's media wrapping per media kind; a kind it lacks is a kind its released model does not take."""
+
+    name: str
+    media: Mapping[str, MediaWrap] = field(default_factory=dict)
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(t for w in self.media.values() for t in w.tokens))
+
+
+RELEASED_IMAGE = MediaWrap(context="<image>", start="<img>", end="</img>")
+RELEASED_AUDIO = MediaWrap(context="<so_embedding>", start="<so_start>", end="<so_end>")
+TESSERA_VIDEO = MediaWrap(context="<video>")  # not the releases' per-frame wrapping (module docstring)
+
+TEMPLATES: dict[str, PromptTemplate] = {
+    "vl": PromptTemplate("vl", {"image": RELEASED_IMAGE, "video": TESSERA_VIDEO}),
+    "omni": PromptTemplate("omni", {"image": RELEASED_IMAGE, "video": TESSERA_VIDEO, "audio": RELEASED_AUDIO}),
+}
+#: What encode_conversation / ChatTaskEncoder use when not told: the family that takes every media kind.
+DEFAULT_TEMPLATE = "omni"
+
+#: Every token a template writes as one piece; tokenizers must have each as a single token (data/tokens.Tokenizer).
+SPECIAL_TOKENS: tuple[str, ...] = (IM_START, IM_END,
+                                   *dict.fromkeys(t for tpl in TEMPLATES.values() for t in tpl.special_tokens))
+
+
+def prompt_template(name: str | PromptTemplate) -> PromptTemplate:
+    if isinstance(name, PromptTemplate):
+        return name
+    if name not in TEMPLATES:
+        raise ValueError(f"unknown prompt template {name!r}; templates: {', '.join(TEMPLATES)}")
+    return TEMPLATES[name]
+
+
+def template_for_encoders(encoders: Iterable[str]) -> str:
+    """The family of a model with these encoder modules ("vision", "audio"): Nemotron 3 Nano Omni is the
+    released model with a sound encoder (recipes' omni family); a vision-only model is the Nano V2 VL (vl and
+    video families)."""
+    return "omni" if "audio" in set(encoders) else "vl"

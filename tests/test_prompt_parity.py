@@ -1,0 +1,233 @@
+"""Input parity of the prompt (issue 15, item 4): Tessera's data pipeline gives the omni family exactly the
+input_ids of the released processor, transformers' NemotronH_Omni_Reasoning_V3Processor.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_prompt_parity.py -q
+
+Both sides get the same conversation and media and the same tokenizer, a byte-level BPE trained here with the
+template's special tokens (data/templates.SPECIAL_TOKENS) and saved as tokenizer.json:
+  - Tessera: the loader's task encoder for the omni encoders (data/pipeline.chat_task_encoder: RADIO ViT-H and
+    the released Parakeet sound encoder, so the omni template), on the raw sample bytes (JSON + WAV + PNG),
+    as the loader's preencode stage sees them; then packed into a row (data/packing.pack_row);
+  - transformers: the processor's own __call__ on the conversation written as text (ChatML turns, the media
+    tags as the processor's tags: its `image_token`, its `audio_token`), with the raw waveforms.
+Asserted: input_ids equal token for token (the wrapping <img> ... </img> and <so_start> ... <so_end>, the
+placeholder counts, the text between them), and the packed row's encoder positions of each module are exactly
+where the processor's input_ids hold that module's placeholder id (the ids the model scatters embeddings to).
+
+What the processor is given without its image and video processors (their modules import torchvision, which is
+absent here): images go through a stand-in image processor that returns only `image_grid_hw`, the input of the
+processor's replace_image_token. Image token *counts* are not the release's: Tessera's omni vision cuts 512²
+tiles plus a thumbnail (the VL 12B's tiling), the release resizes each image to one native-resolution grid. The
+stand-in is handed the grid whose count equals the tiles' count (32 x 32·tiles patches), so what is compared for
+images is the wrapping and its tokenization; for audio the count is compared too (the processor computes it from
+the waveform). Video is not compared (data/templates.py: Tessera's video is not the releases' per-frame wrapping).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from PIL import Image
+
+from tessera.data.loader import RawSample
+from tessera.data.packing import pack_row
+from tessera.data.pipeline import chat_task_encoder
+from tessera.data.templates import SPECIAL_TOKENS, TEMPLATES
+from tessera.data.tokens import Tokenizer
+
+# The omni family with the released sound encoder (its processor's audio count; NeMo's FastConformer keeps its
+# own valid length, tests/test_audio_token_count.py).
+ENCODERS = {"vision": "radio_vit_h", "audio": "parakeet_hf_0_6b"}
+SEQ = 16384
+TEXTS = ["Describe the image.", "A red circle on a blue background.", "Listen to this clip: what is it?",
+         "A steady tone, then silence.", "You are a helpful assistant.", "Compare the two sounds and the picture.",
+         "user\n", "assistant\n", "system\n"] * 20
+
+# 16 kHz samples per clip: n = samples // 160 mel frames
+CLIP_SAMPLES = {
+    "1.28s": 20480,      # n = 128, a multiple of 8: 17 tokens (the centre-padded STFT frame counts)
+    "1.28s+79": 20559,   # n = 128, samples not a multiple of the hop
+    "0.5s": 8000,        # n = 50
+    "0.1s": 1600,        # n = 10: the shortest clip the front end takes without padding
+    "3s": 48000,         # n = 300
+}
+IMAGE_SIZES = {"square": (300, 300), "wide": (1200, 500)}  # 1 tile; 5x2 tiles + thumbnail (max_tiles 12)
+
+
+def _tokenizer_json(path, specials):
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", *specials],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory):
+    return _tokenizer_json(tmp_path_factory.mktemp("tok") / "tokenizer.json", SPECIAL_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def processor(tokenizer_json):
+    """The released processor around the same tokenizer, the Parakeet feature extractor (default: the release's
+    128 mel bins) and the grid-only image stand-in; the processor's defaults are the release's (subsampling 8,
+    hop 160, 16 kHz)."""
+    from transformers import (BatchFeature, NemotronH_Omni_Reasoning_V3Processor, ParakeetFeatureExtractor,
+                              PreTrainedTokenizerFast)
+
+    class GridImageProcessor:
+        """Stands in for NemotronH_Omni_Reasoning_V3ImageProcessor: each "image" is its patch grid (h, w), and
+        the output is the image_grid_hw that processor would return; its pixels are not needed for input_ids."""
+
+        downsample_ratio = 0.5  # the release's pixel shuffle (the real image processor's default)
+        model_input_names = ["pixel_values", "image_grid_hw"]
+
+        def __call__(self, images, **kwargs):
+            return BatchFeature({"image_grid_hw": torch.tensor(images)})
+
+    class WithoutTorchvision(NemotronH_Omni_Reasoning_V3Processor):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name in ("image_processor", "video_processor"):
+                return None  # the stand-in / no video processor
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+        def __repr__(self):  # the base class serialises its sub-processors, which the stand-in is not
+            return "NemotronH_Omni_Reasoning_V3Processor(grid-only images, no video)"
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json))
+    return WithoutTorchvision(image_processor=GridImageProcessor(), tokenizer=tok,
+                              feature_extractor=ParakeetFeatureExtractor())
+
+
+@pytest.fixture(scope="module")
+def task_encoder(tokenizer_json):
+    te = chat_task_encoder(Tokenizer(tokenizer_json), ENCODERS, SEQ, max_tiles=12)
+    assert te.template == "omni", "the omni encoders must select the omni template"
+    return te
+
+
+def _wave(samples: int, seed: int) -> np.ndarray:
+    t = np.arange(samples) / 16000
+    rng = np.random.default_rng(seed)
+    return (0.2 * np.sin(2 * math.pi * 440 * t) + 0.05 * rng.standard_normal(samples)).astype(np.float32)
+
+
+WAVES = {name: _wave(n, i) for i, (name, n) in enumerate(CLIP_SAMPLES.items())}
+
+
+def _wav_bytes(wave: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, wave, 16000, format="WAV", subtype="FLOAT")  # float: the decoded waveform is the array itself
+    return buf.getvalue()
+
+
+def _png_bytes(size: tuple[int, int]) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, (200, 30, 10)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+CONVERSATIONS = {
+    "audio": ([{"role": "user", "content": "Listen to this clip: <audio>\nWhat is it?"},
+               {"role": "assistant", "content": "A steady tone, then silence."}], ["audio:1.28s"]),
+    "image": ([{"role": "user", "content": "<image>\nDescribe the image."},
+               {"role": "assistant", "content": "A red circle on a blue background."}], ["image:wide"]),
+    "mixed": ([{"role": "system", "content": "You are a helpful assistant."},
+               {"role": "user", "content": "<audio> and <audio>, then <image>: compare the two sounds and the picture."},
+               {"role": "assistant", "content": "The first is longer."},
+               {"role": "user", "content": "And these? <audio><image> <audio> <audio>"},
+               {"role": "assistant", "content": "A steady tone."}],
+              ["audio:1.28s+79", "audio:0.5s", "image:square", "audio:3s", "image:wide", "audio:0.1s", "audio:1.28s"]),
+}
+
+
+def _sample(conversation: str):
+    """(turns, [(kind, name)], the raw sample the loader's cooker yields)."""
+    turns, items = CONVERSATIONS[conversation]
+    media, members = [], {}
+    for i, item in enumerate(items):
+        kind, name = item.split(":")
+        field = f"m{i}.{'wav' if kind == 'audio' else 'png'}"
+        members[field] = _wav_bytes(WAVES[name]) if kind == "audio" else _png_bytes(IMAGE_SIZES[name])
+        media.append({"kind": kind, "field": field})
+    members["json"] = json.dumps({"conversation": turns, "media": media}).encode()
+    raw = RawSample(__key__=conversation, __restore_key__=(), __subflavors__=None, __sources__=None, members=members)
+    return turns, [tuple(item.split(":")) for item in items], raw
+
+
+def _processor_ids(processor, turns, items, task_encoder):
+    """transformers' input_ids for the conversation: ChatML text, the processor's own media tags."""
+    tags = {"<image>": processor.image_token, "<audio>": processor.audio_token}
+    text = ""
+    for turn in turns:
+        content = turn["content"]
+        for tessera_tag, processor_tag in tags.items():
+            content = content.replace(tessera_tag, processor_tag)
+        text += f"<|im_start|>{turn['role']}\n{content}<|im_end|>\n"
+    enc, images = task_encoder.enc, []
+    for kind, name in items:
+        if kind == "image":  # the image's tiles side by side as one patch grid: the same token count
+            tiles = task_encoder._units("image", _png_bytes(IMAGE_SIZES[name]))  # what the loader predicts
+            images.append([enc.tile // enc.patch, tiles * enc.tile // enc.patch])
+    audio = [WAVES[name] for kind, name in items if kind == "audio"]
+    out = processor(text=text, images=images or None, audio=audio or None, sampling_rate=16000)
+    return np.asarray(out["input_ids"][0])
+
+
+@pytest.mark.parametrize("conversation", list(CONVERSATIONS))
+def test_input_ids_equal_the_released_processor(conversation, processor, task_encoder):
+    turns, items, raw = _sample(conversation)
+    encoded = task_encoder.preencode_sample(raw)
+    want = _processor_ids(processor, turns, items, task_encoder)
+    got = encoded.prompt.tokens
+    if len(got) != len(want) or (got != want).any():
+        common = min(len(got), len(want))
+        at = int(np.argmax(got[:common] != want[:common])) if (got[:common] != want[:common]).any() else common
+        show = lambda ids: processor.tokenizer.convert_ids_to_tokens(ids[max(0, at - 3):at + 4].tolist())  # noqa: E731
+        pytest.fail(f"input_ids differ from token {at} (lengths {len(got)}, {len(want)}): tessera {show(got)}, "
+                    f"release {show(want)}")
+    # Where the processor puts each module's placeholder id is where the packed row takes its embeddings.
+    row = pack_row([encoded], len(got) + 7, task_encoder.tok.pad_id)
+    placeholder = {"vision": processor.image_token_id, "audio": processor.audio_token_id}
+    for module, token_id in placeholder.items():
+        np.testing.assert_array_equal(row.positions.get(module, []), np.flatnonzero(want == token_id))
+    # and the counts per item are the processor's (audio from the waveform, images by construction)
+    counts = [n for _, _, n in row.media_meta.get("audio", [])]
+    assert counts == [processor._estimate_audio_num_embeddings(len(WAVES[name])) for k, name in items if k == "audio"]
+
+
+def test_a_one_point_28_second_clip_has_seventeen_tokens(processor, task_encoder):
+    """The clip whose mel frame count is a multiple of 8 announces 17, the release's count."""
+    _, _, raw = _sample("audio")
+    encoded = task_encoder.preencode_sample(raw)
+    assert (encoded.prompt.tokens == task_encoder.tok.special["<so_embedding>"]).sum() == 17
+
+
+@pytest.mark.parametrize("token", sorted({t for tpl in TEMPLATES.values() for t in tpl.special_tokens}))
+def test_a_tokenizer_without_a_wrapping_token_is_refused(tmp_path, token):
+    path = _tokenizer_json(tmp_path / "tokenizer.json", [t for t in SPECIAL_TOKENS if t != token])
+    with pytest.raises(ValueError, match=f"lacks the special tokens \\['{token}'\\]"):
+        Tokenizer(path)
+
+
+def test_vision_only_models_use_the_vl_template(processor, tokenizer_json):
+    """vl: vLLM's Nano V2 VL port wraps an image (all its tiles) as the Omni processor does (data/templates.py),
+    and that model takes no audio."""
+    from tessera.data.tokens import PromptError, encode_conversation
+
+    te = chat_task_encoder(Tokenizer(tokenizer_json), {"vision": "radio_vit_h"}, SEQ, max_tiles=12)
+    assert te.template == "vl"
+    turns, items, raw = _sample("image")
+    np.testing.assert_array_equal(te.preencode_sample(raw).prompt.tokens, _processor_ids(processor, turns, items, te))
+    with pytest.raises(PromptError, match="vl prompt template has no audio"):
+        encode_conversation(te.tok, CONVERSATIONS["audio"][0], ["audio"], [17], "vl")
