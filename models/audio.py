@@ -24,7 +24,7 @@ from torch import nn
 
 from tessera.models.encoders import tokens_config
 from tessera.models.recompute import megatron_fields, recompute_module
-from tessera.models.vision import SquaredReLU  # the same ReLU^2 as the vision projector (mlp1.2)
+from tessera.models.vision import SquaredReLU, vit_stage_layers  # ReLU^2: as the vision projector's
 
 
 def mel_preprocessor(cfg: dict):
@@ -54,10 +54,33 @@ def recompute_conformer(layers, mode: str) -> None:
             recompute_module(layer if mode == "full" else layer.self_attn)
 
 
-class FastConformerEncoder(nn.Module):
-    """list of waveforms -> list of [frames_i, hidden] (frames_i = EncoderTokens.audio_tokens(len_i))."""
+def stage_layers(layers: nn.ModuleList, ids: range) -> nn.ModuleList:
+    """The layers `ids` of `layers`, still named by their global index (`layers.N.*`, as on one stage, so
+    checkpoints stay layout-free). NeMo's and transformers' loops only iterate over them, which visits them in
+    order; positional indexing (layers[0]) is what no longer works."""
+    kept = nn.ModuleList()
+    for i in ids:
+        kept.add_module(str(i), layers[i])
+    return kept
 
-    def __init__(self, cfg: dict, recompute: str = "none"):
+
+class _Received(nn.Module):
+    """A later pipeline stage's stand-in for transformers' subsampling: its input is the previous stage's output."""
+
+    def forward(self, hidden, attention_mask=None):
+        return hidden
+
+
+class FastConformerEncoder(nn.Module):
+    """list of waveforms -> list of [frames_i, hidden] (frames_i = EncoderTokens.audio_tokens(len_i)).
+
+    Pipeline stages (pp > 1, MediaModule.forward_stage): the conformer cut at layer boundaries (megatron's even
+    split, models/vision.vit_stage_layers). Stage 0 keeps the subsampling and its layers; a later stage keeps its
+    layers only and runs the library's own forward on the received hidden states (NeMo: bypass_pre_encode, no
+    second sqrt(d) input scaling; transformers: the subsampling replaced by _Received, input scale 1): positions
+    and masks are recomputed from the clip's length, which every stage knows."""
+
+    def __init__(self, cfg: dict, recompute: str = "none", pp: int = 1, stage: int = 0):
         super().__init__()
         from nemo.collections.asr.modules import ConformerEncoder
 
@@ -74,7 +97,17 @@ class FastConformerEncoder(nn.Module):
             # NeMo otherwise all-reduces the max audio length over the WORLD group in every forward
             # (conformer_encoder.py:794): a hidden collective that hangs when only some ranks encode audio.
             sync_max_audio_length=False)
+        self._split(pp, stage)
+        if not self.first_stage:
+            # the first stage computes the mel features, subsamples and scales them by sqrt(d_model)
+            self.preprocessor = self.encoder.pre_encode = self.encoder.pos_enc.xscale = None
         recompute_conformer(self.encoder.layers, recompute)
+
+    def _split(self, pp: int, stage: int) -> None:
+        self.pp, self.stage = pp, stage
+        self.first_stage, self.last_stage = stage == 0, stage == pp - 1
+        if pp > 1:
+            self.encoder.layers = stage_layers(self.encoder.layers, vit_stage_layers(self.cfg["layers"], pp, stage))
 
     @property
     def out_dim(self) -> int:
@@ -90,9 +123,21 @@ class FastConformerEncoder(nn.Module):
         out, out_len = self.encoder(audio_signal=feats, length=feat_len)
         return out.transpose(1, 2), out_len
 
+    def encode_received(self, hidden: torch.Tensor, feat_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A later pipeline stage: the previous stage's [b, t', hidden] through this stage's layers; feat_len: the
+        clips' valid mel frames."""
+        length = torch.tensor([self.tokens.audio_subsampled(n) for n in feat_len.tolist()], device=hidden.device)
+        out, out_len = self.encoder(audio_signal=hidden, length=length, bypass_pre_encode=True)
+        return out.transpose(1, 2), out_len
+
     def forward(self, waves: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.pp > 1:
+            raise RuntimeError("an audio pipeline stage runs through MediaModule.forward_stage")
         feats, feat_len = self.features(waves)
-        out, out_len = self.encode_features(feats, feat_len)
+        return self.keep(*self.encode_features(feats, feat_len), feat_len)
+
+    def keep(self, out: torch.Tensor, out_len: torch.Tensor, feat_len: torch.Tensor) -> list[torch.Tensor]:
+        """Each clip's embeddings of the conformer's output [b, t', hidden]."""
         # the rows each clip keeps: the data side's rule on its valid mel frames, never fewer than the encoder's
         # valid length and never past its output
         keep = [self.tokens.audio_tokens_of_frames(n) for n in feat_len.tolist()]
@@ -107,7 +152,7 @@ class FastConformerEncoder(nn.Module):
 class ParakeetHFEncoder(FastConformerEncoder):
     """The same interface on transformers' ParakeetEncoder (NeMo mel front end, HF conformer body)."""
 
-    def __init__(self, cfg: dict, recompute: str = "none"):
+    def __init__(self, cfg: dict, recompute: str = "none", pp: int = 1, stage: int = 0):
         nn.Module.__init__(self)
         from transformers import ParakeetEncoder, ParakeetEncoderConfig
 
@@ -115,7 +160,17 @@ class ParakeetHFEncoder(FastConformerEncoder):
         self.tokens = tokens_config(cfg)
         self.preprocessor = mel_preprocessor(cfg)
         self.encoder = ParakeetEncoder(parakeet_hf_config(cfg, ParakeetEncoderConfig))
+        self._split(pp, stage)
+        if not self.first_stage:
+            # the first stage computes the mel features, subsamples and scales them
+            self.preprocessor, self.encoder.subsampling, self.encoder.input_scale = None, _Received(), 1.0
         recompute_conformer(self.encoder.layers, recompute)
+
+    def encode_received(self, hidden, feat_len):
+        # the mel-frame mask, which transformers subsamples to the received length itself
+        mask = torch.arange(int(feat_len.max()) + 1, device=hidden.device)[None] < feat_len[:, None]
+        out = self.encoder(input_features=hidden, attention_mask=mask)
+        return out.last_hidden_state, out.attention_mask.sum(-1)
 
     def encode_features(self, feats, feat_len):
         mask = torch.arange(feats.shape[-1], device=feats.device)[None] < feat_len[:, None]

@@ -84,13 +84,21 @@ class EncoderTokens:
         """Valid mel frames of a clip (the front end's feature length; its STFT has one more, centre-padded)."""
         return (num_samples + 2 * (self.audio_n_fft // 2) - self.audio_n_fft) // self.audio_hop
 
-    def audio_tokens_of_frames(self, mel_frames: int) -> int:
-        """Embeddings a clip of `mel_frames` valid mel frames gives: what the data side announces and what the
-        audio encoders keep of their output (models/audio.py), one rule for both."""
-        frames = mel_frames + (1 if self.audio_token_frames == "stft" else 0)
+    def audio_subsampled(self, frames: int) -> int:
+        """Frames after the conformer's subsampling (log2(subsampling) convolutions, kernel 3, stride 2, padding 1)."""
         for _ in range(int(math.log2(self.audio_subsampling))):
             frames = (frames + 2 * 1 - 3) // 2 + 1
         return max(frames, 0)
+
+    def audio_tokens_of_frames(self, mel_frames: int) -> int:
+        """Embeddings a clip of `mel_frames` valid mel frames gives: what the data side announces and what the
+        audio encoders keep of their output (models/audio.py), one rule for both."""
+        return self.audio_subsampled(mel_frames + (1 if self.audio_token_frames == "stft" else 0))
+
+    def audio_encoder_rows(self, num_samples: int) -> int:
+        """Rows of the conformer's output for one clip encoded alone: its input is the centre-padded STFT's
+        valid + 1 mel frames (what audio pipeline stages hand on, models/audio.py)."""
+        return self.audio_subsampled(self.audio_mel_frames(num_samples) + 1)
 
     def audio_tokens(self, num_samples: int) -> int:
         return self.audio_tokens_of_frames(self.audio_mel_frames(num_samples))

@@ -77,12 +77,19 @@ class MediaModule(nn.Module):
 
     @property
     def pipelined(self) -> bool:
-        """A vision pipeline stage (the tower split over pp > 1 stages): run through forward_stage."""
-        return self.cfg["modality"] == "vision" and self.encoder.vit.pp > 1
+        """A pipeline stage (the encoder split over pp > 1 stages): run through forward_stage."""
+        return (self.encoder.vit if self.cfg["modality"] == "vision" else self.encoder).pp > 1
 
     def stage_tokens(self, items: list) -> list[tuple[int, int]]:
-        """(tiles, tokens per tile) of each item between vision pipeline stages: prefix + patches per tile."""
+        """(tiles, tokens per tile) of each item between pipeline stages: vision, prefix + patches per tile; audio,
+        one clip of the conformer's output rows (EncoderTokens.audio_encoder_rows)."""
         out = []
+        if self.cfg["modality"] == "audio":
+            for kind, wave in items:
+                if kind != "audio":
+                    raise ValueError(f"audio module got a {kind!r} item")
+                out.append((1, self.encoder.tokens.audio_encoder_rows(len(wave))))
+            return out
         p, prefix = self.cfg["patch"], self.cfg["prefix_tokens"]
         for kind, item in items:
             if kind not in ("image", "video"):
@@ -104,7 +111,9 @@ class MediaModule(nn.Module):
         items' pixels (x is None), a later stage splits x back per item. The last stage returns the
         projected [tokens, llm_hidden] of the items, concatenated; another stage its layers' output. Video
         frames go through as tiles, the grid pruned on the last stage as VideoEncoder does (tubelets are
-        refused at build under pp > 1)."""
+        refused at build under pp > 1). Audio: each clip's conformer rows (_forward_audio_stage)."""
+        if self.cfg["modality"] == "audio":
+            return self._forward_audio_stage(items, x)
         vit = self.encoder.vit
         sizes = self.stage_tokens(items)
         if vit.first_stage != (x is None):
@@ -144,6 +153,39 @@ class MediaModule(nn.Module):
         if x is not None and x.requires_grad and (self.frozen or not items):
             # keep the received activation in the graph, so its (zero) gradient goes back to the previous stage
             out = out + 0 * x.sum()
+        return out
+
+    def _forward_audio_stage(self, items: list, x: torch.Tensor | None) -> torch.Tensor:
+        """An audio pipeline stage over `items`, each clip on its own; between stages the clips' conformer outputs
+        concatenated, [sum of rows, hidden]; the last stage returns the clips' projected embeddings."""
+        enc = self.encoder
+        if enc.first_stage != (x is None):
+            raise ValueError(f"audio stage {enc.stage} of {enc.pp}: stage 0 reads the waveforms (x=None), a later "
+                             f"stage takes the previous stage's output")
+        if x is not None and tuple(x.shape) != self.stage_shape(items):
+            raise ValueError(f"audio stage {enc.stage} got hidden states {tuple(x.shape)} for clips of "
+                             f"{self.stage_shape(items)}")
+        outs, offset = [], 0
+        for (_, wave), (_, rows) in zip(items, self.stage_tokens(items)):
+            with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
+                if x is None:
+                    feats, feat_len = enc.features([torch.as_tensor(np.asarray(wave), device=self.device)])
+                    hidden, out_len = enc.encode_features(feats, feat_len)
+                else:
+                    feat_len = torch.tensor([enc.tokens.audio_mel_frames(len(wave))], device=x.device)
+                    hidden, out_len = enc.encode_received(x[None, offset:offset + rows], feat_len)
+                    offset += rows
+                outs.append(self.projector(enc.keep(hidden, out_len, feat_len)[0]) if enc.last_stage else hidden[0])
+        if outs:
+            out = torch.cat(outs)
+        elif enc.last_stage:
+            out = next(self.projector.parameters()).new_zeros(0, self.llm_hidden)
+        elif x is not None:
+            out = x  # no clips: the empty activation goes on
+        else:
+            out = next(self.parameters()).new_zeros(self.stage_shape(items))
+        if x is not None and x.requires_grad and (self.frozen or not items):
+            out = out + 0 * x.sum()  # keep the received activation in the graph (its zero gradient goes back)
         return out
 
     def forward_cp(self, rows: list[list]) -> torch.Tensor:
@@ -191,7 +233,8 @@ class MediaModule(nn.Module):
 
     def forward(self, items: list) -> torch.Tensor:
         if self.pipelined:
-            raise RuntimeError("this vision module is one pipeline stage: run it through forward_stage")
+            raise RuntimeError(f"this {self.cfg['modality']} module is one pipeline stage: run it through "
+                               f"forward_stage")
         if self.cfg["modality"] == "vision" and self.encoder.vit.cp > 1:
             raise RuntimeError("this vision module is context-parallel: run it through forward_cp")
         if not items:
@@ -232,8 +275,12 @@ def build_media_module(name: str, llm_hidden: int, pg_collection, projector_hidd
                              f"{'no tubelets' if tubelets else 'model.video_pruning=0'}")
         video = VideoEncoder(encoder, tubelets=tubelets, pruning_rate=pruning_rate)
         return MediaModule(cfg, encoder, projector, video, frozen)
-    encoder = AUDIO_FAMILIES[cfg["family"]](cfg, recompute=recompute)
-    projector = SoundProjector(encoder.out_dim, projector_hidden or 4 * encoder.out_dim, llm_hidden)
+    pp_group = getattr(pg_collection, "pp", None)
+    pp, stage = (pp_group.size(), pp_group.rank()) if pp_group is not None else (1, 0)
+    encoder = AUDIO_FAMILIES[cfg["family"]](cfg, recompute=recompute, pp=pp, stage=stage)
+    # a pipeline stage of the conformer: the projector lives on its last stage only
+    projector = SoundProjector(encoder.out_dim, projector_hidden or 4 * encoder.out_dim, llm_hidden) \
+        if encoder.last_stage else None
     return MediaModule(cfg, encoder, projector, None, frozen)
 
 

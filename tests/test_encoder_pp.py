@@ -1,8 +1,8 @@
-"""The vision tower split over pipeline stages in training (models/multimodal.MediaModule.forward_stage): the
+"""Encoders split over pipeline stages in training (models/multimodal.MediaModule.forward_stage): the
 tiny VL model (RADIO-tiny, 2 ViT layers, + Nemotron-H tiny) trains with vision=pp2 on ranks of its own and
 colocated with the LLM (an earlier vision stage on an LLM first-stage rank joins the boundary after handing its
-activation on: hetero/plan/schedule_plan.py), and its loss and grad norm equal the homogeneous run's at every
-step (fp32)."""
+activation on: hetero/plan/schedule_plan.py), and with a FastConformer (2 layers) at audio=pp2 likewise; loss and
+grad norm equal the homogeneous run's at every step (fp32)."""
 
 from __future__ import annotations
 
@@ -31,9 +31,14 @@ RUNS = {"reference": (REFERENCE, {}),
         "siglip_pp2": (PIPELINE, {"vision": "siglip_tiny"}),
         # a frozen tower: no encoder gradient, yet the received activation stays in the graph
         "frozen_reference": (REFERENCE, {"freeze_vision": True}),
-        "frozen_pp2": (PIPELINE, {"freeze_vision": True})}
+        "frozen_pp2": (PIPELINE, {"freeze_vision": True}),
+        # the conformer split over stages (models/audio.py), on ranks of its own and colocated
+        "omni_reference": ("vision=dp4@0-3;audio=dp4@0-3;language=dp4@0-3", {"audio": "fastconformer_tiny"}),
+        "audio_pp2": ("vision=dp2@0-1;audio=pp2@2-3;language=tp2@0-1", {"audio": "fastconformer_tiny"}),
+        "audio_pp2_colocated": ("vision=dp4@0-3;audio=pp2,dp2@0-3;language=dp4@0-3", {"audio": "fastconformer_tiny"})}
 PIPELINED = {"non_colocated_pp2": "reference", "colocated_pp2": "reference", "vision_and_llm_pp2": "reference",
-             "siglip_pp2": "siglip_reference", "frozen_pp2": "frozen_reference"}
+             "siglip_pp2": "siglip_reference", "frozen_pp2": "frozen_reference", "audio_pp2": "omni_reference",
+             "audio_pp2_colocated": "omni_reference"}
 
 
 RESUMED = 8  # the step-6 checkpoints resumed to step 8: pp2 -> homogeneous, homogeneous -> pp2, and the reference
@@ -81,7 +86,7 @@ def test_vision_pp_matches_the_homogeneous_run_at_every_step(runs, name):
     from tessera.hetero.plan.layout import HeteroLayout
 
     root, layouts = runs
-    assert HeteroLayout.parse(layouts[0][name]).modules["vision"].pp == 2, layouts[0][name]
+    assert max(m.pp for k, m in HeteroLayout.parse(layouts[0][name]).modules.items() if k != "language") == 2
     loss_ref, norm_ref = _curves(root / PIPELINED[name])
     loss, norm = _curves(root / name)
     assert len(loss) == len(loss_ref) == STEPS
@@ -107,8 +112,8 @@ def test_checkpoints_move_between_pp2_and_the_homogeneous_layout(runs):
 
 
 def test_what_vision_pp_refuses():
-    """Audio PP stays refused, named (vision CP and what it refuses: tests/test_encoder_cp.py); vision PP is
-    trainable colocated and on its own ranks."""
+    """Encoder PP is trainable colocated and on its own ranks, for vision and audio (what CP refuses:
+    tests/test_encoder_cp.py)."""
     import re
 
     from tessera.hetero.plan.layout import HeteroLayout, LayoutError
@@ -118,5 +123,6 @@ def test_what_vision_pp_refuses():
     assert untrainable_reasons(HeteroLayout.parse(PIPELINE), has_tp) == []
     assert untrainable_reasons(HeteroLayout.parse("vision=pp2,dp2@0-3;language=tp2,dp2@4-7"), has_tp) == []
     assert untrainable_reasons(HeteroLayout.parse(COLOCATED), has_tp) == []
-    with pytest.raises(LayoutError, match=re.escape("the audio encoder runs as one pipeline stage")):
-        check_trainable(HeteroLayout.parse("vision=dp2@0-1;audio=pp2@0-1;language=tp2@2-3"), has_tp)
+    assert untrainable_reasons(HeteroLayout.parse("vision=dp2@0-1;audio=pp2@0-1;language=tp2@2-3"), has_tp) == []
+    with pytest.raises(LayoutError, match=re.escape("the audio encoder has no tensor parallelism")):
+        check_trainable(HeteroLayout.parse("vision=dp4@0-3;audio=tp2,dp2@0-3;language=dp4@0-3"), has_tp)

@@ -150,9 +150,9 @@ def test_the_one_resolution_scales_handles_auto_and_refuses_what_cannot_train():
     from tessera.hetero.planner.run_layout import encoder_has_tp
 
     assert auto.world_size == 4 and untrainable_reasons(auto, encoder_has_tp(_run("auto").model)) == []
-    # the trainer's rule, before launch: audio PP, vision cp x pp, and audio TP
+    # the trainer's rule, before launch: an encoder's cp x pp, and audio TP
     for bad, why in (("vision=cp2,pp2@0-3;language=dp4@0-3", "splits over cp or pp, not both"),
-                     ("vision=dp4@0-3;audio=pp2,dp2@0-3;language=dp4@0-3", "audio encoder runs as one pipeline"),
+                     ("vision=dp4@0-3;audio=cp2,pp2@0-3;language=dp4@0-3", "audio encoder splits over cp or pp"),
                      ("vision=dp4@0-3;audio=tp2,dp2@0-3;language=dp4@0-3", "audio encoder has no tensor parallelism")):
         with pytest.raises(LayoutError, match=re.escape(why)):
             checks.check_run(_run(bad, audio="fastconformer_tiny"), 4)

@@ -6,8 +6,9 @@ still not be trainable by hetero/training:
   part of every row's tokens (models/vision_cp.py: attention gathers each tile's keys/values); the audio encoder,
   whose convolution and subsampling windows cross any cut of a clip, encodes whole clips per CP rank and gathers
   the outputs (hetero/training/stages.py);
-- the vision tower splits over pipeline stages (models/multimodal.MediaModule.forward_stage: layers cut at layer
-  boundaries), not together with CP; the audio encoder runs as one stage (NeMo's conformer forward is monolithic);
+- both encoders split over pipeline stages (models/multimodal.MediaModule.forward_stage: layers cut at layer
+  boundaries; models/audio.py runs NeMo's / transformers' conformer forward on a later stage's received
+  hidden states), but not together with CP;
 - only encoders with tensor-parallel layers take tp > 1.
 
 Pure: the caller says which encoders have tensor-parallel layers (from the encoder registry), so this
@@ -21,7 +22,7 @@ from typing import Mapping
 from tessera.hetero.plan.layout import HeteroLayout, LayoutError
 
 # encoder module keys whose training splits the encoder over pipeline stages (pp > 1), never with cp > 1
-PIPELINED_ENCODERS = frozenset({"vision"})
+PIPELINED_ENCODERS = frozenset({"vision", "audio"})
 
 
 def untrainable_reasons(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool]) -> list[str]:

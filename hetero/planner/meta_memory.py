@@ -116,7 +116,7 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
 class SavedBytes:
     """saved_tensors_hooks that add up distinct storages autograd keeps, per layer of `layers`."""
 
-    def __init__(self, module: nn.Module, layers: nn.ModuleList | None):
+    def __init__(self, module: nn.Module, layers: list[nn.Module] | None):
         self.skip = {_storage(p)[0] for p in module.parameters()}
         self.seen: set[int] = set()
         self.kept: list[torch.Tensor] = []  # counted storages stay alive: a freed one's address could be reused
@@ -169,10 +169,15 @@ class SavedBytes:
             h.remove()
 
 
-def _layer_list(module: nn.Module) -> nn.ModuleList | None:
-    """The module's layer stack: the outermost ModuleList called `layers` (HybridLM, ViT, conformer)."""
-    return next((m for n, m in module.named_modules() if isinstance(m, nn.ModuleList) and
-                 n.split(".")[-1] == "layers"), None)
+def _layer_list(module: nn.Module) -> list[nn.Module] | None:
+    """The module's layer stack: the outermost ModuleList (a vision pipeline stage: ModuleDict) called `layers`
+    (HybridLM, ViT, conformer; not, say, the conformer subsampling's `layers` inside it)."""
+    stacks = [(n.count("."), m) for n, m in module.named_modules()
+              if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and n.split(".")[-1] == "layers"]
+    if not stacks:
+        return None
+    m = min(stacks, key=lambda t: t[0])[1]
+    return list(m.values()) if isinstance(m, nn.ModuleDict) else list(m)
 
 
 def count_params(module: nn.Module, shard: Shard, bytes_per_param: int | None) -> None:
@@ -222,19 +227,28 @@ def _forward(key: str, module: nn.Module, batch: Batch, cfg_dtype: torch.dtype):
     frozen = getattr(module, "frozen", False)
     if module.cfg["modality"] == "vision":
         tile, cp = module.cfg["tile"], module.encoder.vit.cp
+        tiles = torch.zeros(batch.vision_tiles * cp, 3, tile, tile, dtype=torch.uint8, **meta)
         if cp > 1:  # one row of the CP group's tiles; this rank computes its part, gathering K/V (fake world)
-            tiles = torch.zeros(batch.vision_tiles * cp, 3, tile, tile, dtype=torch.uint8, **meta)
             return module.forward_cp([[("image", tiles)]])
+        if module.pipelined:  # this stage's layers, on the previous stage's activation after the first
+            items = [("image", tiles)]
+            x = None if module.encoder.vit.first_stage else torch.zeros(
+                module.stage_shape(items), dtype=cfg_dtype, requires_grad=not frozen, **meta)
+            return module.forward_stage(items, x)
         with torch.set_grad_enabled(not frozen):
-            feats = module.encoder(torch.zeros(batch.vision_tiles, 3, tile, tile, dtype=torch.uint8, **meta))
-        return module.projector(feats)
-    cfg, clips = module.cfg, batch.audio_clips
+            return module.projector(module.encoder(tiles))
+    cfg, clips, enc = module.cfg, batch.audio_clips, module.encoder
     frames = int(batch.audio_clip_seconds / cfg["window_stride"]) + 1
     feats = torch.zeros(clips, cfg["n_mels"], frames, dtype=cfg_dtype, **meta)
     lengths = torch.full((clips,), frames, dtype=torch.long, **meta)
     with torch.set_grad_enabled(not frozen):
-        out, _ = module.encoder.encode_features(feats, lengths)
-    return module.projector(out)
+        if enc.first_stage:
+            out, _ = enc.encode_features(feats, lengths)
+        else:  # a later conformer stage: the previous stage's rows (one clip's STFT frames, subsampled)
+            rows = enc.tokens.audio_subsampled(frames + 1)
+            out, _ = enc.encode_received(torch.zeros(clips, rows, cfg["hidden"], dtype=cfg_dtype,
+                                                     requires_grad=not frozen, **meta), lengths)
+    return module.projector(out) if enc.last_stage else out
 
 
 def measure_activations(key: str, module: nn.Module, batch: Batch, shard: Shard, cp: int,
