@@ -162,7 +162,11 @@ def test_trainable_parameter_count_is_what_the_targets_imply(exported, name):
 
 # ---- TP1 == TP2 (two ranks) ------------------------------------------------------------------------------
 
-def _tp_worker():
+def _tp_worker(llm: str = "nemotron_h_tiny_dense"):
+    import dataclasses
+
+    import torch.distributed as dist
+
     from tessera.hetero.plan.layout import HeteroLayout
     from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
     from tessera.hetero.training.lora import apply_lora
@@ -170,7 +174,7 @@ def _tp_worker():
     from tessera.hetero.training.model_build import (build_rank_modules, llm_fields, load_full_state,
                                                      module_configs)
 
-    cfg = _model_cfg(vision=None, audio=None)
+    cfg = dataclasses.replace(_model_cfg(vision=None, audio=None), llm=llm)
     fields = llm_fields(cfg, 0)
     base = full_hf_state(cfg, fields, seed=3)
     g = torch.Generator().manual_seed(0)
@@ -197,7 +201,12 @@ def _tp_worker():
                        torch.randn(a.full_out, a.rank, generator=gen) * 0.1)
         loss = lm(tokens, labels).sum()
         loss.backward()
-        out[name] = {"plain": plain, "initial": initial, "loss": float(loss), "adapters": adapters}
+        for a in adapters.values():  # what the optimizer's sync_gradients does under sequence parallelism
+            for p in (a.lora_A, a.lora_B):
+                if getattr(p, "sequence_parallel", False):
+                    dist.all_reduce(p.grad, group=groups["language"].pgs.tp)
+        sp = lm.config.sequence_parallel
+        out[name] = {"plain": plain, "initial": initial, "loss": float(loss), "adapters": adapters, "sp": sp}
         destroy_module_groups(groups)
     grad_diff = 0.0
     for gname, a2 in out["tp2"]["adapters"].items():
@@ -207,16 +216,34 @@ def _tp_worker():
             grad_diff = max(grad_diff, float((got - want).abs().max() / want.abs().max().clamp(min=1e-30)))
     return {"initial_is_base": all(torch.equal(r["plain"], r["initial"]) for r in out.values()),
             "loss1": out["tp1"]["loss"], "loss2": out["tp2"]["loss"], "plain": float(out["tp1"]["plain"].sum()),
-            "grad_diff": grad_diff, "n": len(out["tp2"]["adapters"])}
+            "grad_diff": grad_diff, "n": len(out["tp2"]["adapters"]), "sp": out["tp2"]["sp"]}
 
 
-def test_tp1_and_tp2_give_the_same_lora_loss_and_gradients():
-    for r in run_on_ranks(2, _tp_worker, timeout=600):
+def _both_llms():
+    return {llm: _tp_worker(llm) for llm in ("nemotron_h_tiny_dense", "nemotron_h_tiny_moe")}
+
+
+@pytest.mark.parametrize("llm", ["nemotron_h_tiny_dense", "nemotron_h_tiny_moe"])
+def test_tp1_and_tp2_give_the_same_lora_loss_and_gradients(tp_runs, llm):
+    """The MoE LLM at TP2 runs with sequence parallelism (megatron needs it): its adapters gather / reduce-scatter
+    A x over the sequence and sum the replicated factor's gradient over TP, and still equal TP1."""
+    from tessera.models.configs import REGISTRY
+
+    pattern = REGISTRY[llm]["hybrid_override_pattern"]
+    for ranks in tp_runs:
+        r = ranks[llm]
+        assert r["sp"] == (llm == "nemotron_h_tiny_moe")
         assert r["initial_is_base"], "B must start at zero: the first forward is the frozen base model's, bitwise"
-        assert r["n"] == PATTERN.count("M") * 2 + PATTERN.count("*") * 2 + PATTERN.count("-") * 2
+        # (MoE layers "E": the shared expert's linear_fc1/fc2; routed experts are not adapted)
+        assert r["n"] == 2 * sum(pattern.count(c) for c in "M*-E")
         assert abs(r["loss1"] - r["plain"]) > 1e-3, "the adapters changed nothing"
         assert abs(r["loss1"] - r["loss2"]) <= 1e-5 * abs(r["loss1"]), (r["loss1"], r["loss2"])
         assert r["grad_diff"] <= 1e-5, r["grad_diff"]
+
+
+@pytest.fixture(scope="module")
+def tp_runs():
+    return run_on_ranks(2, _both_llms, timeout=600)
 
 
 # ---- a heterogeneous LoRA run: learns, base frozen, resumes exactly (four ranks) ---------------------------

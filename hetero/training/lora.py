@@ -16,6 +16,9 @@ Tensor parallelism, sharded so that every TP size computes the same numbers:
     through copy_to_tensor_model_parallel_region (identity forward, TP all-reduce backward).
   RowParallelLinear W [out, in/tp] (input split over TP): A row-parallel [r, in/tp], A x all-reduced over TP
     (reduce_from_tensor_model_parallel_region), B replicated [out, r].
+  Under sequence parallelism (an MoE LLM at TP > 1) the layers take / give a sequence slice per rank: the column
+    adapter all-gathers A x over the sequence, the row adapter reduce-scatters it (megatron's own SP mappings), and
+    the replicated factor (A, resp. B) sees one slice: marked sequence_parallel, its gradient is summed over TP.
 The sharded factor carries megatron's tensor_model_parallel/partition_dim attributes, so the grad norm counts
 it once per shard and checkpoints store it by offsets like any weight (any layout in/out). A Mamba in_proj
 shard is [z_r|x_r|B_r|C_r|dt_r], so its B splits into those parts exactly like its weight (checkpoint.py).
@@ -36,7 +39,9 @@ from dataclasses import dataclass
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                    reduce_from_tensor_model_parallel_region)
+                                                    gather_from_sequence_parallel_region,
+                                                    reduce_from_tensor_model_parallel_region,
+                                                    reduce_scatter_to_sequence_parallel_region)
 from torch import nn
 
 from tessera.hetero.plan.layout import LANGUAGE
@@ -72,7 +77,7 @@ class LoraAdapter(nn.Module):
     """lora_A [r, in(/tp)] and lora_B [out(/tp), r] of one layer; forward(x) is the delta (alpha/r) B A x."""
 
     def __init__(self, kind: str, in_features: int, out_features: int, rank: int, alpha: float,
-                 tp_group=None, parts: list[int] | None = None):
+                 tp_group=None, parts: list[int] | None = None, sequence_parallel: bool = False):
         super().__init__()
         self.kind, self.rank, self.scale, self.parts = kind, rank, alpha / rank, parts
         self.tp_group = tp_group if tp_group is not None and tp_group.size() > 1 else None
@@ -86,6 +91,12 @@ class LoraAdapter(nn.Module):
         sharded = {"row": (self.lora_A, 1), "column": (self.lora_B, 0)}.get(kind)
         if sharded is not None and self.tp > 1:
             sharded[0].tensor_model_parallel, sharded[0].partition_dim, sharded[0].partition_stride = True, sharded[1], 1
+        # sequence parallelism: the replicated factor sees only this rank's slice of the sequence, so its gradient
+        # is summed over TP like the norms' (hetero/training/optim.sync_gradients reads the attribute)
+        self.sequence_parallel = sequence_parallel and self.tp > 1
+        if self.sequence_parallel:
+            replicated = {"row": self.lora_B, "column": self.lora_A}[kind]
+            replicated.sequence_parallel = True
 
     def shard(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's TP slices of unsharded A [r, in] and B [out, r] (or of their gradients)."""
@@ -110,7 +121,13 @@ class LoraAdapter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = nn.functional.linear(x.to(self.lora_A.dtype), self.lora_A)
-        if self.tp_group is not None and self.kind == "column":
+        if self.sequence_parallel and self.kind == "column":
+            # x is this rank's sequence slice and the layer's output the whole sequence: gather A x ([s, b, r])
+            h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=self.tp_group)
+        elif self.sequence_parallel and self.kind == "row":
+            # the layer's output is this rank's sequence slice of the TP sum: reduce-scatter A x the same way
+            h = reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
+        elif self.tp_group is not None and self.kind == "column":
             h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
         elif self.tp_group is not None and self.kind == "row":
             h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
@@ -133,12 +150,12 @@ def target_layers(key: str, module: nn.Module, targets) -> list[tuple[str, nn.Mo
             if leaf not in targets or leaf not in LLM_TARGETS or ".experts." in name:
                 continue  # routed experts live in expert-parallel groups: not adapted
             if isinstance(m, ColumnParallelLinear):
-                if m.gather_output or m.sequence_parallel:
-                    raise ValueError(f"LoRA on {name}: gathered or sequence-parallel outputs are not supported")
+                if m.gather_output:
+                    raise ValueError(f"LoRA on {name}: gathered outputs are not supported")
                 out.append((name, m, "column"))
             elif isinstance(m, RowParallelLinear):
-                if not m.input_is_parallel or m.sequence_parallel:
-                    raise ValueError(f"LoRA on {name}: only input-parallel, non-sequence-parallel rows")
+                if not m.input_is_parallel:
+                    raise ValueError(f"LoRA on {name}: only input-parallel rows")
                 out.append((name, m, "row"))
     elif "projector" in targets:
         out = [(f"projector.{n}", m, "plain") for n, m in module.projector.named_modules() if isinstance(m, nn.Linear)]
@@ -173,7 +190,7 @@ def apply_lora(modules: dict[str, nn.Module], groups, model_cfg, seed: int) -> d
                 full_in, full_out = layer.in_features, layer.out_features
             parts = _mamba_parts(module.config) if name.endswith("mixer.in_proj") else None
             adapter = LoraAdapter(kind, full_in, full_out, cfg.rank, cfg.alpha,
-                                  tp_group if kind != "plain" else None, parts)
+                                  tp_group if kind != "plain" else None, parts, getattr(layer, "sequence_parallel", False))
             gname = _global_name(key, name, getattr(module, "layer_offset", 0))
             _init_a(adapter, gname, seed)
             layer.adapter = adapter.to(device=layer.weight.device, dtype=layer.weight.dtype)
