@@ -22,14 +22,17 @@ RANK, ALPHA = 4, 8.0
 SCALE = ALPHA / RANK
 EPS = torch.finfo(torch.float32).eps
 PATTERN = REGISTRY["nemotron_h_tiny_dense"]["hybrid_override_pattern"]
-TARGET_SETS = {"all": None, "subset": ("linear_qkv", "in_proj", "projector")}
+# name -> (targets, LLM); the MoE LLM's linear_fc1/fc2 are its shared and routed experts'
+TARGET_SETS = {"all": (None, "nemotron_h_tiny_dense"), "subset": (("linear_qkv", "in_proj", "projector"),
+                                                                   "nemotron_h_tiny_dense"),
+               "moe_all": (None, "nemotron_h_tiny_moe")}
 
 
-def _model_cfg(targets=None, vision="radio_vit_tiny", audio="fastconformer_tiny"):
+def _model_cfg(targets=None, vision="radio_vit_tiny", audio="fastconformer_tiny", llm="nemotron_h_tiny_dense"):
     from tessera.recipes.config import LoraConfig, ModelConfig
 
     lora = LoraConfig(rank=RANK, alpha=ALPHA, **({"targets": targets} if targets else {}))
-    return ModelConfig(llm="nemotron_h_tiny_dense", vision=vision, audio=audio, lora=lora)
+    return ModelConfig(llm=llm, vision=vision, audio=audio, lora=lora)
 
 
 # ---- config ----------------------------------------------------------------------------------------------
@@ -69,8 +72,8 @@ def _export_worker(out: str):
     from tessera.hetero.training.optim import ModuleOptimizers
 
     results = {}
-    for name, targets in TARGET_SETS.items():
-        cfg = _model_cfg(targets)
+    for name, (targets, llm) in TARGET_SETS.items():
+        cfg = _model_cfg(targets, llm=llm)
         fields = llm_fields(cfg, 0)
         modules, groups, _ = _single_rank_model(cfg, fields)
         base = full_hf_state(cfg, fields, seed=7)
@@ -97,14 +100,18 @@ def exported(tmp_path_factory):
     return root, run_on_ranks(1, _export_worker, str(root), timeout=600)[0]
 
 
-def _expected_modules(targets) -> set[str]:
+def _expected_modules(name: str) -> set[str]:
     """HF module names (language_model.backbone.layers.i.mixer.*, mlp1.*, sound_projection.*) the targets adapt."""
+    targets, llm = TARGET_SETS[name]
     targets = targets or ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj", "projector")
+    experts = range(REGISTRY[llm].get("n_routed_experts", 0))
     per_symbol = {"M": {"in_proj": ["in_proj"], "out_proj": ["out_proj"]},
                   "*": {"linear_qkv": ["q_proj", "k_proj", "v_proj"], "linear_proj": ["o_proj"]},
-                  "-": {"linear_fc1": ["up_proj"], "linear_fc2": ["down_proj"]}}
+                  "-": {"linear_fc1": ["up_proj"], "linear_fc2": ["down_proj"]},
+                  "E": {"linear_fc1": ["shared_experts.up_proj", *(f"experts.{j}.up_proj" for j in experts)],
+                        "linear_fc2": ["shared_experts.down_proj", *(f"experts.{j}.down_proj" for j in experts)]}}
     out = set()
-    for i, sym in enumerate(PATTERN):
+    for i, sym in enumerate(REGISTRY[llm]["hybrid_override_pattern"]):
         for t, hf in per_symbol[sym].items():
             if t in targets:
                 out |= {f"language_model.backbone.layers.{i}.mixer.{n}" for n in hf}
@@ -122,7 +129,7 @@ def test_merged_export_is_base_plus_scaled_BA_and_adapters_alone(exported, name)
     cfg = json.loads((d / "adapters" / "adapter_config.json").read_text())
     assert cfg["r"] == RANK and cfg["lora_alpha"] == ALPHA and cfg["peft_type"] == "LORA"
     adapted = {k[len("base_model.model."):-len(".lora_A.weight")] for k in adapters if k.endswith(".lora_A.weight")}
-    assert adapted == _expected_modules(TARGET_SETS[name]) == set(cfg["target_modules"])
+    assert adapted == _expected_modules(name) == set(cfg["target_modules"])
     assert merged.keys() == base.keys()
     for k, w in base.items():
         module = k[:-len(".weight")]
@@ -136,9 +143,9 @@ def test_merged_export_is_base_plus_scaled_BA_and_adapters_alone(exported, name)
             assert torch.equal(merged[k], w), f"{k} is not targeted but changed"
 
 
-def _expected_trainable(shapes: dict, targets) -> int:
+def _expected_trainable(shapes: dict, name: str) -> int:
     """r * (in + out) per adapted layer, from the base HF shapes; a fused qkv has one A for q, k and v."""
-    n, mods = 0, _expected_modules(targets)
+    n, mods = 0, _expected_modules(name)
     for m in mods:
         if m.endswith(("k_proj", "v_proj")):
             continue
@@ -154,9 +161,9 @@ def test_trainable_parameter_count_is_what_the_targets_imply(exported, name):
     root, results = exported
     shapes = {k: tuple(v.shape) for k, v in load_file(str(root / name / "base.safetensors")).items()}
     got = results[name]
-    assert got["trainable"] == _expected_trainable(shapes, TARGET_SETS[name]) > 0
+    assert got["trainable"] == _expected_trainable(shapes, name) > 0
     assert all(".adapter.lora_" in n for n in got["trained"]), "a base weight is trainable"
-    assert got["states"] == len(got["trained"]) == 2 * len({m for m in _expected_modules(TARGET_SETS[name])
+    assert got["states"] == len(got["trained"]) == 2 * len({m for m in _expected_modules(name)
                                                             if not m.endswith(("k_proj", "v_proj"))})
 
 
@@ -181,7 +188,10 @@ def _tp_worker(llm: str = "nemotron_h_tiny_dense"):
     tokens = torch.randint(0, fields["vocab_size"], (2, 32), generator=g)
     labels = torch.roll(tokens, -1, 1)
     out = {}
-    for name, spec in (("tp1", "language=dp2@0-1"), ("tp2", "language=tp2@0-1")):
+    specs = [("tp1", "language=dp2@0-1"), ("tp2", "language=tp2@0-1")]
+    if "moe" in llm:  # expert parallelism: each rank adapts its own experts, named by their global ids
+        specs.append(("ep2", "language=dp2,ep2@0-1"))
+    for name, spec in specs:
         layout = HeteroLayout.parse(spec)
         groups = build_module_groups(layout)
         modules = build_rank_modules(cfg, layout, groups, module_configs(layout, fields))
@@ -214,9 +224,19 @@ def _tp_worker(llm: str = "nemotron_h_tiny_dense"):
         want_a, want_b = a2.shard(a1.lora_A.grad, a1.lora_B.grad)
         for got, want in ((a2.lora_A.grad, want_a), (a2.lora_B.grad, want_b)):  # relative to the largest entry
             grad_diff = max(grad_diff, float((got - want).abs().max() / want.abs().max().clamp(min=1e-30)))
+    ep = {}
+    if "ep2" in out:  # both ranks feed the same tokens: an EP2 expert sees both ranks' (2x one EP1 rank's gradient)
+        ep_diff, experts = 0.0, 0
+        for gname, a2 in out["ep2"]["adapters"].items():
+            a1, times = out["tp1"]["adapters"][gname], 2.0 if a2.expert else 1.0
+            experts += a2.expert
+            for got, want in ((a2.lora_A.grad, a1.lora_A.grad), (a2.lora_B.grad, a1.lora_B.grad)):
+                ep_diff = max(ep_diff, float((got - times * want).abs().max() / want.abs().max().clamp(min=1e-30)))
+        ep = {"ep_loss": out["ep2"]["loss"], "ep_diff": ep_diff, "ep_experts": experts,
+              "ep_n": len(out["ep2"]["adapters"])}
     return {"initial_is_base": all(torch.equal(r["plain"], r["initial"]) for r in out.values()),
             "loss1": out["tp1"]["loss"], "loss2": out["tp2"]["loss"], "plain": float(out["tp1"]["plain"].sum()),
-            "grad_diff": grad_diff, "n": len(out["tp2"]["adapters"]), "sp": out["tp2"]["sp"]}
+            "grad_diff": grad_diff, "n": len(out["tp2"]["adapters"]), "sp": out["tp2"]["sp"], **ep}
 
 
 def _both_llms():
@@ -230,15 +250,21 @@ def test_tp1_and_tp2_give_the_same_lora_loss_and_gradients(tp_runs, llm):
     from tessera.models.configs import REGISTRY
 
     pattern = REGISTRY[llm]["hybrid_override_pattern"]
+    experts = REGISTRY[llm].get("n_routed_experts", 0)
     for ranks in tp_runs:
         r = ranks[llm]
         assert r["sp"] == (llm == "nemotron_h_tiny_moe")
         assert r["initial_is_base"], "B must start at zero: the first forward is the frozen base model's, bitwise"
-        # (MoE layers "E": the shared expert's linear_fc1/fc2; routed experts are not adapted)
-        assert r["n"] == 2 * sum(pattern.count(c) for c in "M*-E")
+        # MoE layers "E": the shared expert's linear_fc1/fc2 and every routed expert's
+        assert r["n"] == 2 * sum(pattern.count(c) for c in "M*-E") + 2 * experts * pattern.count("E")
         assert abs(r["loss1"] - r["plain"]) > 1e-3, "the adapters changed nothing"
         assert abs(r["loss1"] - r["loss2"]) <= 1e-5 * abs(r["loss1"]), (r["loss1"], r["loss2"])
         assert r["grad_diff"] <= 1e-5, r["grad_diff"]
+        if experts:  # EP2: half the routed experts' adapters per rank, same loss, same gradients
+            assert r["ep_experts"] == experts // 2 * pattern.count("E") * 2
+            assert r["ep_n"] == r["n"] - experts // 2 * pattern.count("E") * 2
+            assert abs(r["ep_loss"] - r["loss1"]) <= 1e-5 * abs(r["loss1"]), (r["ep_loss"], r["loss1"])
+            assert r["ep_diff"] <= 1e-5, r["ep_diff"]
 
 
 @pytest.fixture(scope="module")

@@ -125,6 +125,9 @@ def _hf_module(key: str, name: str) -> list[str]:
              "shared_experts.linear_fc2": ["shared_experts.down_proj"],
              "linear_fc1": ["up_proj"], "linear_fc2": ["down_proj"]}
     rest = rest.replace("mixer.", "")
+    if rest.startswith("experts.local_experts."):  # a routed expert (one rank: local id = global id)
+        _, _, j, linear = rest.split(".")
+        return [f"{mixer}experts.{j}.{fused[linear][0]}"]
     return [mixer + n for n in fused.get(rest, [rest])]
 
 

@@ -7,8 +7,9 @@
 A targeted layer computes y = W x + (alpha/r) B (A x) (dropout 0). Targets (model.lora.targets, names from
 hetero/plan/lora.py, Megatron-Bridge's plus Tessera's) are layer names: linear_qkv / linear_proj (attention),
 linear_fc1 / linear_fc2 (MLP, MoE shared experts), in_proj / out_proj (Mamba), projector (every nn.Linear of
-the media projectors mlp1 / sound_projection). Routed MoE experts (expert-parallel groups) and the encoder
-towers are not adapted.
+the media projectors mlp1 / sound_projection). linear_fc1 / linear_fc2 include every routed MoE expert (as
+Megatron-Bridge's LoRA does): each expert its own adapter, named by its global expert id, reduced over expert-DP
+like the expert. The encoder towers are not adapted.
 
 Tensor parallelism, sharded so that every TP size computes the same numbers:
   ColumnParallelLinear W [out/tp, in]: A replicated [r, in], B column-parallel [out/tp, r]. Each rank's
@@ -46,7 +47,7 @@ from torch import nn
 
 from tessera.hetero.plan.layout import LANGUAGE
 from tessera.hetero.plan.lora import lora_targets, validate_lora
-from tessera.hetero.training.checkpoint import _global_name
+from tessera.hetero.training.checkpoint import _expert_offset, _global_name
 from tessera.models.nemotron_h_hf import _mamba_parts
 
 LLM_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj")
@@ -77,8 +78,10 @@ class LoraAdapter(nn.Module):
     """lora_A [r, in(/tp)] and lora_B [out(/tp), r] of one layer; forward(x) is the delta (alpha/r) B A x."""
 
     def __init__(self, kind: str, in_features: int, out_features: int, rank: int, alpha: float,
-                 tp_group=None, parts: list[int] | None = None, sequence_parallel: bool = False):
+                 tp_group=None, parts: list[int] | None = None, sequence_parallel: bool = False,
+                 expert: bool = False):
         super().__init__()
+        self.expert = expert
         self.kind, self.rank, self.scale, self.parts = kind, rank, alpha / rank, parts
         self.tp_group = tp_group if tp_group is not None and tp_group.size() > 1 else None
         self.tp = self.tp_group.size() if self.tp_group is not None else 1
@@ -92,11 +95,15 @@ class LoraAdapter(nn.Module):
         if sharded is not None and self.tp > 1:
             sharded[0].tensor_model_parallel, sharded[0].partition_dim, sharded[0].partition_stride = True, sharded[1], 1
         # sequence parallelism: the replicated factor sees only this rank's slice of the sequence, so its gradient
-        # is summed over TP like the norms' (hetero/training/optim.sync_gradients reads the attribute)
-        self.sequence_parallel = sequence_parallel and self.tp > 1
+        # is summed over TP like the norms' (hetero/training/optim.sync_gradients reads the attribute). A routed
+        # expert's linears do no TP communication (megatron's explicit_expert_comm: the MoE layer's dispatch and
+        # combine do), so its replicated factor likewise gets a partial gradient on each TP rank.
+        self.sequence_parallel = (sequence_parallel or expert) and self.tp > 1
         if self.sequence_parallel:
             replicated = {"row": self.lora_B, "column": self.lora_A}[kind]
             replicated.sequence_parallel = True
+        if expert:  # distinct per EP rank: reduced over expert-DP, like the expert's weights (optim.is_expert_param)
+            self.lora_A.allreduce = self.lora_B.allreduce = False
 
     def shard(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's TP slices of unsharded A [r, in] and B [out, r] (or of their gradients)."""
@@ -121,7 +128,9 @@ class LoraAdapter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = nn.functional.linear(x.to(self.lora_A.dtype), self.lora_A)
-        if self.sequence_parallel and self.kind == "column":
+        if self.expert:  # as the expert's own linear: local matmuls, the MoE layer sums over TP
+            pass
+        elif self.sequence_parallel and self.kind == "column":
             # x is this rank's sequence slice and the layer's output the whole sequence: gather A x ([s, b, r])
             h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=self.tp_group)
         elif self.sequence_parallel and self.kind == "row":
@@ -147,8 +156,11 @@ def target_layers(key: str, module: nn.Module, targets) -> list[tuple[str, nn.Mo
     if key == LANGUAGE:
         for name, m in module.named_modules():
             leaf = name.rsplit(".", 1)[-1]
-            if leaf not in targets or leaf not in LLM_TARGETS or ".experts." in name:
-                continue  # routed experts live in expert-parallel groups: not adapted
+            if leaf not in targets or leaf not in LLM_TARGETS:
+                continue
+            if ".experts." in name and not isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                raise ValueError(f"LoRA on {name}: routed experts as {type(m).__name__} (grouped GEMM) are not "
+                                 f"supported; use megatron's SequentialMLP experts or drop linear_fc1/linear_fc2")
             if isinstance(m, ColumnParallelLinear):
                 if m.gather_output:
                     raise ValueError(f"LoRA on {name}: gathered outputs are not supported")
@@ -179,8 +191,11 @@ def apply_lora(modules: dict[str, nn.Module], groups, model_cfg, seed: int) -> d
     adapters = {}
     for key, module in modules.items():
         module.requires_grad_(False)
-        tp_group = groups[key].pgs.tp
+        pgs = groups[key].pgs
+        expert_offset = _expert_offset(key, getattr(module, "config", None), groups[key])
         for name, layer, kind in target_layers(key, module, cfg.targets):
+            expert = ".experts.local_experts." in name
+            tp_group = pgs.expt_tp if expert else pgs.tp
             tp = tp_group.size() if kind != "plain" else 1
             if kind == "column":
                 full_in, full_out = layer.weight.shape[1], layer.weight.shape[0] * tp
@@ -189,9 +204,10 @@ def apply_lora(modules: dict[str, nn.Module], groups, model_cfg, seed: int) -> d
             else:
                 full_in, full_out = layer.in_features, layer.out_features
             parts = _mamba_parts(module.config) if name.endswith("mixer.in_proj") else None
-            adapter = LoraAdapter(kind, full_in, full_out, cfg.rank, cfg.alpha,
-                                  tp_group if kind != "plain" else None, parts, getattr(layer, "sequence_parallel", False))
-            gname = _global_name(key, name, getattr(module, "layer_offset", 0))
+            adapter = LoraAdapter(kind, full_in, full_out, cfg.rank, cfg.alpha, tp_group if kind != "plain" else None,
+                                  parts, getattr(layer, "sequence_parallel", False) and not expert, expert)
+            # (a routed expert by its global id: every EP layout draws the same A)
+            gname = _global_name(key, name, getattr(module, "layer_offset", 0), expert_offset)
             _init_a(adapter, gname, seed)
             layer.adapter = adapter.to(device=layer.weight.device, dtype=layer.weight.dtype)
             layer._lora_hook = layer.register_forward_hook(_add_delta)
