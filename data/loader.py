@@ -2,10 +2,10 @@
 
 Pipeline (energon runs every stage inside its worker processes and checkpoints all of them):
   cook          raw tar members, untouched (decoder=None: we decode ourselves to count and name failures)
-  preencode     parse the JSON, probe media headers (+ cheap integrity checks) → predicted tiles/frames/
-                samples → placeholder sizes, tokenize; too-long, misaligned or unreadable samples and media
-                no encoder can take (too_short audio, too_large images) are
-                skipped here, before they take buffer space
+  preencode     parse the JSON, probe media headers (+ cheap integrity checks) → predicted tiles (native
+                resolution: patch grid)/frames/samples → placeholder sizes, tokenize; too-long, misaligned or
+                unreadable samples and media no encoder can take (too_short audio, too_large images,
+                no_patch_grid native images) are skipped here, before they take buffer space
   pack          first-fit-decreasing over a buffer of `packing_buffer` samples into rows of seq_length;
                 a row records positions and (kind, units, tokens) of every media item, raw bytes kept
   batch         N rows → PackedBatch (the global microbatch); only now, knowing each row's index in the
@@ -40,8 +40,8 @@ from megatron.energon.edataclass import edataclass
 from megatron.energon.errors import FatalSampleError
 from megatron.energon.state import FlexState
 
-from tessera.data.media import (MediaError, blank_item, choose_grid, decode_audio, decode_image, decode_video,
-                        probe_audio, probe_image, probe_video, sample_indices)
+from tessera.data.media import (MediaError, blank_item, choose_grid, decode_audio, decode_image, decode_native_image,
+                                decode_video, native_grid, probe_audio, probe_image, probe_video, sample_indices)
 from tessera.data.packing import EncodedSample, PackedSample, collate, first_fit_decreasing, pack_row
 from tessera.data.tokens import (DEFAULT_TEMPLATE, MODULE_OF_KIND, MEDIA_TAGS, EncoderTokens, PromptError, Tokenizer,
                                  encode_conversation)
@@ -80,8 +80,8 @@ class ChatTaskEncoder(TaskEncoder):
         not named are not decoded; None decodes every row of every module (single-rank use).
         modules: the encoder modules the model has; a sample with media for another one is skipped
         (its placeholders would otherwise be trained on as text). None accepts every modality.
-        defer_upscale: images/videos smaller than their tiles are delivered as models.tiling.TileSource and
-        resized on the encoding device (a GPU run: less loader CPU, less to copy).
+        defer_upscale: images/videos smaller than their tiles (native images: than their grid) are delivered as
+        models.tiling.TileSource and resized on the encoding device (a GPU run: less loader CPU, less to copy).
         template: the prompt template's name (data/templates.py): how media tags are wrapped."""
         self.template = template
         self.defer_upscale = defer_upscale
@@ -102,10 +102,13 @@ class ChatTaskEncoder(TaskEncoder):
         log.warning(msg)
         raise SkipSample(msg)
 
-    def _units(self, kind: str, data: bytes) -> int:
-        """Predicted tiles / frames / 16 kHz samples of one item, from headers only."""
+    def _units(self, kind: str, data: bytes) -> int | tuple[int, int]:
+        """Predicted tiles (or, at native resolution, the (rows, cols) patch grid) / frames / 16 kHz samples
+        of one item, from headers only."""
         if kind == "image":
             w, h = probe_image(data)
+            if self.enc.native_resolution:
+                return native_grid(w, h, self.enc)
             return choose_grid(w, h, self.enc.max_tiles, self.enc.thumbnail, self.enc.tile).num_tiles
         if kind == "video":
             return len(sample_indices(probe_video(data), self.enc.video_frames))
@@ -166,7 +169,10 @@ class ChatTaskEncoder(TaskEncoder):
         """Decode one packed item; on failure a blank of the predicted shape (see module docstring)."""
         enc = self.enc
         try:
-            if kind == "image":
+            if kind == "image" and enc.native_resolution:
+                arr = decode_native_image(data, enc, self.defer_upscale)
+                n = (arr.shape[2] // enc.patch, arr.shape[3] // enc.patch)  # one image: its patch grid
+            elif kind == "image":
                 arr = decode_image(data, enc.tile, enc.max_tiles, enc.thumbnail, self.defer_upscale)
                 n = arr.shape[0]
             elif kind == "video":

@@ -4,7 +4,9 @@ Each decoder takes the bytes of one tar member and returns exactly what the enco
 number of LLM placeholder tokens can be computed from the decoded result (see data/tokens.py):
 
 - image → dynamic tiles: a grid of `tile`×`tile` crops chosen by aspect ratio (at most `max_tiles`), plus a
-  thumbnail of the whole image when the grid has more than one tile. uint8 [T, 3, tile, tile].
+  thumbnail of the whole image when the grid has more than one tile. uint8 [T, 3, tile, tile]. The omni
+  family instead takes each image at native resolution (decode_native_image): one uint8 [1, 3, H, W] image
+  resized to the released Omni processor's patch grid (models/media_tokens.native_patch_grid).
 - video → `frames` uniformly spaced frames, each resized to one tile, with their timestamps in seconds
   (PyAV; no torchvision). uint8 [F, 3, tile, tile], float64 [F].
 - audio → 16 kHz mono float32 waveform (soundfile + libsoxr resampling as librosa does; no torchaudio),
@@ -101,19 +103,16 @@ def probe_image(data: bytes) -> tuple[int, int]:
     return size
 
 
-def decode_image(data: bytes, tile: int = 512, max_tiles: int = 6, use_thumbnail: bool = True,
-                 defer_upscale: bool = False) -> np.ndarray | TileSource:
-    """Image bytes (JPEG/PNG/...) → uint8 tiles [T, 3, tile, tile], grid tiles row-major, thumbnail last.
-    defer_upscale: when the tiles hold more pixels than the decoded image, return it as a TileSource whose
-    tiles are cut on the encoding device (models/tiling.py)."""
+def _decode_rgb(data: bytes, plan):
+    """(plan(stored width, height)[0], uint8 [h, w, 3] pixels) of image bytes, decoded no larger than needed:
+    plan returns (the caller's layout, (width, height) in pixels of what the pixels will be resized to)."""
     try:
         img = Image.open(io.BytesIO(data))
-        # The grid comes from the stored size (what probe_image saw), never from a reduced decode.
-        grid = choose_grid(img.width, img.height, max_tiles, use_thumbnail, tile)
-        gw, gh = grid.cols * tile, grid.rows * tile
+        # The layout comes from the stored size (what probe_image saw), never from a reduced decode.
+        layout, (gw, gh) = plan(img.width, img.height)
         if img.format == "JPEG":
             # DCT-domain downscaling by 2/4/8 while decoding, only as far as the result still covers the
-            # grid (and so the thumbnail): a large photo decodes several times faster; a small image is
+            # target (and so the thumbnail): a large photo decodes several times faster; a small image is
             # untouched. The reduced decode differs from full decode + bicubic only by a few levels.
             img.draft("RGB", (gw, gh))
         img.load()  # forces the full decode here, so a truncated file fails now and not inside the encoder
@@ -124,14 +123,58 @@ def decode_image(data: bytes, tile: int = 512, max_tiles: int = 6, use_thumbnail
         k = min(img.width // (2 * gw), img.height // (2 * gh))
         if k >= 2:
             img = img.reduce(k)
-        arr = np.array(img)  # a writable copy: torch refuses read-only buffers with a warning
+        return layout, np.array(img)  # a writable copy: torch refuses read-only buffers with a warning
     except MediaError:
         raise
     except Exception as e:  # PIL raises many types (OSError, SyntaxError, DecompressionBombError...)
         raise MediaError(f"undecodable image: {type(e).__name__}: {e}") from None
+
+
+def decode_image(data: bytes, tile: int = 512, max_tiles: int = 6, use_thumbnail: bool = True,
+                 defer_upscale: bool = False) -> np.ndarray | TileSource:
+    """Image bytes (JPEG/PNG/...) → uint8 tiles [T, 3, tile, tile], grid tiles row-major, thumbnail last.
+    defer_upscale: when the tiles hold more pixels than the decoded image, return it as a TileSource whose
+    tiles are cut on the encoding device (models/tiling.py)."""
+    def plan(width, height):
+        grid = choose_grid(width, height, max_tiles, use_thumbnail, tile)
+        return grid, (grid.cols * tile, grid.rows * tile)
+
+    grid, arr = _decode_rgb(data, plan)
     if defer_upscale and grid.num_tiles * tile * tile > arr.shape[0] * arr.shape[1]:
         return TileSource(arr, grid.cols, grid.rows, grid.thumbnail, tile)
     return cut_tiles(hwc_to_nchw(arr), grid.cols, grid.rows, grid.thumbnail, tile).numpy()
+
+
+def native_grid(width: int, height: int, enc) -> tuple[int, int]:
+    """(rows, cols) patches of a width x height image at native resolution (EncoderTokens.image_grid, the
+    released Omni processor's rule); an image without such a grid is a MediaError."""
+    try:
+        return enc.image_grid(width, height)
+    except ValueError as e:
+        raise MediaError(str(e), reason="no_patch_grid") from None
+
+
+def decode_native_image(data: bytes, enc, defer_upscale: bool = False) -> np.ndarray | TileSource:
+    """Image bytes → one uint8 [1, 3, rows * patch, cols * patch] image at its native-resolution grid
+    (native_grid), the omni family's image; with defer_upscale an image smaller than its grid comes as a
+    TileSource resized on the encoding device.
+
+    The grid is the release's; the pixels are close to but not exactly the release's: its image processor
+    resizes with torchvision (tvF.resize, bicubic, antialias=True) on float32 pixels and keeps the bicubic
+    overshoot below 0 and above 255 into its normalisation, while Tessera resizes here with the data path's
+    one resize (models/tiling.resize: torch's uint8 antialiased bicubic, PIL's BICUBIC filter in two passes,
+    each rounded and clamped to uint8), and a large JPEG may decode reduced (draft) or be box-reduced first.
+    Smooth regions agree to rounding (half a level); at sharp edges the clamped overshoot can differ by tens of
+    levels. An image already at its grid's size is not resized by either."""
+    def plan(width, height):
+        rows, cols = native_grid(width, height, enc)
+        return (rows, cols), (cols * enc.patch, rows * enc.patch)
+
+    (rows, cols), arr = _decode_rgb(data, plan)
+    height, width = rows * enc.patch, cols * enc.patch
+    if defer_upscale and height * width > arr.shape[0] * arr.shape[1]:
+        return TileSource.native_image(arr, height, width)
+    return resize(hwc_to_nchw(arr), height, width).numpy()
 
 
 def sample_indices(total: int, wanted: int) -> list[int]:
@@ -223,11 +266,14 @@ def decode_video(data: bytes, frames: int = 8, tile: int = 512,
     return out.numpy(), stamps
 
 
-def blank_item(kind: str, units: int, enc) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+def blank_item(kind: str, units, enc) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """A stand-in of the predicted shape for an item that failed to decode after it was packed: black
-    tiles/frames or silence, so the encoder still produces exactly the planned number of embeddings."""
+    tiles/frames, a black native-resolution image (units = its (rows, cols) grid) or silence, so the encoder
+    still produces exactly the planned number of embeddings."""
     if kind == "audio":
         return np.zeros(units, dtype=np.float32)
+    if isinstance(units, tuple):
+        return np.zeros((1, 3, units[0] * enc.patch, units[1] * enc.patch), dtype=np.uint8)
     tiles = np.zeros((units, 3, enc.tile, enc.tile), dtype=np.uint8)
     return (tiles, np.zeros(units, dtype=np.float64)) if kind == "video" else tiles
 

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from tessera.data.loader import ChatTaskEncoder, build_loader
-from tessera.data.templates import template_for_encoders
+from tessera.data.templates import prompt_template, template_for_encoders
 from tessera.data.tokens import SPECIAL_TOKENS, EncoderTokens
 
 _DONE = ".complete"  # written last inside the temporary folder, so a renamed folder is always whole
@@ -60,9 +60,11 @@ def synthetic_dataset(root: Path, samples: int = 96, seed: int = 0) -> tuple[Pat
 
 
 def encoder_tokens(encoders: dict[str, str], max_tiles: int = 2, video_frames: int = 4,
-                   video_pruning: float = 0.0) -> EncoderTokens:
+                   video_pruning: float = 0.0, *, native_resolution: bool = False, min_patches: int | None = None,
+                   max_patches: int | None = None) -> EncoderTokens:
     """EncoderTokens from registry names: vision tile/patch/pixel shuffle, audio rate/hop/n_fft/subsampling
-    and which mel frames the audio count covers (models/encoders.tokens_config).
+    and which mel frames the audio count covers (models/encoders.tokens_config); native_resolution and the
+    patch budget (None: from max_tiles, models/media_tokens.EncoderTokens) as given.
 
     encoders maps module key ("vision", "audio") to a registry name; each config must be of that modality."""
     from tessera.models.encoders import encoder_config, tokens_config
@@ -78,29 +80,48 @@ def encoder_tokens(encoders: dict[str, str], max_tiles: int = 2, video_frames: i
         else:
             fields.update(audio_rate=t.audio_rate, audio_hop=t.audio_hop, audio_n_fft=t.audio_n_fft,
                           audio_subsampling=t.audio_subsampling, audio_token_frames=t.audio_token_frames)
-    return EncoderTokens(max_tiles=max_tiles, video_frames=video_frames, video_pruning=video_pruning, **fields)
+    return EncoderTokens(max_tiles=max_tiles, video_frames=video_frames, video_pruning=video_pruning,
+                         native_resolution=native_resolution, min_patches=min_patches, max_patches=max_patches,
+                         **fields)
 
 
 def chat_task_encoder(tokenizer, encoders: dict[str, str], seq_length: int, *,
                       decode: dict[str, range] | None = None, max_tiles: int = 2, video_frames: int = 4,
-                      video_pruning: float = 0.0, defer_upscale: bool = False) -> ChatTaskEncoder:
+                      video_pruning: float = 0.0, defer_upscale: bool = False, min_patches: int | None = None,
+                      max_patches: int | None = None) -> ChatTaskEncoder:
     """The task encoder of a model with these encoders: placeholder sizes from their registry configs
     (encoder_tokens) and the prompt template of their family (omni with an audio encoder, else vl:
-    data/templates.template_for_encoders), the one place a run's template is chosen."""
-    return ChatTaskEncoder(tokenizer, seq_length, encoder_tokens(encoders, max_tiles, video_frames, video_pruning),
-                           decode=decode, modules=set(encoders), defer_upscale=defer_upscale,
-                           template=template_for_encoders(encoders))
+    data/templates.template_for_encoders), the one place a run's template, and with it the image mode, is
+    chosen: omni takes each image at native resolution (one patch grid of min_patches..max_patches; None:
+    derived from max_tiles, models/media_tokens.EncoderTokens), vl cuts max_tiles tiles + a thumbnail."""
+    template = template_for_encoders(encoders)
+    enc = encoder_tokens(encoders, max_tiles, video_frames, video_pruning,
+                         native_resolution=prompt_template(template).native_resolution,
+                         min_patches=min_patches, max_patches=max_patches)
+    context_patches = (seq_length - 4) * enc.pixel_shuffle ** 2
+    if "vision" in encoders and enc.native_resolution and context_patches < enc.patch_budget[1]:
+        # the release's image processor gives every image of a call at most (max_model_len - 4) x merge²
+        # patches (image_processing_nemotron_h_omni.py l.145-150) when that is below max_num_patches: a
+        # budget that depends on the call's images, which Tessera does not follow; such a run is refused
+        raise ValueError(f"seq_length {seq_length} holds fewer than max_patches {enc.patch_budget[1]} patches "
+                         f"(seq_length - 4 tokens of {enc.pixel_shuffle ** 2}): the released processor would "
+                         f"shrink every image's budget to the context; lower max_patches or max_tiles")
+    return ChatTaskEncoder(tokenizer, seq_length, enc, decode=decode, modules=set(encoders),
+                           defer_upscale=defer_upscale, template=template)
 
 
 def build_train_loader(path: str | Path, tokenizer: str | Path, encoders: dict[str, str], seq_length: int,
                        rows_per_microbatch: int, *, decode: dict[str, range] | None, num_workers: int = 0,
                        seed: int = 0, max_tiles: int = 2, video_frames: int = 4, video_pruning: float = 0.0,
-                       state=None, defer_upscale: bool = False):
+                       state=None, defer_upscale: bool = False, min_patches: int | None = None,
+                       max_patches: int | None = None):
     """The resumable loader of global PackedBatch microbatches for one rank (data/loader.build_loader).
 
     decode: what data.sharding.decode_plan returns for this rank (None: decode every row, one process).
     state: a loader.save_state_rank() result to resume from (same num_workers, see build_loader).
-    defer_upscale: media smaller than their tiles are resized on the encoding device (ChatTaskEncoder)."""
+    defer_upscale: media smaller than their tiles are resized on the encoding device (ChatTaskEncoder).
+    min_patches / max_patches: an omni model's native-resolution image budget (chat_task_encoder)."""
     te = chat_task_encoder(tokenizer, encoders, seq_length, decode=decode, max_tiles=max_tiles,
-                           video_frames=video_frames, video_pruning=video_pruning, defer_upscale=defer_upscale)
+                           video_frames=video_frames, video_pruning=video_pruning, defer_upscale=defer_upscale,
+                           min_patches=min_patches, max_patches=max_patches)
     return build_loader(path, te, rows_per_microbatch, num_workers=num_workers, seed=seed, state=state)

@@ -1,4 +1,5 @@
-"""Prompt templates of the released model families: the turn markers and how each media tag is wrapped.
+"""Prompt templates of the released model families: the turn markers, how each media tag is wrapped, and
+whether images are tiled (vl) or taken at native resolution (omni).
 
 Plain data, one entry per family. data/tokens.encode_conversation applies a template; which family a run uses
 is decided once, from the model's encoders (template_for_encoders, called by data/pipeline.build_train_loader).
@@ -52,10 +53,14 @@ class MediaWrap:
 
 @dataclass(frozen=True)
 class PromptTemplate:
-    """A family's media wrapping per media kind; a kind it lacks is a kind its released model does not take."""
+    """A family's media wrapping per media kind; a kind it lacks is a kind its released model does not take.
+    native_resolution: the family's released image processor resizes each image to one native-resolution
+    patch grid (omni: NemotronH_Omni_Reasoning_V3ImageProcessor) instead of 512² tiles + a thumbnail (vl);
+    data/pipeline.chat_task_encoder sizes and decodes images accordingly (models/media_tokens.py)."""
 
     name: str
     media: Mapping[str, MediaWrap] = field(default_factory=dict)
+    native_resolution: bool = False
 
     @property
     def special_tokens(self) -> tuple[str, ...]:
@@ -68,7 +73,8 @@ TESSERA_VIDEO = MediaWrap(context="<video>")  # not the releases' per-frame wrap
 
 TEMPLATES: dict[str, PromptTemplate] = {
     "vl": PromptTemplate("vl", {"image": RELEASED_IMAGE, "video": TESSERA_VIDEO}),
-    "omni": PromptTemplate("omni", {"image": RELEASED_IMAGE, "video": TESSERA_VIDEO, "audio": RELEASED_AUDIO}),
+    "omni": PromptTemplate("omni", {"image": RELEASED_IMAGE, "video": TESSERA_VIDEO, "audio": RELEASED_AUDIO},
+                           native_resolution=True),
 }
 #: What encode_conversation / ChatTaskEncoder use when not told: the family that takes every media kind.
 DEFAULT_TEMPLATE = "omni"

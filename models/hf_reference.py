@@ -162,17 +162,18 @@ def omni_inputs(sample: OmniSample, vcfg: dict | None, audio_frontend) -> dict:
 
 def omni_forward_inputs(tokens, images: list, clips: list, vcfg: dict | None, audio_frontend,
                         name: str = "sample") -> dict:
-    """The Omni forward's inputs for one document: exactly what Tessera's encoders see (every uint8 tile one
-    image of its patch grid; the mel features of Tessera's audio front end, with their mask). At most one clip:
-    a batch of clips would share the conformer's BatchNorm statistics, and Tessera encodes every clip alone."""
+    """The Omni forward's inputs for one document: exactly what Tessera's encoders see (every uint8 [H, W]
+    image of an item, a tile or a native-resolution image, one image of its (H/patch) x (W/patch) patch grid;
+    the mel features of Tessera's audio front end, with their mask). At most one clip: a batch of clips would
+    share the conformer's BatchNorm statistics, and Tessera encodes every clip alone."""
     import numpy as np
 
     inputs = {"input_ids": tokens[None]}
     if images:
-        tiles = torch.cat([torch.as_tensor(np.asarray(item)) for item in images])  # [T, 3, tile, tile]
-        side = tiles.shape[-1] // vcfg["patch"]
-        inputs["pixel_values"] = processor_pixels(tiles, vcfg["patch"], vcfg["mean"], vcfg["std"])
-        inputs["image_grid_hw"] = torch.tensor([[side, side]] * tiles.shape[0])
+        items = [torch.as_tensor(np.asarray(item)) for item in images]  # each [n, 3, H, W]
+        p = vcfg["patch"]
+        inputs["pixel_values"] = torch.cat([processor_pixels(x, p, vcfg["mean"], vcfg["std"]) for x in items])
+        inputs["image_grid_hw"] = torch.tensor([[x.shape[-2] // p, x.shape[-1] // p] for x in items for _ in x])
     if clips:
         if len(clips) > 1:
             raise ValueError(f"{name}: one clip per document (a batch of clips would share the conformer's "

@@ -12,12 +12,52 @@ import math
 from dataclasses import dataclass
 
 
+def native_patch_grid(height: int, width: int, patch: int, merge: int, min_patches: int,
+                      max_patches: int) -> tuple[int, int]:
+    """(rows, cols) in patches of the one grid an image of height x width pixels is resized to at native
+    resolution: transformers 5.23 models/nemotron_h_omni/image_processing_nemotron_h_omni.py,
+    get_patch_grid_size (l.51-82), step for step (tests/test_native_resolution.py runs that function):
+      - the image's own grid, round(side / patch + 0.5): Python's round halves to even, so an exact multiple
+        of the patch gives side/patch + 1 when side/patch is odd and side/patch when it is even (not the
+        floor + 1 its comment says for every integer);
+      - scaled down by sqrt(max / patches) when over max_patches (floor), up by sqrt(min / patches) when
+        under min_patches (ceil; only while max > min);
+      - each side rounded to a multiple of `merge` (the pixel shuffle), up when the grid stays within
+        max_patches, else down (to at least merge).
+    The release divides by zero when scaling down floors a side of an extreme aspect ratio to 0 patches;
+    here that grid is refused with a ValueError, as is one with an empty side (the release's output when
+    max <= min), since neither is an image the encoder can take."""
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image has an empty size {width}x{height}")
+    rows, cols = round(height / patch + 0.5), round(width / patch + 0.5)
+    factor = min(math.sqrt(max_patches / (rows * cols)), 1.0)
+    rows, cols = math.floor(factor * rows), math.floor(factor * cols)
+    if rows == 0 or cols == 0:
+        raise ValueError(f"a {width}x{height} image has no patch grid within {max_patches} patches: its aspect "
+                         f"ratio floors one side to 0 patches")
+    if max_patches > min_patches and rows * cols < min_patches:
+        factor = math.sqrt(min_patches / (rows * cols))
+        rows, cols = math.ceil(factor * rows), math.ceil(factor * cols)
+    if remainder := rows % merge:
+        rows = rows + merge - remainder if (rows + merge - remainder) * cols <= max_patches else \
+            max(merge, rows - remainder)
+    if remainder := cols % merge:
+        cols = cols + merge - remainder if rows * (cols + merge - remainder) <= max_patches else \
+            max(merge, cols - remainder)
+    if rows == 0 or cols == 0:
+        raise ValueError(f"a {width}x{height} image gives an empty {rows}x{cols} patch grid")
+    return rows, cols
+
+
 @dataclass(frozen=True)
 class EncoderTokens:
     """How many LLM positions each media item occupies; mirrors the encoder configs.
 
-    vision: a `tile`² tile is cut into (tile/patch)² patches, then pixel shuffle merges shuffle² patches
-    into one token. video frames are one tile each. audio: the mel front end (hop, n_fft, center=True) gives
+    vision: an image is `tile`² tiles (data/media.choose_grid: at most max_tiles, plus a thumbnail) or, with
+    `native_resolution` (the omni family, data/pipeline.chat_task_encoder), one rows x cols patch grid at the
+    image's own aspect ratio (native_patch_grid, the released Omni image processor's rule). A grid of
+    rows x cols patches gives (rows/shuffle) x (cols/shuffle) tokens after pixel shuffle (grid_tokens, the
+    one count rule: a tile is a (tile/patch)² grid). video frames are one tile each. audio: the mel front end (hop, n_fft, center=True) gives
     n = (samples + 2 (n_fft // 2) - n_fft) // hop valid frames; `audio_tokens_of_frames` is the one rule that
     turns them into embeddings, for the data side's placeholders and the audio encoders' output alike
     (models/audio.py trims the encoder's output with it): `subsampling`× striding (log2(subsampling) conv
@@ -28,6 +68,13 @@ class EncoderTokens:
     pixel_shuffle: int = 2
     max_tiles: int = 6
     thumbnail: bool = True
+    # Native resolution: each image one patch grid of min_patches..max_patches patches (None: one tile's
+    # patches .. (max_tiles + 1) tiles' patches, the patches the tiles and thumbnail of the tiled families hold;
+    # for 512-px tiles of 16-px patches and max_tiles 12 that is 1024..13312, the released Omni image
+    # processor's min_num_patches / max_num_patches defaults).
+    native_resolution: bool = False
+    min_patches: int | None = None
+    max_patches: int | None = None
     video_frames: int = 8
     video_pruning: float = 0.0  # fraction of video tokens the encoder drops (EVS); tubelets not supported
     audio_rate: int = 16_000
@@ -59,13 +106,39 @@ class EncoderTokens:
             raise ValueError(f"audio_subsampling={self.audio_subsampling} must be a power of two (stride-2 stages)")
         if self.audio_token_frames not in ("valid", "stft"):
             raise ValueError(f"audio_token_frames={self.audio_token_frames!r} must be 'valid' or 'stft'")
+        lo, hi = self.patch_budget
+        if self.native_resolution and not 0 < lo <= hi:
+            raise ValueError(f"native-resolution images need 0 < min_patches <= max_patches, got {lo}, {hi}")
+
+    @property
+    def patches_per_tile(self) -> int:
+        return (self.tile // self.patch) ** 2
+
+    @property
+    def patch_budget(self) -> tuple[int, int]:
+        """(min, max) patches of a native-resolution image (see the fields' comment)."""
+        return (self.patches_per_tile if self.min_patches is None else self.min_patches,
+                (self.max_tiles + 1) * self.patches_per_tile if self.max_patches is None else self.max_patches)
+
+    def image_grid(self, width: int, height: int) -> tuple[int, int]:
+        """(rows, cols) patches of a width x height image at native resolution (native_patch_grid)."""
+        return native_patch_grid(height, width, self.patch, self.pixel_shuffle, *self.patch_budget)
+
+    def grid_tokens(self, rows: int, cols: int) -> int:
+        """Tokens of one rows x cols patch grid after pixel shuffle: every image count comes from here."""
+        if rows % self.pixel_shuffle or cols % self.pixel_shuffle:
+            raise ValueError(f"a {rows}x{cols} patch grid does not pixel-shuffle by {self.pixel_shuffle}")
+        return (rows // self.pixel_shuffle) * (cols // self.pixel_shuffle)
 
     @property
     def tokens_per_tile(self) -> int:
-        return (self.tile // self.patch // self.pixel_shuffle) ** 2
+        return self.grid_tokens(self.tile // self.patch, self.tile // self.patch)
 
-    def image_tokens(self, num_tiles: int) -> int:
-        return num_tiles * self.tokens_per_tile
+    def image_tokens(self, units: int | tuple[int, int]) -> int:
+        """Tokens of an image of `units` tiles, or of one native-resolution grid given as (rows, cols)."""
+        if isinstance(units, tuple):
+            return self.grid_tokens(*units)
+        return units * self.tokens_per_tile
 
     def video_tokens(self, num_frames: int) -> int:
         # EVS pruning keeps n - floor(n * rate) tokens (models/video.evs_kept_count, same arithmetic)
@@ -104,5 +177,6 @@ class EncoderTokens:
         return self.audio_tokens_of_frames(self.audio_mel_frames(num_samples))
 
     def tokens(self, kind: str, units: int) -> int:
-        """Tokens for one media item of `kind` with `units` tiles (image), frames (video) or 16 kHz samples."""
+        """Tokens for one media item of `kind` with `units` tiles or a (rows, cols) native patch grid (image),
+        frames (video) or 16 kHz samples."""
         return {"image": self.image_tokens, "video": self.video_tokens, "audio": self.audio_tokens}[kind](units)

@@ -58,15 +58,17 @@ class MediaModule(nn.Module):
         return self
 
     def num_tokens(self, kind: str, item) -> int:
-        """Embeddings this module produces for one item (what data/tokens.EncoderTokens must announce)."""
+        """Embeddings this module produces for one item (what data/tokens.EncoderTokens must announce).
+        An image item is uint8 [n, 3, H, W]: n tiles, or one native-resolution image (omni); either way every
+        one of its n images is an (H/patch) x (W/patch) patch grid, counted by EncoderTokens.grid_tokens."""
+        from tessera.models.encoders import tokens_config
+
         if kind == "image":
-            tpt = (self.cfg["tile"] // self.cfg["patch"] // self.cfg["pixel_shuffle"]) ** 2
-            return len(item) * tpt
+            n, _, h, w = item.shape  # an array, a tensor or a TileSource
+            return n * tokens_config(self.cfg).grid_tokens(h // self.cfg["patch"], w // self.cfg["patch"])
         if kind == "video":
             return self.video.num_tokens(len(item[0]))
         if kind == "audio":
-            from tessera.models.encoders import tokens_config
-
             return tokens_config(self.cfg).audio_tokens(len(item))
         raise ValueError(f"module {self.cfg['modality']!r} cannot encode media of kind {kind!r}")
 

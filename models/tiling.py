@@ -82,13 +82,21 @@ class TileSource:
 
     source: uint8 [h, w, 3] for an image (its grid: cols x rows + thumbnail) or [n, h, w, 3] for n video
     frames (each frame one tile: cols = rows = 1, no thumbnail). Behaves like the uint8 [T, 3, tile, tile]
-    array it stands for: `shape`, `len()`, and np.asarray() (which cuts the tiles on the host)."""
+    array it stands for: `shape`, `len()`, and np.asarray() (which cuts the tiles on the host).
+    native: (height, width) of a native-resolution image (the omni family, data/media.decode_native_image):
+    the source becomes that one uint8 [1, 3, height, width] image instead of tiles (cols, rows, thumbnail and
+    tile are then unused; TileSource.native_image makes one)."""
 
     source: np.ndarray
     cols: int
     rows: int
     thumbnail: bool
     tile: int
+    native: tuple[int, int] | None = None
+
+    @classmethod
+    def native_image(cls, source: np.ndarray, height: int, width: int) -> "TileSource":
+        return cls(source, 1, 1, False, 0, native=(height, width))
 
     @property
     def frames(self) -> int:
@@ -96,6 +104,8 @@ class TileSource:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
+        if self.native is not None:
+            return (1, 3, *self.native)
         per = self.cols * self.rows + int(self.thumbnail)
         return (self.frames * per, 3, self.tile, self.tile)
 
@@ -103,8 +113,11 @@ class TileSource:
         return self.shape[0]
 
     def tiles(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """uint8 [T, 3, tile, tile] on `device`: the source crosses to the device, the resize runs there."""
+        """uint8 [T, 3, tile, tile] (a native image: [1, 3, height, width]) on `device`: the source crosses to
+        the device, the resize runs there."""
         src = hwc_to_nchw(self.source).to(device, non_blocking=True)
+        if self.native is not None:
+            return resize(src, *self.native)
         if self.source.ndim == 4:  # video: every frame resized to one tile, in one call
             return resize(src, self.tile, self.tile)
         return cut_tiles(src, self.cols, self.rows, self.thumbnail, self.tile)

@@ -61,7 +61,9 @@ class DataConfig:
     rows_per_microbatch: int = 4            # global rows per microbatch (divisible by every module's DP)
     microbatches: int = 2                   # microbatches per optimizer step
     num_workers: int = 0
-    max_tiles: int = 2                      # image tiles per image (plus thumbnail)
+    # vl/video: image tiles per image (plus thumbnail). omni (native resolution): each image is one patch grid
+    # of one tile's patches .. (max_tiles + 1) tiles' patches (models/media_tokens.EncoderTokens.patch_budget)
+    max_tiles: int = 2
     video_frames: int = 4
     seed: int = 1234
     # media per packed row as the layout planner prices it (layout=auto, `nemo tessera plan`); None = from

@@ -138,7 +138,11 @@ def nemotron_video_tiny() -> run.Config[RunConfig]:
 
 
 def nemotron_omni_tiny() -> run.Config[RunConfig]:
-    """Tiny omni: RADIO tiny + FastConformer tiny + tiny LLM; both encoders dp4, LLM tp2,cp2 on 4 CPU ranks."""
+    """Tiny omni: RADIO tiny + FastConformer tiny + tiny LLM; both encoders dp4, LLM tp2,cp2 on 4 CPU ranks.
+    Images at native resolution (the omni family's, data/pipeline.chat_task_encoder) in 16..48 patches of the
+    tiny RADIO's 16 px (its 64-px tile's 16 patches .. max_tiles 2 + 1 tiles' worth): 4-12 tokens an image,
+    what the tiles gave, so a synthetic sample stays well inside seq_length 256. The release's 1024..13312
+    patches would give up to 3328 tokens an image."""
     return _tiny("omni", vision="radio_vit_tiny", audio="fastconformer_tiny")
 
 
@@ -186,7 +190,9 @@ def nemotron_video_12b(gpus: int = default_gpus("nemotron_video_12b")) -> run.Co
 
 
 def nemotron_omni_30b_a3b(gpus: int = default_gpus("nemotron_omni_30b_a3b")) -> run.Config[RunConfig]:
-    """Nemotron 3 Nano Omni: RADIO ViT-H + Parakeet FastConformer 0.6B + Nemotron 3 Nano 30B-A3B (MoE)."""
+    """Nemotron 3 Nano Omni: RADIO ViT-H + Parakeet FastConformer 0.6B + Nemotron 3 Nano 30B-A3B (MoE).
+    Images at native resolution: max_tiles 12 of 512 px / 16-px patches gives 1024..13312 patches an image, the
+    released image processor's min_num_patches / max_num_patches (tests/test_native_resolution.py)."""
     return _full("nemotron_omni_30b_a3b", gpus, llm="nemotron_3_nano_30b_a3b", audio="fastconformer_parakeet_0_6b")
 
 

@@ -16,11 +16,13 @@ where the processor's input_ids hold that module's placeholder id (the ids the m
 
 What the processor is given without its image and video processors (their modules import torchvision, which is
 absent here): images go through a stand-in image processor that returns only `image_grid_hw`, the input of the
-processor's replace_image_token. Image token *counts* are not the release's: Tessera's omni vision cuts 512²
-tiles plus a thumbnail (the VL 12B's tiling), the release resizes each image to one native-resolution grid. The
-stand-in is handed the grid whose count equals the tiles' count (32 x 32·tiles patches), so what is compared for
-images is the wrapping and its tokenization; for audio the count is compared too (the processor computes it from
-the waveform). Video is not compared (data/templates.py: Tessera's video is not the releases' per-frame wrapping).
+processor's replace_image_token, computed by transformers' own grid rule (get_patch_grid_size with the image
+processor's defaults and per-call budget, tests/_omni_image_processor.py) from the decoded image's size. So the
+image placeholder counts are compared too: Tessera's omni family takes each image at native resolution
+(data/pipeline.chat_task_encoder) and must announce the count of the release's grid. For audio the processor
+computes the count from the waveform. The vl family (tiles + thumbnail, no transformers processor) is compared
+for its wrapping only: its stand-in is handed the grid whose count equals the tiles' (32 x 32·tiles patches).
+Video is not compared (data/templates.py: Tessera's video is not the releases' per-frame wrapping).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from _omni_image_processor import release_grid, release_image_module
 from PIL import Image
 
 from tessera.data.loader import RawSample
@@ -57,7 +60,10 @@ CLIP_SAMPLES = {
     "0.1s": 1600,        # n = 10: the shortest clip the front end takes without padding
     "3s": 48000,         # n = 300
 }
-IMAGE_SIZES = {"square": (300, 300), "wide": (1200, 500)}  # 1 tile; 5x2 tiles + thumbnail (max_tiles 12)
+# (width, height). vl tiles (max_tiles 12): 1; 5x2 + thumbnail; 1x12 + thumbnail. Release grids (omni), rows x cols
+# patches: 32x32 (19x19 scaled up to the 1024-patch min), 32x76 (1200/16 = 75, odd: round() gives 76), 108x10
+# (44x4 scaled up to 107x10, then rows rounded up to the pixel shuffle)
+IMAGE_SIZES = {"square": (300, 300), "wide": (1200, 500), "strip": (50, 700)}
 
 
 def _tokenizer_json(path, specials):
@@ -86,14 +92,18 @@ def processor(tokenizer_json):
                               PreTrainedTokenizerFast)
 
     class GridImageProcessor:
-        """Stands in for NemotronH_Omni_Reasoning_V3ImageProcessor: each "image" is its patch grid (h, w), and
-        the output is the image_grid_hw that processor would return; its pixels are not needed for input_ids."""
+        """Stands in for NemotronH_Omni_Reasoning_V3ImageProcessor: returns the image_grid_hw that processor
+        would, from transformers' own grid rule and defaults for a PIL image (release_grid), or a given
+        [h, w] grid as is (the vl family's tiles); its pixels are not needed for input_ids."""
 
-        downsample_ratio = 0.5  # the release's pixel shuffle (the real image processor's default)
+        downsample_ratio = release_image_module().NemotronH_Omni_Reasoning_V3ImageProcessor.downsample_ratio
         model_input_names = ["pixel_values", "image_grid_hw"]
 
         def __call__(self, images, **kwargs):
-            return BatchFeature({"image_grid_hw": torch.tensor(images)})
+            assert not kwargs.get("images_kwargs"), "the release's defaults only"
+            grids = [release_grid(im.height, im.width, n_images=len(images)) if isinstance(im, Image.Image)
+                     else im for im in images]
+            return BatchFeature({"image_grid_hw": torch.tensor(grids)})
 
     class WithoutTorchvision(NemotronH_Omni_Reasoning_V3Processor):
         def check_argument_for_proper_class(self, argument_name, argument):
@@ -145,9 +155,10 @@ CONVERSATIONS = {
     "mixed": ([{"role": "system", "content": "You are a helpful assistant."},
                {"role": "user", "content": "<audio> and <audio>, then <image>: compare the two sounds and the picture."},
                {"role": "assistant", "content": "The first is longer."},
-               {"role": "user", "content": "And these? <audio><image> <audio> <audio>"},
+               {"role": "user", "content": "And these? <audio><image> <audio> <audio><image>"},
                {"role": "assistant", "content": "A steady tone."}],
-              ["audio:1.28s+79", "audio:0.5s", "image:square", "audio:3s", "image:wide", "audio:0.1s", "audio:1.28s"]),
+              ["audio:1.28s+79", "audio:0.5s", "image:square", "audio:3s", "image:wide", "audio:0.1s", "audio:1.28s",
+               "image:strip"]),
 }
 
 
@@ -176,7 +187,11 @@ def _processor_ids(processor, turns, items, task_encoder):
         text += f"<|im_start|>{turn['role']}\n{content}<|im_end|>\n"
     enc, images = task_encoder.enc, []
     for kind, name in items:
-        if kind == "image":  # the image's tiles side by side as one patch grid: the same token count
+        if kind != "image":
+            continue
+        if enc.native_resolution:  # the decoded image: the stand-in takes its grid from transformers' rule
+            images.append(Image.open(io.BytesIO(_png_bytes(IMAGE_SIZES[name]))).convert("RGB"))
+        else:  # vl: the image's tiles side by side as one patch grid, the same token count
             tiles = task_encoder._units("image", _png_bytes(IMAGE_SIZES[name]))  # what the loader predicts
             images.append([enc.tile // enc.patch, tiles * enc.tile // enc.patch])
     audio = [WAVES[name] for kind, name in items if kind == "audio"]
@@ -201,9 +216,12 @@ def test_input_ids_equal_the_released_processor(conversation, processor, task_en
     placeholder = {"vision": processor.image_token_id, "audio": processor.audio_token_id}
     for module, token_id in placeholder.items():
         np.testing.assert_array_equal(row.positions.get(module, []), np.flatnonzero(want == token_id))
-    # and the counts per item are the processor's (audio from the waveform, images by construction)
+    # and the counts per item are the processor's (audio from the waveform, images from transformers' grid)
     counts = [n for _, _, n in row.media_meta.get("audio", [])]
     assert counts == [processor._estimate_audio_num_embeddings(len(WAVES[name])) for k, name in items if k == "audio"]
+    grids = [release_grid(h, w, n_images=sum(k == "image" for k, _ in items))
+             for k, name in items if k == "image" for w, h in [IMAGE_SIZES[name]]]
+    assert [(units, n) for _, units, n in row.media_meta.get("vision", [])] == [(g, g[0] * g[1] // 4) for g in grids]
 
 
 def test_a_one_point_28_second_clip_has_seventeen_tokens(processor, task_encoder):

@@ -41,7 +41,11 @@ from tessera.models.hf_reference import omni_forward_inputs
 OMNI = TEMPLATES["omni"]  # the template the loader uses for a model with an audio encoder
 
 LAYOUT = "vision=dp2@0-1;audio=dp2@0-1;language=tp2@2-3"
-SEQ, ROWS = 384, 2
+# The first microbatch must hold every kind of document and a clip whose mel frame count is a multiple of 8
+# (asserted below); which documents packing puts there depends on their lengths, so on the image token counts:
+# since the omni family takes images at native resolution (one patch grid, not 2 tiles + thumbnail) that needs
+# 4 rows and loader seed 2 (with 2 rows and the default seed the first microbatch has no audio).
+SEQ, ROWS, LOADER_SEED = 384, 4, 2
 TOL = 1e-4
 
 
@@ -135,7 +139,7 @@ def _configs(ckpt: str, data_path: str):
     from tessera.recipes.config import DataConfig, ModelConfig
 
     return ModelConfig(checkpoint=ckpt), DataConfig(path=data_path, seq_length=SEQ, rows_per_microbatch=ROWS,
-                                                    microbatches=1)
+                                                    microbatches=1, seed=LOADER_SEED)
 
 
 def _first_step(ckpt: str, data_path: str, run_dir: str, export: str):
@@ -175,7 +179,8 @@ def _documents(batch):
         for m, meta in batch.media_meta[r].items():
             pos, k = batch.positions[r][m], 0
             for (kind, units, n), (kind2, item) in zip(meta, batch.media[r][m], strict=True):
-                assert kind == kind2 and len(item) == units
+                # units: tiles, or (the omni family's native resolution) one image's (rows, cols) patch grid
+                assert kind == kind2 and len(item) == (units if isinstance(units, int) else 1)
                 spans[m].append((int(pos[k]), int(pos[k + n - 1]), kind, item))
                 k += n
             assert k == len(pos)

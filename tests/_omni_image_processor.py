@@ -1,0 +1,65 @@
+"""transformers' Omni image processor module, loaded without torchvision, for its pure-math grid rule.
+
+transformers 5.23 models/nemotron_h_omni/image_processing_nemotron_h_omni.py imports
+`torchvision.transforms.v2.functional` at the top (for the resize, which it uses only inside
+NemotronH_Omni_Reasoning_V3ImageProcessor._preprocess); torchvision is absent from this venv and not installable
+here. Its `get_patch_grid_size` (l.51-82) is plain `math` on ints, and the class's defaults (patch_size,
+downsample_ratio, min_num_patches, max_num_patches, max_model_len) are class attributes. So the module's own
+source is executed with an empty stand-in module under the four torchvision names, present in sys.modules only
+while the module body runs and removed afterwards; nothing of the stand-in is ever called (the module body only
+binds `tvF`; its uses are in string annotations and in _preprocess, which is never called), so every value a
+test takes from here is computed by transformers' code alone. The module is loaded under a private name, so a
+later real import of transformers' module is unaffected.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+_TORCHVISION = ("torchvision", "torchvision.transforms", "torchvision.transforms.v2",
+                "torchvision.transforms.v2.functional")
+
+
+@functools.cache
+def release_image_module() -> types.ModuleType:
+    import transformers.models.nemotron_h_omni as package
+
+    path = Path(package.__file__).parent / "image_processing_nemotron_h_omni.py"
+    name = f"{package.__name__}._image_processing_grid_oracle"
+    saved = {n: sys.modules.get(n) for n in (*_TORCHVISION, name)}
+    stand_ins = {n: types.ModuleType(n) for n in _TORCHVISION}
+    stand_ins["torchvision.transforms.v2"].functional = stand_ins["torchvision.transforms.v2.functional"]
+    try:
+        sys.modules.update(stand_ins)
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # auto_docstring finds the class's source file through it
+        spec.loader.exec_module(module)
+    finally:
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
+    return module
+
+
+def release_grid(height: int, width: int, n_images: int = 1, **overrides) -> tuple[int, int]:
+    """(grid_height, grid_width) the released image processor gives a height x width image in a call with
+    n_images images: its class defaults (or `overrides` of them, as processor kwargs), the per-call patch budget
+    of _preprocess (l.144-150, restated: those lines sit inside the torchvision path) and get_patch_grid_size
+    (called as is)."""
+    module = release_image_module()
+    defaults = module.NemotronH_Omni_Reasoning_V3ImageProcessor
+    p = {k: overrides.get(k, getattr(defaults, k))
+         for k in ("patch_size", "downsample_ratio", "min_num_patches", "max_num_patches", "max_model_len")}
+    merge_size = round(1 / p["downsample_ratio"])
+    num_patches = max((p["max_model_len"] - 4) * merge_size ** 2, p["min_num_patches"] * n_images)
+    if p["max_num_patches"]:
+        num_patches = min(num_patches, p["max_num_patches"])
+    num_patches = max(num_patches, p["min_num_patches"])
+    return module.get_patch_grid_size(height, width, p["patch_size"], merge_size, p["min_num_patches"], num_patches)
