@@ -49,6 +49,16 @@ def native_patch_grid(height: int, width: int, patch: int, merge: int, min_patch
     return rows, cols
 
 
+def evs_kept_tokens(frames: int, per_frame: int, rate: float) -> int:
+    """Tokens Efficient Video Sampling keeps of `frames` (tubelets) x `per_frame` tokens at pruning `rate`: the
+    releases' rule, int(frames * per_frame * (1 - rate)) but never fewer than one frame's (transformers 5.23,
+    models/nemotron_h_omni/modeling_nemotron_h_omni.py compute_retention_mask, l.127-129). It depends only on the
+    counts, so the data side sizes the placeholders before anything is encoded."""
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"video pruning rate must be in [0, 1), got {rate}")
+    return max(per_frame, int(frames * per_frame * (1 - rate))) if frames else 0
+
+
 @dataclass(frozen=True)
 class EncoderTokens:
     """How many LLM positions each media item occupies; mirrors the encoder configs.
@@ -76,6 +86,7 @@ class EncoderTokens:
     min_patches: int | None = None
     max_patches: int | None = None
     video_frames: int = 8
+    video_temporal: int = 1  # frames per video tubelet (the Omni release: 2, its video_embedder; else 1)
     video_pruning: float = 0.0  # fraction of video tokens the encoder drops (EVS); tubelets not supported
     audio_rate: int = 16_000
     audio_hop: int = 160
@@ -141,9 +152,9 @@ class EncoderTokens:
         return units * self.tokens_per_tile
 
     def video_tokens(self, num_frames: int) -> int:
-        # EVS pruning keeps n - floor(n * rate) tokens (models/video.evs_kept_count, same arithmetic)
-        n = num_frames * self.tokens_per_tile
-        return n - int(math.floor(n * self.video_pruning))
+        """A clip's embeddings: its frames, `video_temporal` per tubelet (the last one repeated to fill), one tile
+        each, then what EVS pruning keeps (evs_kept_tokens, the rule models/video.py prunes by)."""
+        return evs_kept_tokens(math.ceil(num_frames / self.video_temporal), self.tokens_per_tile, self.video_pruning)
 
     @property
     def audio_min_samples(self) -> int:

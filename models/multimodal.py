@@ -139,11 +139,7 @@ class MediaModule(nn.Module):
                     continue
                 rows, cols = pixels.shape[-2] // self.cfg["patch"], pixels.shape[-1] // self.cfg["patch"]
                 grid = pixel_shuffle(vit.head(hidden, rows, cols), self.cfg["pixel_shuffle"])
-                if kind == "video" and self.video.pruning_rate:  # VideoEncoder.forward's pruning of the grid
-                    feats = evs_prune(grid, self.video.pruning_rate)[0]
-                else:
-                    feats = grid.flatten(0, 2)
-            outs.append(self.projector(feats))
+            outs.append(self.project(kind, grid if kind == "video" else grid.flatten(0, 2)))
         if outs:
             out = torch.cat(outs)
         elif vit.last_stage:
@@ -242,8 +238,17 @@ class MediaModule(nn.Module):
         if not items:
             return next(self.projector.parameters()).new_zeros(0, self.llm_hidden)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
-            feats = torch.cat(self._features(items))
-        return self.projector(feats)
+            feats = self._features(items)
+        return torch.cat([self.project(kind, f) for (kind, _), f in zip(items, feats)])
+
+    def project(self, kind: str, feats: torch.Tensor) -> torch.Tensor:
+        """One item's encoder output to [tokens, llm_hidden]: the projector, per token; a video's token grid
+        [F, h, w, d] is projected, then EVS-pruned on the projected embeddings, as the releases prune
+        (transformers' NemotronH_Omni_Reasoning_V3Model.forward: compute_retention_mask of the video embeds)."""
+        out = self.projector(feats)
+        if kind != "video":
+            return out
+        return evs_prune(out, self.video.pruning_rate)[0] if self.video.pruning_rate else out.flatten(0, 2)
 
     @property
     def llm_hidden(self) -> int:

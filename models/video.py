@@ -3,12 +3,14 @@
 The data side samples frames uniformly and resizes each to one tile (data/media.decode_video, with
 timestamps); `frame_prompt` renders those timestamps the way Nemotron Omni's prompt states them.
     tubelets   temporal_patch (2) consecutive frames share one patch embedding: the ViT's video_embedder is
-               a linear over (c, t, y, x)-flattened tubelets, i.e. Conv3D(kernel = stride = (t, p, p)).
+               a linear over (t, c, y, x)-flattened tubelets (the release's packing), a Conv3D(kernel = stride =
+               (t, p, p)) in effect.
                An odd frame count repeats the last frame. Tokens per video: ceil(F / t) * tokens_per_tile.
-    EVS        Efficient Video Sampling: token j of frame f > 0 scores 1 - cos(x[f, j], x[f-1, j]); frame 0
-               is always kept. The `video_tokens - floor(video_tokens * rate)` highest scores survive, in
-               their original order, so the count depends only on (frames, rate) and the data side can size
-               the placeholders before encoding (`VideoEncoder.num_tokens`).
+    EVS        Efficient Video Sampling, the releases' rule (transformers' compute_retention_mask): token j of
+               (tubelet) frame f > 0 scores 1 - cos(x[f, j], x[f-1, j]) on the *projected* embeddings; frame 0
+               is always kept. The evs_kept_tokens(frames, per_frame, rate) highest scores survive, in their
+               original order, so the count depends only on (frames, rate) and the data side can size the
+               placeholders before encoding (`VideoEncoder.num_tokens`).
 With the defaults (no tubelets, rate 0) the count is frames * tokens_per_tile, data/tokens.video_tokens.
 """
 
@@ -19,30 +21,29 @@ import math
 import torch
 from torch import nn
 
+from tessera.models.media_tokens import evs_kept_tokens
 from tessera.models.vision import VisionEncoder, pixel_shuffle
 
 
 def tubelet_patchify(pixels: torch.Tensor, patch: int, temporal: int) -> torch.Tensor:
-    """[F, c, H, W] -> [ceil(F/t), (H/p)(W/p), c*t*p*p], each tubelet flattened (c, t, y, x) like a Conv3D
-    weight [out, c, t, p, p], so the video embedder's weight reshapes into a Conv3D kernel and back."""
+    """[F, c, H, W] -> [ceil(F/t), (H/p)(W/p), t*c*p*p], each tubelet flattened (t, c, y, x): the released
+    model's packing (transformers' get_video_features stacks t frames along the channels, RadioPatchEmbeddings
+    then flattens each patch channel-major), so the checkpoint's video_embedder weight applies unchanged; as a
+    Conv3D its kernel is that weight reshaped [out, t, c, p, p] with t and c swapped."""
     if pixels.shape[0] % temporal:
         pad = temporal - pixels.shape[0] % temporal
         pixels = torch.cat([pixels, pixels[-1:].expand(pad, -1, -1, -1)])
     f, c, h, w = pixels.shape
     x = pixels.reshape(f // temporal, temporal, c, h // patch, patch, w // patch, patch)
-    return x.permute(0, 3, 5, 2, 1, 4, 6).reshape(f // temporal, (h // patch) * (w // patch), -1)
-
-
-def evs_kept_count(num_tokens: int, rate: float) -> int:
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"video pruning rate must be in [0, 1), got {rate}")
-    return num_tokens - int(math.floor(num_tokens * rate))
+    return x.permute(0, 3, 5, 1, 2, 4, 6).reshape(f // temporal, (h // patch) * (w // patch), -1)
 
 
 def evs_prune(grid: torch.Tensor, rate: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """grid [F, h, w, d] -> (kept tokens [k, d] in frame/raster order, their flat indices [k])."""
+    """grid [F, h, w, d] -> (kept tokens [k, d] in frame/raster order, their flat indices [k]); k =
+    evs_kept_tokens(F, h*w, rate). The releases score the projected embeddings (MediaModule prunes after its
+    projector)."""
     frames = grid.flatten(1, 2)  # [F, n, d]
-    keep = evs_kept_count(frames.shape[0] * frames.shape[1], rate)
+    keep = evs_kept_tokens(frames.shape[0], frames.shape[1], rate)
     with torch.no_grad():  # selection is discrete; gradients flow through the kept tokens only
         change = 1 - torch.cosine_similarity(frames[1:].float(), frames[:-1].float(), dim=-1)
         score = torch.cat([torch.full_like(frames[0, :, 0], float("inf"), dtype=change.dtype)[None], change])
@@ -63,7 +64,7 @@ class VideoEncoder(nn.Module):
         super().__init__()
         if tubelets and image_encoder.vit.video_embedder is None:
             raise ValueError(f"encoder {image_encoder.cfg.get('name')} has no tubelet embedder (temporal_patch=0)")
-        evs_kept_count(1, pruning_rate)  # validate early
+        evs_kept_tokens(1, 1, pruning_rate)  # validate early
         self.image_encoder, self.tubelets, self.pruning_rate = image_encoder, tubelets, pruning_rate
 
     @property
@@ -73,7 +74,7 @@ class VideoEncoder(nn.Module):
     def num_tokens(self, frames: int) -> int:
         cfg = self.image_encoder.cfg
         per_tile = (cfg["tile"] // cfg["patch"] // cfg["pixel_shuffle"]) ** 2
-        return evs_kept_count(math.ceil(frames / self.temporal) * per_tile, self.pruning_rate)
+        return evs_kept_tokens(math.ceil(frames / self.temporal), per_tile, self.pruning_rate)
 
     def grid_tokens(self, frames: torch.Tensor) -> torch.Tensor:
         enc = self.image_encoder
@@ -84,7 +85,6 @@ class VideoEncoder(nn.Module):
         return pixel_shuffle(enc.vit(pixels[:: self.temporal], patch_embeddings=embeds), enc.cfg["pixel_shuffle"])
 
     def forward(self, frames: torch.Tensor) -> torch.Tensor:
-        grid = self.grid_tokens(frames)
-        if self.pruning_rate == 0.0:
-            return grid.flatten(0, 2)
-        return evs_prune(grid, self.pruning_rate)[0]
+        """The clip's token grid [F', h, w, out_dim], not yet pruned: EVS scores the projected embeddings, as the
+        releases do (MediaModule.project)."""
+        return self.grid_tokens(frames)

@@ -177,8 +177,8 @@ def test_samples_for_a_missing_encoder_are_skipped_and_counted(prepared):
 
 @pytest.mark.parametrize("rate", [0.0, 0.25, 0.5])
 def test_video_placeholders_follow_the_encoders_pruning(rate):
-    from tessera.models.video import evs_kept_count
+    from tessera.models.media_tokens import evs_kept_tokens
 
     tokens = encoder_tokens({"vision": "radio_vit_tiny"}, video_frames=4, video_pruning=rate)
     for frames in (1, 3, 4):
-        assert tokens.video_tokens(frames) == evs_kept_count(frames * tokens.tokens_per_tile, rate)
+        assert tokens.video_tokens(frames) == evs_kept_tokens(frames, tokens.tokens_per_tile, rate)

@@ -256,6 +256,25 @@ def test_what_encoder_cp_refuses():
         assert untrainable_reasons(HeteroLayout.parse(good), has_tp) == [], good
     with pytest.raises(LayoutError, match=re.escape("splits over cp or pp, not both; use cp2 or pp2")):
         check_trainable(HeteroLayout.parse("vision=cp2,pp2@0-3;language=dp4@0-3"), has_tp)
+    # a run whose video is EVS-pruned or fused into tubelets takes each clip whole on one vision rank
+    cp2, pp2 = (HeteroLayout.parse(f"vision={f}@0-1;language=tp2@2-3") for f in ("cp2", "pp2"))
+    with pytest.raises(LayoutError, match=re.escape("video pruning (EVS) take a whole clip on one rank; use cp1 "
+                                                    "for vision, or model.video_pruning=0")):
+        check_trainable(cp2, has_tp, video="pruned")
+    assert untrainable_reasons(pp2, has_tp, video="pruned") == []
+    assert len(untrainable_reasons(cp2, has_tp, video="tubelets")) == 1
+    assert "video tubelets need the vision encoder on one pipeline stage" in untrainable_reasons(pp2, has_tp,
+                                                                                                   "tubelets")[0]
+    # the video recipe prunes: the trainer's resolution refuses vision CP for it before launch
+    import fiddle as fdl
+
+    from tessera.hetero.planner.run_layout import resolve_run_layout
+    from tessera.recipes import registry
+
+    run = fdl.build(registry.recipe("nemotron_video_tiny"))
+    run.layout = "vision=cp2@0-1;language=tp2@2-3"
+    with pytest.raises(LayoutError, match=re.escape("model.video_pruning=0")):
+        resolve_run_layout(run, 4)
 
     class _Group:  # a CP group of two as the module sees it (size and rank only)
         def size(self):

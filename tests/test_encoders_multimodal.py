@@ -19,7 +19,8 @@ from tessera.models.hybrid_llm import HybridLM
 from tessera.models.multimodal import MultimodalModel, build_media_module
 from tessera.models.multimodal_hf import export_hf, import_hf
 from tessera.models.nemotron_h_hf import hybrid_config_from_hf
-from tessera.models.video import evs_kept_count, evs_prune, frame_prompt, tubelet_patchify
+from tessera.models.media_tokens import evs_kept_tokens
+from tessera.models.video import evs_prune, frame_prompt, tubelet_patchify
 
 LLM_HIDDEN = configs.TINY_DENSE["hidden_size"]
 
@@ -29,7 +30,8 @@ def test_tubelet_embedder_is_a_conv3d():
     weight = torch.randn(8, 3 * 2 * 16 * 16)
     got = tubelet_patchify(pixels, 16, 2) @ weight.T
     video = torch.cat([pixels, pixels[-1:]]).reshape(3, 2, 3, 32, 48).transpose(1, 2)  # [g, c, t, H, W]
-    ref = F.conv3d(video, weight.reshape(8, 3, 2, 16, 16), stride=(2, 16, 16)).flatten(2).transpose(1, 2)
+    kernel = weight.reshape(8, 2, 3, 16, 16).transpose(1, 2)  # the release's (t, c, y, x) flattening
+    ref = F.conv3d(video, kernel, stride=(2, 16, 16)).flatten(2).transpose(1, 2)
     assert torch.allclose(got, ref, atol=1e-4)
 
 
@@ -39,8 +41,9 @@ def test_video_encoder_token_count_matches_num_tokens(tubelets, rate):
     frames = torch.randint(0, 256, (5, 3, 64, 64), dtype=torch.uint8)
     with torch.no_grad():
         out = mod.video(frames)
-    assert out.shape == (mod.video.num_tokens(5), 128)
-    assert mod.video.num_tokens(5) == (3 if tubelets else 5) * 4 - int((3 if tubelets else 5) * 4 * rate)
+    assert out.shape[:3] == ((3 if tubelets else 5), 2, 2)  # the grid; MediaModule prunes after projecting
+    assert mod.num_tokens("video", (frames, None)) == mod.video.num_tokens(5) == len(mod([("video", (frames, None))]))
+    assert mod.video.num_tokens(5) == max(4, int((3 if tubelets else 5) * 4 * (1 - rate)))
 
 
 @pytest.mark.parametrize("rate", [0.0, 0.3, 0.75, 0.9])
@@ -49,13 +52,13 @@ def test_evs_keeps_exact_count_and_prunes_static_tokens(rate):
     grid[2] = grid[1]  # frame 2 is a copy of frame 1: its tokens are the most static
     grid[3, 0, 0] = grid[2, 0, 0] * 3.0  # same direction: cosine change 0
     kept, index = evs_prune(grid, rate)
-    assert len(kept) == len(index) == evs_kept_count(16, rate) == 16 - int(16 * rate)
+    assert len(kept) == len(index) == evs_kept_tokens(4, 4, rate) == max(4, int(16 * (1 - rate)))
     assert torch.equal(kept, grid.flatten(0, 2)[index]) and bool((index.diff() > 0).all())
     pruned, static = set(range(16)) - set(index.tolist()), {8, 9, 10, 11, 12}  # tokens with zero change
     assert pruned <= static if len(pruned) <= 5 else static <= pruned  # the static ones go first
     assert set(range(4)) <= set(index.tolist()) or rate > 0.75  # frame 0 survives unless the budget < 1 frame
     with pytest.raises(ValueError):
-        evs_kept_count(10, 1.0)
+        evs_kept_tokens(10, 1, 1.0)
 
 
 def test_frame_prompt_lists_timestamps():

@@ -25,11 +25,27 @@ from tessera.hetero.plan.layout import HeteroLayout, LayoutError
 PIPELINED_ENCODERS = frozenset({"vision", "audio"})
 
 
-def untrainable_reasons(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool]) -> list[str]:
+VIDEO_MODES = ("frames", "pruned", "tubelets")
+
+
+def untrainable_reasons(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool], video: str = "frames") -> list[str]:
     """Why the trainer cannot run `layout` (empty when it can); each reason names the module and the fix.
 
-    encoder_has_tp: per encoder module key, whether its encoder has tensor-parallel layers."""
+    encoder_has_tp: per encoder module key, whether its encoder has tensor-parallel layers.
+    video: how the vision encoder takes a video clip: "frames" (each frame a tile: splits like images),
+    "pruned" (EVS ranks the whole clip's tokens: no vision CP), "tubelets" (frames fused in the patch embedding:
+    neither vision CP nor PP; models/multimodal.build_media_module refuses them)."""
+    if video not in VIDEO_MODES:
+        raise ValueError(f"video={video!r}: one of {', '.join(VIDEO_MODES)}")
     reasons = []
+    vision = layout.modules.get("vision")
+    if vision is not None and video != "frames" and vision.cp > 1:
+        reasons.append(f"vision={vision.to_spec()}: video {'tubelets' if video == 'tubelets' else 'pruning (EVS)'} "
+                       f"take a whole clip on one rank; use cp1 for vision"
+                       + (", or model.video_pruning=0" if video == "pruned" else ""))
+    if vision is not None and video == "tubelets" and vision.pp > 1:
+        reasons.append(f"vision={vision.to_spec()}: video tubelets need the vision encoder on one pipeline stage; "
+                       f"use pp1 for vision")
     for key in layout.encoders:
         m = layout[key]
         if m.pp > 1 and key not in PIPELINED_ENCODERS:
@@ -44,9 +60,9 @@ def untrainable_reasons(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool]
     return reasons
 
 
-def check_trainable(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool]) -> HeteroLayout:
+def check_trainable(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool], video: str = "frames") -> HeteroLayout:
     """`layout`, or a LayoutError listing every reason the trainer cannot run it."""
-    reasons = untrainable_reasons(layout, encoder_has_tp)
+    reasons = untrainable_reasons(layout, encoder_has_tp, video)
     if reasons:
         raise LayoutError("layout " + str(layout) + " cannot train: " + "; ".join(reasons))
     return layout

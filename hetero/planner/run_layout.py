@@ -42,6 +42,11 @@ def encoder_has_tp(model) -> dict[str, bool]:
     return {k: s.tensor_parallel for k, s in module_specs(model).items() if k != LANGUAGE}
 
 
+def video_mode(model) -> str:
+    """How the run's vision encoder takes a video (hetero/plan/trainable.VIDEO_MODES)."""
+    return "pruned" if (getattr(model, "video_pruning", 0.0) or 0.0) > 0 else "frames"
+
+
 def model_shapes(cfg, llm_fields: dict | None = None) -> ModelShapes:
     """Heads per module (from the registries, or the checkpoint's LLM fields), row length, rows per microbatch."""
     llm = llm_fields or checkpoint_llm_fields(getattr(cfg.model, "checkpoint", None)) or configs.REGISTRY[cfg.model.llm]
@@ -69,7 +74,7 @@ def resolve_run_layout(cfg, world: int, llm_fields: dict | None = None, cluster_
     cfg.data.rows_per_microbatch, cfg.data.microbatches = rows_for_layout(layout, cfg.data.rows_per_microbatch,
                                                                           cfg.data.microbatches)
     layout.validate(model_shapes(cfg, llm_fields), world_size=world)
-    return check_trainable(layout, encoder_has_tp(cfg.model))
+    return check_trainable(layout, encoder_has_tp(cfg.model), video_mode(cfg.model))
 
 
 def fit_modules(layout: HeteroLayout, keys: list[str]) -> HeteroLayout:
@@ -122,7 +127,7 @@ def _problems(spec: str, cfg, world: int, llm_fields: dict | None) -> list[str]:
         layout.validate(shapes, world_size=world)
     except LayoutError as e:
         return [str(e)]
-    return untrainable_reasons(layout, encoder_has_tp(cfg.model))
+    return untrainable_reasons(layout, encoder_has_tp(cfg.model), video_mode(cfg.model))
 
 
 def best_layout_for_run(cfg, world: int, cluster_name: str = "h100", llm_fields: dict | None = None) -> str:

@@ -1,0 +1,81 @@
+"""Video as the released Omni model encodes it, with transformers as the oracle (issue 15, item 4):
+tubelets of two frames through the ViT's video embedder, pixel shuffle and mlp1 (get_video_features), and
+Efficient Video Sampling on the projected embeddings (compute_retention_mask): the tokens kept, their order and
+their count, which the data side announces before anything is encoded (EncoderTokens.video_tokens)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tessera.models.media_tokens import EncoderTokens, evs_kept_tokens
+from tessera.models.video import evs_prune
+
+
+@pytest.mark.parametrize("frames,rate", [(1, 0.5), (2, 0.3), (3, 0.5), (5, 0.75), (4, 0.9), (6, 0.1), (3, 0.0)])
+def test_evs_keeps_what_the_release_keeps(frames, rate):
+    """Tessera's EVS (models/video.evs_prune) on a token grid == transformers' compute_retention_mask: the same
+    tokens, in raster order, as many as evs_kept_tokens (the data side's count) says."""
+    from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import compute_retention_mask
+
+    g = torch.Generator().manual_seed(frames * 100 + int(rate * 100))
+    grid = torch.randn(frames, 4, 4, 16, generator=g)
+    if frames > 2:
+        grid[2] = grid[1] + 0.01 * torch.randn(4, 4, 16, generator=g)  # a near-static frame: pruned first
+    _, kept = evs_prune(grid, rate)
+    if rate == 0.0:
+        mask = torch.ones(grid.shape[:3], dtype=torch.bool).flatten()  # the release skips EVS at rate 0
+    else:
+        mask = compute_retention_mask(video_embeds=grid.reshape(-1, 16), thw=(frames, 4, 4), spatial_merge_size=1,
+                                      q=rate)
+    assert kept.tolist() == torch.nonzero(mask).flatten().tolist()
+    tokens = EncoderTokens(tile=128, patch=16, pixel_shuffle=2, video_pruning=rate)  # 4x4 tokens per frame
+    assert len(kept) == evs_kept_tokens(frames, 16, rate) == tokens.video_tokens(frames)
+
+
+def test_evs_count_is_the_releases_arithmetic():
+    """int(T * n * (1 - q)), never below one frame: e.g. 10 tokens at q = 0.7 keep int(2.999...) = 2 frames' worth
+    rounded the release's way, and a budget under one frame keeps one frame."""
+    assert evs_kept_tokens(10, 1, 0.7) == int(10 * (1 - 0.7))
+    assert evs_kept_tokens(4, 16, 0.9) == 16  # 6.4 tokens: one frame's 16
+    assert evs_kept_tokens(0, 16, 0.5) == 0
+    with pytest.raises(ValueError, match=r"in \[0, 1\)"):
+        evs_kept_tokens(3, 4, 1.0)
+
+
+@pytest.mark.parametrize("frames,rate", [(4, 0.0), (5, 0.0), (5, 0.5), (9, 0.5), (12, 0.3)])
+def test_tubelet_video_equals_the_releases_video_features(frames, rate):
+    """A clip through Tessera's vision module with tubelets (the ViT's video embedder over two frames at a time;
+    an odd count repeats the last frame) == transformers' Omni get_video_features (+ its EVS at `rate`)."""
+    from _hf_oracles import tiny_omni
+    from _mcore_cpu import single_rank_world
+    from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import compute_retention_mask
+
+    from tessera.models import configs
+    from tessera.models.encoders import encoder_config
+    from tessera.models.multimodal import build_media_module
+    from tessera.models.multimodal_hf import PROJECTOR_ROOT, _load_params, vision_from_hf
+
+    cfg = encoder_config("radio_vit_tiny")
+    omni, released = tiny_omni(cfg, None, seed=11)
+    mod = build_media_module(cfg["name"], configs.TINY_DENSE["hidden_size"], single_rank_world(), tubelets=True,
+                             pruning_rate=rate, **{k: cfg[k] for k in ("final_norm", "summary_idxs",
+                                                                        "input_conditioner")})
+    root = PROJECTOR_ROOT["vision"]
+    mod.projector.load_state_dict({k[len(root):]: v for k, v in released.items() if k.startswith(root)})
+    _load_params(mod.encoder.vit, vision_from_hf(released, cfg))
+    mod.eval()
+    clip = np.random.default_rng(frames).integers(0, 256, (frames, 3, 64, 64), dtype=np.uint8)
+    with torch.no_grad():
+        got = mod([("video", (clip, None))])
+        x = torch.as_tensor(clip).float()  # the processor's rescale + normalize (models/hf_reference.processor_pixels)
+        x = (x - torch.tensor(cfg["mean"]).view(-1, 1, 1) * 255) / (torch.tensor(cfg["std"]).view(-1, 1, 1) * 255)
+        ref = omni.get_video_features(x).pooler_output  # [tubelets, tokens per frame, llm_hidden]
+        ref = torch.cat(list(ref)) if isinstance(ref, (list, tuple)) else ref.flatten(0, -2)
+        if rate:
+            t = -(-frames // 2)
+            ref = ref[compute_retention_mask(video_embeds=ref, thw=(t, 2, 2), spatial_merge_size=1, q=rate)]
+    assert got.shape == ref.shape == (mod.num_tokens("video", (clip, None)), configs.TINY_DENSE["hidden_size"])
+    err = float((got - ref).abs().max() / ref.abs().max())
+    assert err <= 1e-5, err
