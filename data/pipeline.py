@@ -59,6 +59,17 @@ def synthetic_dataset(root: Path, samples: int = 96, seed: int = 0) -> tuple[Pat
     return path, path / "tokenizer.model"
 
 
+def video_temporal(encoders: dict[str, str]) -> int:
+    """Frames per video tubelet of a model with these encoders: its family's (data/templates.PromptTemplate
+    .video_tubelets: omni, as the release) tubelets of the ViT's temporal_patch frames, else 1 (frame by frame).
+    The one rule for the placeholders (EncoderTokens.video_temporal) and the model build (tubelets=)."""
+    from tessera.models.encoders import encoder_config
+
+    if "vision" not in encoders or not prompt_template(template_for_encoders(encoders)).video_tubelets:
+        return 1
+    return encoder_config(encoders["vision"]).get("temporal_patch") or 1
+
+
 def encoder_tokens(encoders: dict[str, str], max_tiles: int = 2, video_frames: int = 4,
                    video_pruning: float = 0.0, *, native_resolution: bool = False, min_patches: int | None = None,
                    max_patches: int | None = None) -> EncoderTokens:
@@ -81,8 +92,8 @@ def encoder_tokens(encoders: dict[str, str], max_tiles: int = 2, video_frames: i
             fields.update(audio_rate=t.audio_rate, audio_hop=t.audio_hop, audio_n_fft=t.audio_n_fft,
                           audio_subsampling=t.audio_subsampling, audio_token_frames=t.audio_token_frames)
     return EncoderTokens(max_tiles=max_tiles, video_frames=video_frames, video_pruning=video_pruning,
-                         native_resolution=native_resolution, min_patches=min_patches, max_patches=max_patches,
-                         **fields)
+                         video_temporal=video_temporal(encoders), native_resolution=native_resolution,
+                         min_patches=min_patches, max_patches=max_patches, **fields)
 
 
 def chat_task_encoder(tokenizer, encoders: dict[str, str], seq_length: int, *,

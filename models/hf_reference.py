@@ -91,11 +91,16 @@ def _audio_samples(seconds: float, rate: int, hop: int) -> int:
     return round(seconds * rate) // hop * hop + hop // 2
 
 
-def omni_samples(hf_dir: str, seed: int = OMNI_SEED) -> list[OmniSample]:
+def omni_samples(hf_dir: str, seed: int = OMNI_SEED, video_temporal: int = 0) -> list[OmniSample]:
     """Four samples from DIR's config, random from `seed` (pixels, waveforms, text ids): an image (two tiles),
-    an audio clip, a mixed one (text, image, text, audio, text) and a mixed one in the other order. Without an
+    an audio clip, a mixed one (text, image, text, audio, text) and a mixed one in the other order; with
+    `video_temporal` (frames per tubelet, as the caller's model build encodes video) the audio sample also holds a
+    5-frame video after its clip ("audio_video"; the release puts video at its image token id and prunes it by the
+    config's video_pruning_rate). Without an
     audio encoder the audio sample is text only and the mixed ones keep their images. Placeholder counts come
     from the encoders' own token arithmetic (models/encoders.tokens_config), as the data side sizes them."""
+    import dataclasses
+
     import numpy as np
 
     from tessera.models.encoders import encoder_config, tokens_config
@@ -119,6 +124,10 @@ def omni_samples(hf_dir: str, seed: int = OMNI_SEED) -> list[OmniSample]:
     plans = {"image": [7, ("image", 2), 9], "audio": [5, ("audio", 1.28), 8],
              "mixed": [6, ("image", 1), 5, ("audio", 0.9), 11],
              "mixed_audio_first": [3, ("audio", 0.7), 4, ("image", 1), 8]}
+    if video_temporal and "vision" in cfg:  # beside audio, not an image: the release prunes every image-token
+        plans["audio_video"] = plans.pop("audio") + [("video", 5), 6]  # position of a sample with video as video
+        plans = {k: plans[k] for k in ("image", "audio_video", "mixed", "mixed_audio_first")}  # (four rows still)
+    rate = float(read_config(hf_dir).get("video_pruning_rate") or 0.0)
     samples = []
     for name, plan in plans.items():
         tokens, media = [], []
@@ -127,14 +136,18 @@ def omni_samples(hf_dir: str, seed: int = OMNI_SEED) -> list[OmniSample]:
                 tokens += rng.choice(text_ids, size=part).tolist()
                 continue
             kind, amount = part
-            module = "vision" if kind == "image" else "audio"
+            module = "audio" if kind == "audio" else "vision"
             if module not in cfg:
                 continue  # a checkpoint without this encoder: the sample keeps its text
-            item = tiles(amount) if kind == "image" else wave(amount)
-            count = tokens_config(cfg[module]).tokens(kind, len(item))
-            media.append((module, kind, item, len(tokens), count))
-            tokens += [image_id if kind == "image" else audio_id] * count
-        samples.append(OmniSample(name if media or name != "audio" else "text", torch.tensor(tokens), media))
+            item = wave(amount) if kind == "audio" else tiles(amount)
+            rule = tokens_config(cfg[module])
+            if kind == "video":
+                rule = dataclasses.replace(rule, video_temporal=video_temporal, video_pruning=rate)
+            count = rule.tokens(kind, len(item))
+            media.append((module, kind, (item, None) if kind == "video" else item, len(tokens), count))
+            tokens += [audio_id if kind == "audio" else image_id] * count
+        samples.append(OmniSample(name if media or not name.startswith("audio") else "text", torch.tensor(tokens),
+                                  media))
     return samples
 
 
@@ -153,11 +166,28 @@ def processor_pixels(tiles: torch.Tensor, patch: int, mean, std) -> torch.Tensor
     return x.reshape(n * (h // patch) * (w // patch), c * patch * patch)
 
 
-def omni_inputs(sample: OmniSample, vcfg: dict | None, audio_frontend) -> dict:
-    """The Omni forward's inputs for one sample (omni_forward_inputs of its tokens, images and clip)."""
-    return omni_forward_inputs(sample.tokens, [item for m, kind, item, _, _ in sample.media if kind == "image"],
-                               [item for m, kind, item, _, _ in sample.media if kind == "audio"], vcfg,
-                               audio_frontend, sample.name)
+def omni_inputs(sample: OmniSample, vcfg: dict | None, audio_frontend, temporal: int = 1) -> dict:
+    """The Omni forward's inputs for one sample (omni_forward_inputs of its tokens, images and clip). A video's
+    span holds the tokens Tessera keeps after EVS; the release takes every tubelet's tokens and prunes them in its
+    forward, so the span is widened to ceil(frames / temporal) x tokens per frame placeholders and the frames go
+    in as pixel_values_videos (rescaled and normalised as the processor does; processor_pixels without patching)."""
+    import numpy as np
+
+    tokens, inputs_extra = sample.tokens, {}
+    for _, kind, item, start, length in sorted(sample.media, key=lambda m: -m[3]):
+        if kind != "video":
+            continue
+        frames = torch.as_tensor(np.asarray(item[0])).to(torch.float32)
+        per_frame = (frames.shape[-2] // vcfg["patch"] // vcfg["pixel_shuffle"]) * (
+            frames.shape[-1] // vcfg["patch"] // vcfg["pixel_shuffle"])
+        wide = -(-frames.shape[0] // temporal) * per_frame
+        tokens = torch.cat([tokens[:start], tokens[start:start + 1].expand(wide), tokens[start + length:]])
+        mean, std = (torch.tensor(vcfg[k]).view(-1, 1, 1) * 255 for k in ("mean", "std"))
+        inputs_extra["pixel_values_videos"] = (frames - mean) / std
+    inputs = omni_forward_inputs(tokens, [item for m, kind, item, _, _ in sample.media if kind == "image"],
+                                 [item for m, kind, item, _, _ in sample.media if kind == "audio"], vcfg,
+                                 audio_frontend, sample.name)
+    return {**inputs, **inputs_extra}
 
 
 def omni_forward_inputs(tokens, images: list, clips: list, vcfg: dict | None, audio_frontend,
@@ -210,7 +240,15 @@ def omni_reference_logits(hf_dir: str, samples: list[OmniSample]) -> list[torch.
     out = []
     with torch.no_grad():
         for sample in samples:
-            inputs = omni_inputs(sample, vcfg, audio_frontend)
+            inputs = omni_inputs(sample, vcfg, audio_frontend, model.config.video_temporal_patch_size or 1)
+            if "pixel_values_videos" in inputs:
+                # transformers 5.23's forward torch.cat()s get_video_features' pooler_output as if it were a tuple
+                # (it is one tensor [tubelets, tokens, hidden]: a TypeError); the same features, wrapped, go in
+                # through the forward's own mm_encoder_outputs (a video sample has no image beside it)
+                from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+                video = model.get_video_features(inputs.pop("pixel_values_videos")).pooler_output
+                inputs["mm_encoder_outputs"] = {"video": BaseModelOutputWithPooling(pooler_output=(video,))}
             if "input_features" in inputs:  # placeholders Tessera sized vs embeddings transformers keeps
                 keeps = int(model.audio_tower._get_subsampling_output_length(
                     inputs["input_features_mask"].sum(-1) + 1).sum())

@@ -97,6 +97,8 @@ class MediaModule(nn.Module):
             if kind not in ("image", "video"):
                 raise ValueError(f"vision module got a {kind!r} item")
             n, _, h, w = (item if kind == "image" else item[0]).shape  # tiles, or video frames (each one tile)
+            if kind == "video":
+                n = -(-n // self.video.temporal)  # (tubelets of `temporal` frames)
             out.append((n, prefix + (h // p) * (w // p)))
         return out
 
@@ -112,8 +114,8 @@ class MediaModule(nn.Module):
         (prefix + patches), hidden] in (item, tile, token) order (stage_tokens sizes it); stage 0 reads the
         items' pixels (x is None), a later stage splits x back per item. The last stage returns the
         projected [tokens, llm_hidden] of the items, concatenated; another stage its layers' output. Video
-        frames go through as tiles, the grid pruned on the last stage as VideoEncoder does (tubelets are
-        refused at build under pp > 1). Audio: each clip's conformer rows (_forward_audio_stage)."""
+        frames (or tubelets, VideoEncoder.tiles) go through as tiles, the last stage projects and prunes them as
+        MediaModule.project does. Audio: each clip's conformer rows (_forward_audio_stage)."""
         if self.cfg["modality"] == "audio":
             return self._forward_audio_stage(items, x)
         vit = self.encoder.vit
@@ -126,10 +128,11 @@ class MediaModule(nn.Module):
                              f"{self.stage_shape(items)}")
         outs, offset, dev = [], 0, self.device
         for (kind, item), (n, s) in zip(items, sizes):
-            pixels = item if kind == "image" else item[0]  # video frames go through as tiles (no tubelets)
+            pixels = item if kind == "image" else item[0]  # video frames (or tubelets) go through as tiles
             with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
                 if x is None:
-                    h = vit.embed(self.encoder.normalize(_pixels(pixels, dev)))  # [n, s, hidden]
+                    tiles = self.encoder.normalize(_pixels(pixels, dev))
+                    h = vit.embed(self.video.tiles(tiles) if kind == "video" else tiles)  # [n, s, hidden]
                 else:
                     h = x[offset:offset + n * s].reshape(n, s, -1)
                     offset += n * s
@@ -190,8 +193,8 @@ class MediaModule(nn.Module):
         """This context-parallel rank's part of the vision tokens of `rows` (each row's items in order), projected:
         [tokens, llm_hidden], for each row its contiguous part of the row's tokens (hetero/plan/encoder_cp.py),
         rows in order — what the boundary plan expects of this encoder CP rank. Every CP rank of the rows calls
-        it (the tower's attention gathers over them). Video frames go through as tiles (tubelets and pruning
-        are refused at build under cp > 1)."""
+        it (the tower's attention gathers over them). Video frames (or tubelets) go through as tiles (EVS pruning is
+        refused at build under cp > 1)."""
         vit, p = self.encoder.vit, self.cfg["patch"]
         grids, tiles = [], []
         for items in rows:
@@ -200,6 +203,7 @@ class MediaModule(nn.Module):
                 if kind not in ("image", "video"):
                     raise ValueError(f"vision module got a {kind!r} item")
                 pixels = self.encoder.normalize(_pixels(item if kind == "image" else item[0], self.device))
+                pixels = self.video.tiles(pixels) if kind == "video" else pixels  # (tubelets: t frames each)
                 row += [(pixels.shape[-2] // p, pixels.shape[-1] // p)] * len(pixels)
                 tiles.extend(pixels)
             grids.append(row)
@@ -272,14 +276,10 @@ def build_media_module(name: str, llm_hidden: int, pg_collection, projector_hidd
         # a pipeline stage of the tower: the projector lives on its last stage only
         projector = Projector(encoder.out_dim, projector_hidden or 4 * encoder.out_dim, llm_hidden) \
             if encoder.vit.last_stage else None
-        if tubelets and encoder.vit.pp > 1:
-            raise ValueError(f"encoder {name}: video tubelets need the vision tower on one pipeline stage (pp1)")
-        if encoder.vit.cp > 1 and (tubelets or pruning_rate):
-            # a tubelet spans frames and EVS pruning ranks a whole clip's tokens: neither splits at the token
-            # parts each CP rank hands on
-            raise ValueError(f"encoder {name}: video {'tubelets' if tubelets else 'pruning (EVS)'} need the vision "
-                             f"encoder without context parallelism; use cp1 for vision, or "
-                             f"{'no tubelets' if tubelets else 'model.video_pruning=0'}")
+        if encoder.vit.cp > 1 and pruning_rate:
+            # EVS ranks a whole clip's tokens: its choice does not split at the token parts each CP rank hands on
+            raise ValueError(f"encoder {name}: video pruning (EVS) needs the vision encoder without context "
+                             f"parallelism; use cp1 for vision, or model.video_pruning=0")
         video = VideoEncoder(encoder, tubelets=tubelets, pruning_rate=pruning_rate)
         return MediaModule(cfg, encoder, projector, video, frozen)
     pp_group = getattr(pg_collection, "pp", None)

@@ -3,8 +3,8 @@
 The data side samples frames uniformly and resizes each to one tile (data/media.decode_video, with
 timestamps); `frame_prompt` renders those timestamps the way Nemotron Omni's prompt states them.
     tubelets   temporal_patch (2) consecutive frames share one patch embedding: the ViT's video_embedder is
-               a linear over (t, c, y, x)-flattened tubelets (the release's packing), a Conv3D(kernel = stride =
-               (t, p, p)) in effect.
+               a linear over (t, c, y, x)-flattened tubelets (the release's packing: VideoEncoder.tiles), a
+               Conv3D(kernel = stride = (t, p, p)) in effect.
                An odd frame count repeats the last frame. Tokens per video: ceil(F / t) * tokens_per_tile.
     EVS        Efficient Video Sampling, the releases' rule (transformers' compute_retention_mask): token j of
                (tubelet) frame f > 0 scores 1 - cos(x[f, j], x[f-1, j]) on the *projected* embeddings; frame 0
@@ -23,19 +23,6 @@ from torch import nn
 
 from tessera.models.media_tokens import evs_kept_tokens
 from tessera.models.vision import VisionEncoder, pixel_shuffle
-
-
-def tubelet_patchify(pixels: torch.Tensor, patch: int, temporal: int) -> torch.Tensor:
-    """[F, c, H, W] -> [ceil(F/t), (H/p)(W/p), t*c*p*p], each tubelet flattened (t, c, y, x): the released
-    model's packing (transformers' get_video_features stacks t frames along the channels, RadioPatchEmbeddings
-    then flattens each patch channel-major), so the checkpoint's video_embedder weight applies unchanged; as a
-    Conv3D its kernel is that weight reshaped [out, t, c, p, p] with t and c swapped."""
-    if pixels.shape[0] % temporal:
-        pad = temporal - pixels.shape[0] % temporal
-        pixels = torch.cat([pixels, pixels[-1:].expand(pad, -1, -1, -1)])
-    f, c, h, w = pixels.shape
-    x = pixels.reshape(f // temporal, temporal, c, h // patch, patch, w // patch, patch)
-    return x.permute(0, 3, 5, 1, 2, 4, 6).reshape(f // temporal, (h // patch) * (w // patch), -1)
 
 
 def evs_prune(grid: torch.Tensor, rate: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +49,7 @@ class VideoEncoder(nn.Module):
 
     def __init__(self, image_encoder: VisionEncoder, tubelets: bool = False, pruning_rate: float = 0.0):
         super().__init__()
-        if tubelets and image_encoder.vit.video_embedder is None:
+        if tubelets and not image_encoder.cfg.get("temporal_patch"):  # (on a later pipeline stage: not built here)
             raise ValueError(f"encoder {image_encoder.cfg.get('name')} has no tubelet embedder (temporal_patch=0)")
         evs_kept_tokens(1, 1, pruning_rate)  # validate early
         self.image_encoder, self.tubelets, self.pruning_rate = image_encoder, tubelets, pruning_rate
@@ -76,13 +63,21 @@ class VideoEncoder(nn.Module):
         per_tile = (cfg["tile"] // cfg["patch"] // cfg["pixel_shuffle"]) ** 2
         return evs_kept_tokens(math.ceil(frames / self.temporal), per_tile, self.pruning_rate)
 
+    def tiles(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Normalised frames [F, 3, H, W] -> what the ViT embeds as tiles: the frames, or with tubelets each
+        tubelet's frames stacked along the channels [ceil(F/t), t*3, H, W] (the last frame repeated), as the
+        release's get_video_features packs them; models/vision.patchify then flattens each patch (t, c, y, x)
+        and the ViT embeds it with its video embedder (a Conv3D(kernel = stride = (t, p, p)) in effect)."""
+        if not self.tubelets:
+            return pixels
+        t = self.temporal
+        if pixels.shape[0] % t:
+            pixels = torch.cat([pixels, pixels[-1:].expand(t - pixels.shape[0] % t, -1, -1, -1)])
+        return pixels.reshape(pixels.shape[0] // t, t * pixels.shape[1], *pixels.shape[2:])
+
     def grid_tokens(self, frames: torch.Tensor) -> torch.Tensor:
         enc = self.image_encoder
-        pixels = enc.normalize(frames)
-        if not self.tubelets:
-            return enc.grid_tokens(frames)
-        embeds = enc.vit.video_embedder(tubelet_patchify(pixels, enc.cfg["patch"], self.temporal))
-        return pixel_shuffle(enc.vit(pixels[:: self.temporal], patch_embeddings=embeds), enc.cfg["pixel_shuffle"])
+        return pixel_shuffle(enc.vit(self.tiles(enc.normalize(frames))), enc.cfg["pixel_shuffle"])
 
     def forward(self, frames: torch.Tensor) -> torch.Tensor:
         """The clip's token grid [F', h, w, out_dim], not yet pruned: EVS scores the projected embeddings, as the

@@ -261,15 +261,18 @@ class VisionTransformer(MegatronModule):
 
     def embed(self, pixels: torch.Tensor, patch_embeddings: torch.Tensor | None = None) -> torch.Tensor:
         """First stage: pixels [n, 3, H, W] -> the layers' input [n, prefix + patches, hidden] (patch embedding,
-        position embedding, prefix tokens). `patch_embeddings` [n, rows*cols, hidden] replaces the per-image
-        embedder (video tubelets)."""
+        position embedding, prefix tokens). Pixels of t*3 channels are video tubelets (models/video.VideoEncoder
+        .tiles), embedded by the video embedder. `patch_embeddings` [n, rows*cols, hidden] replaces the embedder."""
         if not self.first_stage:
             raise RuntimeError(f"vision pipeline stage {self.stage} has no embedding (stage 0 has)")
         p = self.cfg["patch"]
         rows, cols = pixels.shape[-2] // p, pixels.shape[-1] // p
         if pixels.shape[-2] % p or pixels.shape[-1] % p:
             raise ValueError(f"image {tuple(pixels.shape[-2:])} is not a multiple of the patch size {p}")
-        x = self.embedder(patchify(pixels, p)) if patch_embeddings is None else patch_embeddings
+        if patch_embeddings is None:  # (video tubelets stacked along the channels: the video embedder)
+            embedder = self.embedder if pixels.shape[1] == 3 else self.video_embedder
+            patch_embeddings = embedder(patchify(pixels, p))
+        x = patch_embeddings
         x = x + self.position_embedding(rows, cols)
         if self.prefix is not None:
             x = torch.cat([self.prefix.expand(x.shape[0], -1, -1), x], dim=1)

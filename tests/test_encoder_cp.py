@@ -94,6 +94,9 @@ def test_item_parallel_cp_keeps_each_ranks_boundary_part(cp):
 
 # ---- the tower on gloo ranks vs one device ----
 
+TUBELETS = {"radio_vit_tiny": True, "siglip_tiny": False}  # RADIO's video in tubelets of 2 frames (the release's)
+
+
 def _rows(tile: int):
     g = torch.Generator().manual_seed(3)
 
@@ -114,7 +117,7 @@ def _single(name: str, rows: list, seed: int = 0):
     from tests._mcore_cpu import single_rank_world
 
     torch.manual_seed(seed)
-    module = build_media_module(name, 24, single_rank_world())
+    module = build_media_module(name, 24, single_rank_world(), tubelets=TUBELETS[name])
     outs = [module(row) for row in rows]
     sum(o.square().sum() for o in outs).backward()
     hf = {k: v.detach().clone() for k, v in media_to_hf("vision", module).items()}
@@ -135,7 +138,7 @@ def _cp_forward_backward(name: str, hf: dict, rows: list, configs: list[tuple[in
     for tp, cp in configs:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
         pg = ProcessGroupCollection.use_mpu_process_groups()
-        module = build_media_module(name, 24, pg, core_attention=TileCPCoreAttention)
+        module = build_media_module(name, 24, pg, core_attention=TileCPCoreAttention, tubelets=TUBELETS[name])
         root = PROJECTOR_ROOT["vision"]
         module.projector.load_state_dict({k[len(root):]: v for k, v in hf.items() if k.startswith(root)})
         _load_params(module.encoder.vit, vision_from_hf(hf, module.cfg, pg.tp.rank(), tp))
@@ -154,8 +157,8 @@ def _cp_forward_backward(name: str, hf: dict, rows: list, configs: list[tuple[in
 def test_cp_tower_equals_one_device(name):
     """cp2 x tp2 and cp4 on four gloo ranks: every CP rank's output is its contiguous part of each row's tokens of
     the one-device tower (parts concatenated = the whole row; an image smaller than cp tokens leaves ranks without
-    any), and gradients summed over the CP ranks equal the one-device ones (prefix tokens, position table, layer
-    scales, projector included)."""
+    any; RADIO's video in tubelets, SigLIP's frame by frame), and gradients summed over the CP ranks equal the
+    one-device ones (prefix tokens, position table, layer scales, projector, video embedder included)."""
     from tessera.models.encoders import encoder_config
 
     tile = encoder_config(name)["tile"]
@@ -186,7 +189,8 @@ def test_cp_tower_equals_one_device(name):
             assert err < 1e-5, (tp, cp, key, err)
             checked.append(key)
         must = {"encoder.vit.pos_embed", "encoder.vit.embedder.weight", "projector.1.weight",
-                "encoder.vit.layers.1.input_layernorm.weight"} | ({"encoder.vit.prefix"} if "radio" in name else set())
+                "encoder.vit.layers.1.input_layernorm.weight"} | (
+            {"encoder.vit.prefix", "encoder.vit.video_embedder.weight"} if "radio" in name else set())
         assert must <= set(checked) or tp > 1 and {"encoder.vit.pos_embed", "projector.1.weight"} <= set(checked), \
             sorted(checked)
 
@@ -243,8 +247,8 @@ def test_encoder_cp_trains_as_the_homogeneous_run(runs, name):
 
 
 def test_what_encoder_cp_refuses():
-    """Vision cp x pp at once, and video tubelets or EVS pruning under vision CP are refused, each named with its
-    fix; audio CP (item-parallel) trains."""
+    """Vision cp x pp at once, and EVS-pruned video under vision CP are refused, each named with its fix; audio CP
+    (item-parallel) trains."""
     import re
 
     from tessera.hetero.plan.layout import HeteroLayout, LayoutError
@@ -256,15 +260,12 @@ def test_what_encoder_cp_refuses():
         assert untrainable_reasons(HeteroLayout.parse(good), has_tp) == [], good
     with pytest.raises(LayoutError, match=re.escape("splits over cp or pp, not both; use cp2 or pp2")):
         check_trainable(HeteroLayout.parse("vision=cp2,pp2@0-3;language=dp4@0-3"), has_tp)
-    # a run whose video is EVS-pruned or fused into tubelets takes each clip whole on one vision rank
+    # a run whose video is EVS-pruned takes each clip whole on one vision rank
     cp2, pp2 = (HeteroLayout.parse(f"vision={f}@0-1;language=tp2@2-3") for f in ("cp2", "pp2"))
-    with pytest.raises(LayoutError, match=re.escape("video pruning (EVS) take a whole clip on one rank; use cp1 "
+    with pytest.raises(LayoutError, match=re.escape("video pruning (EVS) takes a whole clip on one rank; use cp1 "
                                                     "for vision, or model.video_pruning=0")):
         check_trainable(cp2, has_tp, video="pruned")
     assert untrainable_reasons(pp2, has_tp, video="pruned") == []
-    assert len(untrainable_reasons(cp2, has_tp, video="tubelets")) == 1
-    assert "video tubelets need the vision encoder on one pipeline stage" in untrainable_reasons(pp2, has_tp,
-                                                                                                   "tubelets")[0]
     # the video recipe prunes: the trainer's resolution refuses vision CP for it before launch
     import fiddle as fdl
 
@@ -287,6 +288,6 @@ def test_what_encoder_cp_refuses():
 
     pgs = single_rank_world()
     cp2 = type("PGs", (), {"tp": pgs.tp, "pp": pgs.pp, "cp": _Group()})()
-    with pytest.raises(ValueError, match=re.escape("video pruning (EVS) need the vision encoder without context "
+    with pytest.raises(ValueError, match=re.escape("video pruning (EVS) needs the vision encoder without context "
                                                    "parallelism; use cp1 for vision, or model.video_pruning=0")):
         build_media_module("radio_vit_tiny", 24, cp2, pruning_rate=0.5)

@@ -20,7 +20,8 @@ from tessera.models.multimodal import MultimodalModel, build_media_module
 from tessera.models.multimodal_hf import export_hf, import_hf
 from tessera.models.nemotron_h_hf import hybrid_config_from_hf
 from tessera.models.media_tokens import evs_kept_tokens
-from tessera.models.video import evs_prune, frame_prompt, tubelet_patchify
+from tessera.models.video import evs_prune, frame_prompt
+from tessera.models.vision import patchify
 
 LLM_HIDDEN = configs.TINY_DENSE["hidden_size"]
 
@@ -28,7 +29,8 @@ LLM_HIDDEN = configs.TINY_DENSE["hidden_size"]
 def test_tubelet_embedder_is_a_conv3d():
     pixels = torch.randn(5, 3, 32, 48)  # odd frame count: the last frame is repeated
     weight = torch.randn(8, 3 * 2 * 16 * 16)
-    got = tubelet_patchify(pixels, 16, 2) @ weight.T
+    video = build_media_module("radio_vit_tiny", LLM_HIDDEN, single_rank_world(), tubelets=True).video
+    got = patchify(video.tiles(pixels), 16) @ weight.T
     video = torch.cat([pixels, pixels[-1:]]).reshape(3, 2, 3, 32, 48).transpose(1, 2)  # [g, c, t, H, W]
     kernel = weight.reshape(8, 2, 3, 16, 16).transpose(1, 2)  # the release's (t, c, y, x) flattening
     ref = F.conv3d(video, kernel, stride=(2, 16, 16)).flatten(2).transpose(1, 2)

@@ -79,3 +79,46 @@ def test_tubelet_video_equals_the_releases_video_features(frames, rate):
     assert got.shape == ref.shape == (mod.num_tokens("video", (clip, None)), configs.TINY_DENSE["hidden_size"])
     err = float((got - ref).abs().max() / ref.abs().max())
     assert err <= 1e-5, err
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.5])
+def test_tubelet_video_through_vision_pipeline_stages(rate):
+    """RADIO split over two pipeline stages (a stage reads only its pipeline group's size and rank): stage 0 embeds
+    the tubelets with the video embedder, the last one projects and prunes; == the one-stage module, gradients too."""
+    from types import SimpleNamespace
+
+    from _mcore_cpu import single_rank_world
+
+    from tessera.models.multimodal import build_media_module
+
+    class Group:
+        def __init__(self, rank):
+            self._rank = rank
+
+        def size(self):
+            return 2
+
+        def rank(self):
+            return self._rank
+
+    pgs = single_rank_world()
+    torch.manual_seed(0)
+    whole = build_media_module("radio_vit_tiny", 24, pgs, tubelets=True, pruning_rate=rate)
+    clip = np.random.default_rng(1).integers(0, 256, (9, 3, 64, 64), dtype=np.uint8)
+    items = [("image", clip[:2]), ("video", (clip, None))]
+    want = whole(items)
+    want.square().sum().backward()
+    stages = [build_media_module("radio_vit_tiny", 24, SimpleNamespace(tp=pgs.tp, cp=pgs.cp, dp=pgs.dp, pp=Group(s)),
+                                 tubelets=True, pruning_rate=rate) for s in range(2)]
+    full = whole.state_dict()
+    for st in stages:
+        st.load_state_dict({k: full[k] for k in st.state_dict()})
+    x = stages[0].forward_stage(items)
+    assert tuple(x.shape) == stages[1].stage_shape(items)  # 2 tiles + 5 tubelets, each prefix + 16 patches
+    x.retain_grad()
+    got = stages[1].forward_stage(items, x)
+    assert got.shape == want.shape and float((got - want).abs().max() / want.abs().max()) <= 1e-5
+    got.square().sum().backward()
+    g = stages[0].encoder.vit.video_embedder.weight.grad
+    ref = whole.encoder.vit.video_embedder.weight.grad
+    assert float((g - ref).abs().max() / ref.abs().max()) <= 1e-4

@@ -25,27 +25,24 @@ from tessera.hetero.plan.layout import HeteroLayout, LayoutError
 PIPELINED_ENCODERS = frozenset({"vision", "audio"})
 
 
-VIDEO_MODES = ("frames", "pruned", "tubelets")
+VIDEO_MODES = ("frames", "pruned")
 
 
 def untrainable_reasons(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool], video: str = "frames") -> list[str]:
     """Why the trainer cannot run `layout` (empty when it can); each reason names the module and the fix.
 
     encoder_has_tp: per encoder module key, whether its encoder has tensor-parallel layers.
-    video: how the vision encoder takes a video clip: "frames" (each frame a tile: splits like images),
-    "pruned" (EVS ranks the whole clip's tokens: no vision CP), "tubelets" (frames fused in the patch embedding:
-    neither vision CP nor PP; models/multimodal.build_media_module refuses them)."""
+    video: how the vision encoder takes a video clip: "frames" (each frame, or tubelet, a tile: splits like
+    images), "pruned" (EVS ranks the whole clip's tokens: no vision CP; models/multimodal.build_media_module
+    refuses it too)."""
     if video not in VIDEO_MODES:
         raise ValueError(f"video={video!r}: one of {', '.join(VIDEO_MODES)}")
     reasons = []
     vision = layout.modules.get("vision")
-    if vision is not None and video != "frames" and vision.cp > 1:
-        reasons.append(f"vision={vision.to_spec()}: video {'tubelets' if video == 'tubelets' else 'pruning (EVS)'} "
-                       f"take a whole clip on one rank; use cp1 for vision"
-                       + (", or model.video_pruning=0" if video == "pruned" else ""))
-    if vision is not None and video == "tubelets" and vision.pp > 1:
-        reasons.append(f"vision={vision.to_spec()}: video tubelets need the vision encoder on one pipeline stage; "
-                       f"use pp1 for vision")
+    if vision is not None and video == "pruned" and vision.cp > 1:
+        reasons.append(f"vision={vision.to_spec()}: video pruning (EVS) takes a whole clip on one rank; use cp1 for "
+                       f"vision, or model.video_pruning=0")
+
     for key in layout.encoders:
         m = layout[key]
         if m.pp > 1 and key not in PIPELINED_ENCODERS:

@@ -33,8 +33,11 @@ which normalises each clip with its own statistics as Tessera's training step do
     max_rel_err = max|ours - ref| / max|ref| over every real-vocabulary logit of every sample.
 Rank 0 prints `parity: PASS max_rel_err=...` (<= --tol, default 1e-4) or `parity: FAIL ...` (exit 1).
 
-Not covered: video. Tessera's training path encodes video as per-frame tiles, the release as tubelets + EVS;
-the two are not the same function yet, so no video sample is built (the command says so).
+Video: when the trainer's model build encodes DIR's video as the release does (tubelets of the ViT's temporal
+patch, the omni family: data/pipeline.video_temporal), the audio sample also holds a 5-frame clip after its audio
+("audio_video"), its placeholders the tokens EVS keeps at the config's video_pruning_rate; transformers gets the
+clip's every tubelet token and prunes in its forward (models/hf_reference.omni_inputs), so both sides' logits
+cover the same sequence.
 Test-only hook: `compare_multimodal(..., perturb={hf_key: factor})` scales checkpoint tensors as they are read,
 so a test can watch parity fail.
 """
@@ -51,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.data.packing import IGNORE, PackedBatch
+from tessera.data.pipeline import video_temporal
 from tessera.hetero.plan.layout import LANGUAGE
 from tessera.hetero.planner.run_layout import resolve_run_layout
 from tessera.hetero.runtime.device import current_device
@@ -65,18 +69,25 @@ from tessera.models.hf_reference import (OMNI_SEED, OmniSample, omni_reference_l
                                          omni_token_ids)
 from tessera.models.nemotron_h_hf import LazyCheckpoint
 
-VIDEO_NOTE = ("video: not compared (Tessera's training path encodes video as per-frame tiles, the release as "
-              "tubelets + EVS: not the same function yet)")
+VIDEO_NOTE = ("video: compared when the model encodes it as the release does (tubelets of the ViT's temporal "
+              "patch, EVS at the config's video_pruning_rate: data/pipeline.video_temporal; the omni family)")
 # row length rounded up to it: zigzag CP needs a multiple of 2*cp, sequence parallelism (MoE LLMs with TP) one of
 # cp*tp; 32 covers the layouts of a few ranks (a larger one is refused by the layout's validation, naming it)
 SEQ_MULTIPLE = 32
+
+
+def _pruning_rate(hf_dir: str) -> float:
+    from tessera.models.released import read_config
+
+    return float(read_config(hf_dir).get("video_pruning_rate") or 0.0)
 
 
 def model_config(hf_dir: str) -> SimpleNamespace:
     """A recipes.config.ModelConfig stand-in (hetero/ sits below recipes/) for fine-tuning DIR in fp32: the
     encoders and the LLM's shape come from DIR's config.json (hetero/training/run_modules.released_encoders)."""
     return SimpleNamespace(llm="nemotron_h_tiny_dense", vision=None, audio=None, freeze_vision=False,
-                           freeze_audio=False, freeze_llm=False, video_pruning=0.0, checkpoint=str(hf_dir),
+                           freeze_audio=False, freeze_llm=False, video_pruning=_pruning_rate(hf_dir),
+                           checkpoint=str(hf_dir),
                            dtype="float32", moe_aux_loss_coeff=0.0, lora=None, recompute="none")
 
 
@@ -101,7 +112,7 @@ def packed_batch(samples: list[OmniSample], seq_length: int) -> PackedBatch:
         for module, kind, item, start, length in s.media:
             row_media.setdefault(module, []).append((kind, item))
             row_pos.setdefault(module, []).append(np.arange(start, start + length, dtype=np.int64))
-            row_meta.setdefault(module, []).append((kind, len(item), length))
+            row_meta.setdefault(module, []).append((kind, len(item[0] if kind == "video" else item), length))
         media.append(row_media)
         positions.append({m: np.concatenate(p) for m, p in row_pos.items()})
         meta.append(row_meta)
@@ -165,7 +176,16 @@ class _Scaled(Mapping):
 @functools.lru_cache(maxsize=4)
 def _reference(hf_dir: str, seed: int) -> tuple[torch.Tensor, ...]:
     """transformers' logits of the samples (cached: a test compares several layouts in one process)."""
-    return tuple(omni_reference_logits(hf_dir, omni_samples(hf_dir, seed)))
+    return tuple(omni_reference_logits(hf_dir, omni_samples(hf_dir, seed, _video_temporal(hf_dir))))
+
+
+def _video_temporal(hf_dir: str) -> int:
+    """Frames per tubelet as the trainer's model build encodes DIR's video (0: frame by frame, not the release's
+    function: no video sample)."""
+    from tessera.hetero.training.run_modules import encoder_names
+
+    t = video_temporal(encoder_names(model_config(hf_dir)))
+    return t if t > 1 else 0
 
 
 def _eval_but_batchnorm(module: torch.nn.Module) -> None:
@@ -183,7 +203,7 @@ def compare_multimodal(hf_dir: str, layout: str = "", perturb: dict[str, float] 
     exactly every real logit of every sample was compared (so 0.0 never stands for "nothing compared")."""
     hf_dir = str(Path(hf_dir).expanduser().resolve())
     rank, world, device = dist.get_rank(), dist.get_world_size(), current_device()
-    samples = omni_samples(hf_dir, seed)
+    samples = omni_samples(hf_dir, seed, _video_temporal(hf_dir))
     seq = seq_length_for(samples)
     model_cfg = model_config(hf_dir)
     hf_fields = checkpoint_llm_fields(hf_dir)

@@ -32,7 +32,8 @@ from tessera.models.multimodal_hf import (PROJECTOR_ROOT, export_hf, media_to_hf
                                           _load_params, _params_only)
 from tessera.models.nemotron_h_hf import PrefixView, hybrid_config_from_hf, load_into
 from tessera.hetero.training.lora import lora_settings
-from tessera.hetero.training.run_modules import module_specs
+from tessera.hetero.training.run_modules import encoder_names, module_specs
+from tessera.data.pipeline import video_temporal
 
 _single_rank_pgs: ProcessGroupCollection | None = None
 
@@ -59,10 +60,11 @@ def single_rank_pgs() -> ProcessGroupCollection:
 
 
 def media_module(spec, model_cfg, llm_hidden: int, pgs, recompute: str = "none"):
-    # a context-parallel vision tower gathers each tile's keys/values over its CP group
+    # a context-parallel vision tower gathers each tile's keys/values over its CP group; video in tubelets when
+    # the model's family encodes it so (data/pipeline.video_temporal: the placeholders follow the same rule)
     cp = getattr(pgs, "cp", None)
     return build_media_module(spec.name, llm_hidden, pgs, frozen=spec.freeze, pruning_rate=model_cfg.video_pruning,
-                              recompute=recompute,
+                              recompute=recompute, tubelets=video_temporal(encoder_names(model_cfg)) > 1,
                               core_attention=TileCPCoreAttention if cp is not None and cp.size() > 1 else None)
 
 
