@@ -116,16 +116,18 @@ class MediaModule(nn.Module):
         projected [tokens, llm_hidden] of the items, concatenated; another stage its layers' output. Video
         frames (or tubelets, VideoEncoder.tiles) go through as tiles, the last stage projects and prunes them as
         MediaModule.project does. Audio: each clip's conformer rows (_forward_audio_stage)."""
-        if self.cfg["modality"] == "audio":
-            return self._forward_audio_stage(items, x)
-        vit = self.encoder.vit
-        sizes = self.stage_tokens(items)
-        if vit.first_stage != (x is None):
-            raise ValueError(f"vision stage {vit.stage} of {vit.pp}: stage 0 reads the pixels (x=None), a later "
-                             f"stage takes the previous stage's output")
+        modality = self.cfg["modality"]
+        stage = self.encoder.vit if modality == "vision" else self.encoder
+        if stage.first_stage != (x is None):
+            raise ValueError(f"{modality} stage {stage.stage} of {stage.pp}: stage 0 reads the "
+                             f"{'pixels' if modality == 'vision' else 'waveforms'} (x=None), a later stage takes the "
+                             f"previous stage's output")
         if x is not None and tuple(x.shape) != self.stage_shape(items):
-            raise ValueError(f"vision stage {vit.stage} got hidden states {tuple(x.shape)} for items of "
+            raise ValueError(f"{modality} stage {stage.stage} got hidden states {tuple(x.shape)} for items of "
                              f"{self.stage_shape(items)}")
+        if modality == "audio":
+            return self._forward_audio_stage(items, x)
+        vit, sizes = stage, self.stage_tokens(items)
         outs, offset, dev = [], 0, self.device
         for (kind, item), (n, s) in zip(items, sizes):
             pixels = item if kind == "image" else item[0]  # video frames (or tubelets) go through as tiles
@@ -143,9 +145,14 @@ class MediaModule(nn.Module):
                 rows, cols = pixels.shape[-2] // self.cfg["patch"], pixels.shape[-1] // self.cfg["patch"]
                 grid = pixel_shuffle(vit.head(hidden, rows, cols), self.cfg["pixel_shuffle"])
             outs.append(self.project(kind, grid if kind == "video" else grid.flatten(0, 2)))
+        return self._stage_output(outs, items, x, vit.last_stage)
+
+    def _stage_output(self, outs: list, items: list, x: torch.Tensor | None, last_stage: bool) -> torch.Tensor:
+        """What a pipeline stage hands on: its items' outputs concatenated; with no items, the empty embeddings
+        (last stage), the received empty activation, or a new empty one (first stage)."""
         if outs:
             out = torch.cat(outs)
-        elif vit.last_stage:
+        elif last_stage:
             out = next(self.projector.parameters()).new_zeros(0, self.llm_hidden)
         elif x is not None:
             out = x  # no items: the empty activation goes on
@@ -160,12 +167,6 @@ class MediaModule(nn.Module):
         """An audio pipeline stage over `items`, each clip on its own; between stages the clips' conformer outputs
         concatenated, [sum of rows, hidden]; the last stage returns the clips' projected embeddings."""
         enc = self.encoder
-        if enc.first_stage != (x is None):
-            raise ValueError(f"audio stage {enc.stage} of {enc.pp}: stage 0 reads the waveforms (x=None), a later "
-                             f"stage takes the previous stage's output")
-        if x is not None and tuple(x.shape) != self.stage_shape(items):
-            raise ValueError(f"audio stage {enc.stage} got hidden states {tuple(x.shape)} for clips of "
-                             f"{self.stage_shape(items)}")
         outs, offset = [], 0
         for (_, wave), (_, rows) in zip(items, self.stage_tokens(items)):
             with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
@@ -177,17 +178,7 @@ class MediaModule(nn.Module):
                     hidden, out_len = enc.encode_received(x[None, offset:offset + rows], feat_len)
                     offset += rows
                 outs.append(self.projector(enc.keep(hidden, out_len, feat_len)[0]) if enc.last_stage else hidden[0])
-        if outs:
-            out = torch.cat(outs)
-        elif enc.last_stage:
-            out = next(self.projector.parameters()).new_zeros(0, self.llm_hidden)
-        elif x is not None:
-            out = x  # no clips: the empty activation goes on
-        else:
-            out = next(self.parameters()).new_zeros(self.stage_shape(items))
-        if x is not None and x.requires_grad and (self.frozen or not items):
-            out = out + 0 * x.sum()  # keep the received activation in the graph (its zero gradient goes back)
-        return out
+        return self._stage_output(outs, items, x, enc.last_stage)
 
     def forward_cp(self, rows: list[list]) -> torch.Tensor:
         """This context-parallel rank's part of the vision tokens of `rows` (each row's items in order), projected:
