@@ -9,8 +9,9 @@ Candidates (pruned to what can run well):
               cp a power of two up to 16 leaving >= 4096 tokens per rank (zigzag needs seq % 2cp == 0);
               pp a power of two up to 8; dp what is left; ep (MoE): per LLM shape, the power of two dividing
               cp*dp with the fastest LLM-only step whose memory fits (recompute assumed when scoring).
-    encoder   tp a power of two within a node dividing its heads; cp 1 or 2 (splits each sequence's media tokens: hetero/plan/encoder_cp.py);
-              pp 1 when colocated (three-phase schedule), 1 or 2 when on its own ranks.
+    encoder   tp a power of two within a node dividing its heads; cp 1 or 2 (splits each sequence's media
+              tokens: hetero/plan/encoder_cp.py); pp 1 when colocated (three-phase schedule), 1 or 2 when on its
+              own ranks.
     placements  homogeneous (all modules the LLM's layout, Megatron's baseline), colocated (every encoder on
               all GPUs with its own layout), non-colocated / mixed (each encoder colocated or on its own
               first block of ranks; block sizes 1/32 .. 1/2 of the GPUs and powers of two; with several encoders,

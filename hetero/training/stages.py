@@ -82,7 +82,6 @@ class MediaEncoderStage:
             return self.module([])
         return torch.cat([self.module([it]) for it in items])
 
-
     def _forward_items_cp(self, rows: list[list]) -> torch.Tensor:
         """Item-parallel CP (hetero/plan/encoder_cp.item_owners): this rank encodes the items dealt to it, the
         outputs are gathered over the CP group, and it keeps its contiguous part of each row's tokens."""
