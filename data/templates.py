@@ -22,8 +22,10 @@ Where the wrapping comes from:
         no audio. Not checked against NVIDIA's own (remote-code) processor, which is not available offline.
   video (both) a bare run of <video>, Tessera's own. The releases put a text label ("Frame 1: ", or with
         timestamps "Frame 1 sampled at 0.00 seconds: ") and <img> <image>xk </img> around every frame (vl) or
-        2-frame tubelet (omni), and scatter the video embeddings at <image> positions; Tessera's video encoder has
-        no tubelets and prunes (EVS) over the whole clip, so its run is one span and is not split per frame yet.
+        2-frame tubelet (omni), and scatter the video embeddings at <image> positions. Tessera encodes omni video
+        in the release's tubelets and prunes it by the release's EVS (tests/test_video_release.py), but the
+        release decides each tubelet's kept tokens in its forward, after encoding, while Tessera sizes a row
+        before encoding: the clip's kept tokens stay one span (the same count, not the per-tubelet layout).
 The turn template (ChatML, data/tokens.py) is not part of either processor: processor(text=...) tokenizes the
 text it is given, and the released chat templates (tokenizer_config / chat_template.jinja) are not available
 offline.

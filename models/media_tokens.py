@@ -87,7 +87,7 @@ class EncoderTokens:
     max_patches: int | None = None
     video_frames: int = 8
     video_temporal: int = 1  # frames per video tubelet (the Omni release: 2, its video_embedder; else 1)
-    video_pruning: float = 0.0  # fraction of video tokens the encoder drops (EVS); tubelets not supported
+    video_pruning: float = 0.0  # fraction of video tokens the encoder drops (EVS, evs_kept_tokens)
     audio_rate: int = 16_000
     audio_hop: int = 160
     audio_n_fft: int = 512

@@ -11,7 +11,8 @@ timestamps); `frame_prompt` renders those timestamps the way Nemotron Omni's pro
                is always kept. The evs_kept_tokens(frames, per_frame, rate) highest scores survive, in their
                original order, so the count depends only on (frames, rate) and the data side can size the
                placeholders before encoding (`VideoEncoder.num_tokens`).
-With the defaults (no tubelets, rate 0) the count is frames * tokens_per_tile, data/tokens.video_tokens.
+With the defaults (no tubelets, rate 0) the count is frames * tokens_per_tile; models/media_tokens.video_tokens
+is the one count rule (the omni family's tubelets: data/pipeline.video_temporal).
 """
 
 from __future__ import annotations

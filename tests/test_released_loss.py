@@ -21,7 +21,9 @@ token of the microbatch and divided by their count (Tessera's normaliser, hetero
 The oracle runs in eval mode except for the Parakeet conformer's BatchNorm: a training step normalises each
 clip with its own statistics (Tessera encodes every media item alone), so transformers' BatchNorm is in
 training mode too (in eval it would use the running statistics: another function).
-Not covered: video. Tessera's training video path encodes per-frame tiles, the Omni model tubelets + EVS.
+Not covered here: video (the release puts every image-token position of a sample with video through EVS, so a
+video needs a sample of its own; its logits parity is in tests/test_parity_multimodal.py, its features in
+tests/test_video_release.py).
 """
 
 from __future__ import annotations
