@@ -144,7 +144,9 @@ class MediaModule(nn.Module):
                     continue
                 rows, cols = pixels.shape[-2] // self.cfg["patch"], pixels.shape[-1] // self.cfg["patch"]
                 grid = pixel_shuffle(vit.head(hidden, rows, cols), self.cfg["pixel_shuffle"])
-            outs.append(self.project(kind, grid if kind == "video" else grid.flatten(0, 2)))
+            outs.append(grid if kind == "video" else grid.flatten(0, 2))
+        if vit.last_stage and outs:
+            outs = [self.project([kind for kind, _ in items], outs)]
         return self._stage_output(outs, items, x, vit.last_stage)
 
     def _stage_output(self, outs: list, items: list, x: torch.Tensor | None, last_stage: bool) -> torch.Tensor:
@@ -234,16 +236,21 @@ class MediaModule(nn.Module):
             return next(self.projector.parameters()).new_zeros(0, self.llm_hidden)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
             feats = self._features(items)
-        return torch.cat([self.project(kind, f) for (kind, _), f in zip(items, feats)])
+        return self.project([kind for kind, _ in items], feats)
 
-    def project(self, kind: str, feats: torch.Tensor) -> torch.Tensor:
-        """One item's encoder output to [tokens, llm_hidden]: the projector, per token; a video's token grid
-        [F, h, w, d] is projected, then EVS-pruned on the projected embeddings, as the releases prune
-        (transformers' NemotronH_Omni_Reasoning_V3Model.forward: compute_retention_mask of the video embeds)."""
-        out = self.projector(feats)
-        if kind != "video":
+    def project(self, kinds: list[str], feats: list[torch.Tensor]) -> torch.Tensor:
+        """Items' encoder outputs ([tokens, d]; a video's token grid [F, h, w, d]) to [tokens, llm_hidden] in item
+        order: one projector call over every token (it acts per token), then each video EVS-pruned on its
+        projected embeddings, as the releases prune (transformers' NemotronH_Omni_Reasoning_V3Model.forward:
+        compute_retention_mask of the video embeds)."""
+        flat = [f.flatten(0, -2) for f in feats]
+        out = self.projector(torch.cat(flat))
+        rate = self.video.pruning_rate if self.video is not None else 0.0
+        if not rate or "video" not in kinds:
             return out
-        return evs_prune(out, self.video.pruning_rate)[0] if self.video.pruning_rate else out.flatten(0, 2)
+        parts = out.split([len(f) for f in flat])
+        return torch.cat([evs_prune(part.reshape(*f.shape[:-1], -1), rate)[0] if kind == "video" else part
+                          for kind, f, part in zip(kinds, feats, parts)])
 
     @property
     def llm_hidden(self) -> int:

@@ -264,8 +264,8 @@ def test_what_encoder_cp_refuses():
     cp2, pp2 = (HeteroLayout.parse(f"vision={f}@0-1;language=tp2@2-3") for f in ("cp2", "pp2"))
     with pytest.raises(LayoutError, match=re.escape("video pruning (EVS) takes a whole clip on one rank; use cp1 "
                                                     "for vision, or model.video_pruning=0")):
-        check_trainable(cp2, has_tp, video="pruned")
-    assert untrainable_reasons(pp2, has_tp, video="pruned") == []
+        check_trainable(cp2, has_tp, video_pruned=True)
+    assert untrainable_reasons(pp2, has_tp, video_pruned=True) == []
     # the video recipe prunes: the trainer's resolution refuses vision CP for it before launch
     import fiddle as fdl
 

@@ -25,24 +25,18 @@ from tessera.hetero.plan.layout import HeteroLayout, LayoutError
 PIPELINED_ENCODERS = frozenset({"vision", "audio"})
 
 
-VIDEO_MODES = ("frames", "pruned")
-
-
-def untrainable_reasons(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool], video: str = "frames") -> list[str]:
+def untrainable_reasons(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool],
+                        video_pruned: bool = False) -> list[str]:
     """Why the trainer cannot run `layout` (empty when it can); each reason names the module and the fix.
 
     encoder_has_tp: per encoder module key, whether its encoder has tensor-parallel layers.
-    video: how the vision encoder takes a video clip: "frames" (each frame, or tubelet, a tile: splits like
-    images), "pruned" (EVS ranks the whole clip's tokens: no vision CP; models/multimodal.build_media_module
-    refuses it too)."""
-    if video not in VIDEO_MODES:
-        raise ValueError(f"video={video!r}: one of {', '.join(VIDEO_MODES)}")
+    video_pruned: the run prunes video tokens (EVS ranks a whole clip's tokens: no vision CP;
+    models/multimodal.build_media_module refuses it too). Frames and tubelets split like images."""
     reasons = []
     vision = layout.modules.get("vision")
-    if vision is not None and video == "pruned" and vision.cp > 1:
+    if vision is not None and video_pruned and vision.cp > 1:
         reasons.append(f"vision={vision.to_spec()}: video pruning (EVS) takes a whole clip on one rank; use cp1 for "
                        f"vision, or model.video_pruning=0")
-
     for key in layout.encoders:
         m = layout[key]
         if m.pp > 1 and key not in PIPELINED_ENCODERS:
@@ -57,9 +51,10 @@ def untrainable_reasons(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool]
     return reasons
 
 
-def check_trainable(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool], video: str = "frames") -> HeteroLayout:
+def check_trainable(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool],
+                    video_pruned: bool = False) -> HeteroLayout:
     """`layout`, or a LayoutError listing every reason the trainer cannot run it."""
-    reasons = untrainable_reasons(layout, encoder_has_tp, video)
+    reasons = untrainable_reasons(layout, encoder_has_tp, video_pruned)
     if reasons:
         raise LayoutError("layout " + str(layout) + " cannot train: " + "; ".join(reasons))
     return layout

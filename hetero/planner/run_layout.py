@@ -42,9 +42,9 @@ def encoder_has_tp(model) -> dict[str, bool]:
     return {k: s.tensor_parallel for k, s in module_specs(model).items() if k != LANGUAGE}
 
 
-def video_mode(model) -> str:
-    """How the run's vision encoder takes a video (hetero/plan/trainable.VIDEO_MODES)."""
-    return "pruned" if (getattr(model, "video_pruning", 0.0) or 0.0) > 0 else "frames"
+def video_pruned(model) -> bool:
+    """Whether the run prunes video tokens (EVS; hetero/plan/trainable.untrainable_reasons)."""
+    return (getattr(model, "video_pruning", 0.0) or 0.0) > 0
 
 
 def model_shapes(cfg, llm_fields: dict | None = None) -> ModelShapes:
@@ -74,7 +74,7 @@ def resolve_run_layout(cfg, world: int, llm_fields: dict | None = None, cluster_
     cfg.data.rows_per_microbatch, cfg.data.microbatches = rows_for_layout(layout, cfg.data.rows_per_microbatch,
                                                                           cfg.data.microbatches)
     layout.validate(model_shapes(cfg, llm_fields), world_size=world)
-    return check_trainable(layout, encoder_has_tp(cfg.model), video_mode(cfg.model))
+    return check_trainable(layout, encoder_has_tp(cfg.model), video_pruned(cfg.model))
 
 
 def fit_modules(layout: HeteroLayout, keys: list[str]) -> HeteroLayout:
@@ -127,7 +127,7 @@ def _problems(spec: str, cfg, world: int, llm_fields: dict | None) -> list[str]:
         layout.validate(shapes, world_size=world)
     except LayoutError as e:
         return [str(e)]
-    return untrainable_reasons(layout, encoder_has_tp(cfg.model), video_mode(cfg.model))
+    return untrainable_reasons(layout, encoder_has_tp(cfg.model), video_pruned(cfg.model))
 
 
 def best_layout_for_run(cfg, world: int, cluster_name: str = "h100", llm_fields: dict | None = None) -> str:
