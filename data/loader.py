@@ -44,7 +44,7 @@ from tessera.data.media import (MediaError, blank_item, choose_grid, decode_audi
                                 decode_video, native_grid, probe_audio, probe_image, probe_video, sample_indices)
 from tessera.data.packing import EncodedSample, PackedSample, collate, first_fit_decreasing, pack_row
 from tessera.data.tokens import (DEFAULT_TEMPLATE, MODULE_OF_KIND, MEDIA_TAGS, EncoderTokens, PromptError, Tokenizer,
-                                 encode_conversation)
+                                 encode_conversation, media_placeholders)
 
 log = logging.getLogger("tessera.data")
 
@@ -145,7 +145,8 @@ class ChatTaskEncoder(TaskEncoder):
                 self._skip(sample, e.reason or f"undecodable_{kind}", str(e))
         try:
             prompt = encode_conversation(self.tok, turns, [k for k, _ in raw],
-                                         [self.enc.tokens(k, u) for (k, _), u in zip(raw, units)], self.template)
+                                         [media_placeholders(self.enc, self.template, k, u)
+                                          for (k, _), u in zip(raw, units)], self.template)
         except PromptError as e:
             self._skip(sample, "missing_modality" if "missing modality" in str(e) else "extra_media", str(e))
         if len(prompt) > self.seq_length:

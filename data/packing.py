@@ -75,6 +75,18 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
+def _items(spans: list[tuple[str, int, int, int]]) -> list[tuple[str, list[tuple[int, int, int]]]]:
+    """A prompt's spans grouped into its media items, in order: (module, [(start, length, item)] per chunk); a
+    video in tubelet chunks is one item of several spans (data/tokens.encode_conversation)."""
+    items: list[tuple[str, list[tuple[int, int, int]]]] = []
+    for module, start, length, item in spans:
+        if items and items[-1][1][-1][2] == item:
+            items[-1][1].append((start, length, item))
+        else:
+            items.append((module, [(start, length, item)]))
+    return items
+
+
 def pack_row(samples: list[EncodedSample], seq_length: int, pad_id: int) -> PackedSample:
     tokens = np.full(seq_length, pad_id, dtype=np.int64)
     labels = np.full(seq_length, IGNORE, dtype=np.int64)
@@ -93,17 +105,18 @@ def pack_row(samples: list[EncodedSample], seq_length: int, pad_id: int) -> Pack
         # token of a sample predicts nothing, so no loss ever crosses into the next packed sample.
         labels[o:o + n - 1] = np.where(p.target[1:], p.tokens[1:], IGNORE)
         position_ids[o:o + n] = np.arange(n)
-        for j, (module, start, length, item) in enumerate(p.spans):
+        for j, (module, chunks) in enumerate(_items(p.spans)):
             if s.media:  # decoded before packing (tests, callers with in-memory media)
                 m2, kind, units, arr = s.media[j]
                 assert module == m2, "media list out of span order"
                 media.setdefault(module, []).append((kind, arr))
             else:
-                kind, data = s.raw_media[item]
-                units = s.units[item]
+                kind, data = s.raw_media[chunks[0][2]]
+                units = s.units[chunks[0][2]]
                 raw.setdefault(module, []).append((kind, data, units, s.__key__, s.shard))
-            meta.setdefault(module, []).append((kind, units, length))
-            positions.setdefault(module, []).append(np.arange(o + start, o + start + length, dtype=np.int64))
+            meta.setdefault(module, []).append((kind, units, sum(length for _, length, _ in chunks)))
+            positions.setdefault(module, []).extend(np.arange(o + start, o + start + length, dtype=np.int64)
+                                                    for start, length, _ in chunks)
         cu.append(o + n)
     if cu[-1] < seq_length:
         cu.append(seq_length)

@@ -20,12 +20,17 @@ Where the wrapping comes from:
         (vllm/transformers_utils/processors/nano_nemotron_vl.py, NanoNemotronVLProcessor.get_image_repl) wraps
         all tiles of an image, thumbnail included, in one <img> <image>xN </img>: the same as omni's image. It has
         no audio. Not checked against NVIDIA's own (remote-code) processor, which is not available offline.
-  video (both) a bare run of <video>, Tessera's own. The releases put a text label ("Frame 1: ", or with
-        timestamps "Frame 1 sampled at 0.00 seconds: ") and <img> <image>xk </img> around every frame (vl) or
-        2-frame tubelet (omni), and scatter the video embeddings at <image> positions. Tessera encodes omni video
-        in the release's tubelets and prunes it by the release's EVS (tests/test_video_release.py), but the
-        release decides each tubelet's kept tokens in its forward, after encoding, while Tessera sizes a row
-        before encoding: the clip's kept tokens stay one span (the same count, not the per-tubelet layout).
+  video omni, the release's replace_video_token (l.164-203): one chunk per tubelet of temporal_patch frames,
+        "Frame 1 and frame 2: " <img> <image>xk </img>, chunks joined by "\n" (a short last tubelet names its
+        frames only), k = the tubelet's tokens; the release's context token for video is its image token. The
+        labels are the release's form without frame timestamps (what its processor writes for frames given as
+        arrays, without video_metadata): Tessera sizes rows from container headers, before decoding. Under EVS
+        (model.video_pruning > 0) the release keeps each tubelet's <img> ... </img> and decides its kept tokens in
+        its forward, after encoding, while Tessera sizes a row before encoding: such a clip is one chunk of the
+        clip's kept tokens (the same count, not the per-tubelet layout; EVS is the release's inference-time
+        pruning, its config's video_pruning_rate defaults to 0). tests/test_prompt_parity.py checks the
+        unpruned layout against the processor with transformers' own video processor.
+        vl: a bare run of <video>, Tessera's own (the Nano V2 VL's per-frame wrapping is not checkable offline).
 The turn template (ChatML, data/tokens.py) is not part of either processor: processor(text=...) tokenizes the
 text it is given, and the released chat templates (tokenizer_config / chat_template.jinja) are not available
 offline.
@@ -47,6 +52,8 @@ class MediaWrap:
     context: str
     start: str = ""
     end: str = ""
+    # video: one labelled start/context/end chunk per tubelet (tubelet_chunks), the Omni release's layout
+    per_tubelet: bool = False
 
     @property
     def tokens(self) -> tuple[str, ...]:
@@ -75,11 +82,12 @@ class PromptTemplate:
 
 RELEASED_IMAGE = MediaWrap(context="<image>", start="<img>", end="</img>")
 RELEASED_AUDIO = MediaWrap(context="<so_embedding>", start="<so_start>", end="<so_end>")
-TESSERA_VIDEO = MediaWrap(context="<video>")  # not the releases' per-frame wrapping (module docstring)
+RELEASED_VIDEO = MediaWrap(context="<image>", start="<img>", end="</img>", per_tubelet=True)
+TESSERA_VIDEO = MediaWrap(context="<video>")  # vl: not the release's per-frame wrapping (module docstring)
 
 TEMPLATES: dict[str, PromptTemplate] = {
     "vl": PromptTemplate("vl", {"image": RELEASED_IMAGE, "video": TESSERA_VIDEO}),
-    "omni": PromptTemplate("omni", {"image": RELEASED_IMAGE, "video": TESSERA_VIDEO, "audio": RELEASED_AUDIO},
+    "omni": PromptTemplate("omni", {"image": RELEASED_IMAGE, "video": RELEASED_VIDEO, "audio": RELEASED_AUDIO},
                            native_resolution=True, video_tubelets=True),
 }
 #: What encode_conversation / ChatTaskEncoder use when not told: the family that takes every media kind.
@@ -88,6 +96,18 @@ DEFAULT_TEMPLATE = "omni"
 #: Every token a template writes as one piece; tokenizers must have each as a single token (data/tokens.Tokenizer).
 SPECIAL_TOKENS: tuple[str, ...] = (IM_START, IM_END,
                                    *dict.fromkeys(t for tpl in TEMPLATES.values() for t in tpl.special_tokens))
+
+
+def tubelet_chunks(frames: int, temporal: int, tokens_per_tubelet: int) -> list[tuple[str, int]]:
+    """(label, tokens) of each tubelet of a clip of `frames` frames, `temporal` frames per tubelet: the release's
+    labels without timestamps, "Frame 1 and frame 2: " (the first frame "Frame", the others "frame", joined by
+    " and "; a short last tubelet names the frames it has), as replace_video_token writes them (module
+    docstring). data/tokens.encode_conversation writes each as label <img> <image> x tokens </img>."""
+    labels = []
+    for first in range(0, frames, temporal):
+        names = [f"{'Frame' if f == first else 'frame'} {f + 1}" for f in range(first, min(first + temporal, frames))]
+        labels.append(" and ".join(names) + ": ")
+    return [(label, tokens_per_tubelet) for label in labels]
 
 
 def prompt_template(name: str | PromptTemplate) -> PromptTemplate:

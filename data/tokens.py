@@ -24,7 +24,7 @@ import numpy as np
 from tessera.models.media_tokens import EncoderTokens  # noqa: F401  (re-exported: the encoders define it)
 
 from tessera.data.templates import (DEFAULT_TEMPLATE, IM_END, IM_START, SPECIAL_TOKENS,  # noqa: F401
-                                    PromptTemplate, prompt_template)
+                                    PromptTemplate, prompt_template, tubelet_chunks)
 
 #: A media item's tag in a conversation's text (Tessera's data format; the template decides what it becomes).
 MEDIA_TAGS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
@@ -107,8 +107,9 @@ def train_sentencepiece(texts: list[str], prefix: str | Path, vocab_size: int = 
 
 @dataclass
 class EncodedPrompt:
-    """One tokenized sample. `spans` are (module, start, length, item) per media tag in text order;
-    `item` indexes the sample's media list, so encoders must consume items in span order."""
+    """One tokenized sample. `spans` are (module, start, length, item) per media tag in text order (a video
+    written in tubelet chunks has one span per chunk, consecutive, of the same item); `item` indexes the sample's
+    media list, so encoders must consume items in span order."""
 
     tokens: np.ndarray  # int32 [L]
     target: np.ndarray  # bool [L]: token is predicted (assistant content or closing <|im_end|>)
@@ -118,16 +119,34 @@ class EncodedPrompt:
         return len(self.tokens)
 
 
-def encode_conversation(tok: Tokenizer, turns: list[dict], media_kinds: list[str], media_tokens: list[int],
+def media_placeholders(enc: EncoderTokens, template: str | PromptTemplate, kind: str,
+                       units: int | tuple[int, int]) -> int | list[tuple[str, int]]:
+    """What encode_conversation writes for one media item: its embedding count (enc.tokens), or for a video of a
+    per-tubelet template (omni) its tubelet chunks, unless EVS prunes it (then one chunk: the release decides
+    each tubelet's kept tokens after encoding, data/templates.py)."""
+    n = enc.tokens(kind, units)
+    wrap = prompt_template(template).media.get(kind)
+    if kind != "video" or wrap is None or not wrap.per_tubelet or enc.video_pruning:
+        return n
+    chunks = tubelet_chunks(units, enc.video_temporal, enc.tokens_per_tile)
+    assert sum(c for _, c in chunks) == n, (chunks, n)
+    return chunks
+
+
+def encode_conversation(tok: Tokenizer, turns: list[dict], media_kinds: list[str],
+                        media_tokens: list[int | list[tuple[str, int]]],
                         template: str | PromptTemplate = DEFAULT_TEMPLATE) -> EncodedPrompt:
     """Tokenize `turns`, expanding the k-th tag of each kind to media_tokens of the k-th item of that kind,
     wrapped as `template` (data/templates.py) says; each span covers the embedding positions only.
 
-    media_kinds/media_tokens describe the sample's media items in storage order. Raises PromptError when tags
-    and media disagree: a media item with no tag would be computed but never attended to, a tag with no item
-    would make the LLM read another sample's embeddings — both are silent misalignments."""
+    media_kinds/media_tokens describe the sample's media items in storage order. An item's media_tokens is its
+    embedding count, or for a video of a per-tubelet template its chunks [(label, tokens)]
+    (data/templates.tubelet_chunks): label start context x tokens end per chunk, joined by "\n", one span per
+    chunk (all of the same item). Raises PromptError when tags and media disagree: a media item with no tag would
+    be computed but never attended to, a tag with no item would make the LLM read another sample's
+    embeddings — both are silent misalignments."""
     template = prompt_template(template)
-    queues: dict[str, list[tuple[int, int]]] = {
+    queues: dict[str, list[tuple[int, int | list]]] = {
         k: [(i, n) for i, (kk, n) in enumerate(zip(media_kinds, media_tokens)) if kk == k] for k in MEDIA_TAGS}
     # pieces, not tokens: a video's placeholders are thousands of ids, and per-token Python lists cost more
     # than the decode of a small clip (scripts/bench_loader.py)
@@ -142,30 +161,45 @@ def encode_conversation(tok: Tokenizer, turns: list[dict], media_kinds: list[str
         target.append(np.full(len(ids), is_target))
         length += len(ids)
 
+    def add_text(text: str, is_target: bool):
+        if text:
+            add(np.asarray(tok.encode(text), dtype=np.int32), is_target)
+
     for turn in turns:
         role, content = turn.get("role"), turn.get("content")
         if role not in ("system", "user", "assistant") or not isinstance(content, str):
             raise PromptError(f"malformed turn {str(turn)[:80]!r}: needs role system/user/assistant and text")
         learn = role == "assistant"
         add(tok.template(IM_START, f"{role}\n"), False)
+        text = ""  # text not yet tokenized: a chunk label is tokenized with the text before it, as one string
         for part in _TAG_RE.split(content):
-            if part in _KIND_OF_TAG:
-                kind = _KIND_OF_TAG[part]
-                if not queues[kind]:
-                    raise PromptError(f"more {part} placeholders than {kind} items (missing modality)")
-                wrap = template.media.get(kind)
-                if wrap is None:
-                    raise PromptError(f"the {template.name} prompt template has no {kind} media (its released "
-                                      f"model takes none)")
-                item, n = queues[kind].pop(0)
+            if part not in _KIND_OF_TAG:
+                text += part
+                continue
+            kind = _KIND_OF_TAG[part]
+            if not queues[kind]:
+                raise PromptError(f"more {part} placeholders than {kind} items (missing modality)")
+            wrap = template.media.get(kind)
+            if wrap is None:
+                raise PromptError(f"the {template.name} prompt template has no {kind} media (its released "
+                                  f"model takes none)")
+            item, n = queues[kind].pop(0)
+            chunks = n if isinstance(n, list) else [("", n)]
+            for c, (label, count) in enumerate(chunks):
+                # a target text and a label (never a target) are tokenized apart
+                label = ("\n" if c else "") + label
+                if learn or not label:
+                    add_text(text, learn)
+                    text = ""
+                add_text(text + label, False)
+                text = ""
                 if wrap.start:
                     add(tok.template(wrap.start), False)
-                spans.append((MODULE_OF_KIND[kind], length, n, item))
-                add(np.full(n, tok.special[wrap.context], dtype=np.int32), False)
+                spans.append((MODULE_OF_KIND[kind], length, count, item))
+                add(np.full(count, tok.special[wrap.context], dtype=np.int32), False)
                 if wrap.end:
                     add(tok.template(wrap.end), False)
-            elif part:
-                add(np.asarray(tok.encode(part), dtype=np.int32), learn)
+        add_text(text, learn)
         add(tok.template(IM_END), learn)
         add(tok.template("", "\n"), False)
     left = {k: len(q) for k, q in queues.items() if q}

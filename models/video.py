@@ -1,7 +1,7 @@
 """Video: frames encoded as tiles by the vision encoder, optional tubelets, EVS pruning of static tokens.
 
 The data side samples frames uniformly and resizes each to one tile (data/media.decode_video, with
-timestamps); `frame_prompt` renders those timestamps the way Nemotron Omni's prompt states them.
+timestamps); the prompt's per-tubelet labels are the data side's (data/templates.tubelet_chunks).
     tubelets   temporal_patch (2) consecutive frames share one patch embedding: the ViT's video_embedder is
                a linear over (t, c, y, x)-flattened tubelets (the release's packing: VideoEncoder.tiles), a
                Conv3D(kernel = stride = (t, p, p)) in effect.
@@ -38,11 +38,6 @@ def evs_prune(grid: torch.Tensor, rate: float) -> tuple[torch.Tensor, torch.Tens
         # Stable descending sort: among equal scores the earlier token wins, so the choice is deterministic.
         chosen = torch.sort(torch.argsort(score.flatten(), descending=True, stable=True)[:keep]).values
     return frames.flatten(0, 1)[chosen], chosen
-
-
-def frame_prompt(timestamps) -> str:
-    """'Frame 1 sampled at 0.00 seconds, Frame 2 sampled at 0.50 seconds, ...' for the prompt text."""
-    return ", ".join(f"Frame {i + 1} sampled at {float(t):.2f} seconds" for i, t in enumerate(timestamps))
 
 
 class VideoEncoder(nn.Module):

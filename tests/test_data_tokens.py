@@ -97,7 +97,8 @@ def test_conversation_expands_tags_and_masks_assistant_only(tok):
     for module, start, n, _ in p.spans:
         assert not p.target[start:start + n].any()
     ids = {k: tok.special[w.context] for k, w in TEMPLATES["omni"].media.items()}  # the default template's
-    assert (p.tokens == ids["image"]).sum() == 1792 and (p.tokens == ids["audio"]).sum() == 25
+    # omni writes video at the image token, as the release does (in per-tubelet chunks: media_placeholders)
+    assert (p.tokens == ids["image"]).sum() == 1792 + 2048 and (p.tokens == ids["audio"]).sum() == 25
     # The target tokens are exactly both assistant answers, each closed by <|im_end|>.
     target = p.tokens[p.target].tolist()
     answer = tok.encode("A red circle.") + [tok.special[IM_END]] + tok.encode("The square moves.") + [tok.special[IM_END]]

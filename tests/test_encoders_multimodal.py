@@ -20,7 +20,7 @@ from tessera.models.multimodal import MultimodalModel, build_media_module
 from tessera.models.multimodal_hf import export_hf, import_hf
 from tessera.models.nemotron_h_hf import hybrid_config_from_hf
 from tessera.models.media_tokens import evs_kept_tokens
-from tessera.models.video import evs_prune, frame_prompt
+from tessera.models.video import evs_prune
 from tessera.models.vision import patchify
 
 LLM_HIDDEN = configs.TINY_DENSE["hidden_size"]
@@ -61,10 +61,6 @@ def test_evs_keeps_exact_count_and_prunes_static_tokens(rate):
     assert set(range(4)) <= set(index.tolist()) or rate > 0.75  # frame 0 survives unless the budget < 1 frame
     with pytest.raises(ValueError):
         evs_kept_tokens(10, 1, 1.0)
-
-
-def test_frame_prompt_lists_timestamps():
-    assert frame_prompt([0.0, 0.5]) == "Frame 1 sampled at 0.00 seconds, Frame 2 sampled at 0.50 seconds"
 
 
 def test_unknown_encoder_lists_known_ones():

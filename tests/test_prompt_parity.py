@@ -22,7 +22,12 @@ image placeholder counts are compared too: Tessera's omni family takes each imag
 (data/pipeline.chat_task_encoder) and must announce the count of the release's grid. For audio the processor
 computes the count from the waveform. The vl family (tiles + thumbnail, no transformers processor) is compared
 for its wrapping only: its stand-in is handed the grid whose count equals the tiles' (32 x 32·tiles patches).
-Video is not compared (data/templates.py: Tessera's video is not the releases' per-frame wrapping).
+Video goes through transformers' own video processor (NemotronH_Omni_Reasoning_V3VideoProcessor: no torchvision
+needed) with the clip's frames at their stored size, all of them (Tessera samples every frame of a clip shorter
+than video_frames): the processor writes one "Frame i and frame j: " <img> <image>xk </img> chunk per 2-frame
+tubelet, k from its aspect-preserving frame grid (32x32 patches for a square frame, Tessera's 512² tile). Its
+frames carry no video_metadata (no timestamps in the labels, data/templates.py). The processor takes one video
+per call. Video is compared unpruned, the release's default (its EVS layout is decided in its forward).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from PIL import Image
 
 from tessera.data.loader import RawSample
 from tessera.data.packing import pack_row
+from tessera.data.prepare import encode_mp4
 from tessera.data.pipeline import chat_task_encoder
 from tessera.data.templates import SPECIAL_TOKENS, TEMPLATES
 from tessera.data.tokens import Tokenizer
@@ -50,7 +56,10 @@ ENCODERS = {"vision": "radio_vit_h", "audio": "parakeet_hf_0_6b"}
 SEQ = 16384
 TEXTS = ["Describe the image.", "A red circle on a blue background.", "Listen to this clip: what is it?",
          "A steady tone, then silence.", "You are a helpful assistant.", "Compare the two sounds and the picture.",
-         "user\n", "assistant\n", "system\n"] * 20
+         "user\n", "assistant\n", "system\n",
+         # merges across a label's leading space (" Frame"), so a label tokenized apart from the text before it
+         # would differ from the processor's one string
+         "Watch this: Frame 1 and frame 2: ", " Frame 3 and frame 4", "then Frame 5"] * 20
 
 # 16 kHz samples per clip: n = samples // 160 mel frames
 CLIP_SAMPLES = {
@@ -90,6 +99,9 @@ def processor(tokenizer_json):
     hop 160, 16 kHz)."""
     from transformers import (BatchFeature, NemotronH_Omni_Reasoning_V3Processor, ParakeetFeatureExtractor,
                               PreTrainedTokenizerFast)
+    # from its module: the top-level name is a placeholder asking for torchvision, which this processor never uses
+    from transformers.models.nemotron_h_omni.video_processing_nemotron_h_omni import \
+        NemotronH_Omni_Reasoning_V3VideoProcessor
 
     class GridImageProcessor:
         """Stands in for NemotronH_Omni_Reasoning_V3ImageProcessor: returns the image_grid_hw that processor
@@ -108,20 +120,22 @@ def processor(tokenizer_json):
     class WithoutTorchvision(NemotronH_Omni_Reasoning_V3Processor):
         def check_argument_for_proper_class(self, argument_name, argument):
             if argument_name in ("image_processor", "video_processor"):
-                return None  # the stand-in / no video processor
+                return None  # the stand-in; the video processor, whose class check asks for torchvision
             return super().check_argument_for_proper_class(argument_name, argument)
 
         def __repr__(self):  # the base class serialises its sub-processors, which the stand-in is not
-            return "NemotronH_Omni_Reasoning_V3Processor(grid-only images, no video)"
+            return "NemotronH_Omni_Reasoning_V3Processor(grid-only images)"
 
     tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json))
-    return WithoutTorchvision(image_processor=GridImageProcessor(), tokenizer=tok,
+    # the release's normalisation constants live in its checkpoint's preprocessor config; they change pixels only
+    video = NemotronH_Omni_Reasoning_V3VideoProcessor(norm_mean=[0.5] * 3, norm_std=[0.25] * 3)
+    return WithoutTorchvision(image_processor=GridImageProcessor(), video_processor=video, tokenizer=tok,
                               feature_extractor=ParakeetFeatureExtractor())
 
 
 @pytest.fixture(scope="module")
 def task_encoder(tokenizer_json):
-    te = chat_task_encoder(Tokenizer(tokenizer_json), ENCODERS, SEQ, max_tiles=12)
+    te = chat_task_encoder(Tokenizer(tokenizer_json), ENCODERS, SEQ, max_tiles=12, video_frames=8)
     assert te.template == "omni", "the omni encoders must select the omni template"
     return te
 
@@ -133,6 +147,20 @@ def _wave(samples: int, seed: int) -> np.ndarray:
 
 
 WAVES = {name: _wave(n, i) for i, (name, n) in enumerate(CLIP_SAMPLES.items())}
+
+
+def _frames(frames: int, size: tuple[int, int]) -> np.ndarray:
+    """uint8 [frames, h, w, 3]: a square crossing a dark background."""
+    (w, h), out = size, np.full((frames, size[1], size[0], 3), 20, dtype=np.uint8)
+    for t in range(frames):
+        x = (w - 16) * t // max(frames - 1, 1)
+        out[t, h // 2 - 8:h // 2 + 8, x:x + 16] = (220, 40, 40)
+    return out
+
+
+# frames, (width, height): 5 frames end in a one-frame tubelet ("Frame 5: "); frames must be square (module
+# docstring: the release's video frame grid keeps the aspect ratio, Tessera's video tile is square)
+VIDEOS = {"5f": (5, (64, 64)), "4f": (4, (96, 96))}
 
 
 def _wav_bytes(wave: np.ndarray) -> bytes:
@@ -159,6 +187,12 @@ CONVERSATIONS = {
                {"role": "assistant", "content": "A steady tone."}],
               ["audio:1.28s+79", "audio:0.5s", "image:square", "audio:3s", "image:wide", "audio:0.1s", "audio:1.28s",
                "image:strip"]),
+    # text right before the tag: the first label is tokenized with it, as the processor tokenizes one string
+    "video": ([{"role": "user", "content": "Watch this: <video>\nWhat moves?"},
+               {"role": "assistant", "content": "A red square, left to right."}], ["video:5f"]),
+    "video_audio_image": ([{"role": "user", "content": "<audio> then <video><image> Compare them."},
+                           {"role": "assistant", "content": "A steady tone."}],
+                          ["audio:0.5s", "video:4f", "image:wide"]),
 }
 
 
@@ -168,8 +202,9 @@ def _sample(conversation: str):
     media, members = [], {}
     for i, item in enumerate(items):
         kind, name = item.split(":")
-        field = f"m{i}.{'wav' if kind == 'audio' else 'png'}"
-        members[field] = _wav_bytes(WAVES[name]) if kind == "audio" else _png_bytes(IMAGE_SIZES[name])
+        field = f"m{i}.{ {'audio': 'wav', 'image': 'png', 'video': 'mp4'}[kind]}"
+        members[field] = (_wav_bytes(WAVES[name]) if kind == "audio" else _png_bytes(IMAGE_SIZES[name])
+                          if kind == "image" else encode_mp4(_frames(*VIDEOS[name]), fps=8))
         media.append({"kind": kind, "field": field})
     members["json"] = json.dumps({"conversation": turns, "media": media}).encode()
     raw = RawSample(__key__=conversation, __restore_key__=(), __subflavors__=None, __sources__=None, members=members)
@@ -195,7 +230,9 @@ def _processor_ids(processor, turns, items, task_encoder):
             tiles = task_encoder._units("image", _png_bytes(IMAGE_SIZES[name]))  # what the loader predicts
             images.append([enc.tile // enc.patch, tiles * enc.tile // enc.patch])
     audio = [WAVES[name] for kind, name in items if kind == "audio"]
-    out = processor(text=text, images=images or None, audio=audio or None, sampling_rate=16000)
+    videos = [torch.from_numpy(_frames(*VIDEOS[name])).permute(0, 3, 1, 2) for kind, name in items if kind == "video"]
+    out = processor(text=text, images=images or None, audio=audio or None, videos=videos or None,
+                    sampling_rate=16000)
     return np.asarray(out["input_ids"][0])
 
 
@@ -221,7 +258,13 @@ def test_input_ids_equal_the_released_processor(conversation, processor, task_en
     assert counts == [processor._estimate_audio_num_embeddings(len(WAVES[name])) for k, name in items if k == "audio"]
     grids = [release_grid(h, w, n_images=sum(k == "image" for k, _ in items))
              for k, name in items if k == "image" for w, h in [IMAGE_SIZES[name]]]
-    assert [(units, n) for _, units, n in row.media_meta.get("vision", [])] == [(g, g[0] * g[1] // 4) for g in grids]
+    vision = row.media_meta.get("vision", [])
+    assert [(units, n) for kind, units, n in vision if kind == "image"] == [(g, g[0] * g[1] // 4) for g in grids]
+    # a video: all its frames, one tubelet chunk of the processor's per-frame token count per 2 frames
+    for (kind, units, n), (_, name) in zip([m for m in vision if m[0] == "video"], [i for i in items if i[0] == "video"]):
+        frames, (w, h) = VIDEOS[name]
+        per_frame = processor.video_processor(videos=[torch.zeros(1, 3, h, w)])["num_tokens"][0]
+        assert (units, n) == (frames, math.ceil(frames / 2) * per_frame)
 
 
 def test_a_one_point_28_second_clip_has_seventeen_tokens(processor, task_encoder):
