@@ -103,14 +103,17 @@ class ChatTaskEncoder(TaskEncoder):
         raise SkipSample(msg)
 
     def _units(self, kind: str, data: bytes) -> int | tuple[int, int]:
-        """Predicted tiles (or, at native resolution, the (rows, cols) patch grid) / frames / 16 kHz samples
-        of one item, from headers only."""
+        """Predicted tiles (or, at native resolution, the (rows, cols) patch grid) / frames (at native resolution
+        (frames, rows, cols)) / 16 kHz samples of one item, from headers only."""
         if kind == "image":
             w, h = probe_image(data)
             if self.enc.native_resolution:
                 return native_grid(w, h, self.enc)
             return choose_grid(w, h, self.enc.max_tiles, self.enc.thumbnail, self.enc.tile).num_tiles
         if kind == "video":
+            if self.enc.native_resolution:  # (frames, rows, cols): every frame the clip's native grid
+                total, w, h = probe_video(data, size=True)
+                return (len(sample_indices(total, self.enc.video_frames)), *self.enc.video_grid(w, h))
             return len(sample_indices(probe_video(data), self.enc.video_frames))
         samples = self.enc.audio_padded_samples(probe_audio(data, self.enc.audio_rate))
         if self.enc.audio_tokens(samples) < self.enc.audio_min_tokens:
@@ -176,6 +179,10 @@ class ChatTaskEncoder(TaskEncoder):
             elif kind == "image":
                 arr = decode_image(data, enc.tile, enc.max_tiles, enc.thumbnail, self.defer_upscale)
                 n = arr.shape[0]
+            elif kind == "video" and enc.native_resolution:
+                size = (units[1] * enc.patch, units[2] * enc.patch)  # the header's grid (cannot change here)
+                arr = decode_video(data, enc.video_frames, enc.tile, self.defer_upscale, size=size)
+                n = (arr[0].shape[0], *units[1:])
             elif kind == "video":
                 arr = decode_video(data, enc.video_frames, enc.tile, self.defer_upscale)
                 n = arr[0].shape[0]

@@ -8,7 +8,9 @@ number of LLM placeholder tokens can be computed from the decoded result (see da
   family instead takes each image at native resolution (decode_native_image): one uint8 [1, 3, H, W] image
   resized to the released Omni processor's patch grid (models/media_tokens.native_patch_grid).
 - video → `frames` uniformly spaced frames, each resized to one tile, with their timestamps in seconds
-  (PyAV; no torchvision). uint8 [F, 3, tile, tile], float64 [F].
+  (PyAV; no torchvision). uint8 [F, 3, tile, tile], float64 [F]. The omni family resizes every frame to the
+  released Omni video processor's grid instead (the clip's aspect ratio, a tile's patches:
+  models/media_tokens.video_frame_grid).
 - audio → 16 kHz mono float32 waveform (soundfile + libsoxr resampling as librosa does; no torchaudio),
   the input of the NeMo AudioToMelSpectrogramPreprocessor.
 
@@ -204,26 +206,33 @@ def _open_video(data: bytes):
     return av.open(io.BytesIO(data), format=fmt)
 
 
-def probe_video(data: bytes) -> int:
-    """Number of video frames, counted from demuxed packets (no decoding; headers often omit it)."""
+def probe_video(data: bytes, size: bool = False) -> int | tuple[int, int, int]:
+    """Number of video frames, counted from demuxed packets (no decoding; headers often omit it); with `size`,
+    (frames, width, height), the frame size from the stream's header (the omni family's frame grid)."""
     try:
         with _open_video(data) as container:
             if not container.streams.video:
                 raise MediaError("video member has no video stream")
-            total = _count_packets(container, container.streams.video[0])
+            stream = container.streams.video[0]
+            width, height = stream.codec_context.width, stream.codec_context.height
+            total = _count_packets(container, stream)
     except MediaError:
         raise
     except Exception as e:
         raise MediaError(f"undecodable video container: {type(e).__name__}: {e}") from None
     if total == 0:
         raise MediaError("video stream has no frames")
-    return total
+    if size and not (width > 0 and height > 0):
+        raise MediaError(f"video stream header has no frame size ({width}x{height})")
+    return (total, width, height) if size else total
 
 
-def decode_video(data: bytes, frames: int = 8, tile: int = 512,
-                 defer_upscale: bool = False) -> tuple[np.ndarray | TileSource, np.ndarray]:
+def decode_video(data: bytes, frames: int = 8, tile: int = 512, defer_upscale: bool = False,
+                 size: tuple[int, int] | None = None) -> tuple[np.ndarray | TileSource, np.ndarray]:
     """Video bytes → (uint8 [F, 3, tile, tile], float64 timestamps [F]) with F = min(frames, frames in file);
-    with defer_upscale, frames smaller than a tile come as a TileSource (resized on the encoding device).
+    `size` (height, width): frames of that size instead of one tile (the omni family's frame grid,
+    EncoderTokens.video_grid); with defer_upscale, frames smaller than that come as a TileSource (resized on the
+    encoding device).
 
     Packets are demuxed once, without decoding, to learn the frame count (container headers often omit it)
     and then decoded from memory up to the last chosen frame; only the chosen frames are converted to RGB
@@ -256,26 +265,32 @@ def decode_video(data: bytes, frames: int = 8, tile: int = 512,
     if len(rgb) != len(keep):
         raise MediaError(f"video decoded {len(rgb)} of {len(keep)} sampled frames (truncated stream?)")
     stamps = np.asarray(stamps, dtype=np.float64)
+    height, width = size or (tile, tile)
     if len({a.shape for a in rgb}) == 1:  # the usual case: one batched resize, channels-last like the images
         src = np.stack(rgb)
-        if defer_upscale and tile * tile > src.shape[1] * src.shape[2]:
-            return TileSource(src, 1, 1, False, tile), stamps
-        return resize(hwc_to_nchw(src), tile, tile).numpy(), stamps
+        if defer_upscale and height * width > src.shape[1] * src.shape[2]:
+            return (TileSource(src, 1, 1, False, tile) if size is None else
+                    TileSource(src, 1, 1, False, 0, native=(height, width))), stamps
+        return resize(hwc_to_nchw(src), height, width).numpy(), stamps
     # a stream that changes resolution mid-way
-    out = torch.cat([resize(hwc_to_nchw(a), tile, tile).permute(0, 2, 3, 1) for a in rgb]).permute(0, 3, 1, 2)
+    out = torch.cat([resize(hwc_to_nchw(a), height, width).permute(0, 2, 3, 1) for a in rgb]).permute(0, 3, 1, 2)
     return out.numpy(), stamps
 
 
 def blank_item(kind: str, units, enc) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """A stand-in of the predicted shape for an item that failed to decode after it was packed: black
-    tiles/frames, a black native-resolution image (units = its (rows, cols) grid) or silence, so the encoder
+    tiles/frames, a black native-resolution image (units = its (rows, cols) grid) or clip (units = (frames,
+    rows, cols)), or silence, so the encoder
     still produces exactly the planned number of embeddings."""
     if kind == "audio":
         return np.zeros(units, dtype=np.float32)
+    if kind == "video":  # frames, or (frames, rows, cols) at native resolution
+        frames, h, w = (units, enc.tile, enc.tile) if isinstance(units, int) else \
+            (units[0], units[1] * enc.patch, units[2] * enc.patch)
+        return np.zeros((frames, 3, h, w), dtype=np.uint8), np.zeros(frames, dtype=np.float64)
     if isinstance(units, tuple):
         return np.zeros((1, 3, units[0] * enc.patch, units[1] * enc.patch), dtype=np.uint8)
-    tiles = np.zeros((units, 3, enc.tile, enc.tile), dtype=np.uint8)
-    return (tiles, np.zeros(units, dtype=np.float64)) if kind == "video" else tiles
+    return np.zeros((units, 3, enc.tile, enc.tile), dtype=np.uint8)
 
 
 def resample(wave: np.ndarray, rate: int, target: int = AUDIO_RATE) -> np.ndarray:

@@ -120,7 +120,7 @@ class EncodedPrompt:
 
 
 def media_placeholders(enc: EncoderTokens, template: str | PromptTemplate, kind: str,
-                       units: int | tuple[int, int]) -> int | list[tuple[str, int]]:
+                       units: int | tuple) -> int | list[tuple[str, int]]:
     """What encode_conversation writes for one media item: its embedding count (enc.tokens), or for a video of a
     per-tubelet template (omni) its tubelet chunks, unless EVS prunes it (then one chunk: the release decides
     each tubelet's kept tokens after encoding, data/templates.py)."""
@@ -128,8 +128,9 @@ def media_placeholders(enc: EncoderTokens, template: str | PromptTemplate, kind:
     wrap = prompt_template(template).media.get(kind)
     if kind != "video" or wrap is None or not wrap.per_tubelet or enc.video_pruning:
         return n
-    chunks = tubelet_chunks(units, enc.video_temporal, enc.tokens_per_tile)
-    assert sum(c for _, c in chunks) == n, (chunks, n)
+    tubelets, per_tubelet = enc.tubelet_tokens(units)
+    chunks = tubelet_chunks(units if isinstance(units, int) else units[0], enc.video_temporal, per_tubelet)
+    assert len(chunks) == tubelets and sum(c for _, c in chunks) == n, (chunks, n)
     return chunks
 
 

@@ -49,6 +49,26 @@ def native_patch_grid(height: int, width: int, patch: int, merge: int, min_patch
     return rows, cols
 
 
+def video_frame_grid(height: int, width: int, target: int, merge: int) -> tuple[int, int]:
+    """(rows, cols) in patches of every frame of a height x width clip at native resolution: transformers 5.23
+    models/nemotron_h_omni/video_processing_nemotron_h_omni.py, _compute_target_patches (l.80-104, aspect ratio
+    kept), step for step: sides round(sqrt(target / aspect)) and round(sqrt(target * aspect)) (Python's round,
+    at least 1), each then rounded to a multiple of `merge`, both up when the grid stays within `target`
+    patches, else both down (to at least merge). A square clip gets sqrt(target) patches a side: 32 x 32 for
+    the release's 1024, one 512-px tile of 16-px patches. tests/test_native_resolution.py runs that method."""
+    if height <= 0 or width <= 0:
+        raise ValueError(f"video frames have an empty size {width}x{height}")
+    aspect = width / height
+    rows, cols = max(round(math.sqrt(target / aspect)), 1), max(round(math.sqrt(target * aspect)), 1)
+    if merge > 1:
+        up_rows, up_cols = rows + (-rows) % merge, cols + (-cols) % merge
+        if up_rows * up_cols <= target:
+            rows, cols = up_rows, up_cols
+        else:
+            rows, cols = max(merge, rows - rows % merge), max(merge, cols - cols % merge)
+    return rows, cols
+
+
 def evs_kept_tokens(frames: int, per_frame: int, rate: float) -> int:
     """Tokens Efficient Video Sampling keeps of `frames` (tubelets) x `per_frame` tokens at pruning `rate`: the
     releases' rule, int(frames * per_frame * (1 - rate)) but never fewer than one frame's (transformers 5.23,
@@ -151,10 +171,21 @@ class EncoderTokens:
             return self.grid_tokens(*units)
         return units * self.tokens_per_tile
 
-    def video_tokens(self, num_frames: int) -> int:
-        """A clip's embeddings: its frames, `video_temporal` per tubelet (the last one repeated to fill), one tile
-        each, then what EVS pruning keeps (evs_kept_tokens, the rule models/video.py prunes by)."""
-        return evs_kept_tokens(math.ceil(num_frames / self.video_temporal), self.tokens_per_tile, self.video_pruning)
+    def video_grid(self, width: int, height: int) -> tuple[int, int]:
+        """(rows, cols) patches of each frame of a width x height clip at native resolution (video_frame_grid,
+        the released Omni video processor's rule, its target a tile's patches)."""
+        return video_frame_grid(height, width, self.patches_per_tile, self.pixel_shuffle)
+
+    def tubelet_tokens(self, units: int | tuple[int, int, int]) -> tuple[int, int]:
+        """(tubelets, tokens of each) of a clip of `units` frames, or (frames, rows, cols) at native resolution:
+        `video_temporal` frames per tubelet (the last one repeated to fill), one tile or frame grid each."""
+        frames, per = (units, self.tokens_per_tile) if isinstance(units, int) else (units[0], self.grid_tokens(*units[1:]))
+        return math.ceil(frames / self.video_temporal), per
+
+    def video_tokens(self, units: int | tuple[int, int, int]) -> int:
+        """A clip's embeddings: its tubelets' tokens (tubelet_tokens), then what EVS pruning keeps
+        (evs_kept_tokens, the rule models/video.py prunes by)."""
+        return evs_kept_tokens(*self.tubelet_tokens(units), self.video_pruning)
 
     @property
     def audio_min_samples(self) -> int:
@@ -187,7 +218,7 @@ class EncoderTokens:
     def audio_tokens(self, num_samples: int) -> int:
         return self.audio_tokens_of_frames(self.audio_mel_frames(num_samples))
 
-    def tokens(self, kind: str, units: int) -> int:
+    def tokens(self, kind: str, units: int | tuple) -> int:
         """Tokens for one media item of `kind` with `units` tiles or a (rows, cols) native patch grid (image),
-        frames (video) or 16 kHz samples."""
+        frames or (frames, rows, cols) at native resolution (video) or 16 kHz samples."""
         return {"image": self.image_tokens, "video": self.video_tokens, "audio": self.audio_tokens}[kind](units)

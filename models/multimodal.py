@@ -67,7 +67,7 @@ class MediaModule(nn.Module):
             n, _, h, w = item.shape  # an array, a tensor or a TileSource
             return n * tokens_config(self.cfg).grid_tokens(h // self.cfg["patch"], w // self.cfg["patch"])
         if kind == "video":
-            return self.video.num_tokens(len(item[0]))
+            return self.video.num_tokens(*item[0].shape[:1], *item[0].shape[2:])  # frames, height, width
         if kind == "audio":
             return tokens_config(self.cfg).audio_tokens(len(item))
         raise ValueError(f"module {self.cfg['modality']!r} cannot encode media of kind {kind!r}")

@@ -85,7 +85,8 @@ class TileSource:
     array it stands for: `shape`, `len()`, and np.asarray() (which cuts the tiles on the host).
     native: (height, width) of a native-resolution image (the omni family, data/media.decode_native_image):
     the source becomes that one uint8 [1, 3, height, width] image instead of tiles (cols, rows, thumbnail and
-    tile are then unused; TileSource.native_image makes one)."""
+    tile are then unused; TileSource.native_image makes one), or video frames of that size [n, 3, height, width]
+    (the omni family's frame grid, data/media.decode_video)."""
 
     source: np.ndarray
     cols: int
@@ -104,8 +105,8 @@ class TileSource:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        if self.native is not None:
-            return (1, 3, *self.native)
+        if self.native is not None:  # an image, or each of n video frames, at that one size
+            return (self.frames, 3, *self.native)
         per = self.cols * self.rows + int(self.thumbnail)
         return (self.frames * per, 3, self.tile, self.tile)
 

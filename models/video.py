@@ -41,7 +41,8 @@ def evs_prune(grid: torch.Tensor, rate: float) -> tuple[torch.Tensor, torch.Tens
 
 
 class VideoEncoder(nn.Module):
-    """uint8 frames [F, 3, tile, tile] -> tokens [num_tokens(F), out_dim], sharing the image encoder."""
+    """uint8 frames [F, 3, H, W] (one tile each, or the omni family's native frame grid) -> tokens
+    [num_tokens(F, H, W), out_dim], sharing the image encoder."""
 
     def __init__(self, image_encoder: VisionEncoder, tubelets: bool = False, pruning_rate: float = 0.0):
         super().__init__()
@@ -54,10 +55,12 @@ class VideoEncoder(nn.Module):
     def temporal(self) -> int:
         return self.image_encoder.cfg["temporal_patch"] if self.tubelets else 1
 
-    def num_tokens(self, frames: int) -> int:
+    def num_tokens(self, frames: int, height: int | None = None, width: int | None = None) -> int:
+        """Embeddings of a clip of `frames` frames of height x width pixels (None: one tile each)."""
         cfg = self.image_encoder.cfg
-        per_tile = (cfg["tile"] // cfg["patch"] // cfg["pixel_shuffle"]) ** 2
-        return evs_kept_tokens(math.ceil(frames / self.temporal), per_tile, self.pruning_rate)
+        side = cfg["patch"] * cfg["pixel_shuffle"]
+        per_frame = ((height or cfg["tile"]) // side) * ((width or cfg["tile"]) // side)
+        return evs_kept_tokens(math.ceil(frames / self.temporal), per_frame, self.pruning_rate)
 
     def tiles(self, pixels: torch.Tensor) -> torch.Tensor:
         """Normalised frames [F, 3, H, W] -> what the ViT embeds as tiles: the frames, or with tubelets each

@@ -199,6 +199,53 @@ def test_the_loader_predicts_decodes_and_announces_the_release_grid(name, tokeni
     assert (prompt == te.tok.special["<image>"]).sum() == _release_count(grid, RELEASE.downsample_ratio)
 
 
+# ---- video frames: the released video processor's grid (aspect ratio kept, a tile's patches) -----------------
+
+def _release_video_grid(height: int, width: int, target: int) -> tuple[int, int]:
+    """(rows, cols): transformers' NemotronH_Omni_Reasoning_V3VideoProcessor._compute_target_patches, called as is
+    (the module needs no torchvision; its defaults: 16-px patches, downsample 0.5)."""
+    from transformers.models.nemotron_h_omni.video_processing_nemotron_h_omni import \
+        NemotronH_Omni_Reasoning_V3VideoProcessor
+
+    cols, rows = NemotronH_Omni_Reasoning_V3VideoProcessor(video_target_num_patches=target)._compute_target_patches(
+        height, width)
+    return rows, cols
+
+
+@pytest.mark.parametrize("encoders,target", [(OMNI, 1024), (OMNI_TINY, 16)])
+def test_video_frame_grid_equals_the_release(encoders, target):
+    """Every frame size (the SIZES above and random ones): Tessera's frame grid == the release's; its target is
+    a tile's patches (the release's 1024 for the full ViT)."""
+    enc = encoder_tokens(encoders, native_resolution=True, **TINY)
+    assert enc.patches_per_tile == target
+    for w, h in SIZES + _random_sizes(3000, 2, top=8000):
+        assert enc.video_grid(w, h) == _release_video_grid(h, w, target), f"{w}x{h}"
+
+
+@pytest.mark.parametrize("size", [(160, 90), (64, 64), (40, 120)])
+def test_the_loader_decodes_video_frames_at_the_release_grid(size, tokenizer):
+    """An omni clip: units (frames, rows, cols) from the header, frames decoded (and deferred, and blanked) at that
+    grid, the tubelet chunks' counts those of the grid; a vision-only (vl) model keeps one tile a frame."""
+    from tessera.data.prepare import encode_mp4
+
+    w, h = size
+    data = encode_mp4((np.full((h, w, 3), 10 * t, np.uint8) for t in range(5)), fps=8)
+    te = chat_task_encoder(tokenizer, OMNI_TINY, 256, video_frames=4, **TINY)
+    deferred = chat_task_encoder(tokenizer, OMNI_TINY, 256, video_frames=4, defer_upscale=True, **TINY)
+    grid = _release_video_grid(h, w, te.enc.patches_per_tile)
+    units = te._units("video", data)
+    assert units == (4, *grid)
+    frames, stamps = te._decode_item("video", data, units, "k", "s")
+    assert frames.shape == (4, 3, grid[0] * 16, grid[1] * 16) and len(stamps) == 4
+    lazy, _ = deferred._decode_item("video", data, units, "k", "s")
+    assert lazy.shape == frames.shape and np.array_equal(np.asarray(lazy), frames)
+    assert blank_item("video", units, te.enc)[0].shape == frames.shape
+    per_tubelet = grid[0] * grid[1] // 4
+    assert te.enc.video_tokens(units) == 2 * per_tubelet
+    vl = chat_task_encoder(tokenizer, {"vision": "radio_vit_tiny"}, 256, video_frames=4, **TINY)
+    assert vl._units("video", data) == 4 and vl._decode_item("video", data, 4, "k", "s")[0].shape == (4, 3, 64, 64)
+
+
 def test_vision_only_models_keep_tiles(tokenizer):
     te = chat_task_encoder(tokenizer, {"vision": "radio_vit_tiny"}, 256, **TINY)
     assert te.template == "vl" and not te.enc.native_resolution

@@ -25,7 +25,8 @@ for its wrapping only: its stand-in is handed the grid whose count equals the ti
 Video goes through transformers' own video processor (NemotronH_Omni_Reasoning_V3VideoProcessor: no torchvision
 needed) with the clip's frames at their stored size, all of them (Tessera samples every frame of a clip shorter
 than video_frames): the processor writes one "Frame i and frame j: " <img> <image>xk </img> chunk per 2-frame
-tubelet, k from its aspect-preserving frame grid (32x32 patches for a square frame, Tessera's 512² tile). Its
+tubelet, k from its aspect-preserving frame grid (32x32 patches for a square frame; Tessera's omni family
+decodes frames to the same grid, models/media_tokens.video_frame_grid). Its
 frames carry no video_metadata (no timestamps in the labels, data/templates.py). The processor takes one video
 per call. Video is compared unpruned, the release's default (its EVS layout is decided in its forward).
 """
@@ -158,9 +159,18 @@ def _frames(frames: int, size: tuple[int, int]) -> np.ndarray:
     return out
 
 
-# frames, (width, height): 5 frames end in a one-frame tubelet ("Frame 5: "); frames must be square (module
-# docstring: the release's video frame grid keeps the aspect ratio, Tessera's video tile is square)
-VIDEOS = {"5f": (5, (64, 64)), "4f": (4, (96, 96))}
+# frames, (width, height): 5 frames end in a one-frame tubelet ("Frame 5: "); the omni family's frame grid keeps
+# the clip's aspect ratio as the release's does (160x90: 24 x 42 patches, 252 tokens a tubelet, not a tile's 256)
+VIDEOS = {"5f": (5, (64, 64)), "4f": (4, (160, 90))}
+
+
+def release_video_grid(height: int, width: int) -> tuple[int, int]:
+    """(rows, cols) patches of the frames of a height x width clip: transformers' video processor's own rule."""
+    from transformers.models.nemotron_h_omni.video_processing_nemotron_h_omni import \
+        NemotronH_Omni_Reasoning_V3VideoProcessor
+
+    cols, rows = NemotronH_Omni_Reasoning_V3VideoProcessor()._compute_target_patches(height, width)
+    return rows, cols
 
 
 def _wav_bytes(wave: np.ndarray) -> bytes:
@@ -264,7 +274,8 @@ def test_input_ids_equal_the_released_processor(conversation, processor, task_en
     for (kind, units, n), (_, name) in zip([m for m in vision if m[0] == "video"], [i for i in items if i[0] == "video"]):
         frames, (w, h) = VIDEOS[name]
         per_frame = processor.video_processor(videos=[torch.zeros(1, 3, h, w)])["num_tokens"][0]
-        assert (units, n) == (frames, math.ceil(frames / 2) * per_frame)
+        grid = release_video_grid(h, w)
+        assert (units, n) == ((frames, *grid), math.ceil(frames / 2) * per_frame) and per_frame == grid[0] * grid[1] // 4
 
 
 def test_a_one_point_28_second_clip_has_seventeen_tokens(processor, task_encoder):

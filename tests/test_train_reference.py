@@ -40,8 +40,12 @@ SEED = 1234
 HETERO = "vision=tp2@0-1;audio=dp2@0-1;language=tp2@2-3"
 # The grad norm is the more sensitive of the two: with the released RADIO (no final LayerNorm after the ViT,
 # as transformers' RadioModel) the one-rank trainer and this loop agree to 1.3e-5 at step 3 (batched vs
-# per-item encoding, fp32), to ~1e-7 with a final LayerNorm; every mutation below moves the loss by > 1e-4.
-REL_LOSS, REL_NORM = 1e-5, 3e-5
+# per-item encoding, fp32), to ~1e-7 with a final LayerNorm. Measured with the omni data path (videos in
+# labelled tubelet chunks at their aspect-keeping frame grid): at step 1 the layout, the one-rank trainer
+# and this loop agree to 1.7e-7 (norm) and 4e-8 (loss); from step 2 the layout's norm drifts to 1.2e-5-5.9e-5
+# (loss <= 2.9e-6): fp32 sums in another order (TP, DP) through AdamW, whose eps=1e-8 turns tiny gradient
+# differences into full-size updates. Every mutation below moves the loss by > 1e-4.
+REL_LOSS, REL_NORM = 1e-5, 1e-4
 
 
 def schedule(step: int) -> float:

@@ -44,10 +44,14 @@ def test_evs_count_is_the_releases_arithmetic():
         evs_kept_tokens(3, 4, 1.0)
 
 
-@pytest.mark.parametrize("frames,rate", [(4, 0.0), (5, 0.0), (5, 0.5), (9, 0.5), (12, 0.3)])
-def test_tubelet_video_equals_the_releases_video_features(frames, rate):
+@pytest.mark.parametrize("frames,rate,size", [(4, 0.0, (64, 64)), (5, 0.0, (64, 64)), (5, 0.5, (64, 64)),
+                                             (9, 0.5, (64, 64)), (12, 0.3, (64, 64)), (4, 0.0, (64, 96)),
+                                             (5, 0.5, (96, 32))])
+def test_tubelet_video_equals_the_releases_video_features(frames, rate, size):
     """A clip through Tessera's vision module with tubelets (the ViT's video embedder over two frames at a time;
-    an odd count repeats the last frame) == transformers' Omni get_video_features (+ its EVS at `rate`)."""
+    an odd count repeats the last frame) == transformers' Omni get_video_features (+ its EVS at `rate`), also
+    for frames of a non-square grid (height, width `size`: the omni family's frame grid keeps the clip's aspect
+    ratio, models/media_tokens.video_frame_grid)."""
     from _hf_oracles import tiny_omni
     from _mcore_cpu import single_rank_world
     from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import compute_retention_mask
@@ -66,7 +70,7 @@ def test_tubelet_video_equals_the_releases_video_features(frames, rate):
     mod.projector.load_state_dict({k[len(root):]: v for k, v in released.items() if k.startswith(root)})
     _load_params(mod.encoder.vit, vision_from_hf(released, cfg))
     mod.eval()
-    clip = np.random.default_rng(frames).integers(0, 256, (frames, 3, 64, 64), dtype=np.uint8)
+    clip = np.random.default_rng(frames).integers(0, 256, (frames, 3, *size), dtype=np.uint8)
     with torch.no_grad():
         got = mod([("video", (clip, None))])
         x = torch.as_tensor(clip).float()  # the processor's rescale + normalize (models/hf_reference.processor_pixels)
@@ -75,7 +79,8 @@ def test_tubelet_video_equals_the_releases_video_features(frames, rate):
         ref = torch.cat(list(ref)) if isinstance(ref, (list, tuple)) else ref.flatten(0, -2)
         if rate:
             t = -(-frames // 2)
-            ref = ref[compute_retention_mask(video_embeds=ref, thw=(t, 2, 2), spatial_merge_size=1, q=rate)]
+            thw = (t, size[0] // 32, size[1] // 32)  # tokens: 16-px patches, pixel shuffle 2
+            ref = ref[compute_retention_mask(video_embeds=ref, thw=thw, spatial_merge_size=1, q=rate)]
     assert got.shape == ref.shape == (mod.num_tokens("video", (clip, None)), configs.TINY_DENSE["hidden_size"])
     err = float((got - ref).abs().max() / ref.abs().max())
     assert err <= 1e-5, err
