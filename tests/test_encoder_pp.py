@@ -12,7 +12,8 @@ import pytest
 
 from tessera.hetero.tools.spawn import run_on_ranks
 from tessera.hetero.training.metrics import read_metrics
-from tests._run_curves import curves as _curves, rel as _rel, seed_run_dir as _seed_run_dir
+from tests._run_curves import (AUDIO_NORM_DRIFT, check_first_step, curves as _curves, rel as _rel,
+                               seed_run_dir as _seed_run_dir)
 
 pytestmark = pytest.mark.multiproc
 
@@ -82,7 +83,8 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(PIPELINED))
 def test_vision_pp_matches_the_homogeneous_run_at_every_step(runs, name):
     """Loss and global grad norm within 1e-5 relative of the same model's homogeneous run at every step (a
-    stage that ran the wrong layers, dropped the prefix tokens early or lost an item would show at step 1)."""
+    stage that ran the wrong layers, dropped the prefix tokens early or lost an item would show at step 1,
+    checked to 1e-6); with audio the grad norm within AUDIO_NORM_DRIFT after step 1 (tests/_run_curves.py)."""
     from tessera.hetero.plan.layout import HeteroLayout
 
     root, layouts = runs
@@ -93,7 +95,9 @@ def test_vision_pp_matches_the_homogeneous_run_at_every_step(runs, name):
     assert loss[-1] < loss[0], f"the model does not learn: {loss[0]:.3f} -> {loss[-1]:.3f}"
     print(f"{name}: max rel loss diff {_rel(loss, loss_ref):.2e}, grad norm {_rel(norm, norm_ref):.2e}")
     assert _rel(loss, loss_ref) <= 1e-5, f"{name}: loss curves differ by {_rel(loss, loss_ref):.2e}"
-    assert _rel(norm, norm_ref) <= 1e-5, f"{name}: grad norms differ by {_rel(norm, norm_ref):.2e}"
+    check_first_step(name, loss, loss_ref, norm, norm_ref)
+    drift = AUDIO_NORM_DRIFT if "audio" in RUNS[name][1] else 1e-5  # (tests/_run_curves.py: why)
+    assert _rel(norm, norm_ref) <= drift, f"{name}: grad norms differ by {_rel(norm, norm_ref):.2e}"
     assert all(r["boundary_bytes"] > 0 for r in read_metrics(root / name)), "the boundary moved no data"
     # the final checkpoint was written (every stage's weights under the layout-free names)
     assert (root / name / "checkpoints" / f"step_{STEPS:06d}").is_dir()

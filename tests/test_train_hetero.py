@@ -10,7 +10,8 @@ import pytest
 
 from tessera.hetero.tools.spawn import run_on_ranks
 from tessera.hetero.training.metrics import read_metrics
-from tests._run_curves import curves as _curves, rel as _rel, seed_run_dir as _seed_run_dir
+from tests._run_curves import (AUDIO_NORM_DRIFT, check_first_step, curves as _curves, rel as _rel,
+                               seed_run_dir as _seed_run_dir)
 
 pytestmark = pytest.mark.multiproc
 
@@ -67,13 +68,14 @@ def runs(tmp_path_factory):
 def test_loss_and_grad_norm_match_homogeneous_at_every_step(runs, name):
     """30 steps in fp32: loss within 1e-5 relative at every step. The global grad norm (all modules) must
     match too: an encoder gradient normalised by its own DP size instead of the global token count would
-    change it from the first step on."""
+    change it from the first step on (step 1 to 1e-6, later steps AUDIO_NORM_DRIFT: tests/_run_curves.py)."""
     loss_h, norm_h = _curves(runs / "homogeneous")
     loss, norm = _curves(runs / name)
     assert len(loss) == len(loss_h) == STEPS
     assert loss[-1] < 0.7 * loss[0], f"the model does not learn: {loss[0]:.3f} -> {loss[-1]:.3f}"
     assert _rel(loss, loss_h) <= 1e-5, f"{name}: loss curves differ by {_rel(loss, loss_h):.2e}"
-    assert _rel(norm, norm_h) <= 1e-4, f"{name}: grad norms differ by {_rel(norm, norm_h):.2e}"
+    check_first_step(name, loss, loss_h, norm, norm_h)
+    assert _rel(norm, norm_h) <= AUDIO_NORM_DRIFT, f"{name}: grad norms differ by {_rel(norm, norm_h):.2e}"
     rows = read_metrics(runs / name)
     assert all(r["boundary_bytes"] > 0 for r in rows), "the boundary moved no data"
     assert (runs / name / "loss.png").stat().st_size > 1000
