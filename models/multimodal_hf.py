@@ -147,6 +147,22 @@ class _Reader:
                            f"{self.owner} (final_norm={cfg['final_norm']}, layer_scale={cfg['layer_scale']})")
 
 
+def vision_adapter_targets(name: str, b: torch.Tensor, cfg: dict) -> list[tuple[str, torch.Tensor]]:
+    """(HF module, rows of B) of a LoRA adapter on the ViT layer linear `layers.N.<megatron suffix>` (one-rank
+    B [out, r]), for PEFT's adapter files: the HF module the weight converters map that linear to (RADIO's
+    blocks.N.attn.qkv / attn.proj / mlp.fc1 / mlp.fc2, SigLIP's self_attn.{q,k,v}_proj / out_proj / mlp.fc*), a
+    fused qkv's rows reordered from megatron's per-head [q_h; k_h; v_h] to HF's [q; k; v] as the weight is, so
+    that W_hf + (alpha/r) B_hf A is the merged export."""
+    _, i, suffix = name.split(".", 2)
+    family, root = cfg["family"], _layer_root(cfg["family"], int(i))
+    if suffix == "self_attention.linear_qkv":
+        b = _qkv_major(b, cfg["heads"])
+        if family == "radio":
+            return [(root + "attn.qkv", b)]
+        return [(f"{root}self_attn.{x}_proj", t) for x, t in zip("qkv", b.chunk(3))]
+    return [(root + _LAYER[suffix][0][family], b)]
+
+
 def vision_from_hf(hf: dict, cfg: dict, tp_rank: int = 0, tp: int = 1) -> dict[str, torch.Tensor]:
     """One TP rank's VisionTransformer state dict from HF-layout tensors. Every tensor the config's tower has must
     be there and every tower tensor in `hf` must be read (else KeyError naming it), with one exception, as in

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tessera.hetero.plan.lora import LORA_TARGETS, lora_targets, validate_lora
+from tessera.hetero.plan.lora import DEFAULT_LORA_TARGETS, lora_targets, validate_lora
 from tessera.hetero.plan.recompute import parse_recompute
 
 
@@ -21,7 +21,7 @@ class LoraConfig:
 
     rank: int = 0                           # 0 = no LoRA (full fine-tuning)
     alpha: float = 32.0                     # scale = alpha / rank
-    targets: tuple[str, ...] = LORA_TARGETS  # layer names to adapt, from LORA_TARGETS
+    targets: tuple[str, ...] = DEFAULT_LORA_TARGETS  # layer names to adapt, from LORA_TARGETS
     dropout: float = 0.0                    # only 0 is implemented
     export: str = "both"                    # trainer.export_hf writes "merged" weights, the "adapters" alone, or "both"
 

@@ -1,6 +1,6 @@
 """LoRA (hetero/training/lora.py): merged export = base + (alpha/r) B A, adapters-only export, trainable count
 from the targets, TP1 == TP2 with the same adapters, a heterogeneous LoRA run that learns with frozen base
-weights and resumes bitwise (and into another TP size)."""
+weights and resumes bitwise (and into another layout), the vision tower's adapters (target `vision`) included."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tessera.hetero.plan.lora import DEFAULT_LORA_TARGETS
 from tessera.hetero.tools.spawn import run_on_ranks
 from tessera.hetero.training.metrics import read_metrics
 from tessera.models.configs import REGISTRY
+from tessera.models.encoders import encoder_config
 
 pytestmark = pytest.mark.multiproc
 RANK, ALPHA = 4, 8.0
@@ -25,7 +27,10 @@ PATTERN = REGISTRY["nemotron_h_tiny_dense"]["hybrid_override_pattern"]
 # name -> (targets, LLM); the MoE LLM's linear_fc1/fc2 are its shared and routed experts'
 TARGET_SETS = {"all": (None, "nemotron_h_tiny_dense"), "subset": (("linear_qkv", "in_proj", "projector"),
                                                                    "nemotron_h_tiny_dense"),
-               "moe_all": (None, "nemotron_h_tiny_moe")}
+               "moe_all": (None, "nemotron_h_tiny_moe"),
+               # the vision tower too: PEFT names and qkv row order of RADIO's blocks.N.{attn.qkv, attn.proj, mlp.fc*}
+               "vision": (("linear_qkv", "vision", "projector"), "nemotron_h_tiny_dense")}
+VIT_LAYERS = encoder_config("radio_vit_tiny")["layers"]
 
 
 def _model_cfg(targets=None, vision="radio_vit_tiny", audio="fastconformer_tiny", llm="nemotron_h_tiny_dense"):
@@ -117,6 +122,9 @@ def _expected_modules(name: str) -> set[str]:
                 out |= {f"language_model.backbone.layers.{i}.mixer.{n}" for n in hf}
     if "projector" in targets:
         out |= {"mlp1.1", "mlp1.3", "sound_projection.linear1", "sound_projection.linear2"}
+    if "vision" in targets:
+        out |= {f"vision_model.radio_model.model.blocks.{i}.{n}" for i in range(VIT_LAYERS)
+                for n in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")}
     return out
 
 
@@ -267,6 +275,79 @@ def test_tp1_and_tp2_give_the_same_lora_loss_and_gradients(tp_runs, llm):
             assert r["ep_diff"] <= 1e-5, r["ep_diff"]
 
 
+def _vision_tp_worker():
+    """The vision tower with target `vision` at TP1 and TP2 (same base weights, same random adapters): its
+    projected output's weighted sum and every adapter gradient."""
+    from tessera.hetero.plan.layout import HeteroLayout
+    from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
+    from tessera.hetero.training.lora import apply_lora
+    from tessera.hetero.training.model_build import build_rank_modules, llm_fields, load_full_state, module_configs
+    from tessera.hetero.training.seeded_init import full_hf_state
+
+    cfg = _model_cfg(("vision",), audio=None)
+    fields = llm_fields(cfg, 0)
+    base = full_hf_state(cfg, fields, seed=5)
+    g = torch.Generator().manual_seed(0)
+    items = [("image", torch.randint(0, 256, (2, 3, 64, 64), dtype=torch.uint8, generator=g)),
+             ("image", torch.randint(0, 256, (1, 3, 32, 96), dtype=torch.uint8, generator=g))]
+    out = {}
+    for name, spec in (("tp1", "vision=dp2@0-1;language=dp2@0-1"), ("tp2", "vision=tp2@0-1;language=dp2@0-1")):
+        layout = HeteroLayout.parse(spec)
+        groups = build_module_groups(layout)
+        modules = build_rank_modules(cfg, layout, groups, module_configs(layout, fields))
+        load_full_state(modules, base, groups)
+        tower = modules["vision"]
+        tower.requires_grad_(False)
+        with torch.no_grad():
+            plain = tower(items)
+        adapters = apply_lora(modules, groups, cfg, seed=5)
+        with torch.no_grad():
+            initial = tower(items)  # B = 0: exactly the base tower
+        for gname, a in sorted(adapters.items()):
+            gen = torch.Generator().manual_seed(zlib.crc32(gname.encode()))
+            a.set_full(torch.randn(a.rank, a.full_in, generator=gen) * 0.1,
+                       torch.randn(a.full_out, a.rank, generator=gen) * 0.1)
+        y = tower(items)
+        loss = (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(1))).sum()
+        loss.backward()
+        out[name] = {"plain": plain, "initial": initial, "loss": float(loss), "adapters": adapters}
+        destroy_module_groups(groups)
+    grad_diff = 0.0
+    for gname, a2 in out["tp2"]["adapters"].items():
+        a1 = out["tp1"]["adapters"][gname]
+        want_a, want_b = a2.shard(a1.lora_A.grad, a1.lora_B.grad)
+        for got, want in ((a2.lora_A.grad, want_a), (a2.lora_B.grad, want_b)):
+            grad_diff = max(grad_diff, float((got - want).abs().max() / want.abs().max().clamp(min=1e-30)))
+    return {"initial_is_base": all(torch.equal(r["plain"], r["initial"]) for r in out.values()),
+            "loss1": out["tp1"]["loss"], "loss2": out["tp2"]["loss"],
+            "plain": float((out["tp1"]["plain"] * torch.randn(out["tp1"]["plain"].shape,
+                                                             generator=torch.Generator().manual_seed(1))).sum()),
+            "grad_diff": grad_diff, "names": sorted(out["tp2"]["adapters"])}
+
+
+def test_vision_tower_adapters_give_the_same_output_and_gradients_at_tp1_and_tp2():
+    """Target `vision`: an adapter on every ViT layer's linear_qkv / linear_proj / linear_fc1 / linear_fc2 (by
+    global layer name), none on the projector or the LLM; TP2 (column / row parallel factors) == TP1."""
+    r = run_on_ranks(2, _vision_tp_worker, timeout=600)[0]
+    assert r["names"] == sorted(f"vision.encoder.vit.layers.{i}.{n}" for i in range(VIT_LAYERS)
+                                for n in ("self_attention.linear_qkv", "self_attention.linear_proj",
+                                          "mlp.linear_fc1", "mlp.linear_fc2"))
+    assert r["initial_is_base"], "B must start at zero: the first forward is the frozen base tower's, bitwise"
+    assert abs(r["loss1"] - r["plain"]) > 1e-3, "the adapters changed nothing"
+    assert abs(r["loss1"] - r["loss2"]) <= 1e-5 * abs(r["loss1"]), (r["loss1"], r["loss2"])
+    assert r["grad_diff"] <= 1e-5, r["grad_diff"]
+
+
+def test_a_frozen_tower_cannot_take_vision_adapters():
+    from tessera.hetero.training.lora import target_layers
+
+    class Frozen:
+        frozen = True
+
+    with pytest.raises(ValueError, match="'vision' but model.freeze_vision"):
+        target_layers("vision", Frozen(), ("vision",))
+
+
 @pytest.fixture(scope="module")
 def tp_runs():
     return run_on_ranks(2, _both_llms, timeout=600)
@@ -274,8 +355,11 @@ def tp_runs():
 
 # ---- a heterogeneous LoRA run: learns, base frozen, resumes exactly (four ranks) ---------------------------
 
-LAYOUT = "vision=dp2@0-1;language=tp2@2-3"
+# the vision tower adapted too (target `vision`): trained at TP2, resumed at TP1 (its adapters checkpointed by TP
+# offsets like any weight); LoRA with an encoder at pp > 1 is refused (hetero/training/model_build.py)
+LAYOUT = "vision=tp2@0-1;language=tp2@2-3"
 RESUME = (("same", LAYOUT), ("tp1", "vision=dp2@0-1;language=dp2@2-3"))
+RUN_TARGETS = DEFAULT_LORA_TARGETS + ("vision",)
 STEPS, SAVE = 6, 3
 
 
@@ -286,8 +370,9 @@ def _train(run_dir: str, layout: str, export: str | None = None):
     trainer = TrainerConfig(max_steps=STEPS, run_dir=run_dir, save_every=SAVE, progress=False, tensorboard=False,
                             export_hf=export)
     optim = OptimConfig(lr=1e-2, warmup_steps=0, min_lr_ratio=1.0)  # constant LR: a resume follows the schedule
-    return train(_model_cfg(audio=None), DataConfig(seq_length=128, rows_per_microbatch=4, microbatches=2), optim,
-                 trainer, layout=layout, name="lora")
+    return train(_model_cfg(RUN_TARGETS, audio=None), DataConfig(seq_length=128, rows_per_microbatch=4,
+                                                                 microbatches=2), optim, trainer, layout=layout,
+                 name="lora")
 
 
 def _base_weights(export: str):
@@ -297,7 +382,7 @@ def _base_weights(export: str):
     from tessera.hetero.training.seeded_init import full_hf_state
 
     fields = json.loads((Path(export) / "tessera.json").read_text())["llm_hf_config"]
-    base = full_hf_state(_model_cfg(audio=None), fields, 1234)  # on every rank: a first call is collective
+    base = full_hf_state(_model_cfg(RUN_TARGETS, audio=None), fields, 1234)  # every rank: a first call is collective
     if dist.get_rank() == 0:
         save_file(base, str(Path(export) / "base.safetensors"))
 
@@ -331,6 +416,7 @@ def test_lora_run_learns_keeps_base_frozen_and_resumes_exactly(tmp_path):
     adapters = load_file(str(export / "adapters" / "adapter_model.safetensors"))
     adapted = {k[len("base_model.model."):-len(".lora_A.weight")] for k in adapters if k.endswith(".lora_A.weight")}
     assert merged.keys() == base.keys() and adapted
+    assert any(m.startswith("vision_model.") for m in adapted), "the vision tower's adapters were not exported"
     for k, w in base.items():  # every base weight unchanged by training: merged = base (+ the trained delta)
         m = k[:-len(".weight")]
         want = w + SCALE * (adapters[f"base_model.model.{m}.lora_B.weight"] @

@@ -6,9 +6,13 @@ hetero/training/lora.py again when a saved config (a plain dict) comes back for 
 
 from __future__ import annotations
 
-# Megatron-Bridge's target names, plus Tessera's Mamba and media-projector layers; what each wraps is in
-# hetero/training/lora.py. Routed MoE experts and the encoder towers are not adapted.
-LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj", "projector")
+# Megatron-Bridge's target names (the LLM's layers), plus Tessera's Mamba and media-projector layers and the
+# vision tower (`vision`: every ViT layer's linear_qkv, linear_proj, linear_fc1, linear_fc2); what each wraps is
+# in hetero/training/lora.py. The audio tower is not adapted.
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj", "projector",
+                "vision")
+#: model.lora.targets when not given: the LLM's layers and the projectors (the encoder towers are opt-in: `vision`)
+DEFAULT_LORA_TARGETS = tuple(t for t in LORA_TARGETS if t != "vision")
 LORA_EXPORTS = ("merged", "adapters", "both")
 
 

@@ -140,8 +140,13 @@ def peft_adapters(modules) -> dict:
     for key, module in modules.items():
         for name, layer in adapted_layers(module):
             a, b = layer.adapter.lora_A.detach().float(), layer.adapter.lora_B.detach().float()
-            hf = _hf_module(key, name)
-            bs = _qkv_unfuse(b, module.config) if len(hf) == 3 else (b,)
+            if key == "vision" and name.startswith("encoder.vit."):  # a ViT layer (target `vision`)
+                from tessera.models.multimodal_hf import vision_adapter_targets
+
+                hf, bs = zip(*vision_adapter_targets(name[len("encoder.vit."):], b, module.cfg))
+            else:
+                hf = _hf_module(key, name)
+                bs = _qkv_unfuse(b, module.config) if len(hf) == 3 else (b,)
             for n, part in zip(hf, bs):
                 out[f"base_model.model.{n}.lora_A.weight"] = a.clone()
                 out[f"base_model.model.{n}.lora_B.weight"] = part.contiguous().clone()

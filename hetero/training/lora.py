@@ -9,7 +9,10 @@ hetero/plan/lora.py, Megatron-Bridge's plus Tessera's) are layer names: linear_q
 linear_fc1 / linear_fc2 (MLP, MoE shared experts), in_proj / out_proj (Mamba), projector (every nn.Linear of
 the media projectors mlp1 / sound_projection). linear_fc1 / linear_fc2 include every routed MoE expert (as
 Megatron-Bridge's LoRA does): each expert its own adapter, named by its global expert id, reduced over expert-DP
-like the expert. The encoder towers are not adapted.
+like the expert. `vision` adapts the vision tower: every ViT layer's linear_qkv / linear_proj / linear_fc1 /
+linear_fc2 (megatron column / row parallel layers on the tower's own TP group, named by global layer index under
+vision PP; summed over the tower's DP x CP like its other gradients). The audio tower (NeMo's / transformers'
+conformer, plain torch layers) is not adapted.
 
 Tensor parallelism, sharded so that every TP size computes the same numbers:
   ColumnParallelLinear W [out/tp, in]: A replicated [r, in], B column-parallel [out/tp, r]. Each rank's
@@ -51,6 +54,7 @@ from tessera.hetero.training.checkpoint import _expert_offset, _global_name
 from tessera.models.nemotron_h_hf import _mamba_parts
 
 LLM_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj")
+VIT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # target `vision`: every ViT layer's
 
 
 @dataclass(frozen=True)
@@ -169,9 +173,28 @@ def target_layers(key: str, module: nn.Module, targets) -> list[tuple[str, nn.Mo
                 if not m.input_is_parallel:
                     raise ValueError(f"LoRA on {name}: only input-parallel rows")
                 out.append((name, m, "row"))
-    elif "projector" in targets:
-        out = [(f"projector.{n}", m, "plain") for n, m in module.projector.named_modules() if isinstance(m, nn.Linear)]
+    else:
+        if key == "vision" and "vision" in targets:
+            if module.frozen:
+                raise ValueError("model.lora.targets has 'vision' but model.freeze_vision is set: a frozen tower runs "
+                                 "without gradients, so its adapters could not train; drop one of the two")
+            # the ViT's own layers only (module.encoder.vit: the video path shares them), global layer names
+            for name, m in module.encoder.vit.named_modules():
+                if name.rsplit(".", 1)[-1] in VIT_TARGETS:
+                    out.append((f"encoder.vit.{name}", m, _parallel_kind(f"encoder.vit.{name}", m)))
+        if "projector" in targets:
+            out += [(f"projector.{n}", m, "plain") for n, m in module.projector.named_modules()
+                    if isinstance(m, nn.Linear)]
     return out
+
+
+def _parallel_kind(name: str, m: nn.Module) -> str:
+    if isinstance(m, ColumnParallelLinear) and not m.gather_output:
+        return "column"
+    if isinstance(m, RowParallelLinear) and m.input_is_parallel:
+        return "row"
+    raise ValueError(f"LoRA on {name}: a {type(m).__name__} (gathered outputs, non-parallel inputs or another "
+                     f"linear) is not supported")
 
 
 def _init_a(adapter: LoraAdapter, global_name: str, seed: int) -> None:
