@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from tessera.hetero.plan.lora import DEFAULT_LORA_TARGETS
 from tessera.hetero.tools.spawn import run_on_ranks
 from tessera.hetero.training.metrics import read_metrics
+from tests._run_curves import curves as _curves, rel as _rel
 from tessera.models.configs import REGISTRY
 from tessera.models.encoders import encoder_config
 
@@ -355,24 +356,26 @@ def tp_runs():
 
 # ---- a heterogeneous LoRA run: learns, base frozen, resumes exactly (four ranks) ---------------------------
 
-# the vision tower adapted too (target `vision`): trained at TP2, resumed at TP1 (its adapters checkpointed by TP
-# offsets like any weight); LoRA with an encoder at pp > 1 is refused (hetero/training/model_build.py)
+# the vision tower adapted too (target `vision`): trained at TP2, resumed in a vision pipeline (adapters named by
+# global layer, checkpointed by TP offsets like any weight)
 LAYOUT = "vision=tp2@0-1;language=tp2@2-3"
-RESUME = (("same", LAYOUT), ("tp1", "vision=dp2@0-1;language=dp2@2-3"))
+RESUME = (("same", LAYOUT), ("tp1", "vision=pp2@0-1;language=dp2@2-3"))
 RUN_TARGETS = DEFAULT_LORA_TARGETS + ("vision",)
+# the default targets with a vision pipeline: the first stage has nothing to train (no adapter before the
+# projector on the last stage), and the run equals the unsplit tower's
+PIPELINED = (("default_dp2", "vision=dp2@0-1;language=dp2@2-3"), ("default_pp2", "vision=pp2@0-1;language=dp2@2-3"))
 STEPS, SAVE = 6, 3
 
 
-def _train(run_dir: str, layout: str, export: str | None = None):
+def _train(run_dir: str, layout: str, export: str | None = None, targets=RUN_TARGETS, steps: int = STEPS):
     from tessera.recipes.config import DataConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
-    trainer = TrainerConfig(max_steps=STEPS, run_dir=run_dir, save_every=SAVE, progress=False, tensorboard=False,
+    trainer = TrainerConfig(max_steps=steps, run_dir=run_dir, save_every=SAVE, progress=False, tensorboard=False,
                             export_hf=export)
     optim = OptimConfig(lr=1e-2, warmup_steps=0, min_lr_ratio=1.0)  # constant LR: a resume follows the schedule
-    return train(_model_cfg(RUN_TARGETS, audio=None), DataConfig(seq_length=128, rows_per_microbatch=4,
-                                                                 microbatches=2), optim, trainer, layout=layout,
-                 name="lora")
+    return train(_model_cfg(targets, audio=None), DataConfig(seq_length=128, rows_per_microbatch=4, microbatches=2),
+                 optim, trainer, layout=layout, name="lora")
 
 
 def _base_weights(export: str):
@@ -404,6 +407,8 @@ def _all_runs(root: str):
     dist.barrier()
     for name, layout in RESUME:
         _train(str(root / name), layout)
+    for name, layout in PIPELINED:
+        _train(str(root / name), layout, targets=DEFAULT_LORA_TARGETS, steps=3)
 
 
 def test_lora_run_learns_keeps_base_frozen_and_resumes_exactly(tmp_path):
@@ -427,3 +432,5 @@ def test_lora_run_learns_keeps_base_frozen_and_resumes_exactly(tmp_path):
     assert same == losses[SAVE:], ("resume in the same layout must be bitwise identical", same, losses)
     tp1 = [r["loss"] for r in read_metrics(tmp_path / "tp1")]
     assert max(abs(a - b) / abs(b) for a, b in zip(tp1, losses[SAVE:])) <= 1e-5, (tp1, losses)
+    (dp, _), (pp, _) = [_curves(tmp_path / name) for name, _ in PIPELINED]
+    assert len(pp) == 3 and pp[-1] < pp[0] and _rel(pp, dp) <= 1e-5, (pp, dp)

@@ -182,7 +182,7 @@ def target_layers(key: str, module: nn.Module, targets) -> list[tuple[str, nn.Mo
             for name, m in module.encoder.vit.named_modules():
                 if name.rsplit(".", 1)[-1] in VIT_TARGETS:
                     out.append((f"encoder.vit.{name}", m, _parallel_kind(f"encoder.vit.{name}", m)))
-        if "projector" in targets:
+        if "projector" in targets and module.projector is not None:  # (an encoder pipeline's last stage only)
             out += [(f"projector.{n}", m, "plain") for n, m in module.projector.named_modules()
                     if isinstance(m, nn.Linear)]
     return out

@@ -21,7 +21,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from tessera.hetero.runtime.groups import DENSE_GROUPS, EXPERT_GROUPS, ModuleGroups
 from tessera.hetero.parallel.cp_tile_attention import TileCPCoreAttention
 from tessera.hetero.parallel.kernel_choice import select_kernels
-from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
 from tessera.hetero.plan.recompute import parse_recompute
 from tessera.hetero.parallel.vocab_parallel_ce import vocab_parallel_cross_entropy_for
 from tessera.models.configs import REGISTRY as LLM_REGISTRY, hf_fields as llm_hf_fields
@@ -31,7 +31,6 @@ from tessera.models.multimodal import MultimodalModel, build_media_module
 from tessera.models.multimodal_hf import (PROJECTOR_ROOT, export_hf, media_to_hf, sound_from_hf, vision_from_hf,
                                           _load_params, _params_only)
 from tessera.models.nemotron_h_hf import PrefixView, hybrid_config_from_hf, load_into
-from tessera.hetero.training.lora import lora_settings
 from tessera.hetero.training.run_modules import encoder_names, module_specs
 from tessera.data.pipeline import video_temporal
 
@@ -130,9 +129,6 @@ def build_rank_modules(model_cfg, layout: HeteroLayout, groups: dict[str, Module
             if specs[LANGUAGE].freeze:
                 out[key].requires_grad_(False)
         else:
-            if g.layout.pp > 1 and lora_settings(model_cfg) is not None:
-                raise LayoutError(f"{key}={g.layout.to_spec()}: LoRA on an encoder split over pipeline stages is "
-                                  f"not supported; use pp1 for {key} with model.lora")
             out[key] = media_module(specs[key], model_cfg, hidden, g.pgs, modes[key])
     return out
 
