@@ -178,17 +178,48 @@ def test_trainable_parameter_count_is_what_the_targets_imply(exported, name):
 
 # ---- TP1 == TP2 (two ranks) ------------------------------------------------------------------------------
 
+def _built(cfg, fields, base, spec: str):
+    """(this rank's modules with the base weights loaded, their groups) in layout `spec`; destroy the groups after."""
+    from tessera.hetero.plan.layout import HeteroLayout
+    from tessera.hetero.runtime.groups import build_module_groups
+    from tessera.hetero.training.model_build import build_rank_modules, load_full_state, module_configs
+
+    layout = HeteroLayout.parse(spec)
+    groups = build_module_groups(layout)
+    modules = build_rank_modules(cfg, layout, groups, module_configs(layout, fields))
+    load_full_state(modules, base, groups)
+    return modules, groups
+
+
+def _randomise(adapters: dict) -> None:
+    """Every adapter's full A and B drawn from its global name (the same in any layout), then sharded."""
+    for gname, a in sorted(adapters.items()):
+        gen = torch.Generator().manual_seed(zlib.crc32(gname.encode()))
+        a.set_full(torch.randn(a.rank, a.full_in, generator=gen) * 0.1,
+                   torch.randn(a.full_out, a.rank, generator=gen) * 0.1)
+
+
+def _sharded_grad_diff(tp2: dict, tp1: dict) -> float:
+    """Largest difference of a TP2 adapter gradient from this rank's shard of the TP1 one, relative to the
+    latter's largest entry."""
+    diff = 0.0
+    for gname, a2 in tp2.items():
+        a1 = tp1[gname]
+        want_a, want_b = a2.shard(a1.lora_A.grad, a1.lora_B.grad)
+        for got, want in ((a2.lora_A.grad, want_a), (a2.lora_B.grad, want_b)):
+            diff = max(diff, float((got - want).abs().max() / want.abs().max().clamp(min=1e-30)))
+    return diff
+
+
 def _tp_worker(llm: str = "nemotron_h_tiny_dense"):
     import dataclasses
 
     import torch.distributed as dist
 
-    from tessera.hetero.plan.layout import HeteroLayout
-    from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
+    from tessera.hetero.runtime.groups import destroy_module_groups
     from tessera.hetero.training.lora import apply_lora
+    from tessera.hetero.training.model_build import llm_fields
     from tessera.hetero.training.seeded_init import full_hf_state
-    from tessera.hetero.training.model_build import (build_rank_modules, llm_fields, load_full_state,
-                                                     module_configs)
 
     cfg = dataclasses.replace(_model_cfg(vision=None, audio=None), llm=llm)
     fields = llm_fields(cfg, 0)
@@ -201,10 +232,7 @@ def _tp_worker(llm: str = "nemotron_h_tiny_dense"):
     if "moe" in llm:  # expert parallelism: each rank adapts its own experts, named by their global ids
         specs.append(("ep2", "language=dp2,ep2@0-1"))
     for name, spec in specs:
-        layout = HeteroLayout.parse(spec)
-        groups = build_module_groups(layout)
-        modules = build_rank_modules(cfg, layout, groups, module_configs(layout, fields))
-        load_full_state(modules, base, groups)
+        modules, groups = _built(cfg, fields, base, spec)
         lm = modules["language"]
         # frozen first: megatron computes a frozen weight's matmul on another path (linear_with_frozen_weight),
         # about one ulp off the trainable one
@@ -214,10 +242,7 @@ def _tp_worker(llm: str = "nemotron_h_tiny_dense"):
         adapters = apply_lora(modules, groups, cfg, seed=3)
         with torch.no_grad():
             initial = lm(tokens, labels)  # B = 0: exactly the base model
-        for gname, a in sorted(adapters.items()):
-            gen = torch.Generator().manual_seed(zlib.crc32(gname.encode()))
-            a.set_full(torch.randn(a.rank, a.full_in, generator=gen) * 0.1,
-                       torch.randn(a.full_out, a.rank, generator=gen) * 0.1)
+        _randomise(adapters)
         loss = lm(tokens, labels).sum()
         loss.backward()
         for a in adapters.values():  # what the optimizer's sync_gradients does under sequence parallelism
@@ -227,12 +252,7 @@ def _tp_worker(llm: str = "nemotron_h_tiny_dense"):
         sp = lm.config.sequence_parallel
         out[name] = {"plain": plain, "initial": initial, "loss": float(loss), "adapters": adapters, "sp": sp}
         destroy_module_groups(groups)
-    grad_diff = 0.0
-    for gname, a2 in out["tp2"]["adapters"].items():
-        a1 = out["tp1"]["adapters"][gname]
-        want_a, want_b = a2.shard(a1.lora_A.grad, a1.lora_B.grad)
-        for got, want in ((a2.lora_A.grad, want_a), (a2.lora_B.grad, want_b)):  # relative to the largest entry
-            grad_diff = max(grad_diff, float((got - want).abs().max() / want.abs().max().clamp(min=1e-30)))
+    grad_diff = _sharded_grad_diff(out["tp2"]["adapters"], out["tp1"]["adapters"])
     ep = {}
     if "ep2" in out:  # both ranks feed the same tokens: an EP2 expert sees both ranks' (2x one EP1 rank's gradient)
         ep_diff, experts = 0.0, 0
@@ -279,10 +299,9 @@ def test_tp1_and_tp2_give_the_same_lora_loss_and_gradients(tp_runs, llm):
 def _vision_tp_worker():
     """The vision tower with target `vision` at TP1 and TP2 (same base weights, same random adapters): its
     projected output's weighted sum and every adapter gradient."""
-    from tessera.hetero.plan.layout import HeteroLayout
-    from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
+    from tessera.hetero.runtime.groups import destroy_module_groups
     from tessera.hetero.training.lora import apply_lora
-    from tessera.hetero.training.model_build import build_rank_modules, llm_fields, load_full_state, module_configs
+    from tessera.hetero.training.model_build import llm_fields
     from tessera.hetero.training.seeded_init import full_hf_state
 
     cfg = _model_cfg(("vision",), audio=None)
@@ -293,10 +312,7 @@ def _vision_tp_worker():
              ("image", torch.randint(0, 256, (1, 3, 32, 96), dtype=torch.uint8, generator=g))]
     out = {}
     for name, spec in (("tp1", "vision=dp2@0-1;language=dp2@0-1"), ("tp2", "vision=tp2@0-1;language=dp2@0-1")):
-        layout = HeteroLayout.parse(spec)
-        groups = build_module_groups(layout)
-        modules = build_rank_modules(cfg, layout, groups, module_configs(layout, fields))
-        load_full_state(modules, base, groups)
+        modules, groups = _built(cfg, fields, base, spec)
         tower = modules["vision"]
         tower.requires_grad_(False)
         with torch.no_grad():
@@ -304,21 +320,13 @@ def _vision_tp_worker():
         adapters = apply_lora(modules, groups, cfg, seed=5)
         with torch.no_grad():
             initial = tower(items)  # B = 0: exactly the base tower
-        for gname, a in sorted(adapters.items()):
-            gen = torch.Generator().manual_seed(zlib.crc32(gname.encode()))
-            a.set_full(torch.randn(a.rank, a.full_in, generator=gen) * 0.1,
-                       torch.randn(a.full_out, a.rank, generator=gen) * 0.1)
+        _randomise(adapters)
         y = tower(items)
         loss = (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(1))).sum()
         loss.backward()
         out[name] = {"plain": plain, "initial": initial, "loss": float(loss), "adapters": adapters}
         destroy_module_groups(groups)
-    grad_diff = 0.0
-    for gname, a2 in out["tp2"]["adapters"].items():
-        a1 = out["tp1"]["adapters"][gname]
-        want_a, want_b = a2.shard(a1.lora_A.grad, a1.lora_B.grad)
-        for got, want in ((a2.lora_A.grad, want_a), (a2.lora_B.grad, want_b)):
-            grad_diff = max(grad_diff, float((got - want).abs().max() / want.abs().max().clamp(min=1e-30)))
+    grad_diff = _sharded_grad_diff(out["tp2"]["adapters"], out["tp1"]["adapters"])
     return {"initial_is_base": all(torch.equal(r["plain"], r["initial"]) for r in out.values()),
             "loss1": out["tp1"]["loss"], "loss2": out["tp2"]["loss"],
             "plain": float((out["tp1"]["plain"] * torch.randn(out["tp1"]["plain"].shape,
