@@ -279,9 +279,8 @@ def decode_video(data: bytes, frames: int = 8, tile: int = 512, defer_upscale: b
 
 def blank_item(kind: str, units, enc) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """A stand-in of the predicted shape for an item that failed to decode after it was packed: black
-    tiles/frames, a black native-resolution image (units = its (rows, cols) grid) or clip (units = (frames,
-    rows, cols)), or silence, so the encoder
-    still produces exactly the planned number of embeddings."""
+    tiles/frames, a black native-resolution image (units = its (rows, cols) grid) or clip (units = (frames, rows,
+    cols)), or silence, so the encoder still produces exactly the planned number of embeddings."""
     if kind == "audio":
         return np.zeros(units, dtype=np.float32)
     if kind == "video":  # frames, or (frames, rows, cols) at native resolution

@@ -179,8 +179,9 @@ class EncoderTokens:
     def tubelet_tokens(self, units: int | tuple[int, int, int]) -> tuple[int, int]:
         """(tubelets, tokens of each) of a clip of `units` frames, or (frames, rows, cols) at native resolution:
         `video_temporal` frames per tubelet (the last one repeated to fill), one tile or frame grid each."""
-        frames, per = (units, self.tokens_per_tile) if isinstance(units, int) else (units[0], self.grid_tokens(*units[1:]))
-        return math.ceil(frames / self.video_temporal), per
+        if isinstance(units, int):
+            return math.ceil(units / self.video_temporal), self.tokens_per_tile
+        return math.ceil(units[0] / self.video_temporal), self.grid_tokens(*units[1:])
 
     def video_tokens(self, units: int | tuple[int, int, int]) -> int:
         """A clip's embeddings: its tubelets' tokens (tubelet_tokens), then what EVS pruning keeps

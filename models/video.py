@@ -1,7 +1,8 @@
 """Video: frames encoded as tiles by the vision encoder, optional tubelets, EVS pruning of static tokens.
 
-The data side samples frames uniformly and resizes each to one tile (data/media.decode_video, with
-timestamps); the prompt's per-tubelet labels are the data side's (data/templates.tubelet_chunks).
+The data side samples frames uniformly and resizes each to one tile, or for the omni family to the release's
+aspect-keeping frame grid (data/media.decode_video, with timestamps; models/media_tokens.video_frame_grid); the
+prompt's per-tubelet labels are the data side's (data/templates.tubelet_chunks).
     tubelets   temporal_patch (2) consecutive frames share one patch embedding: the ViT's video_embedder is
                a linear over (t, c, y, x)-flattened tubelets (the release's packing: VideoEncoder.tiles), a
                Conv3D(kernel = stride = (t, p, p)) in effect.

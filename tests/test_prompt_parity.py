@@ -271,11 +271,13 @@ def test_input_ids_equal_the_released_processor(conversation, processor, task_en
     vision = row.media_meta.get("vision", [])
     assert [(units, n) for kind, units, n in vision if kind == "image"] == [(g, g[0] * g[1] // 4) for g in grids]
     # a video: all its frames, one tubelet chunk of the processor's per-frame token count per 2 frames
-    for (kind, units, n), (_, name) in zip([m for m in vision if m[0] == "video"], [i for i in items if i[0] == "video"]):
+    videos = [name for kind, name in items if kind == "video"]
+    for (kind, units, n), name in zip([m for m in vision if m[0] == "video"], videos, strict=True):
         frames, (w, h) = VIDEOS[name]
         per_frame = processor.video_processor(videos=[torch.zeros(1, 3, h, w)])["num_tokens"][0]
         grid = release_video_grid(h, w)
-        assert (units, n) == ((frames, *grid), math.ceil(frames / 2) * per_frame) and per_frame == grid[0] * grid[1] // 4
+        assert per_frame == grid[0] * grid[1] // 4
+        assert (units, n) == ((frames, *grid), math.ceil(frames / 2) * per_frame)
 
 
 def test_a_one_point_28_second_clip_has_seventeen_tokens(processor, task_encoder):
