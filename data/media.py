@@ -270,7 +270,7 @@ def decode_video(data: bytes, frames: int = 8, tile: int = 512, defer_upscale: b
         src = np.stack(rgb)
         if defer_upscale and height * width > src.shape[1] * src.shape[2]:
             return (TileSource(src, 1, 1, False, tile) if size is None else
-                    TileSource(src, 1, 1, False, 0, native=(height, width))), stamps
+                    TileSource.native_image(src, height, width)), stamps
         return resize(hwc_to_nchw(src), height, width).numpy(), stamps
     # a stream that changes resolution mid-way
     out = torch.cat([resize(hwc_to_nchw(a), height, width).permute(0, 2, 3, 1) for a in rgb]).permute(0, 3, 1, 2)

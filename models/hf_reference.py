@@ -91,6 +91,13 @@ def _audio_samples(seconds: float, rate: int, hop: int) -> int:
     return round(seconds * rate) // hop * hop + hop // 2
 
 
+def video_pruning_rate(hf_dir: str) -> float:
+    """DIR's config's EVS rate (video_pruning_rate; 0 when absent, the release's default)."""
+    from tessera.models.released import read_config
+
+    return float(read_config(hf_dir).get("video_pruning_rate") or 0.0)
+
+
 def omni_samples(hf_dir: str, seed: int = OMNI_SEED, video_temporal: int = 0) -> list[OmniSample]:
     """Four samples from DIR's config, random from `seed` (pixels, waveforms, text ids): an image (two tiles),
     an audio clip, a mixed one (text, image, text, audio, text) and a mixed one in the other order; with
@@ -127,7 +134,7 @@ def omni_samples(hf_dir: str, seed: int = OMNI_SEED, video_temporal: int = 0) ->
     if video_temporal and "vision" in cfg:  # beside audio, not an image: the release prunes every image-token
         plans["audio_video"] = plans.pop("audio") + [("video", 5), 6]  # position of a sample with video as video
         plans = {k: plans[k] for k in ("image", "audio_video", "mixed", "mixed_audio_first")}  # (four rows still)
-    rate = float(read_config(hf_dir).get("video_pruning_rate") or 0.0)
+    rate = video_pruning_rate(hf_dir)
     samples = []
     for name, plan in plans.items():
         tokens, media = [], []
@@ -173,13 +180,15 @@ def omni_inputs(sample: OmniSample, vcfg: dict | None, audio_frontend, temporal:
     in as pixel_values_videos (rescaled and normalised as the processor does; processor_pixels without patching)."""
     import numpy as np
 
+    from tessera.models.encoders import tokens_config
+
     tokens, inputs_extra = sample.tokens, {}
     for _, kind, item, start, length in sorted(sample.media, key=lambda m: -m[3]):
         if kind != "video":
             continue
         frames = torch.as_tensor(np.asarray(item[0])).to(torch.float32)
-        per_frame = (frames.shape[-2] // vcfg["patch"] // vcfg["pixel_shuffle"]) * (
-            frames.shape[-1] // vcfg["patch"] // vcfg["pixel_shuffle"])
+        p = vcfg["patch"]
+        per_frame = tokens_config(vcfg).grid_tokens(frames.shape[-2] // p, frames.shape[-1] // p)
         wide = -(-frames.shape[0] // temporal) * per_frame
         tokens = torch.cat([tokens[:start], tokens[start:start + 1].expand(wide), tokens[start + length:]])
         mean, std = (torch.tensor(vcfg[k]).view(-1, 1, 1) * 255 for k in ("mean", "std"))

@@ -97,6 +97,7 @@ class TileSource:
 
     @classmethod
     def native_image(cls, source: np.ndarray, height: int, width: int) -> "TileSource":
+        """A native-resolution image [h, w, 3] (or n video frames [n, h, w, 3]) to be resized to height x width."""
         return cls(source, 1, 1, False, 0, native=(height, width))
 
     @property

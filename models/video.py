@@ -58,9 +58,11 @@ class VideoEncoder(nn.Module):
 
     def num_tokens(self, frames: int, height: int | None = None, width: int | None = None) -> int:
         """Embeddings of a clip of `frames` frames of height x width pixels (None: one tile each)."""
+        from tessera.models.encoders import tokens_config
+
         cfg = self.image_encoder.cfg
-        side = cfg["patch"] * cfg["pixel_shuffle"]
-        per_frame = ((height or cfg["tile"]) // side) * ((width or cfg["tile"]) // side)
+        p = cfg["patch"]
+        per_frame = tokens_config(cfg).grid_tokens((height or cfg["tile"]) // p, (width or cfg["tile"]) // p)
         return evs_kept_tokens(math.ceil(frames / self.temporal), per_frame, self.pruning_rate)
 
     def tiles(self, pixels: torch.Tensor) -> torch.Tensor:

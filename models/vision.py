@@ -259,20 +259,21 @@ class VisionTransformer(MegatronModule):
         table = table[:, :, :rows, :cols]  # the CPE window (a no-op for "plain")
         return table.to(self.pos_embed.dtype).permute(0, 2, 3, 1).reshape(1, rows * cols, -1)
 
-    def embed(self, pixels: torch.Tensor, patch_embeddings: torch.Tensor | None = None) -> torch.Tensor:
-        """First stage: pixels [n, 3, H, W] -> the layers' input [n, prefix + patches, hidden] (patch embedding,
-        position embedding, prefix tokens). Pixels of t*3 channels are video tubelets (models/video.VideoEncoder
-        .tiles), embedded by the video embedder. `patch_embeddings` [n, rows*cols, hidden] replaces the embedder."""
+    def patch_embedder(self, channels: int) -> nn.Module:
+        """The linear that embeds a tile's patches: the image embedder for 3 channels, the video embedder for a
+        video tubelet's t*3 (its frames stacked along the channels, models/video.VideoEncoder.tiles)."""
+        return self.embedder if channels == 3 else self.video_embedder
+
+    def embed(self, pixels: torch.Tensor) -> torch.Tensor:
+        """First stage: pixels [n, c, H, W] -> the layers' input [n, prefix + patches, hidden] (patch embedding,
+        position embedding, prefix tokens); c = 3, or t*3 for video tubelets (patch_embedder)."""
         if not self.first_stage:
             raise RuntimeError(f"vision pipeline stage {self.stage} has no embedding (stage 0 has)")
         p = self.cfg["patch"]
         rows, cols = pixels.shape[-2] // p, pixels.shape[-1] // p
         if pixels.shape[-2] % p or pixels.shape[-1] % p:
             raise ValueError(f"image {tuple(pixels.shape[-2:])} is not a multiple of the patch size {p}")
-        if patch_embeddings is None:  # (video tubelets stacked along the channels: the video embedder)
-            embedder = self.embedder if pixels.shape[1] == 3 else self.video_embedder
-            patch_embeddings = embedder(patchify(pixels, p))
-        x = patch_embeddings
+        x = self.patch_embedder(pixels.shape[1])(patchify(pixels, p))
         x = x + self.position_embedding(rows, cols)
         if self.prefix is not None:
             x = torch.cat([self.prefix.expand(x.shape[0], -1, -1), x], dim=1)
@@ -293,12 +294,12 @@ class VisionTransformer(MegatronModule):
             out = self.final_norm(out)   # (the Omni model normalises RadioModel's `features`)
         return out.reshape(out.shape[0], rows, cols, -1)
 
-    def forward(self, pixels: torch.Tensor, patch_embeddings: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """The whole tower (one pipeline stage only): embed -> layers -> head."""
         if self.pp != 1:
             raise RuntimeError("a vision pipeline stage runs through MediaModule.forward_stage, not forward")
         p = self.cfg["patch"]
-        x = self.embed(pixels, patch_embeddings)
+        x = self.embed(pixels)
         hidden = self.run_stage_layers(x.transpose(0, 1).contiguous())  # megatron layers take [s, b, h]
         return self.head(hidden, pixels.shape[-2] // p, pixels.shape[-1] // p)
 

@@ -34,9 +34,8 @@ def encode_parts(vit: VisionTransformer, tiles: list[torch.Tensor], plan: Vision
         index = torch.as_tensor(part.patches, device=dev)
         if part.grid not in positions:  # the table resampled once per grid shape
             positions[part.grid] = vit.position_embedding(*part.grid)[0]
-        tile = tiles[part.tile]  # [3, H, W], or a video tubelet [t*3, H, W]: the video embedder
-        embedder = vit.embedder if tile.shape[0] == 3 else vit.video_embedder
-        x = embedder(patchify(tile[None], p)[0, index]) + positions[part.grid][index]
+        tile = tiles[part.tile]  # [3, H, W], or a video tubelet [t*3, H, W]
+        x = vit.patch_embedder(tile.shape[0])(patchify(tile[None], p)[0, index]) + positions[part.grid][index]
         if part.prefix and vit.prefix is not None:
             x = torch.cat([vit.prefix, x])
         # the prefix tokens' outputs are not features (VisionTransformer.head drops them too)

@@ -66,7 +66,7 @@ from tessera.hetero.training.model_build import (build_rank_modules, check_check
 from tessera.hetero.training.run_modules import checkpoint_llm_fields
 from tessera.hetero.training.stages import LanguageStage, MediaEncoderStage
 from tessera.models.hf_reference import (OMNI_SEED, OmniSample, omni_reference_logits, omni_samples,
-                                         omni_token_ids)
+                                         omni_token_ids, video_pruning_rate)
 from tessera.models.nemotron_h_hf import LazyCheckpoint
 
 VIDEO_NOTE = ("video: compared when the model encodes it as the release does (tubelets of the ViT's temporal "
@@ -76,17 +76,11 @@ VIDEO_NOTE = ("video: compared when the model encodes it as the release does (tu
 SEQ_MULTIPLE = 32
 
 
-def _pruning_rate(hf_dir: str) -> float:
-    from tessera.models.released import read_config
-
-    return float(read_config(hf_dir).get("video_pruning_rate") or 0.0)
-
-
 def model_config(hf_dir: str) -> SimpleNamespace:
     """A recipes.config.ModelConfig stand-in (hetero/ sits below recipes/) for fine-tuning DIR in fp32: the
     encoders and the LLM's shape come from DIR's config.json (hetero/training/run_modules.released_encoders)."""
     return SimpleNamespace(llm="nemotron_h_tiny_dense", vision=None, audio=None, freeze_vision=False,
-                           freeze_audio=False, freeze_llm=False, video_pruning=_pruning_rate(hf_dir),
+                           freeze_audio=False, freeze_llm=False, video_pruning=video_pruning_rate(hf_dir),
                            checkpoint=str(hf_dir),
                            dtype="float32", moe_aux_loss_coeff=0.0, lora=None, recompute="none")
 
