@@ -1,4 +1,4 @@
-"""transformers' Omni image processor module, loaded without torchvision, for its pure-math grid rule.
+"""transformers' Omni image (and video) processor rules, loaded without torchvision, for their pure-math grids.
 
 transformers 5.23 models/nemotron_h_omni/image_processing_nemotron_h_omni.py imports
 `torchvision.transforms.v2.functional` at the top (for the resize, which it uses only inside
@@ -63,3 +63,15 @@ def release_grid(height: int, width: int, n_images: int = 1, **overrides) -> tup
         num_patches = min(num_patches, p["max_num_patches"])
     num_patches = max(num_patches, p["min_num_patches"])
     return module.get_patch_grid_size(height, width, p["patch_size"], merge_size, p["min_num_patches"], num_patches)
+
+
+def release_video_grid(height: int, width: int, target: int = 1024) -> tuple[int, int]:
+    """(rows, cols) patches of every frame of a height x width clip: transformers' video processor's own rule,
+    NemotronH_Omni_Reasoning_V3VideoProcessor._compute_target_patches, called as is (that module imports no
+    torchvision; defaults: 16-px patches, downsample 0.5; `target` its video_target_num_patches)."""
+    from transformers.models.nemotron_h_omni.video_processing_nemotron_h_omni import \
+        NemotronH_Omni_Reasoning_V3VideoProcessor
+
+    cols, rows = NemotronH_Omni_Reasoning_V3VideoProcessor(video_target_num_patches=target)._compute_target_patches(
+        height, width)
+    return rows, cols

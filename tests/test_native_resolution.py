@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from _omni_image_processor import release_grid, release_image_module
+from _omni_image_processor import release_grid, release_image_module, release_video_grid
 from PIL import Image
 
 from tessera.data.loader import RawSample
@@ -201,17 +201,6 @@ def test_the_loader_predicts_decodes_and_announces_the_release_grid(name, tokeni
 
 # ---- video frames: the released video processor's grid (aspect ratio kept, a tile's patches) -----------------
 
-def _release_video_grid(height: int, width: int, target: int) -> tuple[int, int]:
-    """(rows, cols): transformers' NemotronH_Omni_Reasoning_V3VideoProcessor._compute_target_patches, called as is
-    (the module needs no torchvision; its defaults: 16-px patches, downsample 0.5)."""
-    from transformers.models.nemotron_h_omni.video_processing_nemotron_h_omni import \
-        NemotronH_Omni_Reasoning_V3VideoProcessor
-
-    cols, rows = NemotronH_Omni_Reasoning_V3VideoProcessor(video_target_num_patches=target)._compute_target_patches(
-        height, width)
-    return rows, cols
-
-
 @pytest.mark.parametrize("encoders,target", [(OMNI, 1024), (OMNI_TINY, 16)])
 def test_video_frame_grid_equals_the_release(encoders, target):
     """Every frame size (the SIZES above and random ones): Tessera's frame grid == the release's; its target is
@@ -219,7 +208,7 @@ def test_video_frame_grid_equals_the_release(encoders, target):
     enc = encoder_tokens(encoders, native_resolution=True, **TINY)
     assert enc.patches_per_tile == target
     for w, h in SIZES + _random_sizes(3000, 2, top=8000):
-        assert enc.video_grid(w, h) == _release_video_grid(h, w, target), f"{w}x{h}"
+        assert enc.video_grid(w, h) == release_video_grid(h, w, target), f"{w}x{h}"
 
 
 @pytest.mark.parametrize("size", [(160, 90), (64, 64), (40, 120)])
@@ -232,7 +221,7 @@ def test_the_loader_decodes_video_frames_at_the_release_grid(size, tokenizer):
     data = encode_mp4((np.full((h, w, 3), 10 * t, np.uint8) for t in range(5)), fps=8)
     te = chat_task_encoder(tokenizer, OMNI_TINY, 256, video_frames=4, **TINY)
     deferred = chat_task_encoder(tokenizer, OMNI_TINY, 256, video_frames=4, defer_upscale=True, **TINY)
-    grid = _release_video_grid(h, w, te.enc.patches_per_tile)
+    grid = release_video_grid(h, w, te.enc.patches_per_tile)
     units = te._units("video", data)
     assert units == (4, *grid)
     frames, stamps = te._decode_item("video", data, units, "k", "s")

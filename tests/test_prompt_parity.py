@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
-from _omni_image_processor import release_grid, release_image_module
+from _omni_image_processor import release_grid, release_image_module, release_video_grid
 from PIL import Image
 
 from tessera.data.loader import RawSample
@@ -162,15 +162,6 @@ def _frames(frames: int, size: tuple[int, int]) -> np.ndarray:
 # frames, (width, height): 5 frames end in a one-frame tubelet ("Frame 5: "); the omni family's frame grid keeps
 # the clip's aspect ratio as the release's does (160x90: 24 x 42 patches, 252 tokens a tubelet, not a tile's 256)
 VIDEOS = {"5f": (5, (64, 64)), "4f": (4, (160, 90))}
-
-
-def release_video_grid(height: int, width: int) -> tuple[int, int]:
-    """(rows, cols) patches of the frames of a height x width clip: transformers' video processor's own rule."""
-    from transformers.models.nemotron_h_omni.video_processing_nemotron_h_omni import \
-        NemotronH_Omni_Reasoning_V3VideoProcessor
-
-    cols, rows = NemotronH_Omni_Reasoning_V3VideoProcessor()._compute_target_patches(height, width)
-    return rows, cols
 
 
 def _wav_bytes(wave: np.ndarray) -> bytes:
