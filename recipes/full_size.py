@@ -37,7 +37,7 @@ RECIPES = {
     "nemotron_vl_12b": RecipeDefaults(
         llm="nemotron_nano_12b_v2", vision="radio_vit_h", audio=None, gpus=16,
         workload=Workload(seq_length=16384, global_batch=128, tiles=24),
-        layout="vision=tp2,dp8@0-15;language=tp2,dp8@0-15"),           # 67.3 GiB predicted
+        layout="vision=cp2,dp8@0-15;language=tp2,dp8@0-15"),           # 67.6 GiB predicted
     "nemotron_video_12b": RecipeDefaults(
         llm="nemotron_nano_12b_v2", vision="radio_vit_h", audio=None, gpus=16,
         workload=Workload(seq_length=16384, global_batch=128, frames=32),

@@ -9,8 +9,9 @@ Nemotron-H tiny, synthetic data, seq_length 128, 4 rows per microbatch, 2 microb
 same seed and global batches in every layout (so the loss column must agree across rows). Per layout:
 median step_time_s of hetero/training/loop.py's metrics over the steps after a warm-up of --warmup (2),
 tokens/s = rows x seq_length / median step, the tokens/s ratio to the homogeneous layout (>1 = faster),
-boundary MB moved per step (summed over ranks) and the last step's loss. Placement is the planner's name for
-it (hetero.planner.cost.placement): encoders sharing ranks 0-1 apart from the LLM on 2-3 count as 'mixed'. Setup (process groups, model
+boundary MB moved per step (summed over ranks) and the last step's loss. Placement: 'homogeneous' when every
+module has the same layout (hetero.planner.cost.same_shape), else the layout's own (encoders sharing ranks 0-1
+apart from the LLM on 2-3 count as 'mixed'). Setup (process groups, model
 build, final checkpoint) is outside the timed steps.
 
 Caveat: this box has 2 CPU cores shared with other work, and 4 ranks oversubscribe them; step times of a
@@ -62,12 +63,13 @@ def _train_all(root: str, layouts: list[tuple[str, str]], steps: int, seq: int, 
 def summarize(name: str, spec: str, resolved: str, metrics: list[dict], warmup: int, tokens_per_step: int) -> dict:
     """One table row from a run's metrics.jsonl records (pure; tests feed it synthetic records)."""
     from tessera.hetero.plan.layout import HeteroLayout
-    from tessera.hetero.planner.cost import placement
+    from tessera.hetero.planner.cost import placement, same_shape
 
     timed = [r["step_time_s"] for r in metrics[warmup:]] or [r["step_time_s"] for r in metrics]
     med = statistics.median(timed)
+    hl = HeteroLayout.parse(resolved)
     return {"name": name, "layout": spec or "(default: every module dp4)", "resolved": resolved,
-            "placement": placement(HeteroLayout.parse(resolved)), "steps": len(metrics), "timed_steps": len(timed),
+            "placement": "homogeneous" if same_shape(hl) else placement(hl), "steps": len(metrics), "timed_steps": len(timed),
             "median_step_s": med, "min_step_s": min(timed), "max_step_s": max(timed),
             "tokens_per_s": tokens_per_step / med,
             "boundary_mb_per_step": statistics.median(r["boundary_bytes"] for r in metrics) / 2 ** 20,

@@ -13,7 +13,7 @@ import torch
 from tessera.hetero.plan.layout import HeteroLayout
 from tessera.hetero.planner import cluster, predict
 from tessera.hetero.planner.dryrun import microbatch_workload
-from tessera.hetero.planner.memory_report import optimizer_bytes, param_checks
+from tessera.hetero.planner.memory_report import optimizer_bytes, param_checks, planner_memory
 from tessera.hetero.planner.meta_memory import Batch, model_config, rank_shards, shards_at
 from tessera.models import configs
 from tessera.recipes import full_size
@@ -125,3 +125,32 @@ def test_planner_parameter_bytes_agree_with_the_meta_count(recipe_shards, name):
         mem = pred.modules[s.key].mem_first if s.stage == 0 else pred.modules[s.key].mem_last
         assert mem.grads == pytest.approx(4 * s.trainable, rel=0.05), s.key
         assert mem.optim == pytest.approx(optimizer_bytes(s, lay[s.key], zero1=True), rel=0.05), s.key
+
+
+LLM_SHAPED = "vision=pp2,dp8@0-15;language=pp2,dp8@0-15"  # the ViT given the LLM's exact layout, pp2
+
+
+def _llm_shaped_shards():
+    return rank_shards(LLM_SHAPED, model_config({"vision": "radio_vit_h", "language": "nemotron_nano_12b_v2"}),
+                       Batch(1, 16, measure=()))
+
+
+def test_an_encoder_with_the_llms_shape_is_priced_split_as_the_trainer_builds_it():
+    """A ViT given the LLM's pp2 is built as two stages of half its layers each; the cost model prices that
+    (placement colocated), not Megatron's baseline (the ViT whole on the LLM's first stage, which it still
+    prices for baseline=True). Measured: ViT weights 0.63 + 0.98 GiB per stage, planner 0.80 each; the
+    baseline's 1.61 is the whole tower."""
+    from tessera.hetero.planner import describe_model
+    from tessera.hetero.planner.cluster import Workload
+    lay = HeteroLayout.parse(LLM_SHAPED)
+    model, w = describe_model("nemotron_nano_12b_v2", "radio_vit_h"), microbatch_workload(lay, Workload(tiles=16), 4)
+    ours, base = predict(lay, model, w, cluster("h100", 16)), predict(lay, model, w, cluster("h100", 16), baseline=True)
+    assert (ours.placement, ours.baseline, base.placement, base.baseline) == ("colocated", False, "homogeneous", True)
+    meta = {s.stage: s.param_bytes for s in _fresh(_llm_shaped_shards) if s.key == "vision"}
+    assert sorted(meta) == [0, 1]
+    planned = [planner_memory(ours, "vision", st).weights for st in (0, 1)]
+    assert sum(planned) == pytest.approx(sum(meta.values()), rel=0.05)
+    assert planner_memory(base, "vision", 0).weights == pytest.approx(sum(meta.values()), rel=0.05)
+    with pytest.raises(ValueError, match="LLM's ranks, TP, CP, PP and DP"):
+        predict("vision=dp16@0-15;language=pp2,dp8@0-15", model, w, cluster("h100", 16), baseline=True)
+

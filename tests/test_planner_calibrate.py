@@ -20,7 +20,7 @@ LAYOUTS = [
     "vision=dp16@0-15;language=tp4,dp4@0-15", "vision=cp2,dp8@0-15;language=tp2,pp4,dp2@0-15",
     "vision=tp2,dp2@0-3;language=tp4,pp3@4-15", "vision=dp8@0-7;language=tp8@8-15",
     "vision=tp2,pp2,dp2@0-7;language=tp2,pp2,dp2@8-15", "vision=tp2,dp8@0-15;language=tp2,pp8@0-15",
-    "vision=tp4,dp4@0-15;language=tp4,pp2,dp2@0-15", "vision=dp4@0-3;language=tp2,cp2,pp3@4-15",
+    "vision=tp4,dp4@0-15;language=tp4,pp2,dp2@0-15", "vision=dp4@0-3;language=tp2,pp6@4-15",
 ]
 TRUE = Constants(eff_llm=0.41, eff_vit=0.29, bw_eff=0.63, msg_overhead_s=27e-6)
 # Five layouts whose predicted step times under TRUE increase strictly (about 1.98, 2.13, 2.69, 2.91, 4.39 s).

@@ -99,3 +99,18 @@ def test_encoder_dp_must_fan_into_the_llm():
     p = predict("vision=dp8@0-7;language=tp4,dp2@8-15", describe_model("nemotron_nano_12b_v2", "radio_vit_h"),
                 Workload(tiles=4), cluster("h100"))
     assert not p.feasible and "cannot take an equal share of 2 samples" in p.reason
+
+
+@pytest.mark.parametrize("spec,alive", [
+    ("vision=tp2,dp8@0-15;language=tp2,dp8@0-15", "one"),      # all at pp 1: inside each microbatch
+    ("vision=cp2,dp8@0-15;language=tp2,dp8@0-15", "one"),
+    ("vision=tp4,dp4@0-15;language=tp2,pp2,dp4@0-15", "all"),  # LLM pp 2: three phases
+    ("vision=pp2,dp8@0-15;language=pp2,dp8@0-15", "all"),
+])
+def test_colocated_encoder_activations_alive_follow_the_trainers_schedule(spec, alive):
+    """hetero/plan/schedule_plan.py runs colocated encoders at pp 1 inside each microbatch (one microbatch of
+    activations alive) and otherwise in three phases (every microbatch alive until phase 3)."""
+    model, w = describe_model("nemotron_nano_12b_v2", "radio_vit_h"), Workload(seq_length=8192, global_batch=64, tiles=8)
+    p = predict(spec, model, w, cluster("h100", 16), recompute=())
+    assert p.placement == "colocated" and p.microbatches >= 8, p.reason
+    assert p.in_flight["vision"] == (1 if alive == "one" else p.microbatches), p.in_flight

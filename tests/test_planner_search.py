@@ -33,13 +33,27 @@ def test_ranking_is_by_predicted_throughput_and_reproducible(ranked):
     for p in feasible[:5]:
         assert p.gain == pytest.approx(p.tokens_per_s / base.tokens_per_s - 1)
         again = predict(p.layout, MODEL, Workload(**{**WORK.__dict__, "micro_batch": p.micro_batch,
-                                                     "global_batch": p.global_batch}), cluster("h100", 16))
+                                                     "global_batch": p.global_batch}), cluster("h100", 16),
+                        baseline=p.baseline)
         assert again.step_s == pytest.approx(p.step_s)                # ranked numbers are predict()'s
+
+
+def test_every_llm_layout_is_priced_as_megatrons_baseline_and_as_tessera_trains_it(ranked):
+    """Megatron's baseline (encoders whole on the LLM's first stage, replicated over its CP) is the gains'
+    reference; the same string given to Tessera is trained colocated, encoders split like the LLM."""
+    same = [p for p in ranked if p.baseline]
+    assert same and all(p.placement == "homogeneous" for p in same)
+    ours = {p.layout: p for p in ranked if not p.baseline}
+    for p in same:
+        assert ours[p.layout].placement == "colocated"
+    split = [p for p in same if p.feasible and ours[p.layout].feasible and "pp2" in p.layout]
+    assert split and all(ours[p.layout].step_s != p.step_s for p in split)
 
 
 def test_plan_layouts_and_best_layout():
     top = plan_layouts(MODEL, WORK, cluster("h100", 16), 16, top=3)
     assert len(top) in (3, 4) and any(p.placement == "homogeneous" for p in top)
+    assert not any(p.baseline for p in top[:3]) and all(p.baseline for p in top[3:])  # the reference comes last
     best = best_layout(MODEL, WORK, cluster("h100", 16), 16)
     assert best == top[0].layout
     HeteroLayout.parse(best).validate(world_size=16)

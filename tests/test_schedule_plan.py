@@ -99,3 +99,26 @@ def test_boundary_rendezvous_waits_for_every_participant_in_order():
     schedules.update({4: [a]})  # rank 4 (audio) is no participant of the vision boundary
     with pytest.raises(ScheduleError, match="rank 4 runs boundary_fwd\\(vision,mb0\\) but is not one of"):
         check_schedule(schedules, stranger)
+
+
+@pytest.mark.parametrize("spec", ["vision=dp4@0-3;audio=cp2,dp2@0-3;language=tp2,dp2@0-3",
+                                  "vision=tp2,dp2@0-3;audio=dp2@4-5;language=cp2,dp2@0-3"])
+def test_colocated_encoders_at_pp1_run_inside_each_microbatch(spec):
+    """LLM and colocated encoders at pp 1: each microbatch's encoder forward + boundary right before the LLM's
+    forward, boundary backward right after its backward, so one microbatch of encoder activations is alive."""
+    layout = HeteroLayout.parse(spec).validate()
+    colocated = [k for k in layout.encoders if layout.colocated(k, LANGUAGE)]
+    schedules = build_schedule(layout, 3)
+    check_schedule(schedules, layout)
+    for rank in layout[LANGUAGE].ranks:
+        ops = schedules[rank]
+        for mb in range(3):
+            llm_fwd, llm_bwd = ops.index(Op("fwd", LANGUAGE, mb)), ops.index(Op("bwd", LANGUAGE, mb))
+            for k in colocated:
+                assert llm_fwd - 4 <= ops.index(Op("boundary_fwd", k, mb)) < llm_fwd
+                assert llm_bwd < ops.index(Op("boundary_bwd", k, mb)) <= llm_bwd + 4
+        live = peak = 0
+        for op in ops:
+            live += (op.kind == "fwd" and op.module in colocated) - (op.kind == "boundary_bwd" and op.module in colocated)
+            peak = max(peak, live)
+        assert live == 0 and peak == len(colocated), (rank, peak)

@@ -10,10 +10,14 @@ The LLM runs one-forward-one-backward (1F1B) over its PP stages: stage s does mi
 forwards, then alternates forward and backward, then drains the remaining backwards (PipeDream-flush, as
 megatron's non-interleaved schedule). Encoders, by placement:
 
-* colocated (an encoder on the LLM's ranks) — the three-phase step: (1) every microbatch's encoder
-  forward and boundary, (2) the LLM's 1F1B on the boundary outputs, (3) every microbatch's boundary
-  backward, which runs the encoder backward with the gradient the LLM left on its inputs. Only the
-  encoder's activations of all microbatches stay alive across phase 2, as in Megatron's MIMO schedule.
+* colocated (an encoder on the LLM's ranks), LLM and every colocated encoder at pp 1 — per microbatch
+  (`colocated_per_microbatch`): the encoders' forward and boundary right before the LLM's forward of that
+  microbatch, the boundary backward (which runs the encoder backward) right after its backward. One
+  microbatch of encoder activations is alive at a time, as in Megatron's homogeneous schedule.
+* colocated, otherwise — the three-phase step: (1) every microbatch's encoder forward and boundary, (2) the
+  LLM's 1F1B on the boundary outputs, (3) every microbatch's boundary backward. An encoder pipeline fills
+  once and the LLM's stages need no encoder work inside their 1F1B, but every microbatch's encoder
+  activations stay alive across phase 2, as in Megatron's MIMO schedule.
 * non-colocated (disjoint ranks) — one pipeline across modules: the encoder ranks follow the event order
   of the LLM's first stage (its forwards and backwards by microbatch), so an encoder's microbatch m+1
   forward runs while the LLM works on microbatch m; stages = longest path of PP depths.
@@ -108,23 +112,36 @@ def _stage_ops(layout: HeteroLayout, key: str, rank: int, event: tuple[str, int]
     return ops
 
 
+def colocated_per_microbatch(layout: HeteroLayout) -> bool:
+    """Whether the colocated encoders run inside the LLM's microbatch loop (one microbatch of their
+    activations alive) rather than in three phases: when the LLM and every colocated encoder have pp 1, so
+    every rank runs each microbatch end to end and nothing is gained by running the encoders ahead."""
+    return layout[LANGUAGE].pp == 1 and all(layout[k].pp == 1 for k in layout.encoders
+                                            if layout.colocated(k, LANGUAGE))
+
+
 def rank_schedule(layout: HeteroLayout, rank: int, microbatches: int) -> list[Op]:
     """The ordered operations of one rank for one step of `microbatches` microbatches."""
     lang = layout[LANGUAGE]
     colocated = [k for k in sorted(layout.encoders) if layout.colocated(k, LANGUAGE)]
     remote = [k for k in sorted(layout.encoders) if not layout.colocated(k, LANGUAGE)]
     first_stage_order = one_f_one_b(lang.pp, 0, microbatches)
+    inline = colocated_per_microbatch(layout)
+    phased = [] if inline else colocated
     ops: list[Op] = []
     # phase 1: colocated encoders' forwards and boundaries for every microbatch
     if rank in lang.ranks:
         for mb in range(microbatches):
-            for k in colocated:
+            for k in phased:
                 ops += _stage_ops(layout, k, rank, ("F", mb), [])
-    # phase 2: the LLM's 1F1B; remote encoders follow its first stage's event order
+    # phase 2: the LLM's 1F1B (per microbatch: colocated encoders' forward before, backward after);
+    # remote encoders follow its first stage's event order
     if rank in lang.ranks:
         first = lang.coord(rank).pp == 0
         for event in one_f_one_b(lang.pp, lang.coord(rank).pp, microbatches):
-            ops += _stage_ops(layout, LANGUAGE, rank, event, remote if first else [])
+            around = [] if not inline else [op for k in colocated for op in _stage_ops(layout, k, rank, event, [])]
+            llm = _stage_ops(layout, LANGUAGE, rank, event, remote if first else [])
+            ops += around + llm if event[0] == "F" else llm + around
     mine = [k for k in remote if rank in layout[k].ranks]  # several encoders may share disjoint ranks
     for event in first_stage_order if mine else []:
         for k in mine:
@@ -132,7 +149,7 @@ def rank_schedule(layout: HeteroLayout, rank: int, microbatches: int) -> list[Op
     # phase 3: colocated encoders' boundary backward (and with it the encoder backward)
     if rank in lang.ranks:
         for mb in range(microbatches):
-            for k in colocated:
+            for k in phased:
                 ops += _stage_ops(layout, k, rank, ("B", mb), [])
     return ops
 

@@ -7,12 +7,17 @@ Mamba state passing, latency bound), EP (4 all-to-alls per MoE layer) and PP (on
 way). DP is the distributed optimizer's gradient reduce-scatter + parameter all-gather, hidden behind one
 microbatch's forward+backward (Megatron's overlap) except what sticks out. How modules combine:
 
-    homogeneous    every module has the same layout: priced as Megatron's baseline, the encoders inherit
-                   the LLM's TP and DP, run on its first PP stage (making that stage the slowest) and are
-                   replicated over its CP ranks (wasted work, not counted in TFLOPS).
+    homogeneous    Megatron's baseline (predict(..., baseline=True), a comparison point): every module has
+                   the LLM's layout, the encoders inherit its TP and DP, run on its first PP stage (making that
+                   stage the slowest) and are replicated over its CP ranks (wasted work, not counted in TFLOPS).
+                   Tessera's trainer runs the same layout string as colocated (an encoder given the LLM's pp or
+                   cp is split like the LLM), so without baseline=True it is priced as colocated. An LLM alone
+                   is 'homogeneous' either way (nothing differs).
     colocated      encoders on the LLM's ranks, three phases: all microbatches' encoder forward + boundary,
                    the LLM's 1F1B, then boundary + encoder backward. The encoder activations of every
-                   microbatch stay alive until phase 3 (or are recomputed).
+                   microbatch stay alive until phase 3 (or are recomputed), except when the LLM and the
+                   colocated encoders are all at pp 1: then the trainer runs them inside each microbatch
+                   (hetero/plan/schedule_plan.py) and one microbatch of them is alive.
     non-colocated  one pipeline: encoder stages -> boundary -> LLM stages, in 1F1B order; a pipeline with
                    per-microbatch stage times t_i takes m * max(t) + sum(t) - max(t), and every module waits
                    for the slowest one (its idle time is reported).
@@ -39,6 +44,7 @@ from dataclasses import dataclass, field
 
 from tessera.hetero.plan.layout import (LANGUAGE, HeteroLayout, LayoutError, ModelShapes, ModuleLayout,
                                        llm_sequence_parallel)
+from tessera.hetero.plan.schedule_plan import colocated_per_microbatch
 from tessera.hetero.planner import comm
 from tessera.hetero.planner.cluster import Cluster, Constants, Workload
 from tessera.hetero.planner.model import BF16, ModelDesc, ModuleDesc
@@ -66,6 +72,7 @@ class Prediction:
     micro_batch: int = 1                # sequences per LLM DP replica per microbatch
     global_batch: int = 0               # sequences per step as priced
     gain: float | None = None           # tokens/s over the best homogeneous layout, minus 1 (search sets it)
+    baseline: bool = False              # priced as Megatron runs it, not as Tessera trains this string: never recommended
     recompute: tuple[str, ...] = ()
     gpus: int = 0
     modules: dict[str, ModuleCost] = field(default_factory=dict)  # each module as priced (memory per stage)
@@ -225,11 +232,22 @@ def _check(layout: HeteroLayout, model: ModelDesc, w: Workload, gpus: int, sampl
         raise LayoutError(f"{media:.0f} media tokens per sequence exceed seq_length {w.seq_length}")
 
 
-def placement(layout: HeteroLayout) -> str:
-    """layout.placement, or 'homogeneous' when every module has the same ranks, TP, CP, PP and DP (EP
-    only exists for MoE layers, so it does not make a layout heterogeneous)."""
+def same_shape(layout: HeteroLayout) -> bool:
+    """Every module on the same ranks with the same TP, CP, PP and DP (EP only exists for MoE layers, so it
+    does not make a layout heterogeneous): the layouts Megatron's homogeneous baseline can price."""
     shape = lambda m: (m.first, m.last, m.tp, m.cp, m.pp, m.dp_size)  # noqa: E731
-    if len({shape(m) for m in layout.modules.values()}) == 1:
+    return len({shape(m) for m in layout.modules.values()}) == 1
+
+
+def placement(layout: HeteroLayout, baseline: bool = False) -> str:
+    """'homogeneous' for an LLM alone or Megatron's baseline (baseline=True, every module the LLM's shape),
+    else layout.placement: how Tessera's trainer runs the layout."""
+    if len(layout.modules) == 1:
+        return "homogeneous"
+    if baseline:
+        if not same_shape(layout):
+            raise ValueError(f"baseline=True prices Megatron's homogeneous baseline: every module of {layout} "
+                             f"needs the LLM's ranks, TP, CP, PP and DP")
         return "homogeneous"
     return layout.placement
 
@@ -248,14 +266,17 @@ def _boundary(src: ModuleLayout, dst: ModuleLayout, enc: ModuleDesc, w: Workload
 
 
 def predict(layout: HeteroLayout | str, model: ModelDesc, w: Workload, cl: Cluster,
-            k: Constants = Constants(), recompute: tuple[str, ...] | None = None) -> Prediction:
-    """Price one layout. recompute=None tries no recompute, then encoders, then every module, and keeps
-    the first that fits in memory."""
+            k: Constants = Constants(), recompute: tuple[str, ...] | None = None,
+            baseline: bool = False) -> Prediction:
+    """Price one layout as Tessera's trainer runs it, or (baseline=True, every module the LLM's shape) as
+    Megatron's homogeneous baseline runs it. recompute=None tries no recompute, then encoders, then every
+    module, and keeps the first that fits in memory."""
     layout = HeteroLayout.parse(layout) if isinstance(layout, str) else layout
     if recompute is None:
-        return _least_recompute(layout, model, w, cl, k)
-    out = Prediction(str(layout), placement(layout), False, gpus=layout.world_size, recompute=recompute,
-                     micro_batch=w.micro_batch, global_batch=w.global_batch)
+        return _least_recompute(layout, model, w, cl, k, baseline)
+    out = Prediction(str(layout), placement(layout, baseline), False, gpus=layout.world_size, recompute=recompute,
+                     micro_batch=w.micro_batch, global_batch=w.global_batch,
+                     baseline=baseline and len(layout.modules) > 1)
     lang = layout[LANGUAGE]
     samples = w.micro_batch * lang.dp_size
     try:
@@ -278,16 +299,17 @@ def predict(layout: HeteroLayout | str, model: ModelDesc, w: Workload, cl: Clust
     else:
         coloc = {e.key: layout[e.key] for e in model.encoders if layout.colocated(e.key, LANGUAGE)}
         remote = {e.key: layout[e.key] for e in model.encoders if e.key not in coloc}
-        phase1, phase3 = colocated_encoders(acc, coloc, m, price, boundary)
+        phase1, phase3 = colocated_encoders(acc, coloc, m, price, boundary, colocated_per_microbatch(layout))
         enc_side, bound = remote_encoders(acc, remote, lang.pp, m, price, boundary)
         core = encoder_pipeline(acc, llm, enc_side, bound, m, phase1, phase3)
     return _finish(out, acc, core, llm, layout, w, cl)
 
 
-def _least_recompute(layout: HeteroLayout, model: ModelDesc, w: Workload, cl: Cluster, k: Constants) -> Prediction:
+def _least_recompute(layout: HeteroLayout, model: ModelDesc, w: Workload, cl: Cluster, k: Constants,
+                     baseline: bool) -> Prediction:
     """The first of no recompute, encoders only, every module that fits (or fails for a reason other than memory)."""
     for opt in [(), tuple(model.keys[:-1]), tuple(model.keys)]:
-        p = predict(layout, model, w, cl, k, opt)
+        p = predict(layout, model, w, cl, k, opt, baseline)
         if p.feasible or not p.reason.startswith("memory"):
             return p
     return p

@@ -133,7 +133,7 @@ def _problems(spec: str, cfg, world: int, llm_fields: dict | None) -> list[str]:
 def best_layout_for_run(cfg, world: int, cluster_name: str = "h100", llm_fields: dict | None = None) -> str:
     """layout=auto: the planner's best layout on `world` ranks that this run can train."""
     for p in ranked_for_run(cfg, world, cluster_name):
-        if not _problems(p.layout, cfg, world, llm_fields):
+        if not p.baseline and not _problems(p.layout, cfg, world, llm_fields):
             return p.layout
     raise LayoutError(f"layout=auto: no layout of {cfg.model.llm} + encoders on {world} ranks is both feasible on "
                       f"{cluster_name} and trainable with {cfg.data.rows_per_microbatch * cfg.data.microbatches} rows "
@@ -141,16 +141,17 @@ def best_layout_for_run(cfg, world: int, cluster_name: str = "h100", llm_fields:
 
 
 def plan_table_for_run(cfg, gpus: int, cluster_name: str = "h100", top: int = 10) -> str:
-    """The top layouts with the best homogeneous one; layouts the trainer cannot run are marked and never first."""
+    """The top layouts with the best homogeneous one (Megatron's baseline); layouts the trainer cannot run are
+    marked and never first."""
     preds = ranked_for_run(cfg, gpus, cluster_name)
     problems = {p.layout: _problems(p.layout, cfg, gpus, None) for p in preds}
     ok = [p for p in preds if not problems[p.layout]]
-    head = ok[:top]
+    head = [p for p in ok if not p.baseline][:top]
     base = next((p for p in ok if p.placement == "homogeneous"), None)
     if base is not None and base not in head:
         head.append(base)
     table = format_table(head)
-    skipped = [p for p in preds[:top] if problems[p.layout]]
+    skipped = [p for p in preds[:top] if problems[p.layout] and not p.baseline]
     if skipped:
         table += "\nranked higher by the cost model but not trainable by this run:\n" + "\n".join(
             f"  {p.layout}: {'; '.join(problems[p.layout])}" for p in skipped)

@@ -12,7 +12,9 @@ Candidates (pruned to what can run well):
     encoder   tp a power of two within a node dividing its heads; cp 1 or 2 (splits each sequence's media
               tokens: hetero/plan/encoder_cp.py); pp 1 when colocated (three-phase schedule), 1 or 2 when on its
               own ranks.
-    placements  homogeneous (all modules the LLM's layout, Megatron's baseline), colocated (every encoder on
+    placements  homogeneous (all modules the LLM's layout priced as Megatron runs it: the baseline gains are
+              measured against, never recommended; the same string as Tessera trains it is a colocated
+              candidate), colocated (every encoder on
               all GPUs with its own layout), non-colocated / mixed (each encoder colocated or on its own
               first block of ranks; block sizes 1/32 .. 1/2 of the GPUs and powers of two; with several encoders,
               powers of two up to 1/4 each).
@@ -97,9 +99,9 @@ def _micro_batch(layout: HeteroLayout, w: Workload) -> Workload:
 
 
 def price_layout(layout: HeteroLayout, model: ModelDesc, w: Workload, cl: Cluster,
-                 k: Constants = Constants()) -> Prediction:
+                 k: Constants = Constants(), baseline: bool = False) -> Prediction:
     """One layout as the search prices it: the micro batch grown until every module's DP takes an equal share."""
-    return predict(layout, model, _micro_batch(layout, w), cl, k)
+    return predict(layout, model, _micro_batch(layout, w), cl, k, baseline=baseline)
 
 
 def _split_sizes(gpus: int) -> list[int]:
@@ -117,9 +119,11 @@ def search(model: ModelDesc, w: Workload, cl: Cluster, gpus: int, k: Constants =
     llm = model[LANGUAGE]
     encs = model.encoders
     preds: list[Prediction] = []
-    for opt in llm_options(llm, gpus, w, cl):  # homogeneous: every module the LLM's layout
+    for opt in llm_options(llm, gpus, w, cl):  # every module the LLM's layout: Megatron's baseline, and as we train it
         mods = {e.key: _module(0, gpus, {**opt, "ep": 1}) for e in encs}
-        preds.append(price_layout(HeteroLayout({**mods, LANGUAGE: _module(0, gpus, opt)}), model, w, cl, k))
+        same = HeteroLayout({**mods, LANGUAGE: _module(0, gpus, opt)})
+        preds += [price_layout(same, model, w, cl, k, baseline=True)] + ([price_layout(same, model, w, cl, k)]
+                                                                          if encs else [])
     # each encoder colocated (size 0: on the LLM's ranks) or on its own block of ranks
     # several encoders: fewer block sizes each (their product is searched)
     blocks = [0] + (_split_sizes(gpus) if len(encs) == 1 else
@@ -152,9 +156,10 @@ def search(model: ModelDesc, w: Workload, cl: Cluster, gpus: int, k: Constants =
                 if ok:
                     current[key] = opts[max(ok)[1]]
     unique = {}
-    for p in preds:
-        if p.layout not in unique or (p.feasible and p.tokens_per_s > unique[p.layout].tokens_per_s):
-            unique[p.layout] = p
+    for p in preds:  # a string twice: Megatron's baseline and the same string as Tessera trains it
+        key = (p.layout, p.baseline)
+        if key not in unique or (p.feasible and p.tokens_per_s > unique[key].tokens_per_s):
+            unique[key] = p
     ranked = sorted(unique.values(), key=lambda p: (not p.feasible, -p.tokens_per_s))
     base = _best([p for p in ranked if p.placement == "homogeneous"])
     for p in ranked:
@@ -165,10 +170,10 @@ def search(model: ModelDesc, w: Workload, cl: Cluster, gpus: int, k: Constants =
 
 def plan_layouts(model_desc: ModelDesc, workload: Workload, cluster: Cluster, gpus: int, top: int = 10,
                  constants: Constants = Constants()) -> list[Prediction]:
-    """The `top` best feasible layouts, best first, plus the best homogeneous one when it is not among them
-    (last), each with .gain over that homogeneous baseline."""
+    """The `top` best feasible layouts as Tessera trains them, best first, plus the best homogeneous one
+    (Megatron's baseline) when it is not among them (last), each with .gain over that baseline."""
     ranked = [p for p in search(model_desc, workload, cluster, gpus, constants) if p.feasible]
-    head = ranked[:top]
+    head = [p for p in ranked if not p.baseline][:top]
     base = _best([p for p in ranked if p.placement == "homogeneous"])
     if base is not None and base not in head:
         head.append(base)
@@ -177,7 +182,7 @@ def plan_layouts(model_desc: ModelDesc, workload: Workload, cluster: Cluster, gp
 
 def best_layout(model_desc: ModelDesc, workload: Workload, cluster: Cluster, gpus: int) -> str:
     """The best predicted layout as a hetero/plan/layout.py string (for `layout=auto`)."""
-    preds = plan_layouts(model_desc, workload, cluster, gpus, top=1)
+    preds = [p for p in plan_layouts(model_desc, workload, cluster, gpus, top=1) if not p.baseline]
     if not preds:
         raise ValueError(f"no feasible layout for {model_desc.name} on {gpus} GPUs of {cluster.name}; "
                          f"lower the micro batch or the sequence length, or add GPUs")
@@ -185,7 +190,8 @@ def best_layout(model_desc: ModelDesc, workload: Workload, cluster: Cluster, gpu
 
 
 def format_table(preds: list[Prediction], top: int | None = None) -> str:
-    """A fixed-width table: rank, placement, throughput, gain, step breakdown, memory, layout."""
+    """A fixed-width table: rank, placement, throughput, gain, step breakdown, memory, layout; a baseline row
+    (placement `homogeneous*`) is footnoted."""
     head = (f"{'#':>2} {'placement':<13} {'tok/s':>9} {'TFLOPS':>6} {'gain':>7} {'step s':>7} {'compute':>7} "
             f"{'comm':>6} {'bubble':>6} {'bound':>6} {'idle':>6} {'GiB':>5} {'mb':>2} {'recompute':<10} layout")
     rows = [head, "-" * len(head)]
@@ -194,8 +200,12 @@ def format_table(preds: list[Prediction], top: int | None = None) -> str:
         comm_s = b["tp"] + b["cp"] + b["ep"] + b["pp"] + b["dp"]
         gain = f"{100 * p.gain:+.1f}%" if p.gain is not None else "-"
         idle = max(p.idle_s.values(), default=0.0)
-        rows.append(f"{i:>2} {p.placement:<13} {p.tokens_per_s:>9.0f} {p.tflops_per_gpu:>6.0f} {gain:>7} "
+        place = p.placement + ("*" if p.baseline else "")
+        rows.append(f"{i:>2} {place:<13} {p.tokens_per_s:>9.0f} {p.tflops_per_gpu:>6.0f} {gain:>7} "
                     f"{p.step_s:>7.2f} {b['compute']:>7.2f} {comm_s:>6.2f} {b['bubble']:>6.2f} "
                     f"{b['boundary']:>6.3f} {idle:>6.2f} {p.max_memory_gib:>5.1f} {p.micro_batch:>2} "
                     f"{','.join(p.recompute) or '-':<10} {p.layout}")
+    if any(p.baseline for p in (preds[:top] if top else preds)):
+        rows.append("* Megatron's baseline, the gains' reference: encoders unsplit on the LLM's first pipeline stage, "
+                    "replicated over its CP ranks. Tessera trains this string as colocated (encoders split like the LLM).")
     return "\n".join(rows)

@@ -138,12 +138,14 @@ def homogeneous_step(acc: StepParts, llm: ModuleCost, lang: ModuleLayout, encode
 
 
 def colocated_encoders(acc: StepParts, encoders: dict[str, ModuleLayout], m: int, price: Price,
-                       boundary: Boundary) -> tuple[float, float]:
+                       boundary: Boundary, per_microbatch: bool) -> tuple[float, float]:
     """Encoders on the LLM's ranks: (phase 1, phase 3) seconds, every microbatch's forward + boundary
-    before the LLM's pipeline and boundary + backward after it."""
+    before the LLM's pipeline and boundary + backward after it. per_microbatch (everything at pp 1,
+    hetero/plan/schedule_plan.colocated_per_microbatch): the same work inside each microbatch, so one
+    microbatch of activations is alive instead of all of them."""
     phase1 = phase3 = 0.0
     for key, lay in encoders.items():
-        e = price(key, lay, m)  # three phases: every microbatch's activations live until phase 3
+        e = price(key, lay, 1 if per_microbatch else m)  # three phases: every microbatch's live until phase 3
         fb, bb = boundary(key, lay)
         s = e.slowest
         fill = (lay.pp - 1) * s.total
