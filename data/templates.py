@@ -28,8 +28,10 @@ Where the wrapping comes from:
         (model.video_pruning > 0) the release keeps each tubelet's <img> ... </img> and decides its kept tokens in
         its forward, after encoding, while Tessera sizes a row before encoding: such a clip is one chunk of the
         clip's kept tokens (the same count, not the per-tubelet layout; EVS is the release's inference-time
-        pruning, its config's video_pruning_rate defaults to 0). tests/test_prompt_parity.py checks the
-        unpruned layout against the processor with transformers' own video processor.
+        pruning: its config's video_pruning_rate defaults to 0, and transformers' forward with it prunes the
+        logits but not the labels, so it computes no training loss). The CLI says so before launch
+        (recipes/checks.release_differences). tests/test_prompt_parity.py checks the unpruned layout against
+        the processor with transformers' own video processor.
         vl: a bare run of <video>, Tessera's own (the Nano V2 VL's per-frame wrapping is not checkable offline).
 The turn template (ChatML, data/tokens.py) is not part of either processor: processor(text=...) tokenizes the
 text it is given, and the released chat templates (tokenizer_config / chat_template.jinja) are not available

@@ -192,8 +192,9 @@ LLM is done. That memory is why the last study found no colocated layout that fi
   bandwidth contention and the encoder's smaller-batch kernels are not modelled. Those effects (and
   encoder-heavier batches: Qwen3.5-VL's ViT is a larger share of the step) are where measured non-colocated
   gains come from; calibration on GPU steps (scripts/calibrate_planner.py with a GPU preset) is how to find
-  which. On this CPU box the calibration cannot rank even 10 tiny layouts against itself better than
-  Spearman 0.79 (run-to-run), so no CPU fit settles it.
+  which. On this CPU box the calibration now ranks 10 tiny layouts it did not see at Spearman 0.88
+  (docs/planner_calibration.md), but there a step is software time per layer call and per message, not FLOPs
+  or link bytes, so no CPU fit settles what GPUs gain from disjoint placement.
 * **Omni (30B-A3B MoE):** expert parallelism dominates its layout; colocated is within -3.1%..-0.7% of
   homogeneous. At 32K rows the fitting homogeneous layouts give the audio encoder the LLM's tp2, which NeMo's
   conformer does not have; on 64 GPUs the LLM's pp2 shape trains with both encoders split over the two stages
@@ -203,7 +204,7 @@ LLM is done. That memory is why the last study found no colocated layout that fi
   do not hold the model's optimizer states.
 
 Assumptions behind every number: constant achieved-FLOPs fraction per module kind (defaults 0.50 LLM, 0.40
-ViT, 0.35 Conformer), 80% of link bandwidth, 10 us per message, distributed optimizer, DP communication
+ViT, 0.35 Conformer), no per-layer software overhead (layer_overhead_s = 0), 80% of link bandwidth, 10 us per message, distributed optimizer, DP communication
 overlapped with one microbatch, 1F1B for the LLM and across non-colocated modules, vision CP gathering each
 layer's K/V over its CP ranks (audio CP: whole clips per rank, outputs gathered), media spread evenly over the
 sequence. `homogeneous` is Megatron's baseline (every module the LLM's layout, encoders unsplit on its first

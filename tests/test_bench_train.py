@@ -39,7 +39,8 @@ def test_fit_takes_a_workload_per_layout_and_cpu_bounds():
 
     model = describe_model("nemotron_h_tiny_dense", "radio_vit_tiny", "fastconformer_tiny")
     cl = cluster("cpu_gloo4", 4)
-    true = Constants(eff_llm=0.02, eff_vit=0.01, eff_conformer=0.004, bw_eff=0.1, msg_overhead_s=2e-3)
+    true = Constants(eff_llm=0.02, eff_vit=0.01, eff_conformer=0.004, bw_eff=0.1, msg_overhead_s=2e-3,
+                     layer_overhead_s=1e-3)
     layouts = [HOMO, "vision=dp4@0-3;audio=dp4@0-3;language=tp2,cp2@0-3", "vision=dp4@0-3;audio=dp4@0-3;language=pp2,dp2@0-3",
                "vision=dp2@0-1;audio=dp2@0-1;language=cp2@2-3", NONCOLOC, "vision=dp1@0-0;audio=dp1@1-1;language=pp2@2-3"]
     meas = []
@@ -47,7 +48,8 @@ def test_fit_takes_a_workload_per_layout_and_cpu_bounds():
         dp = 4 if lay == HOMO else 2 if "pp2,dp2" in lay else 1
         w = Workload(seq_length=128, global_batch=8, micro_batch=4 // dp, tiles=5, audio_seconds=2, audio_clip_seconds=2)
         meas.append((lay, predict(lay, model, w, cl, true, recompute=()).step_s, w))
-    cpu = {"eff_llm": (1e-4, 1.0), "eff_vit": (1e-4, 1.0), "eff_conformer": (1e-4, 1.0), "msg_overhead_s": (1e-7, 0.1)}
+    cpu = {"eff_llm": (1e-4, 1.0), "eff_vit": (1e-4, 1.0), "eff_conformer": (1e-4, 1.0), "msg_overhead_s": (1e-7, 0.1),
+           "layer_overhead_s": (1e-7, 0.1)}
     report = fit(meas, model, meas[0][2], cl, bounds=cpu)  # the default bounds stop eff_* at 0.05
     assert report.rel_rmse < 1e-4 and report.spearman == pytest.approx(1.0)
     assert report.constants.msg_overhead_s == pytest.approx(2e-3, rel=1e-2)

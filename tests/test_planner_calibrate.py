@@ -103,7 +103,7 @@ def test_evaluate_reports_rank_quality_of_wrong_constants(cl):
     assert off.top1_gap == pytest.approx(m[np.argmin(p)] / m.min() - 1, abs=1e-12)
     assert off.rel_rmse == pytest.approx(float(np.sqrt(np.mean(((p - m) / m) ** 2))), rel=1e-12)
     assert off.rel_rmse > 0.05
-    with pytest.raises(ValueError, match="cannot fit 4 constants"):
+    with pytest.raises(ValueError, match="cannot fit 5 constants"):
         fit(measured[:2], MODEL, WORK, cl)
 
 

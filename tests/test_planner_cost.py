@@ -114,3 +114,21 @@ def test_colocated_encoder_activations_alive_follow_the_trainers_schedule(spec, 
     p = predict(spec, model, w, cluster("h100", 16), recompute=())
     assert p.placement == "colocated" and p.microbatches >= 8, p.reason
     assert p.in_flight["vision"] == (1 if alive == "one" else p.microbatches), p.in_flight
+
+
+def test_layer_overhead_is_a_fixed_cost_per_layer_call_and_microbatch():
+    """Constants.layer_overhead_s: every layer's forward (x1) and backward (x2) on every microbatch costs it, on
+    the stage that holds the layer, whatever the layer's size (the tiny CPU models' steps are mostly this)."""
+    import dataclasses
+
+    model = describe_model("nemotron_h_bench_100m")
+    layers = model["language"].layers
+    w = Workload(seq_length=1024, global_batch=4)
+    for spec, pp in (("language=dp1@0-0", 1), ("language=pp2@0-1", 2)):
+        base = predict(spec, model, w, cluster("h100", pp), Constants(), recompute=())
+        more = predict(spec, model, w, cluster("h100", pp), dataclasses.replace(Constants(), layer_overhead_s=1e-3),
+                       recompute=())
+        per_stage = layers / pp * 3 * 1e-3
+        assert more.modules["language"].stages[0].compute - base.modules["language"].stages[0].compute == \
+            pytest.approx(per_stage, rel=1e-9)
+        assert more.step_s - base.step_s == pytest.approx((base.microbatches + pp - 1) * per_stage, rel=1e-6)

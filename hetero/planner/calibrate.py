@@ -28,7 +28,7 @@ from tessera.hetero.planner.cost import predict
 from tessera.hetero.planner.model import ModelDesc
 
 BOUNDS = {"eff_llm": (0.05, 1.0), "eff_vit": (0.05, 1.0), "eff_conformer": (0.05, 1.0), "bw_eff": (0.05, 1.0),
-          "msg_overhead_s": (1e-7, 1e-3)}
+          "msg_overhead_s": (1e-7, 1e-3), "layer_overhead_s": (1e-8, 1e-2)}
 
 
 @dataclass
@@ -53,9 +53,10 @@ class CalibrationReport:
 
 
 def free_constants(model: ModelDesc) -> list[str]:
-    """The constants measurements of this model can inform: its module kinds' efficiencies and the links."""
+    """The constants measurements of this model can inform: its module kinds' efficiencies, the links and the
+    per-layer software overhead."""
     kinds = sorted({m.kind for m in model.modules})
-    return [f"eff_{k}" for k in kinds] + ["bw_eff", "msg_overhead_s"]
+    return [f"eff_{k}" for k in kinds] + ["bw_eff", "msg_overhead_s", "layer_overhead_s"]
 
 
 def _workloads(measurements: list[tuple], w: Workload) -> list[Workload]:
@@ -110,7 +111,9 @@ def fit(measurements: list[tuple[str, float]], model: ModelDesc, w: Workload, cl
     def residuals(x: np.ndarray) -> np.ndarray:
         return (_steps(layouts, model, ws, cl, constants(x)) - measured) / measured
 
-    x0 = np.clip(np.log([getattr(start, n) for n in free]), lo + 1e-9, hi - 1e-9)
+    # a constant whose default is off (0: layer_overhead_s) starts mid-range, where its gradient is not ~0
+    x0 = np.clip(np.log([getattr(start, n) if getattr(start, n) > bounds[n][0] else math.sqrt(bounds[n][0] * bounds[n][1])
+                         for n in free]), lo + 1e-9, hi - 1e-9)
     sol = least_squares(residuals, x0, bounds=(lo, hi), x_scale=1.0, diff_step=1e-6, xtol=1e-12, ftol=1e-12,
                         gtol=1e-12)
     return evaluate(measurements, model, w, cl, constants(sol.x))

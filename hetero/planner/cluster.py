@@ -80,7 +80,10 @@ class Constants:
 
     eff_*: achieved fraction of peak BF16 FLOPs for that module kind's kernels (wide LLM GEMMs run closer to
     peak than a 1280-wide ViT or a 1024-wide Conformer); bw_eff: achieved fraction of link bandwidth
-    (NCCL bus bandwidth / line rate); msg_overhead_s: software cost per message on top of link latency.
+    (NCCL bus bandwidth / line rate); msg_overhead_s: software cost per message on top of link latency;
+    layer_overhead_s: software cost of one layer's forward on one microbatch (Python, autograd, kernel
+    launches; backward counts twice), whatever its size: negligible next to a real GPU layer's compute
+    (default 0), the whole step for the tiny CPU models (scripts/calibrate_planner.py fits ~4 ms).
     """
 
     eff_llm: float = 0.50
@@ -88,6 +91,7 @@ class Constants:
     eff_conformer: float = 0.35
     bw_eff: float = 0.80
     msg_overhead_s: float = 10e-6
+    layer_overhead_s: float = 0.0
 
     def eff(self, kind: str) -> float:
         return getattr(self, f"eff_{kind}")

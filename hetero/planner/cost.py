@@ -170,8 +170,10 @@ def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, c
         ep_s = (mod.moe_layers / pp) * 4 * comm.all_to_all(
             tokens / tp * mod.topk * mod.hidden * BF16, lay.ep, comm.group_link(cl, lay.ep, tp), k)
     pp_s = 2 * comm.p2p(msg / tp, comm.group_link(cl, pp, tp * cp * dp), k) if pp > 1 else 0.0
-    # recompute's extra forward runs inside the backward pass, so the forward share is 1/mult either way
-    body = Stage(fwd_body * mult / speed, tp_s, cp_s, ep_s, pp_s, 1 / mult)
+    # recompute's extra forward runs inside the backward pass, so the forward share is 1/mult either way;
+    # every layer call costs layer_overhead_s of software time per microbatch on top of its FLOPs
+    overhead = (mod.layers / pp) * mult * k.layer_overhead_s
+    body = Stage(fwd_body * mult / speed + overhead, tp_s, cp_s, ep_s, pp_s, 1 / mult)
     head = Stage(per_dp * toks * mod.head_flops / (tp * cp) * 3 / speed) if mod.head_flops else Stage()
     stages = tuple(body + head if i == pp - 1 else body for i in range(pp))
 

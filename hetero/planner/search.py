@@ -10,8 +10,8 @@ Candidates (pruned to what can run well):
               pp a power of two up to 8; dp what is left; ep (MoE): per LLM shape, the power of two dividing
               cp*dp with the fastest LLM-only step whose memory fits (recompute assumed when scoring).
     encoder   tp a power of two within a node dividing its heads; cp 1 or 2 (splits each sequence's media
-              tokens: hetero/plan/encoder_cp.py); pp 1 when colocated (three-phase schedule), 1 or 2 when on its
-              own ranks.
+              tokens: hetero/plan/encoder_cp.py); pp 1 when colocated, 1 or 2 when on its own ranks; and
+              the LLM's own layout (the homogeneous string as Tessera trains it: encoders split like the LLM).
     placements  homogeneous (all modules the LLM's layout priced as Megatron runs it: the baseline gains are
               measured against, never recommended; the same string as Tessera trains it is a colocated
               candidate), colocated (every encoder on
