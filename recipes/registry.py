@@ -34,19 +34,17 @@ GPU_COUNTS = (8, 16, 32, 64)
 GLOBAL_BATCH = 128  # sequences per optimizer step when the planner gives none
 
 # Full-size layouts where the planner's choice (recipes/full_size.py, picked with its cost model at one
-# GPU count) cannot be scaled to by whole DP factors, e.g. 8 GPUs under a 16-GPU default. Why these:
-#  - every module's DP equals (or is a multiple of) the LLM's, so a microbatch needs only lcm(DP) rows:
-#    more rows per LLM rank would multiply activation memory at 16K tokens per row;
-#  - the 12B LLM (40 heads, 8 KV heads) takes tp4; the ViT-H (16 heads) takes the same tp4 on the same ranks;
-#  - video adds cp2 to the LLM (longer media runs per row) and doubles the encoder's DP instead;
-#  - the 30B-A3B LLM has 2 KV heads (tp <= 2); its 128 experts spread over ep ranks (ep divides cp*dp);
-#    the FastConformer has no TP, so the audio encoder is pure DP on the same ranks.
+# GPU count) cannot be scaled to by whole DP factors, e.g. 8 GPUs under a 16-GPU default. At 8 GPUs the 12B
+# families take the planner's best layout that trains and fits there (hetero/planner/run_layout.best_layout_for_run;
+# tests/test_recipes.py checks it): VL the ViT split like a tp2,cp4 LLM, video the ViT at tp2 beside a tp4 LLM
+# (EVS keeps vision at cp1). No layout of the 30B-A3B omni model fits 8 or 16 GPUs of 80 GB (its optimizer
+# states); its entries there are the shape the planner would take (LLM tp2, 128 experts over ep, the
+# FastConformer without TP), for larger GPUs or a frozen LLM.
 _FALLBACK_LAYOUTS: dict[str, dict[int, str]] = {
-    "nemotron_vl_12b": {g: f"vision=tp4,dp{g // 4}@0-{g - 1};language=tp4,dp{g // 4}@0-{g - 1}" for g in GPU_COUNTS},
-    "nemotron_video_12b": {g: f"vision=tp4,dp{g // 4}@0-{g - 1};language=tp4,cp2,dp{g // 8}@0-{g - 1}"
-                           for g in GPU_COUNTS},
+    "nemotron_vl_12b": {8: "vision=tp2,cp4@0-7;language=tp2,cp4@0-7"},
+    "nemotron_video_12b": {8: "vision=tp2,dp4@0-7;language=tp4,dp2@0-7"},
     "nemotron_omni_30b_a3b": {g: f"vision=tp2,dp{g // 2}@0-{g - 1};audio=dp{g}@0-{g - 1};"
-                                 f"language=tp2,dp{g // 2},ep{min(g // 2, 16)}@0-{g - 1}" for g in GPU_COUNTS},
+                                 f"language=tp2,dp{g // 2},ep{min(g // 2, 16)}@0-{g - 1}" for g in (8, 16)},
 }
 
 

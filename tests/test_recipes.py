@@ -87,7 +87,7 @@ def test_pretrain_stage_raises_lr_over_finetune():
 def test_unknown_recipe_and_gpu_count_errors_list_choices():
     with pytest.raises(ValueError, match="nemotron_vl_tiny_pretrain"):
         registry.recipe("nemotron_vl_tny")
-    with pytest.raises(ValueError, match=r"gpus in \[8, 16, 32, 64\] or a multiple of 16"):
+    with pytest.raises(ValueError, match=r"gpus in \[8, 16\] or a multiple of 16"):
         registry.recipe("nemotron_vl_12b", gpus=12)
 
 
@@ -309,3 +309,15 @@ def test_a_run_that_feeds_its_llm_unlike_the_release_says_so_before_launch():
     assert video.video_pruning > 0 and checks.release_differences(video) == []
     p = _nemo("finetune", "--factory", "nemotron_omni_tiny", "model.video_pruning=0.5", "run.executor=local", "--dryrun")
     assert p.returncode == 0 and "note: model.video_pruning=0.5: each pruned clip is one" in p.stdout, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("name,gpus", [("nemotron_vl_12b", 8), ("nemotron_vl_12b", 16), ("nemotron_video_12b", 8),
+                                       ("nemotron_video_12b", 16), ("nemotron_omni_30b_a3b", 32)])
+def test_full_recipe_defaults_are_the_planners_best_trainable_layout(name, gpus):
+    """Issue 16 item 3: the default at the recipe's own GPU count and at the counts its layout cannot be scaled to
+    is the planner's best layout that this run trains and that fits (larger counts grow it by DP)."""
+    from tessera.hetero.planner.run_layout import best_layout_for_run
+
+    cfg = fdl.build(registry.recipe(name, gpus=gpus))
+    best = best_layout_for_run(fdl.build(registry.recipe(name, gpus=gpus)), gpus)
+    assert str(HeteroLayout.parse(cfg.layout)) == str(HeteroLayout.parse(best))
