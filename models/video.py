@@ -18,7 +18,7 @@ is the one count rule (the omni family's tubelets: data/pipeline.video_temporal)
 
 from __future__ import annotations
 
-import math
+import dataclasses
 
 import torch
 from torch import nn
@@ -57,13 +57,14 @@ class VideoEncoder(nn.Module):
         return self.image_encoder.cfg["temporal_patch"] if self.tubelets else 1
 
     def num_tokens(self, frames: int, height: int | None = None, width: int | None = None) -> int:
-        """Embeddings of a clip of `frames` frames of height x width pixels (None: one tile each)."""
+        """Embeddings of a clip of `frames` frames of height x width pixels (None: one tile each): the data
+        side's rule (EncoderTokens.video_tokens) at this encoder's tubelets and pruning."""
         from tessera.models.encoders import tokens_config
 
         cfg = self.image_encoder.cfg
+        rule = dataclasses.replace(tokens_config(cfg), video_temporal=self.temporal, video_pruning=self.pruning_rate)
         p = cfg["patch"]
-        per_frame = tokens_config(cfg).grid_tokens((height or cfg["tile"]) // p, (width or cfg["tile"]) // p)
-        return evs_kept_tokens(math.ceil(frames / self.temporal), per_frame, self.pruning_rate)
+        return rule.video_tokens(frames if height is None else (frames, height // p, width // p))
 
     def tiles(self, pixels: torch.Tensor) -> torch.Tensor:
         """Normalised frames [F, 3, H, W] -> what the ViT embeds as tiles: the frames, or with tubelets each

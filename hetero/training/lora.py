@@ -165,14 +165,9 @@ def target_layers(key: str, module: nn.Module, targets) -> list[tuple[str, nn.Mo
             if ".experts." in name and not isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
                 raise ValueError(f"LoRA on {name}: routed experts as {type(m).__name__} (grouped GEMM) are not "
                                  f"supported; use megatron's SequentialMLP experts or drop linear_fc1/linear_fc2")
-            if isinstance(m, ColumnParallelLinear):
-                if m.gather_output:
-                    raise ValueError(f"LoRA on {name}: gathered outputs are not supported")
-                out.append((name, m, "column"))
-            elif isinstance(m, RowParallelLinear):
-                if not m.input_is_parallel:
-                    raise ValueError(f"LoRA on {name}: only input-parallel rows")
-                out.append((name, m, "row"))
+            kind = _parallel_kind(name, m)
+            if kind is not None:
+                out.append((name, m, kind))
     else:
         if key == "vision" and "vision" in targets:
             if module.frozen:
@@ -181,20 +176,29 @@ def target_layers(key: str, module: nn.Module, targets) -> list[tuple[str, nn.Mo
             # the ViT's own layers only (module.encoder.vit: the video path shares them), global layer names
             for name, m in module.encoder.vit.named_modules():
                 if name.rsplit(".", 1)[-1] in VIT_TARGETS:
-                    out.append((f"encoder.vit.{name}", m, _parallel_kind(f"encoder.vit.{name}", m)))
+                    kind = _parallel_kind(f"encoder.vit.{name}", m)
+                    if kind is None:
+                        raise ValueError(f"LoRA on encoder.vit.{name}: a {type(m).__name__} is not a megatron "
+                                         f"column/row parallel linear")
+                    out.append((f"encoder.vit.{name}", m, kind))
         if "projector" in targets and module.projector is not None:  # (an encoder pipeline's last stage only)
             out += [(f"projector.{n}", m, "plain") for n, m in module.projector.named_modules()
                     if isinstance(m, nn.Linear)]
     return out
 
 
-def _parallel_kind(name: str, m: nn.Module) -> str:
-    if isinstance(m, ColumnParallelLinear) and not m.gather_output:
+def _parallel_kind(name: str, m: nn.Module) -> str | None:
+    """'column' / 'row' for a megatron parallel linear an adapter can shard with, None for any other module;
+    a ValueError for the parallel layouts it cannot (gathered outputs, non-parallel inputs)."""
+    if isinstance(m, ColumnParallelLinear):
+        if m.gather_output:
+            raise ValueError(f"LoRA on {name}: gathered outputs are not supported")
         return "column"
-    if isinstance(m, RowParallelLinear) and m.input_is_parallel:
+    if isinstance(m, RowParallelLinear):
+        if not m.input_is_parallel:
+            raise ValueError(f"LoRA on {name}: only input-parallel rows")
         return "row"
-    raise ValueError(f"LoRA on {name}: a {type(m).__name__} (gathered outputs, non-parallel inputs or another "
-                     f"linear) is not supported")
+    return None
 
 
 def _init_a(adapter: LoraAdapter, global_name: str, seed: int) -> None:
