@@ -4,11 +4,19 @@ A microbatch is N packed rows of exactly `seq_length` tokens. Each row concatena
 (cu_seqlens marks them; a trailing padding segment makes cu_seqlens end at seq_length, so padding attends
 only to itself). For every encoder module ("vision", "audio") a row also carries:
   - `positions[module]`: the sorted int64 positions of that module's tokens in the row (every rank),
-  - `media_meta[module]`: (kind, units, tokens) per item in position order (every rank), and
+  - `media_meta[module]`: (kind, units, tokens) per item in position order (every rank); an item written in
+    several chunks (a video in the omni family's tubelet chunks) has a fourth entry, its chunks
+    ((start, count), ...) in the row: where each chunk's context positions begin and how many there are, and
   - `media[module]`: the decoded items in the same order — only on ranks that encode this row for this
     module (data/loader.py decodes per rank; an LLM-only rank holds no decoded media at all).
 Consuming items in order and scattering embeddings to `positions` is therefore the whole alignment
 contract; `PackedBatch.check()` asserts it (one position per produced embedding).
+
+EVS-pruned clips in tubelet chunks: only the clip's total of kept tokens is known before encoding, so the row is
+written with nominal per-tubelet counts (models/media_tokens.evs_nominal_tubelet_counts); once the vision encoder
+has chosen, every rank that reads the row's layout moves the chunks to the chosen counts
+(PackedBatch.settle_tubelet_chunks, driven by hetero/runtime/tubelet_settle.py). The row keeps its length, its
+labels (media chunks are never targets) and every token outside the clip's chunks.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ class PackedSample(Sample):
     keys: list  # sample keys in row order
     media: dict  # module -> [(kind, array | (frames, timestamps))] in position order (decoded modules only)
     positions: dict  # module -> int64 sorted positions
-    media_meta: dict  # module -> [(kind, units, tokens)] in position order
+    media_meta: dict  # module -> [(kind, units, tokens[, chunks])] in position order
     raw: dict  # module -> [(kind, bytes, units, key, shard)] awaiting decode; emptied by the task encoder
 
 
@@ -114,7 +122,10 @@ def pack_row(samples: list[EncodedSample], seq_length: int, pad_id: int) -> Pack
                 kind, data = s.raw_media[chunks[0][2]]
                 units = s.units[chunks[0][2]]
                 raw.setdefault(module, []).append((kind, data, units, s.__key__, s.shard))
-            meta.setdefault(module, []).append((kind, units, sum(length for _, length, _ in chunks)))
+            entry = (kind, units, sum(length for _, length, _ in chunks))
+            # several chunks (a video's tubelets): where each begins, so their counts can be settled later
+            meta.setdefault(module, []).append(
+                entry if len(chunks) == 1 else (*entry, tuple((o + start, length) for start, length, _ in chunks)))
             positions.setdefault(module, []).extend(np.arange(o + start, o + start + length, dtype=np.int64)
                                                     for start, length, _ in chunks)
         cu.append(o + n)
@@ -153,7 +164,7 @@ class PackedBatch(Batch):
     keys: list  # N lists of sample keys
     media: list  # N dicts module -> decoded items (only the modules/rows this rank decodes)
     positions: list  # N dicts module -> int64 positions (every rank, every row)
-    media_meta: list  # N dicts module -> [(kind, units, tokens)] (every rank, every row)
+    media_meta: list  # N dicts module -> [(kind, units, tokens[, chunks])] (every rank, every row)
     seq_length: int
     skipped: dict  # reason -> count, skips observed by the producing worker since its previous batch
 
@@ -178,6 +189,32 @@ class PackedBatch(Batch):
             cu_seqlens=self.cu_seqlens[lo:hi], keys=self.keys[lo:hi], media=self.media[lo:hi],
             positions=self.positions[lo:hi], media_meta=self.media_meta[lo:hi], seq_length=self.seq_length, skipped=dict(self.skipped))
 
+    def chunked_items(self, module: str) -> list[tuple[int, int, tuple]]:
+        """(row, item index, chunks) of every item of `module` written in several chunks, in row and item order:
+        the same list on every rank (it comes from the metadata)."""
+        return [(r, j, m[3]) for r, meta in enumerate(self.media_meta) for j, m in enumerate(meta.get(module, []))
+                if len(m) > 3]
+
+    def settle_tubelet_chunks(self, module: str, counts: dict[tuple[int, int], list[int]]) -> None:
+        """Move each chunked item's chunks to its per-chunk `counts` {(row, item index): [count per chunk]}, in
+        place: the row's tokens in the item's chunks, the module's positions and the item's metadata. Each
+        count list sums to the item's tokens; the text between chunks (a chunk's </img>, the next one's label and
+        <img>) moves with them, so the result is the sequence the release's processor writes with these counts
+        (what transformers' forward keeps of it under EVS: input_ids[retention_mask])."""
+        for (r, j), new in counts.items():
+            meta = self.media_meta[r][module]
+            kind, units, total, chunks = meta[j]
+            if len(new) != len(chunks) or sum(new) != total or min(new) < 0:
+                raise ValueError(f"row {r} {module} item {j}: counts {list(new)} do not settle {len(chunks)} chunks "
+                                 f"of {total} tokens")
+            tokens, row = settle_chunks(self.tokens[r].numpy(), chunks, new)
+            self.tokens[r] = torch.from_numpy(tokens)
+            offset = sum(m[2] for m in meta[:j])
+            pos = self.positions[r][module].copy()
+            pos[offset:offset + total] = np.concatenate([np.arange(a, a + n) for a, n in row])
+            self.positions[r][module] = pos
+            meta[j] = (kind, units, total, row)
+
     def check(self, count_tokens) -> None:
         """Assert the alignment contract: per row and module, embeddings produced == positions to fill.
 
@@ -186,7 +223,7 @@ class PackedBatch(Batch):
         for r, (media, meta, pos) in enumerate(zip(self.media, self.media_meta, self.positions)):
             for module in set(media) | set(meta) | set(pos):
                 p = pos.get(module, np.zeros(0, dtype=np.int64))
-                planned = sum(n for _, _, n in meta.get(module, []))
+                planned = sum(m[2] for m in meta.get(module, []))
                 assert planned == len(p), f"row {r} {module}: metadata plans {planned} tokens for {len(p)} positions"
                 if module in media:
                     produced = sum(count_tokens(k, a) for k, a in media[module])
@@ -195,6 +232,24 @@ class PackedBatch(Batch):
                 # A media token is an embedding slot, never a prediction target.
                 prev = p[p > 0] - 1
                 assert bool((self.labels[r, prev.tolist()] == IGNORE).all()), f"row {r} {module}: loss on media"
+
+
+def settle_chunks(tokens: np.ndarray, chunks: tuple, counts: list[int]) -> tuple[np.ndarray, tuple]:
+    """(row tokens, chunks) with an item's chunks ((start, count), ...) moved to `counts`: each chunk keeps
+    its context token and the text that follows it up to the next chunk (so the region from the first chunk's
+    start to the last chunk's end keeps its length when the counts keep their sum). Pure: a new array."""
+    context = next(int(tokens[a]) for a, n in chunks if n)
+    gaps = [tokens[a + n:b].copy() for (a, n), (b, _) in zip(chunks, chunks[1:])]  # the text between chunks
+    out, at, placed = tokens.copy(), chunks[0][0], []
+    for c, count in enumerate(counts):
+        out[at:at + count] = context
+        placed.append((at, count))
+        at += count
+        if c < len(gaps):
+            out[at:at + len(gaps[c])] = gaps[c]
+            at += len(gaps[c])
+    assert at == chunks[-1][0] + chunks[-1][1], "settled chunks must keep the region's length"
+    return out, tuple(placed)
 
 
 #: Arrays at least this large leave a loader worker through shared memory instead of the pickle stream.

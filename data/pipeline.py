@@ -70,6 +70,16 @@ def video_temporal(encoders: dict[str, str]) -> int:
     return encoder_config(encoders["vision"]).get("temporal_patch") or 1
 
 
+def settles_tubelet_chunks(encoders: dict[str, str], video_pruning: float) -> bool:
+    """Whether a model's EVS-pruned clips are written in per-tubelet chunks at nominal counts, which the trainer
+    settles once the encoder has chosen (data/tokens.media_placeholders, hetero/runtime/tubelet_settle.py): EVS
+    on a family whose video the release wraps per tubelet (omni)."""
+    if "vision" not in encoders or not video_pruning:
+        return False
+    wrap = prompt_template(template_for_encoders(encoders)).media.get("video")
+    return wrap is not None and wrap.per_tubelet
+
+
 def encoder_tokens(encoders: dict[str, str], max_tiles: int = 2, video_frames: int = 4,
                    video_pruning: float = 0.0, *, native_resolution: bool = False, min_patches: int | None = None,
                    max_patches: int | None = None) -> EncoderTokens:

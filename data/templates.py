@@ -26,12 +26,12 @@ Where the wrapping comes from:
         labels are the release's form without frame timestamps (what its processor writes for frames given as
         arrays, without video_metadata): Tessera sizes rows from container headers, before decoding. Under EVS
         (model.video_pruning > 0) the release keeps each tubelet's <img> ... </img> and decides its kept tokens in
-        its forward, after encoding, while Tessera sizes a row before encoding: such a clip is one chunk of the
-        clip's kept tokens (the same count, not the per-tubelet layout; EVS is the release's inference-time
-        pruning: its config's video_pruning_rate defaults to 0, and transformers' forward with it prunes the
-        logits but not the labels, so it computes no training loss). The CLI says so before launch
-        (recipes/checks.release_differences). tests/test_prompt_parity.py checks the unpruned layout against
-        the processor with transformers' own video processor.
+        its forward, after encoding (input_ids[retention_mask]); Tessera sizes a row before encoding, so it
+        writes the chunks at nominal counts (models/media_tokens.evs_nominal_tubelet_counts: only the clip's
+        total is known) and settles them to the counts its EVS chose at the vision boundary
+        (hetero/runtime/tubelet_settle.py): the release's layout, the row's length unchanged.
+        tests/test_prompt_parity.py checks both against the processor with transformers' own video processor
+        (pruned: with transformers' retention mask).
         vl: a bare run of <video>, Tessera's own (the Nano V2 VL's per-frame wrapping is not checkable offline).
 The turn template (ChatML, data/tokens.py) is not part of either processor: processor(text=...) tokenizes the
 text it is given, and the released chat templates (tokenizer_config / chat_template.jinja) are not available

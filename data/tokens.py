@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from tessera.models.media_tokens import EncoderTokens  # noqa: F401  (re-exported: the encoders define it)
+from tessera.models.media_tokens import evs_nominal_tubelet_counts
 
 from tessera.data.templates import (DEFAULT_TEMPLATE, IM_END, IM_START, SPECIAL_TOKENS,  # noqa: F401
                                     PromptTemplate, prompt_template, tubelet_chunks)
@@ -122,14 +123,17 @@ class EncodedPrompt:
 def media_placeholders(enc: EncoderTokens, template: str | PromptTemplate, kind: str,
                        units: int | tuple) -> int | list[tuple[str, int]]:
     """What encode_conversation writes for one media item: its embedding count (enc.tokens), or for a video of a
-    per-tubelet template (omni) its tubelet chunks, unless EVS prunes it (then one chunk: the release decides
-    each tubelet's kept tokens after encoding, data/templates.py)."""
+    per-tubelet template (omni) its tubelet chunks. Under EVS a chunk's count is known only after encoding: the
+    chunks then hold the clip's kept tokens at nominal counts (evs_nominal_tubelet_counts), which the trainer
+    settles to the counts EVS chose (data/packing.settle_tubelet_chunks; the row's length does not change)."""
     n = enc.tokens(kind, units)
     wrap = prompt_template(template).media.get(kind)
-    if kind != "video" or wrap is None or not wrap.per_tubelet or enc.video_pruning:
+    if kind != "video" or wrap is None or not wrap.per_tubelet:
         return n
     tubelets, per_tubelet = enc.tubelet_tokens(units)
     chunks = tubelet_chunks(units if isinstance(units, int) else units[0], enc.video_temporal, per_tubelet)
+    if enc.video_pruning:
+        chunks = [(label, c) for (label, _), c in zip(chunks, evs_nominal_tubelet_counts(tubelets, per_tubelet, n))]
     assert len(chunks) == tubelets and sum(c for _, c in chunks) == n, (chunks, n)
     return chunks
 

@@ -54,12 +54,15 @@ class OmniSample:
     """One sample (one document): token ids with media placeholders, and its media items in position order.
 
     media: [(module, kind, item, start, length)]; item is uint8 tiles [T, 3, tile, tile] (kind "image", each
-    tile one image of (tile/patch)^2 patches) or a float32 16 kHz waveform (kind "audio"); tokens[start:start +
-    length] are that item's placeholders (the config's image/audio token id)."""
+    tile one image of (tile/patch)^2 patches), a float32 16 kHz waveform (kind "audio") or (frames, None) (kind
+    "video"); tokens[start:start + length] are that item's placeholders (the config's image/audio token id).
+    chunks: {media index: ((start, count), ...)} of a video written in per-tubelet <img> ... </img> chunks, the
+    release's layout (its placeholders are the chunks' context positions, `length` in all)."""
 
     name: str
     tokens: torch.Tensor
     media: list = field(default_factory=list)
+    chunks: dict = field(default_factory=dict)
 
 
 def omni_token_ids(hf_dir: str) -> tuple[int, int, bool]:
@@ -103,7 +106,10 @@ def omni_samples(hf_dir: str, seed: int = OMNI_SEED, video_temporal: int = 0) ->
     an audio clip, a mixed one (text, image, text, audio, text) and a mixed one in the other order; with
     `video_temporal` (frames per tubelet, as the caller's model build encodes video) the audio sample also holds a
     5-frame video after its clip ("audio_video"; the release puts video at its image token id and prunes it by the
-    config's video_pruning_rate). Without an
+    config's video_pruning_rate), in the release's per-tubelet chunks: a label of random text ids, <img>, the
+    tubelet's placeholders, </img> (stand-in ids for both); under EVS at nominal counts
+    (evs_nominal_tubelet_counts: which tubelet keeps how many is known only after encoding). The clip ends
+    still, so EVS keeps none of its last tubelet. Without an
     audio encoder the audio sample is text only and the mixed ones keep their images. Placeholder counts come
     from the encoders' own token arithmetic (models/encoders.tokens_config), as the data side sizes them."""
     import dataclasses
@@ -111,6 +117,7 @@ def omni_samples(hf_dir: str, seed: int = OMNI_SEED, video_temporal: int = 0) ->
     import numpy as np
 
     from tessera.models.encoders import encoder_config, tokens_config
+    from tessera.models.media_tokens import evs_nominal_tubelet_counts
     from tessera.models.released import encoder_name, llm_fields_of, read_config
 
     vocab = llm_fields_of(read_config(hf_dir))["vocab_size"]
@@ -135,9 +142,10 @@ def omni_samples(hf_dir: str, seed: int = OMNI_SEED, video_temporal: int = 0) ->
         plans["audio_video"] = plans.pop("audio") + [("video", 5), 6]  # position of a sample with video as video
         plans = {k: plans[k] for k in ("image", "audio_video", "mixed", "mixed_audio_first")}  # (four rows still)
     rate = video_pruning_rate(hf_dir)
+    img_start, img_end = (int(i) for i in text_ids[:2])  # stand-ins for <img> and </img> (plain text ids)
     samples = []
     for name, plan in plans.items():
-        tokens, media = [], []
+        tokens, media, chunks = [], [], {}
         for part in plan:
             if isinstance(part, int):
                 tokens += rng.choice(text_ids, size=part).tolist()
@@ -151,10 +159,24 @@ def omni_samples(hf_dir: str, seed: int = OMNI_SEED, video_temporal: int = 0) ->
             if kind == "video":
                 rule = dataclasses.replace(rule, video_temporal=video_temporal, video_pruning=rate)
             count = rule.tokens(kind, len(item))
-            media.append((module, kind, (item, None) if kind == "video" else item, len(tokens), count))
+            if kind == "video":
+                # the clip ends still (its last frames one picture): EVS keeps no token of its last tubelet, so the
+                # chunks settle away from their nominal counts (hetero/runtime/tubelet_settle.py)
+                item[len(item) // 2:] = item[len(item) // 2]
+                tubelets, per = rule.tubelet_tokens(len(item))
+                nominal = evs_nominal_tubelet_counts(tubelets, per, count) if rate else [per] * tubelets
+                placed = []
+                for c, n in enumerate(nominal):
+                    tokens += rng.choice(text_ids, size=4 if c else 3).tolist() + [img_start]  # ("\n" +) label
+                    placed.append((len(tokens), n))
+                    tokens += [image_id] * n + [img_end]
+                chunks[len(media)] = tuple(placed)
+                media.append((module, kind, (item, None), placed[0][0], count))
+                continue
+            media.append((module, kind, item, len(tokens), count))
             tokens += [audio_id if kind == "audio" else image_id] * count
         samples.append(OmniSample(name if media or not name.startswith("audio") else "text", torch.tensor(tokens),
-                                  media))
+                                  media, chunks))
     return samples
 
 
@@ -173,26 +195,50 @@ def processor_pixels(tiles: torch.Tensor, patch: int, mean, std) -> torch.Tensor
     return x.reshape(n * (h // patch) * (w // patch), c * patch * patch)
 
 
-def omni_inputs(sample: OmniSample, vcfg: dict | None, audio_frontend, temporal: int = 1) -> dict:
-    """The Omni forward's inputs for one sample (omni_forward_inputs of its tokens, images and clip). A video's
-    span holds the tokens Tessera keeps after EVS; the release takes every tubelet's tokens and prunes them in its
-    forward, so the span is widened to ceil(frames / temporal) x tokens per frame placeholders and the frames go
-    in as pixel_values_videos (rescaled and normalised as the processor does; processor_pixels without patching)."""
+def release_video_tokens(tokens: torch.Tensor, chunks, per_tubelet: int) -> torch.Tensor:
+    """A document's tokens with a video's <img> ... </img> chunks ((start, count), ...), at the counts Tessera
+    placed, widened to every tubelet's `per_tubelet` tokens: what the release's processor writes. Its forward
+    then keeps input_ids[retention_mask] of them under EVS."""
+    context = int(tokens[next(a for a, n in chunks if n)])
+    for a, n in reversed(chunks):  # from the last: earlier chunks keep their starts
+        tokens = torch.cat([tokens[:a], tokens.new_full((per_tubelet,), context), tokens[a + n:]])
+    return tokens
+
+
+def release_video_pixels(frames, vcfg: dict) -> torch.Tensor:
+    """uint8 frames [F, 3, H, W] -> the forward's pixel_values_videos: rescaled and normalised as the video
+    processor does (processor_pixels without patching)."""
     import numpy as np
 
+    mean, std = (torch.tensor(vcfg[k]).view(-1, 1, 1) * 255 for k in ("mean", "std"))
+    return (torch.as_tensor(np.asarray(frames)).to(torch.float32) - mean) / std
+
+
+def video_encoder_outputs(model, pixel_values_videos: torch.Tensor) -> dict:
+    """The forward's mm_encoder_outputs for one clip. transformers 5.23's forward torch.cat()s get_video_features'
+    pooler_output as if it were a tuple (it is one tensor [tubelets, tokens, hidden]: a TypeError); the same
+    features, wrapped, go in through the forward's own mm_encoder_outputs (a document with video has no image
+    beside it: the forward's EVS takes every image-token position as the clip's)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    video = model.get_video_features(pixel_values_videos).pooler_output
+    return {"video": BaseModelOutputWithPooling(pooler_output=(video,))}
+
+
+def omni_inputs(sample: OmniSample, vcfg: dict | None, audio_frontend) -> dict:
+    """The Omni forward's inputs for one sample (omni_forward_inputs of its tokens, images and clip). A video's
+    chunks, at Tessera's nominal counts, are widened to the release's (release_video_tokens) and its frames go in
+    as pixel_values_videos (release_video_pixels)."""
     from tessera.models.encoders import tokens_config
 
     tokens, inputs_extra = sample.tokens, {}
-    for _, kind, item, start, length in sorted(sample.media, key=lambda m: -m[3]):
+    for i, (_, kind, item, _, _) in enumerate(sample.media):
         if kind != "video":
             continue
-        frames = torch.as_tensor(np.asarray(item[0])).to(torch.float32)
-        p = vcfg["patch"]
-        per_frame = tokens_config(vcfg).grid_tokens(frames.shape[-2] // p, frames.shape[-1] // p)
-        wide = -(-frames.shape[0] // temporal) * per_frame
-        tokens = torch.cat([tokens[:start], tokens[start:start + 1].expand(wide), tokens[start + length:]])
-        mean, std = (torch.tensor(vcfg[k]).view(-1, 1, 1) * 255 for k in ("mean", "std"))
-        inputs_extra["pixel_values_videos"] = (frames - mean) / std
+        frames, p = item[0], vcfg["patch"]
+        tokens = release_video_tokens(tokens, sample.chunks[i],
+                                      tokens_config(vcfg).grid_tokens(frames.shape[-2] // p, frames.shape[-1] // p))
+        inputs_extra["pixel_values_videos"] = release_video_pixels(frames, vcfg)
     inputs = omni_forward_inputs(tokens, [item for m, kind, item, _, _ in sample.media if kind == "image"],
                                  [item for m, kind, item, _, _ in sample.media if kind == "audio"], vcfg,
                                  audio_frontend, sample.name)
@@ -249,15 +295,9 @@ def omni_reference_logits(hf_dir: str, samples: list[OmniSample]) -> list[torch.
     out = []
     with torch.no_grad():
         for sample in samples:
-            inputs = omni_inputs(sample, vcfg, audio_frontend, model.config.video_temporal_patch_size or 1)
+            inputs = omni_inputs(sample, vcfg, audio_frontend)
             if "pixel_values_videos" in inputs:
-                # transformers 5.23's forward torch.cat()s get_video_features' pooler_output as if it were a tuple
-                # (it is one tensor [tubelets, tokens, hidden]: a TypeError); the same features, wrapped, go in
-                # through the forward's own mm_encoder_outputs (a video sample has no image beside it)
-                from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-                video = model.get_video_features(inputs.pop("pixel_values_videos")).pooler_output
-                inputs["mm_encoder_outputs"] = {"video": BaseModelOutputWithPooling(pooler_output=(video,))}
+                inputs["mm_encoder_outputs"] = video_encoder_outputs(model, inputs.pop("pixel_values_videos"))
             if "input_features" in inputs:  # placeholders Tessera sized vs embeddings transformers keeps
                 keeps = int(model.audio_tower._get_subsampling_output_length(
                     inputs["input_features_mask"].sum(-1) + 1).sum())

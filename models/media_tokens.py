@@ -79,6 +79,18 @@ def evs_kept_tokens(frames: int, per_frame: int, rate: float) -> int:
     return max(per_frame, int(frames * per_frame * (1 - rate))) if frames else 0
 
 
+def evs_nominal_tubelet_counts(tubelets: int, per_tubelet: int, kept: int) -> list[int]:
+    """How a pruned clip's `kept` tokens are first laid out over its tubelets' <img> ... </img> chunks, before
+    encoding: the first tubelet whole (EVS always keeps it: its score is the maximum, and kept >= one tubelet's
+    tokens), the rest spread evenly over the later tubelets, earlier ones first. Only the total is certain before
+    encoding; once EVS has chosen, the trainer moves the chunks to each tubelet's actual count
+    (data/packing.settle_tubelet_chunks), so these counts are a placeholder the row's length does not depend on."""
+    if tubelets < 1 or not per_tubelet <= kept <= tubelets * per_tubelet:
+        raise ValueError(f"{kept} kept tokens do not fit {tubelets} tubelets of {per_tubelet} with the first whole")
+    base, extra = divmod(kept - per_tubelet, tubelets - 1) if tubelets > 1 else (0, 0)
+    return [per_tubelet] + [base + (i < extra) for i in range(tubelets - 1)]
+
+
 @dataclass(frozen=True)
 class EncoderTokens:
     """How many LLM positions each media item occupies; mirrors the encoder configs.

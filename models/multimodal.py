@@ -25,7 +25,7 @@ from torch import nn
 from tessera.models.audio import AUDIO_FAMILIES, SoundProjector
 from tessera.models.encoders import encoder_config
 from tessera.models.tiling import TileSource
-from tessera.models.video import VideoEncoder, evs_prune
+from tessera.models.video import VideoEncoder, evs_prune, evs_tubelet_counts
 from tessera.hetero.plan.encoder_cp import plan_vision_cp
 from tessera.models.vision import Projector, VisionEncoder, VisionTransformer, pixel_shuffle
 from tessera.models.vision_cp import encode_parts
@@ -48,6 +48,7 @@ class MediaModule(nn.Module):
         super().__init__()
         self.cfg, self.encoder, self.projector, self.video = cfg, encoder, projector, video
         self.frozen = frozen
+        self.tubelet_kept: list[list[int]] = []  # per pruned video of the last project() call (project)
         if frozen:
             self.encoder.requires_grad_(False)
 
@@ -118,6 +119,7 @@ class MediaModule(nn.Module):
         MediaModule.project does. Audio: each clip's conformer rows (_forward_audio_stage)."""
         modality = self.cfg["modality"]
         stage = self.encoder.vit if modality == "vision" else self.encoder
+        self.tubelet_kept = []  # (set again by project on the last stage)
         if stage.first_stage != (x is None):
             raise ValueError(f"{modality} stage {stage.stage} of {stage.pp}: stage 0 reads the "
                              f"{'pixels' if modality == 'vision' else 'waveforms'} (x=None), a later stage takes the "
@@ -242,15 +244,24 @@ class MediaModule(nn.Module):
         """Items' encoder outputs ([tokens, d]; a video's token grid [F, h, w, d]) to [tokens, llm_hidden] in item
         order: one projector call over every token (it acts per token), then each video EVS-pruned on its
         projected embeddings, as the releases prune (transformers' NemotronH_Omni_Reasoning_V3Model.forward:
-        compute_retention_mask of the video embeds)."""
+        compute_retention_mask of the video embeds). `tubelet_kept` then holds, per pruned video in order, how
+        many tokens each of its tubelets kept."""
         flat = [f.flatten(0, -2) for f in feats]
         out = self.projector(torch.cat(flat))
         rate = self.video.pruning_rate if self.video is not None else 0.0
+        self.tubelet_kept = []
         if not rate or "video" not in kinds:
             return out
-        parts = out.split([len(f) for f in flat])
-        return torch.cat([evs_prune(part.reshape(*f.shape[:-1], -1), rate)[0] if kind == "video" else part
-                          for kind, f, part in zip(kinds, feats, parts)])
+        parts, kept = out.split([len(f) for f in flat]), []
+        for kind, f, part in zip(kinds, feats, parts):
+            if kind != "video":
+                kept.append(part)
+                continue
+            tokens, chosen = evs_prune(part.reshape(*f.shape[:-1], -1), rate)
+            kept.append(tokens)
+            # each tubelet's kept count, for the row's <img> ... </img> chunks (data/packing.settle_tubelet_chunks)
+            self.tubelet_kept.append(evs_tubelet_counts(chosen, f.shape[0], f.shape[1] * f.shape[2]))
+        return torch.cat(kept)
 
     @property
     def llm_hidden(self) -> int:

@@ -11,7 +11,9 @@ prompt's per-tubelet labels are the data side's (data/templates.tubelet_chunks).
                (tubelet) frame f > 0 scores 1 - cos(x[f, j], x[f-1, j]) on the *projected* embeddings; frame 0
                is always kept. The evs_kept_tokens(frames, per_frame, rate) highest scores survive, in their
                original order, so the count depends only on (frames, rate) and the data side can size the
-               placeholders before encoding (`VideoEncoder.num_tokens`).
+               placeholders before encoding (`VideoEncoder.num_tokens`). Which tubelet keeps how many is known
+               only after encoding (evs_tubelet_counts): the omni family's per-tubelet chunks are settled to it
+               by the trainer (hetero/runtime/tubelet_settle.py).
 With the defaults (no tubelets, rate 0) the count is frames * tokens_per_tile; models/media_tokens.video_tokens
 is the one count rule (the omni family's tubelets: data/pipeline.video_temporal).
 """
@@ -39,6 +41,12 @@ def evs_prune(grid: torch.Tensor, rate: float) -> tuple[torch.Tensor, torch.Tens
         # Stable descending sort: among equal scores the earlier token wins, so the choice is deterministic.
         chosen = torch.sort(torch.argsort(score.flatten(), descending=True, stable=True)[:keep]).values
     return frames.flatten(0, 1)[chosen], chosen
+
+
+def evs_tubelet_counts(chosen: torch.Tensor, tubelets: int, per_tubelet: int) -> list[int]:
+    """How many of evs_prune's `chosen` flat indices fall in each tubelet: what each tubelet's <img> ... </img>
+    chunk holds in the release's layout (data/packing.settle_tubelet_chunks)."""
+    return torch.bincount(chosen // per_tubelet, minlength=tubelets).tolist()
 
 
 class VideoEncoder(nn.Module):

@@ -19,7 +19,6 @@ from tessera.hetero.plan.layout import HeteroLayout
 from tessera.hetero.plan.recompute import parse_recompute
 from tessera.hetero.planner.run_layout import resolve_run_layout
 from tessera.hetero.training.run_modules import ENCODER_KEYS, module_specs
-from tessera.data.templates import prompt_template, template_for_encoders
 from tessera.models import configs, encoders
 
 MODALITIES = ENCODER_KEYS  # the encoder module keys of a ModelConfig and of a layout
@@ -47,22 +46,6 @@ def check_run(cfg, world_size: int) -> HeteroLayout:
         raise ValueError(f"optim.use_distributed_optimizer=True shards the fp32 master weights of a bf16 run, and "
                          f"model.dtype={cfg.model.dtype!r} has none: set model.dtype=bfloat16 or drop the option")
     return resolve_run_layout(cfg, world_size)
-
-
-def release_differences(model) -> list[str]:
-    """What a run feeds its LLM differently from the released model's own processor + forward, printed before
-    launch (nothing for the recipes' defaults). EVS on a per-tubelet template (omni): the release keeps every
-    tubelet's `<img> ... </img>` and picks each tubelet's kept tokens in its forward, after encoding, at
-    inference only (transformers' forward prunes its logits, not its labels: it computes no loss with EVS);
-    Tessera lays out a row before encoding, so a pruned clip is one chunk of the same kept tokens."""
-    rate = getattr(model, "video_pruning", 0.0) or 0.0
-    keys = [k for k in module_specs(model) if k in ENCODER_KEYS]
-    wrap = prompt_template(template_for_encoders(keys)).media.get("video") if "vision" in keys else None
-    if rate > 0 and wrap is not None and wrap.per_tubelet:
-        return [f"model.video_pruning={rate}: each pruned clip is one <img> ... </img> chunk of its kept tokens, not "
-                f"the released model's per-tubelet chunks (it prunes at inference only); set model.video_pruning=0 "
-                f"for the release's prompt"]
-    return []
 
 
 # ---- override keys --------------------------------------------------------------------------------------

@@ -50,8 +50,6 @@ class TesseraRunContext(RunContext):
         world = executors.fit_executor(getattr(self, "executor", None), layout_world)
         split = (task.data.rows_per_microbatch, task.data.microbatches)
         layout = checks.check_run(task, world)  # may re-split the step's rows so that every DP gets whole rows
-        for note in checks.release_differences(task.model):
-            print(f"note: {note}", flush=True)
         if split != (task.data.rows_per_microbatch, task.data.microbatches):
             print(f"data: rows_per_microbatch={task.data.rows_per_microbatch} microbatches={task.data.microbatches} "
                   f"(was {split[0]} x {split[1]}: the same {split[0] * split[1]} rows per step, whole rows for every "

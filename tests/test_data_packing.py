@@ -145,3 +145,54 @@ def test_first_fit_decreasing_is_first_fit_over_decreasing_lengths():
             fits = [k for k in range(len(bins)) if used[k] and used[k] + lengths[i] <= capacity]
             assert where[i] == (fits[0] if fits else used.index(0)), (lengths, capacity, bins, i)
             used[where[i]] += lengths[i]
+
+
+@pytest.mark.parametrize("tubelets,per,kept,nominal", [
+    (3, 4, 6, [4, 1, 1]), (3, 4, 7, [4, 2, 1]), (4, 25, 50, [25, 9, 8, 8]), (2, 4, 4, [4, 0]), (1, 9, 9, [9]),
+    (3, 4, 12, [4, 4, 4])])
+def test_evs_nominal_tubelet_counts_keep_the_first_whole_and_spread_the_rest(tubelets, per, kept, nominal):
+    from tessera.models.media_tokens import evs_nominal_tubelet_counts
+
+    assert evs_nominal_tubelet_counts(tubelets, per, kept) == nominal
+
+
+@pytest.mark.parametrize("tubelets,per,kept", [(3, 4, 3), (3, 4, 13), (0, 4, 4)])
+def test_evs_nominal_tubelet_counts_refuse_a_total_that_does_not_fit(tubelets, per, kept):
+    from tessera.models.media_tokens import evs_nominal_tubelet_counts
+
+    with pytest.raises(ValueError, match="do not fit"):
+        evs_nominal_tubelet_counts(tubelets, per, kept)
+
+
+def test_settling_a_pruned_clips_chunks_moves_them_and_the_text_between(tok):
+    """A pruned clip of 3 tubelets (4 tokens each, 6 kept) in the omni template: written at the nominal counts
+    [4, 1, 1]; settled to [4, 2, 0] it is exactly the prompt written with those counts (the release's layout of
+    the same choice, an empty last chunk included), positions and labels alike; counts that do not sum to what
+    was kept are refused, naming the item."""
+    import dataclasses
+
+    import torch
+
+    from tessera.data.packing import collate
+    from tessera.data.tokens import media_placeholders
+
+    enc = dataclasses.replace(ENC, video_temporal=2, video_pruning=0.5)
+    turns = [{"role": "user", "content": "Watch <video> now."}, {"role": "assistant", "content": "It moves."}]
+
+    def row(chunks):
+        prompt = encode_conversation(tok, turns, ["video"], [chunks], "omni")
+        s = EncodedSample(__key__="v", __restore_key__=(), prompt=prompt, raw_media=[("video", b"")], media=[],
+                          units=[5], shard="shard0")
+        return collate([pack_row([s], len(prompt) + 3, tok.pad_id)], {})
+
+    nominal = media_placeholders(dataclasses.replace(enc, patch=128), "omni", "video", 5)  # 4 tokens a tubelet
+    assert [n for _, n in nominal] == [4, 1, 1]
+    batch, want = row(nominal), row([(label, n) for (label, _), n in zip(nominal, [4, 2, 0])])
+    ((r, j, chunks),) = batch.chunked_items("vision")
+    assert [n for _, n in chunks] == [4, 1, 1]
+    batch.settle_tubelet_chunks("vision", {(r, j): [4, 2, 0]})
+    assert torch.equal(batch.tokens, want.tokens) and torch.equal(batch.labels, want.labels)
+    np.testing.assert_array_equal(batch.positions[0]["vision"], want.positions[0]["vision"])
+    assert batch.media_meta == want.media_meta
+    with pytest.raises(ValueError, match=r"row 0 vision item 0: counts \[4, 1, 0\] do not settle 3 chunks of 6"):
+        batch.settle_tubelet_chunks("vision", {(0, 0): [4, 1, 0]})

@@ -71,7 +71,7 @@ def test_each_rank_decodes_exactly_its_share(dataset, spec, monkeypatch):
     for bi, b in enumerate(ref):
         for row, meta in enumerate(b.media_meta):
             for m, lst in meta.items():
-                for kind, _, _ in lst:
+                for kind, *_ in lst:
                     assert ref_calls[i][1] == kind and ref_calls[i][0] in b.keys[row]
                     items.append((bi, row, *ref_calls[i]))
                     i += 1

@@ -28,6 +28,10 @@ LAYOUTS = {
     "colocated_tp2_dp2": "vision=tp2@0-1;audio=dp2@0-1;language=tp2@0-1",  # grown by DP to 4 ranks
     "noncolocated_llm_pp2": "vision=dp2@0-1;audio=dp2@0-1;language=pp2@2-3",
     "noncolocated_llm_cp2": "vision=dp2@0-1;audio=dp2@0-1;language=cp2@2-3",
+    # the video's EVS counts come from the vision pipeline's last stage; colocated, its first stage's ranks hold
+    # LLM first-stage rows too (they take part in the boundary without counts of their own)
+    "noncolocated_vision_pp2": "vision=pp2@0-1;audio=dp2@0-1;language=tp2@2-3",
+    "colocated_vision_pp2": "vision=pp2,dp2@0-3;audio=dp4@0-3;language=tp2,dp2@0-3",
 }
 VISION_ONLY_LAYOUT = "vision=dp2@0-1;language=tp2@2-3"
 

@@ -260,15 +260,51 @@ def test_input_ids_equal_the_released_processor(conversation, processor, task_en
     grids = [release_grid(h, w, n_images=sum(k == "image" for k, _ in items))
              for k, name in items if k == "image" for w, h in [IMAGE_SIZES[name]]]
     vision = row.media_meta.get("vision", [])
-    assert [(units, n) for kind, units, n in vision if kind == "image"] == [(g, g[0] * g[1] // 4) for g in grids]
+    assert [(units, n) for kind, units, n, *_ in vision if kind == "image"] == [(g, g[0] * g[1] // 4) for g in grids]
     # a video: all its frames, one tubelet chunk of the processor's per-frame token count per 2 frames
     videos = [name for kind, name in items if kind == "video"]
-    for (kind, units, n), name in zip([m for m in vision if m[0] == "video"], videos, strict=True):
+    for (kind, units, n, *_), name in zip([m for m in vision if m[0] == "video"], videos, strict=True):
         frames, (w, h) = VIDEOS[name]
         per_frame = processor.video_processor(videos=[torch.zeros(1, 3, h, w)])["num_tokens"][0]
         grid = release_video_grid(h, w)
         assert per_frame == grid[0] * grid[1] // 4
         assert (units, n) == ((frames, *grid), math.ceil(frames / 2) * per_frame)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_an_evs_pruned_clip_settles_to_the_released_models_pruned_ids(seed, processor, tokenizer_json):
+    """EVS (video pruning 0.5): the data side writes the clip's tubelet chunks at nominal counts; settled to the
+    counts Tessera's EVS chooses on some projected embeddings, the row is what transformers' forward keeps of the
+    processor's ids with its own retention mask on the same embeddings (input_ids[retention_mask], the
+    NemotronH_Omni_Reasoning_V3 forward's statement), and the vision positions are its image-token positions."""
+    from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import compute_retention_mask
+
+    from tessera.data.packing import collate
+    from tessera.models.video import evs_prune, evs_tubelet_counts
+
+    te = chat_task_encoder(Tokenizer(tokenizer_json), ENCODERS, SEQ, max_tiles=12, video_frames=8, video_pruning=0.5)
+    turns, items, raw = _sample("video")
+    full = _processor_ids(processor, turns, items, te)  # every tubelet's tokens: the processor's ids
+    frames, (w, h) = VIDEOS["5f"]
+    rows, cols = (g // 2 for g in release_video_grid(h, w))
+    tubelets = math.ceil(frames / 2)
+    embeds = torch.randn(tubelets * rows * cols, 8, generator=torch.Generator().manual_seed(seed))
+    keep = compute_retention_mask(video_embeds=embeds, thw=(tubelets, rows, cols), spatial_merge_size=1, q=0.5)
+    retention = np.ones(len(full), dtype=bool)
+    retention[full == processor.image_token_id] = keep.numpy()
+    want = full[retention]
+
+    batch = collate([pack_row([te.preencode_sample(raw)], len(want) + 5, te.tok.pad_id)], {})
+    ((r, j, nominal),) = batch.chunked_items("vision")
+    _, chosen = evs_prune(embeds.reshape(tubelets, rows, cols, -1), 0.5)
+    counts = evs_tubelet_counts(chosen, tubelets, rows * cols)
+    assert counts != [n for _, n in nominal], "EVS chose the nominal counts: the test would not bite"
+    labels = batch.labels.clone()
+    batch.settle_tubelet_chunks("vision", {(r, j): counts})
+    np.testing.assert_array_equal(batch.tokens[0, :len(want)].numpy(), want)
+    np.testing.assert_array_equal(batch.positions[0]["vision"], np.flatnonzero(want == processor.image_token_id))
+    assert [n for _, n in batch.media_meta[0]["vision"][0][3]] == counts
+    assert torch.equal(batch.labels, labels)  # the chunks are never targets: the loss's labels do not move
 
 
 def test_a_one_point_28_second_clip_has_seventeen_tokens(processor, task_encoder):

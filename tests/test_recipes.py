@@ -3,7 +3,6 @@
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_recipes.py -x -q      # ~40 s (5 CLI subprocesses)
 """
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -294,21 +293,6 @@ def test_a_full_recipe_sized_for_its_gpus_runs_and_plans_its_default_on_four_tim
     assert "cannot take an equal share" not in table, table
     best = best_layout_for_run(fdl.build(registry.recipe(name)), gpus)
     assert re.search(r"^\s*1\s.*" + re.escape(best) + "$", table, flags=re.M), (best, table)
-
-
-def test_a_run_that_feeds_its_llm_unlike_the_release_says_so_before_launch():
-    """EVS on the omni family (the release's per-tubelet video prompt, which transformers prunes at inference only)
-    gives one chunk per clip: printed before launch. No recipe's default does it; the vl family has no per-tubelet
-    prompt to differ from."""
-    for name in registry.recipe_names():
-        assert checks.release_differences(fdl.build(registry.recipe(name)).model) == [], name
-    omni = fdl.build(registry.recipe("nemotron_omni_tiny")).model
-    assert checks.release_differences(dataclasses.replace(omni, video_pruning=0.5))[0].startswith(
-        "model.video_pruning=0.5: each pruned clip is one <img> ... </img> chunk")
-    video = fdl.build(registry.recipe("nemotron_video_tiny")).model
-    assert video.video_pruning > 0 and checks.release_differences(video) == []
-    p = _nemo("finetune", "--factory", "nemotron_omni_tiny", "model.video_pruning=0.5", "run.executor=local", "--dryrun")
-    assert p.returncode == 0 and "note: model.video_pruning=0.5: each pruned clip is one" in p.stdout, p.stdout + p.stderr
 
 
 @pytest.mark.parametrize("name,gpus", [("nemotron_vl_12b", 8), ("nemotron_vl_12b", 16), ("nemotron_video_12b", 8),

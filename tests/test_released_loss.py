@@ -21,9 +21,14 @@ token of the microbatch and divided by their count (Tessera's normaliser, hetero
 The oracle runs in eval mode except for the Parakeet conformer's BatchNorm: a training step normalises each
 clip with its own statistics (Tessera encodes every media item alone), so transformers' BatchNorm is in
 training mode too (in eval it would use the running statistics: another function).
-Not covered here: video (the release puts every image-token position of a sample with video through EVS, so a
-video needs a sample of its own; its logits parity is in tests/test_parity_multimodal.py, its features in
-tests/test_video_release.py).
+Video with EVS (video pruning 0.5, test_first_step_loss_with_pruned_video_equals_transformers_omni): a data set
+of video documents (square frames: the release's forward prunes square frame grids only; its EVS takes every
+image-token position of a document as the clip's, so a clip has a document of its own). The trainer writes each
+clip's tubelet chunks at nominal counts and settles them to the counts its EVS chose at the vision boundary; the
+oracle gives transformers the release's ids (every chunk widened to its tubelet's tokens,
+models/hf_reference.release_video_tokens), which its forward prunes with its own retention mask. Transformers
+computes no loss under EVS (it prunes the logits, not its labels), so the cross entropy is taken of its logits
+against Tessera's labels, which settling never moves (the chunks are never targets).
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from tessera.scripts.tiny_release import AUDIO, VISION
 
 from tessera.data.templates import TEMPLATES
 from tessera.models import configs
-from tessera.models.hf_reference import omni_forward_inputs
+from tessera.models.hf_reference import (omni_forward_inputs, release_video_pixels, release_video_tokens,
+                                         video_encoder_outputs)
 
 OMNI = TEMPLATES["omni"]  # the template the loader uses for a model with an audio encoder
 
@@ -48,7 +54,12 @@ LAYOUT = "vision=dp2@0-1;audio=dp2@0-1;language=tp2@2-3"
 # since the omni family takes images at native resolution (one patch grid, not 2 tiles + thumbnail) that needs
 # 4 rows and loader seed 2 (with 2 rows and the default seed the first microbatch has no audio).
 SEQ, ROWS, LOADER_SEED = 384, 4, 2
+VIDEO_FRAMES = 6  # three tubelets: EVS at 0.5 keeps one and a half, so the last two share what it keeps
 TOL = 1e-4
+# The pruned-video run agrees to 4.6e-9 (fp32, one microbatch); the same run with its chunks left at their nominal
+# counts is off by 1.9e-5 (the captions see the clip's tokens through attention and Mamba state only): 1e-6 tells
+# the release's layout from the unsettled one.
+TOL_EVS = 1e-6
 
 
 KINDS = ("image", "audio", "chat", "audio")
@@ -100,12 +111,33 @@ def _records(n: int = 12, seed: int = 3):
         yield key, conversation, [("image", ext, data)]
 
 
-def _dataset(root):
+def _clip(rng: random.Random) -> tuple[bytes, str, str]:
+    """A 6-frame 64x64 clip: a square moves for four frames, then the picture stays still."""
+    from tessera.data.prepare import COLORS, encode_mp4
+
+    color, size = rng.choice(sorted(COLORS)), 16
+    frames = np.zeros((6, 64, 64, 3), dtype=np.uint8)
+    for t in range(6):
+        x = 12 * min(t, 3)
+        frames[t, 24:24 + size, x:x + size] = COLORS[color]
+    return encode_mp4(frames, fps=8), "mp4", f"A {color} square moves right, then stops."
+
+
+def _video_records(n: int = 8, seed: int = 5):
+    from tessera.data.prepare import caption_chat
+
+    rng = random.Random(seed)
+    for i in range(n):
+        data, ext, text = _clip(rng)
+        yield f"loss_{i:04d}", caption_chat("video", text), [("video", ext, data)]
+
+
+def _dataset(root, records=None):
     """Shards + energon index + a SentencePiece tokenizer (root/tokenizer.model) trained on the texts."""
     from tessera.data.prepare import energon_prepare, write_shards
     from tessera.data.tokens import Tokenizer, train_sentencepiece
 
-    records = list(_records())
+    records = list(records if records is not None else _records())
     write_shards(iter(records), root, shard_size=6)
     energon_prepare(root)
     texts = [t["content"] for _, conv, _ in records for t in conv] * 4
@@ -113,7 +145,7 @@ def _dataset(root):
     return Tokenizer(root / "tokenizer.model")
 
 
-def _checkpoint(directory, tok) -> None:
+def _checkpoint(directory, tok, **config) -> None:
     """A random tiny Omni model whose media token ids and vocabulary are the tokenizer's; every parameter
     that starts constant (norm weights, biases, layer scales, BatchNorm affine) is perturbed, so none is an
     identity that would hide a mistake."""
@@ -124,7 +156,7 @@ def _checkpoint(directory, tok) -> None:
         text_config=dict(configs.TINY_DENSE, vocab_size=tok.vocab_size),  # not a multiple of 128: padded rows
         vision_hidden_size=VISION["hidden_size"], downsample_ratio=0.5, projector_hidden_size=72,
         image_token_id=tok.special[OMNI.media["image"].context],
-        audio_token_id=tok.special[OMNI.media["audio"].context])
+        audio_token_id=tok.special[OMNI.media["audio"].context], **config)
     torch.manual_seed(0)
     model = NemotronH_Omni_Reasoning_V3(cfg)
     with torch.no_grad():
@@ -137,19 +169,20 @@ def _checkpoint(directory, tok) -> None:
     model.save_pretrained(str(directory))
 
 
-def _configs(ckpt: str, data_path: str):
+def _configs(ckpt: str, data_path: str, video_pruning: float = 0.0):
     from tessera.recipes.config import DataConfig, ModelConfig
 
-    return ModelConfig(checkpoint=ckpt), DataConfig(path=data_path, seq_length=SEQ, rows_per_microbatch=ROWS,
-                                                    microbatches=1, seed=LOADER_SEED)
+    return ModelConfig(checkpoint=ckpt, video_pruning=video_pruning), DataConfig(
+        path=data_path, seq_length=SEQ, rows_per_microbatch=ROWS, microbatches=1, seed=LOADER_SEED,
+        video_frames=VIDEO_FRAMES)
 
 
-def _first_step(ckpt: str, data_path: str, run_dir: str, export: str):
+def _first_step(ckpt: str, data_path: str, run_dir: str, export: str, video_pruning: float = 0.0):
     """On every rank: one training step from the checkpoint in LAYOUT, then the HF export."""
     from tessera.recipes.config import OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
-    model, data = _configs(ckpt, data_path)
+    model, data = _configs(ckpt, data_path, video_pruning)
     trainer = TrainerConfig(max_steps=1, run_dir=run_dir, progress=False, tensorboard=False, export_hf=export)
     return train(model, data, OptimConfig(lr=1e-3), trainer, layout=LAYOUT, name="released_loss")
 
@@ -180,25 +213,41 @@ def _documents(batch):
         spans = {m: [] for m in batch.media_meta[r]}  # module -> [(first, last position, kind, item)]
         for m, meta in batch.media_meta[r].items():
             pos, k = batch.positions[r][m], 0
-            for (kind, units, n), (kind2, item) in zip(meta, batch.media[r][m], strict=True):
-                # units: tiles, or (the omni family's native resolution) one image's (rows, cols) patch grid
-                assert kind == kind2 and len(item) == (units if isinstance(units, int) else 1)
-                spans[m].append((int(pos[k]), int(pos[k + n - 1]), kind, item))
+            for (kind, units, n, *chunks), (kind2, item) in zip(meta, batch.media[r][m], strict=True):
+                # units: tiles, (the omni family's native resolution) one image's (rows, cols) patch grid, or a
+                # clip's (frames, rows, cols); a clip in tubelet chunks has their ((start, count), ...)
+                assert kind == kind2 and len(item[0] if kind == "video" else item) == (
+                    units if isinstance(units, int) else units[0] if kind == "video" else 1)
+                spans[m].append((int(pos[k]), int(pos[k + n - 1]), kind, item, chunks[0] if chunks else None))
                 k += n
             assert k == len(pos)
         for j, key in enumerate(batch.keys[r]):
             a, b = cu[j], cu[j + 1]
-            media = {m: [(kind, item) for lo, hi, kind, item in s if a <= lo <= hi < b] for m, s in spans.items()}
-            docs.append(dict(key=key, tokens=batch.tokens[r, a:b], labels=batch.labels[r, a:b], **media))
+            media = {m: [(kind, item) for lo, hi, kind, item, _ in s if a <= lo <= hi < b] for m, s in spans.items()}
+            chunks = [tuple((c - a, n) for c, n in ch) for s in spans.values() for lo, hi, _, _, ch in s
+                      if ch and a <= lo <= hi < b]
+            docs.append(dict(key=key, tokens=batch.tokens[r, a:b], labels=batch.labels[r, a:b], chunks=chunks,
+                             **media))
     assert sum(len(d.get(m, [])) for d in docs for m in ("vision", "audio")) == sum(
         len(v) for row in batch.media for v in row.values()), "a media item outside its document"
     return docs
 
 
-def _oracle_inputs(doc, vcfg, audio_encoder) -> dict:
-    assert all(kind == "image" for kind, _ in doc.get("vision", [])), "video is not part of this test"
-    return omni_forward_inputs(doc["tokens"], [item for _, item in doc.get("vision", [])],
-                               [item for _, item in doc.get("audio", [])], vcfg, audio_encoder, doc["key"])
+def _oracle_inputs(doc, vcfg, audio_encoder, model) -> dict:
+    """The forward's inputs; a clip's document gets the release's ids (its chunks widened to every tubelet's
+    tokens) and the clip's features through mm_encoder_outputs."""
+    from tessera.models.encoders import tokens_config
+
+    videos = [item for kind, item in doc.get("vision", []) if kind == "video"]
+    if not videos:
+        return omni_forward_inputs(doc["tokens"], [item for _, item in doc.get("vision", [])],
+                                   [item for _, item in doc.get("audio", [])], vcfg, audio_encoder, doc["key"])
+    (frames, _), = videos  # a clip's document holds nothing else (module docstring)
+    (chunks,) = doc["chunks"]
+    per_tubelet = tokens_config(vcfg).grid_tokens(frames.shape[-2] // vcfg["patch"], frames.shape[-1] // vcfg["patch"])
+    tokens = release_video_tokens(doc["tokens"], chunks, per_tubelet)
+    inputs = omni_forward_inputs(tokens, [], [], vcfg, audio_encoder, doc["key"])
+    return {**inputs, "mm_encoder_outputs": video_encoder_outputs(model, release_video_pixels(frames, vcfg))}
 
 
 def oracle_loss(ckpt: str, batch) -> tuple[float, int, dict]:
@@ -218,8 +267,9 @@ def oracle_loss(ckpt: str, batch) -> tuple[float, int, dict]:
     total, count, kinds = torch.zeros((), dtype=torch.float64), 0, {}
     with torch.no_grad():
         for doc in _documents(batch):
-            kinds[_kind(doc["key"])] = kinds.get(_kind(doc["key"]), 0) + 1
-            logits = model(**_oracle_inputs(doc, vcfg, audio_encoder)).logits[0]
+            kind = "video" if doc["chunks"] else _kind(doc["key"])
+            kinds[kind] = kinds.get(kind, 0) + 1
+            logits = model(**_oracle_inputs(doc, vcfg, audio_encoder, model)).logits[0]
             assert logits.shape == (len(doc["tokens"]), model.config.text_config.vocab_size)
             labels = doc["labels"]
             total += torch.nn.functional.cross_entropy(logits.double(), labels, ignore_index=-100, reduction="sum")
@@ -264,3 +314,48 @@ def test_first_step_loss_equals_transformers_omni(tmp_path):
         model.save_pretrained(d)
         again = load_file(f"{d}/model.safetensors")
     assert sorted(again) == sorted(after) and all(torch.equal(again[k], after[k]) for k in after)
+
+
+def _settled_away_from_nominal(ckpt: str, batch) -> int:
+    """Clips of the microbatch whose per-tubelet counts under transformers' own retention mask differ from the
+    nominal counts the data side wrote (where the test would pass without settling, it must not count)."""
+    from transformers import NemotronH_Omni_Reasoning_V3
+    from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import compute_retention_mask
+
+    from tessera.models.encoders import encoder_config
+    from tessera.models.released import encoder_name
+
+    model = NemotronH_Omni_Reasoning_V3.from_pretrained(ckpt, dtype=torch.float32).eval()
+    vcfg, moved = encoder_config(encoder_name(ckpt, "vision")), 0
+    with torch.no_grad():
+        for doc in _documents(batch):
+            for (kind, (frames, _)), chunks in zip(doc.get("vision", []), doc["chunks"]):
+                video = model.get_video_features(release_video_pixels(frames, vcfg)).pooler_output  # [T, P, d]
+                side = int(video.shape[1] ** 0.5)
+                keep = compute_retention_mask(video_embeds=video.reshape(-1, video.shape[-1]),
+                                              thw=(video.shape[0], side, side), spatial_merge_size=1,
+                                              q=model.config.video_pruning_rate)
+                moved += keep.view(video.shape[0], -1).sum(-1).tolist() != [n for _, n in chunks]
+    return moved
+
+
+@pytest.mark.multiproc
+def test_first_step_loss_with_pruned_video_equals_transformers_omni(tmp_path):
+    """EVS: the trainer settles each clip's tubelet chunks at the boundary (hetero/runtime/tubelet_settle.py) to
+    the release's layout, in the same heterogeneous layout; the loss is transformers' on the release's ids."""
+    from tessera.hetero.tools.spawn import run_on_ranks
+    from tessera.hetero.training.metrics import read_metrics
+
+    data_path, ckpt, rate = tmp_path / "data", tmp_path / "released", 0.5
+    _checkpoint(ckpt, _dataset(data_path, _video_records()), video_pruning_rate=rate)
+    run_on_ranks(4, _first_step, str(ckpt), str(data_path), str(tmp_path / "run"), "", rate, timeout=300)
+    (record,) = read_metrics(tmp_path / "run")
+
+    batch = _first_batch(*_configs(str(ckpt), str(data_path), rate))
+    assert _settled_away_from_nominal(str(ckpt), batch) > 0, "every clip kept its nominal counts: no bite"
+    ref, count, kinds = oracle_loss(str(ckpt), batch)
+    assert count == record["target_tokens"], (count, record["target_tokens"])
+    err = abs(record["loss"] - ref) / abs(ref)
+    print(f"\nfirst-step loss with EVS: tessera {record['loss']:.8f}  transformers {ref:.8f}  rel err {err:.2e}  "
+          f"({count} target tokens, {kinds})")
+    assert err <= TOL_EVS

@@ -67,7 +67,8 @@ def hetero_step(layout: HeteroLayout, groups: dict[str, ModuleGroups], encoders:
                 language: LanguageStage | None, comms: dict[str, BoundaryCommunicator],
                 batches: list[dict[str, BoundaryBatch]], like: torch.Tensor) -> StepResult:
     """Forward and backward of every microbatch on this rank. `batches[mb][key]` is encoder key's
-    boundary metadata for microbatch mb (known on every rank); `like` gives dtype and device."""
+    boundary metadata for microbatch mb (known on every rank), or a function of this rank's stage of the key
+    (None where it has none) that returns it, called inside the boundary op; `like` gives dtype and device."""
     rank = dist.get_rank()
     lg = groups[LANGUAGE]
     st, result = _StepState(), StepResult(torch.zeros((), dtype=torch.float64, device=like.device))
@@ -112,7 +113,10 @@ def hetero_step(layout: HeteroLayout, groups: dict[str, ModuleGroups], encoders:
             x = st.outputs.pop(slot, None) if g.is_member and g.last_stage else None
             if x is not None and not x.requires_grad:  # frozen module: keep the exchange in the graph
                 x = x.detach().requires_grad_()
-            st.boundary[slot] = comms[key](x, batches[mb][key])
+            batch = batches[mb][key]
+            if callable(batch):  # a layout settled at the boundary (EVS tubelet chunks: runtime/tubelet_settle.py)
+                batch = batch(encoders.get(key))
+            st.boundary[slot] = comms[key](x, batch)
         elif op.kind == "boundary_bwd":
             out = st.boundary.pop(slot)
             if lg.is_member and lg.first_stage:

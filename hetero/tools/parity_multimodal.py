@@ -35,9 +35,12 @@ Rank 0 prints `parity: PASS max_rel_err=...` (<= --tol, default 1e-4) or `parity
 
 Video: when the trainer's model build encodes DIR's video as the release does (tubelets of the ViT's temporal
 patch, the omni family: data/pipeline.video_temporal), the audio sample also holds a 5-frame clip after its audio
-("audio_video"), its placeholders the tokens EVS keeps at the config's video_pruning_rate; transformers gets the
-clip's every tubelet token and prunes in its forward (models/hf_reference.omni_inputs), so both sides' logits
-cover the same sequence.
+("audio_video") in the release's per-tubelet <img> ... </img> chunks, pruned by EVS at the config's
+video_pruning_rate: Tessera's chunks are written at nominal counts and settled at the vision boundary to the
+counts its EVS chose (hetero/runtime/tubelet_settle.py, as in training); transformers gets every tubelet's tokens
+and prunes them in its forward (models/hf_reference.omni_inputs). The clip ends still, so its last tubelet keeps
+nothing and the counts differ from the nominal ones: both sides' logits cover the same sequence only if the
+chunks were settled as the release lays them out.
 Test-only hook: `compare_multimodal(..., perturb={hf_key: factor})` scales checkpoint tensors as they are read,
 so a test can watch parity fail.
 """
@@ -60,7 +63,7 @@ from tessera.hetero.planner.run_layout import resolve_run_layout
 from tessera.hetero.runtime.device import current_device
 from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
 from tessera.hetero.runtime.step_executor import hetero_step
-from tessera.hetero.training.loop import RunState, step_context
+from tessera.hetero.training.loop import RunState, boundary_batches, step_context, tubelet_settle
 from tessera.hetero.training.model_build import (build_rank_modules, check_checkpoint_tensors, load_full_state,
                                                  module_configs)
 from tessera.hetero.training.run_modules import checkpoint_llm_fields
@@ -103,10 +106,12 @@ def packed_batch(samples: list[OmniSample], seq_length: int) -> PackedBatch:
         position_ids[r, :k] = torch.arange(k)
         cu.append(torch.tensor([0, k, seq_length] if k < seq_length else [0, k], dtype=torch.int32))
         row_media, row_pos, row_meta = {}, {}, {}
-        for module, kind, item, start, length in s.media:
+        for i, (module, kind, item, start, length) in enumerate(s.media):
             row_media.setdefault(module, []).append((kind, item))
-            row_pos.setdefault(module, []).append(np.arange(start, start + length, dtype=np.int64))
-            row_meta.setdefault(module, []).append((kind, len(item[0] if kind == "video" else item), length))
+            chunks = s.chunks.get(i, ((start, length),))  # a video in tubelet chunks: as the packer records it
+            row_pos.setdefault(module, []).extend(np.arange(a, a + n, dtype=np.int64) for a, n in chunks)
+            entry = (kind, len(item[0] if kind == "video" else item), length)
+            row_meta.setdefault(module, []).append(entry if len(chunks) == 1 else (*entry, chunks))
         media.append(row_media)
         positions.append({m: np.concatenate(p) for m, p in row_pos.items()})
         meta.append(row_meta)
@@ -221,12 +226,13 @@ def compare_multimodal(hf_dir: str, layout: str = "", perturb: dict[str, float] 
 
     batch = packed_batch(samples, seq)
     comms, like, _ = step_context(run)
+    settle = tubelet_settle(run)  # EVS: the video's tubelet chunks settle at the boundary, as in training
     enc = {k: MediaEncoderStage(run.modules[k], k, hetero[k], run.groups[k].coord, [batch], device,
                                  run.groups[k].pgs.cp)
            for k in run.modules if k != LANGUAGE}
     lang = (_LogitsStage(_LogitsOnly(run.modules[LANGUAGE]), hetero[LANGUAGE], run.groups[LANGUAGE].coord, [batch],
                          1, device) if LANGUAGE in run.modules else None)
-    result = hetero_step(hetero, run.groups, enc, lang, comms, [batch.boundary_batches(sorted(hetero.encoders))], like)
+    result = hetero_step(hetero, run.groups, enc, lang, comms, boundary_batches([batch], hetero, settle), like)
 
     payload = None
     lg = run.groups[LANGUAGE]

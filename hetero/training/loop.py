@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.data.loader import close_loader
+from tessera.data.pipeline import settles_tubelet_chunks
 from tessera.data.sharding import decode_plan
 from tessera.hetero.runtime.boundary import BoundaryCommunicator
 from tessera.hetero.runtime.device import current_device
@@ -31,6 +32,7 @@ from tessera.hetero.runtime.groups import build_module_groups, destroy_module_gr
 from tessera.hetero.plan.layout import LANGUAGE
 from tessera.hetero.planner.run_layout import resolve_run_layout
 from tessera.hetero.runtime.step_executor import hetero_step
+from tessera.hetero.runtime.tubelet_settle import TubeletSettle
 from tessera.hetero.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tessera.hetero.training.loader_state import decode_loader_state, encode_loader_state
 from tessera.hetero.training.lora import apply_lora
@@ -169,7 +171,8 @@ def _build_loader(run: RunState):
                               defer_upscale=run.device.type != "cpu")
 
 
-def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, hosts_loss: bool) -> dict:
+def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, hosts_loss: bool,
+                settle: TubeletSettle | None = None) -> dict:
     """One optimizer step over `data.microbatches` microbatches; returns the metrics record (every rank)."""
     cfg, layout, groups, modules = run.cfg, run.layout, run.groups, run.modules
     t0 = time.perf_counter()
@@ -180,8 +183,7 @@ def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, h
     lang = (LanguageStage(modules[LANGUAGE], layout[LANGUAGE], groups[LANGUAGE].coord, batches, total, run.device)
             if LANGUAGE in modules else None)
     sent0 = sum(c.bytes_sent for c in comms.values())
-    result = hetero_step(layout, groups, enc, lang, comms,
-                         [b.boundary_batches(sorted(layout.encoders)) for b in batches], like)
+    result = hetero_step(layout, groups, enc, lang, comms, boundary_batches(batches, layout, settle), like)
     stats = run.opt.step(lr_at(step, cfg.trainer.max_steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio))
     sums = torch.tensor([float(result.loss) if hosts_loss else 0.0,
                          sum(c.bytes_sent for c in comms.values()) - sent0], dtype=torch.float64,
@@ -215,6 +217,24 @@ def step_context(run: RunState) -> tuple[dict, torch.Tensor, bool]:
     return comms, like, hosts_loss
 
 
+def tubelet_settle(run: RunState) -> TubeletSettle | None:
+    """The exchange that settles EVS-pruned clips' tubelet chunks at the vision boundary, when the run writes
+    them (data/pipeline.settles_tubelet_chunks); built on every rank alike (it creates a process group)."""
+    if not settles_tubelet_chunks(encoder_names(run.cfg.model), getattr(run.cfg.model, "video_pruning", 0.0)):
+        return None
+    return TubeletSettle(run.layout, "vision", run.device)
+
+
+def boundary_batches(batches: list, layout, settle: TubeletSettle | None) -> list[dict]:
+    """Each microbatch's boundary batch per encoder, for hetero_step; the vision one settled inside its boundary
+    op when the run prunes clips written in tubelet chunks."""
+    out = [b.boundary_batches(sorted(layout.encoders)) for b in batches]
+    if settle is not None:
+        for mb, (b, per_key) in enumerate(zip(batches, out)):
+            per_key[settle.key] = settle.lazy(b, mb)
+    return out
+
+
 def run_training(cfg, run_dir: Path, device: torch.device | None = None) -> dict:
     """Train `cfg` on this rank: resolve, build, resume, then steps with metrics and checkpoints.
     `device`: where this rank computes; default the one its launcher bound (hetero/runtime/device.py)."""
@@ -225,13 +245,14 @@ def run_training(cfg, run_dir: Path, device: torch.device | None = None) -> dict
     _resume(run)
     loader = _build_loader(run)
     comms, like, hosts_loss = step_context(run)
+    settle = tubelet_settle(run)
     metrics = RunMetrics(run_dir, cfg.trainer.max_steps, run.start, cfg.trainer.progress,
                          cfg.trainer.tensorboard) if run.rank == 0 else None
 
     it, record, first_loss = iter(loader), {}, None
     for step in range(run.start, cfg.trainer.max_steps):
         _maybe_fail(step, run.rank)
-        record = _train_step(run, step, it, comms, like, hosts_loss)
+        record = _train_step(run, step, it, comms, like, hosts_loss, settle)
         first_loss = record["loss"] if first_loss is None else first_loss
         if metrics is not None:
             metrics.log(record)

@@ -55,6 +55,7 @@ class MediaEncoderStage:
         self.cp_group = cp_group  # item-parallel CP gathers the items' outputs over it
         if layout.cp > 1 and cp_group is None:
             raise ValueError(f"{key}={layout.to_spec()}: an encoder stage under CP needs its cp group")
+        self._kept: dict[int, dict[tuple[int, int], list[int]]] = {}  # mb -> {(row, item): per-tubelet kept}
 
     def _rows(self, mb: int) -> list[list]:
         """Each of this rank's DP rows' items of this encoder, in order."""
@@ -75,12 +76,29 @@ class MediaEncoderStage:
             return self.module.forward_cp(self._rows(mb))  # this CP rank's part of the tokens (models/vision_cp.py)
         if self.layout.cp > 1:
             return self._forward_items_cp(self._rows(mb))
-        items = self._items(mb)
+        items, kept = self._items(mb), []
         if self.layout.pp > 1:
-            return self.module.forward_stage(items, x)
-        if not items:
-            return self.module([])
-        return torch.cat([self.module([it]) for it in items])
+            out = self.module.forward_stage(items, x)
+            kept = list(self.module.tubelet_kept)
+        elif not items:
+            out = self.module([])
+        else:
+            outs = []
+            for it in items:
+                outs.append(self.module([it]))
+                kept += self.module.tubelet_kept
+            out = torch.cat(outs)
+        if kept:  # EVS: each pruned clip's per-tubelet kept counts, by (row, item index) of the batch
+            rows = dp_rows(self.batches[mb].tokens.shape[0], self.layout.dp_size, self.coord.dp)
+            videos = [(r, j) for r in rows for j, (kind, _) in enumerate(self.batches[mb].media[r].get(self.key, []))
+                      if kind == "video"]
+            self._kept[mb] = dict(zip(videos, kept, strict=True))
+        return out
+
+    def tubelet_kept(self, mb: int) -> dict[tuple[int, int], list[int]]:
+        """{(row, item index): tokens each tubelet kept} of microbatch mb's EVS-pruned clips this rank encoded
+        (its last stage; empty elsewhere), for hetero/runtime/tubelet_settle.py."""
+        return self._kept.pop(mb, {})
 
     def _forward_items_cp(self, rows: list[list]) -> torch.Tensor:
         """Item-parallel CP (hetero/plan/encoder_cp.item_owners): this rank encodes the items dealt to it, the
