@@ -43,6 +43,7 @@ from megatron.energon.state import FlexState
 from tessera.data.media import (MediaError, blank_item, choose_grid, decode_audio, decode_image, decode_native_image,
                                 decode_video, native_grid, probe_audio, probe_image, probe_video, sample_indices)
 from tessera.data.packing import EncodedSample, PackedSample, collate, first_fit_decreasing, pack_row
+from tessera.data.templates import release_frame_time
 from tessera.data.tokens import (DEFAULT_TEMPLATE, MODULE_OF_KIND, MEDIA_TAGS, EncoderTokens, PromptError, Tokenizer,
                                  encode_conversation, media_placeholders)
 
@@ -102,25 +103,31 @@ class ChatTaskEncoder(TaskEncoder):
         log.warning(msg)
         raise SkipSample(msg)
 
-    def _units(self, kind: str, data: bytes) -> int | tuple[int, int]:
+    def _units(self, kind: str, data: bytes) -> tuple[int | tuple, list[float] | None]:
         """Predicted tiles (or, at native resolution, the (rows, cols) patch grid) / frames (at native resolution
-        (frames, rows, cols)) / 16 kHz samples of one item, from headers only."""
+        (frames, rows, cols)) / 16 kHz samples of one item, from headers only; with a video, the times of its
+        sampled frames as the release's processor labels them (None without a frame rate)."""
         if kind == "image":
             w, h = probe_image(data)
             if self.enc.native_resolution:
-                return native_grid(w, h, self.enc)
-            return choose_grid(w, h, self.enc.max_tiles, self.enc.thumbnail, self.enc.tile).num_tiles
+                return native_grid(w, h, self.enc), None
+            return choose_grid(w, h, self.enc.max_tiles, self.enc.thumbnail, self.enc.tile).num_tiles, None
         if kind == "video":
-            if self.enc.native_resolution:  # (frames, rows, cols): every frame the clip's native grid
-                total, w, h = probe_video(data, size=True)
-                return (len(sample_indices(total, self.enc.video_frames)), *self.enc.video_grid(w, h))
-            return len(sample_indices(probe_video(data), self.enc.video_frames))
+            head = probe_video(data)
+            picked = sample_indices(head.frames, self.enc.video_frames)
+            times = [release_frame_time(i, head.fps) for i in picked] if head.fps else None
+            if not self.enc.native_resolution:
+                return len(picked), times
+            if not (head.width > 0 and head.height > 0):
+                raise MediaError(f"video stream header has no frame size ({head.width}x{head.height})")
+            # (frames, rows, cols): every frame the clip's native grid
+            return (len(picked), *self.enc.video_grid(head.width, head.height)), times
         samples = self.enc.audio_padded_samples(probe_audio(data, self.enc.audio_rate))
         if self.enc.audio_tokens(samples) < self.enc.audio_min_tokens:
             raise MediaError(f"{samples} samples give {self.enc.audio_tokens(samples)} encoder frame(s) after "
                              f"{self.enc.audio_subsampling}x subsampling; the encoder needs at least "
                              f"{self.enc.audio_min_tokens}", reason="too_short")
-        return samples
+        return samples, None
 
     @stateless
     def preencode_sample(self, sample: RawSample) -> EncodedSample:
@@ -140,16 +147,18 @@ class ChatTaskEncoder(TaskEncoder):
                 self._skip(sample, "no_encoder", f"{it['kind']} item but the model has no "
                                                  f"{MODULE_OF_KIND[it['kind']]} encoder")
             raw.append((it["kind"], m[it["field"]]))
-        units = []
+        units, times = [], []
         for kind, data in raw:
             try:
-                units.append(self._units(kind, data))
+                u, t = self._units(kind, data)
             except MediaError as e:
                 self._skip(sample, e.reason or f"undecodable_{kind}", str(e))
+            units.append(u)
+            times.append(t)
         try:
             prompt = encode_conversation(self.tok, turns, [k for k, _ in raw],
-                                         [media_placeholders(self.enc, self.template, k, u)
-                                          for (k, _), u in zip(raw, units)], self.template)
+                                         [media_placeholders(self.enc, self.template, k, u, t)
+                                          for (k, _), u, t in zip(raw, units, times)], self.template)
         except PromptError as e:
             self._skip(sample, "missing_modality" if "missing modality" in str(e) else "extra_media", str(e))
         if len(prompt) > self.seq_length:

@@ -180,10 +180,12 @@ def decode_native_image(data: bytes, enc, defer_upscale: bool = False) -> np.nda
 
 
 def sample_indices(total: int, wanted: int) -> list[int]:
-    """`wanted` frame indices spread uniformly over `total` frames (segment centres), all when fewer."""
+    """`wanted` frame indices spread uniformly over `total` frames, all when fewer: the released processor's rule
+    (transformers 5.23 video_utils.default_sample_indices_fn, l.353: arange(wanted) * total // wanted, the first
+    frame of each of `wanted` equal segments), so a clip trains on the frames it is served with."""
     if total <= wanted:
         return list(range(total))
-    return [min(total - 1, int((i + 0.5) * total / wanted)) for i in range(wanted)]
+    return [i * total // wanted for i in range(wanted)]
 
 
 def _rgb24(frame) -> np.ndarray:
@@ -206,15 +208,26 @@ def _open_video(data: bytes):
     return av.open(io.BytesIO(data), format=fmt)
 
 
-def probe_video(data: bytes, size: bool = False) -> int | tuple[int, int, int]:
-    """Number of video frames, counted from demuxed packets (no decoding; headers often omit it); with `size`,
-    (frames, width, height), the frame size from the stream's header (the omni family's frame grid)."""
+@dataclass(frozen=True)
+class VideoHeader:
+    """What a clip's container says before decoding: frames counted from demuxed packets (headers often omit
+    them), the frame size and the stream's average frame rate (None when the container has none)."""
+
+    frames: int
+    width: int
+    height: int
+    fps: float | None
+
+
+def probe_video(data: bytes) -> VideoHeader:
+    """The clip's VideoHeader, without decoding a frame."""
     try:
         with _open_video(data) as container:
             if not container.streams.video:
                 raise MediaError("video member has no video stream")
             stream = container.streams.video[0]
             width, height = stream.codec_context.width, stream.codec_context.height
+            rate = stream.average_rate
             total = _count_packets(container, stream)
     except MediaError:
         raise
@@ -222,9 +235,7 @@ def probe_video(data: bytes, size: bool = False) -> int | tuple[int, int, int]:
         raise MediaError(f"undecodable video container: {type(e).__name__}: {e}") from None
     if total == 0:
         raise MediaError("video stream has no frames")
-    if size and not (width > 0 and height > 0):
-        raise MediaError(f"video stream header has no frame size ({width}x{height})")
-    return (total, width, height) if size else total
+    return VideoHeader(total, width, height, float(rate) if rate else None)
 
 
 def decode_video(data: bytes, frames: int = 8, tile: int = 512, defer_upscale: bool = False,

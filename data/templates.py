@@ -21,10 +21,12 @@ Where the wrapping comes from:
         all tiles of an image, thumbnail included, in one <img> <image>xN </img>: the same as omni's image. It has
         no audio. Not checked against NVIDIA's own (remote-code) processor, which is not available offline.
   video omni, the release's replace_video_token (l.164-203): one chunk per tubelet of temporal_patch frames,
-        "Frame 1 and frame 2: " <img> <image>xk </img>, chunks joined by "\n" (a short last tubelet names its
-        frames only), k = the tubelet's tokens; the release's context token for video is its image token. The
-        labels are the release's form without frame timestamps (what its processor writes for frames given as
-        arrays, without video_metadata): Tessera sizes rows from container headers, before decoding. Under EVS
+        "Frame 1 sampled at 0.00 seconds and frame 2 sampled at 0.50 seconds: " <img> <image>xk </img>, chunks
+        joined by "\n" (a short last tubelet names its frames only), k = the tubelet's tokens; the release's
+        context token for video is its image token. The times are the sampled frames' (the processor's frame
+        sampling, data/media.sample_indices, and its millisecond rounding, release_frame_time) at the container's
+        frame rate, read from the headers before decoding as the processor reads its video_metadata; a container
+        without a frame rate gets the processor's labels without times ("Frame 1 and frame 2: "). Under EVS
         (model.video_pruning > 0) the release keeps each tubelet's <img> ... </img> and decides its kept tokens in
         its forward, after encoding (input_ids[retention_mask]); Tessera sizes a row before encoding, so it
         writes the chunks at nominal counts (models/media_tokens.evs_nominal_tubelet_counts: only the clip's
@@ -100,14 +102,27 @@ SPECIAL_TOKENS: tuple[str, ...] = (IM_START, IM_END,
                                    *dict.fromkeys(t for tpl in TEMPLATES.values() for t in tpl.special_tokens))
 
 
-def tubelet_chunks(frames: int, temporal: int, tokens_per_tubelet: int) -> list[tuple[str, int]]:
+def release_frame_time(index: int, fps: float) -> float:
+    """The time the release's processor writes for source frame `index` of a clip at `fps`: the index times one
+    frame's duration truncated to whole milliseconds (replace_video_token: int(1000 / fps) ms), not index / fps."""
+    return index * int(1000.0 / fps) / 1000.0
+
+
+def tubelet_chunks(frames: int, temporal: int, tokens_per_tubelet: int,
+                   times: list[float] | None = None) -> list[tuple[str, int]]:
     """(label, tokens) of each tubelet of a clip of `frames` frames, `temporal` frames per tubelet: the release's
-    labels without timestamps, "Frame 1 and frame 2: " (the first frame "Frame", the others "frame", joined by
-    " and "; a short last tubelet names the frames it has), as replace_video_token writes them (module
-    docstring). data/tokens.encode_conversation writes each as label <img> <image> x tokens </img>."""
+    labels, "Frame 1 sampled at 0.00 seconds and frame 2 sampled at 0.50 seconds: " (the first frame "Frame", the
+    others "frame", joined by " and "; a short last tubelet names the frames it has), or without `times` (the
+    sampled frames' release_frame_time; a clip without a frame rate) "Frame 1 and frame 2: ", as
+    replace_video_token writes them (module docstring). data/tokens.encode_conversation writes each as
+    label <img> <image> x tokens </img>."""
+    if times is not None and len(times) != frames:
+        raise ValueError(f"{len(times)} frame times for a clip of {frames} frames")
     labels = []
     for first in range(0, frames, temporal):
-        names = [f"{'Frame' if f == first else 'frame'} {f + 1}" for f in range(first, min(first + temporal, frames))]
+        names = [f"{'Frame' if f == first else 'frame'} {f + 1}"
+                 + ("" if times is None else f" sampled at {times[f]:.2f} seconds")
+                 for f in range(first, min(first + temporal, frames))]
         labels.append(" and ".join(names) + ": ")
     return [(label, tokens_per_tubelet) for label in labels]
 

@@ -120,10 +120,11 @@ class EncodedPrompt:
         return len(self.tokens)
 
 
-def media_placeholders(enc: EncoderTokens, template: str | PromptTemplate, kind: str,
-                       units: int | tuple) -> int | list[tuple[str, int]]:
+def media_placeholders(enc: EncoderTokens, template: str | PromptTemplate, kind: str, units: int | tuple,
+                       times: list[float] | None = None) -> int | list[tuple[str, int]]:
     """What encode_conversation writes for one media item: its embedding count (enc.tokens), or for a video of a
-    per-tubelet template (omni) its tubelet chunks. Under EVS a chunk's count is known only after encoding: the
+    per-tubelet template (omni) its tubelet chunks, labelled with its sampled frames' `times` when the clip has a
+    frame rate (data/templates.tubelet_chunks). Under EVS a chunk's count is known only after encoding: the
     chunks then hold the clip's kept tokens at nominal counts (evs_nominal_tubelet_counts), which the trainer
     settles to the counts EVS chose (data/packing.settle_tubelet_chunks; the row's length does not change)."""
     n = enc.tokens(kind, units)
@@ -131,7 +132,7 @@ def media_placeholders(enc: EncoderTokens, template: str | PromptTemplate, kind:
     if kind != "video" or wrap is None or not wrap.per_tubelet:
         return n
     tubelets, per_tubelet = enc.tubelet_tokens(units)
-    chunks = tubelet_chunks(units if isinstance(units, int) else units[0], enc.video_temporal, per_tubelet)
+    chunks = tubelet_chunks(units if isinstance(units, int) else units[0], enc.video_temporal, per_tubelet, times)
     if enc.video_pruning:
         chunks = [(label, c) for (label, _), c in zip(chunks, evs_nominal_tubelet_counts(tubelets, per_tubelet, n))]
     assert len(chunks) == tubelets and sum(c for _, c in chunks) == n, (chunks, n)

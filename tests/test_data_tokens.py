@@ -54,7 +54,7 @@ def test_video_frames_uniform_with_timestamps():
     import random
 
     data, _, _ = synth_video(random.Random(3))
-    total = probe_video(data)
+    total = probe_video(data).frames
     frames, stamps = decode_video(data, frames=4, tile=32)
     assert frames.shape == (min(4, total), 3, 32, 32)
     want = np.asarray(sample_indices(total, 4)) / 8.0  # synthetic videos are 8 fps, pts in 1/8 s

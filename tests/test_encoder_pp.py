@@ -52,7 +52,8 @@ def _train(run_dir: str, layout: str, fields: dict, steps: int = STEPS):
     from tessera.recipes.train import train
 
     model = ModelConfig(**{"vision": "radio_vit_tiny", "llm": "nemotron_h_tiny_dense", **fields})
-    data = DataConfig(seq_length=128, rows_per_microbatch=4, microbatches=2)
+    # 160: every step of the 8 holds an audio clip (the audio runs check their boundary moves data every step)
+    data = DataConfig(seq_length=160, rows_per_microbatch=4, microbatches=2)
     trainer = TrainerConfig(max_steps=steps, run_dir=run_dir, save_every=0, progress=False, tensorboard=False)
     optim = OptimConfig(lr=2e-3, warmup_steps=2, min_lr_ratio=1.0)
     return train(model, data, optim, trainer, layout=layout, name="test")

@@ -36,7 +36,8 @@ def _audited_steps(run_dir: str) -> dict:
     from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
     cfg = RunConfig("gpu_path", LAYOUT, ModelConfig(vision="radio_vit_tiny", audio="fastconformer_tiny"),
-                    DataConfig(seq_length=128, rows_per_microbatch=2, microbatches=2), OptimConfig(),
+                    # 192: both steps hold images and audio clips (the audit must reach every module)
+                    DataConfig(seq_length=192, rows_per_microbatch=2, microbatches=2), OptimConfig(),
                     TrainerConfig(max_steps=3, run_dir=run_dir, progress=False, tensorboard=False))
     run = loop.RunState(cfg, Path(run_dir), dist.get_rank(), dist.get_world_size(), RUN, torch.float32)
     loop._resolve(run)

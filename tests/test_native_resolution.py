@@ -181,7 +181,7 @@ def test_the_loader_predicts_decodes_and_announces_the_release_grid(name, tokeni
     enc = te.enc
     assert te.template == "omni" and enc.native_resolution
     grid = release_grid(h, w, patch_size=16, **TINY_RELEASE)
-    assert te._units("image", data) == grid
+    assert te._units("image", data) == (grid, None)
     arr = te._decode_item("image", data, grid, "k", "s")
     assert arr.dtype == np.uint8 and arr.shape == (1, 3, grid[0] * enc.patch, grid[1] * enc.patch)
     # the deferred upscale: a TileSource of the image's own pixels when it is smaller than its grid, cut to
@@ -222,8 +222,8 @@ def test_the_loader_decodes_video_frames_at_the_release_grid(size, tokenizer):
     te = chat_task_encoder(tokenizer, OMNI_TINY, 256, video_frames=4, **TINY)
     deferred = chat_task_encoder(tokenizer, OMNI_TINY, 256, video_frames=4, defer_upscale=True, **TINY)
     grid = release_video_grid(h, w, te.enc.patches_per_tile)
-    units = te._units("video", data)
-    assert units == (4, *grid)
+    units, times = te._units("video", data)
+    assert units == (4, *grid) and times == [0.0, 0.125, 0.25, 0.375]  # frames 0-3 of 5 at 8 fps
     frames, stamps = te._decode_item("video", data, units, "k", "s")
     assert frames.shape == (4, 3, grid[0] * 16, grid[1] * 16) and len(stamps) == 4
     lazy, _ = deferred._decode_item("video", data, units, "k", "s")
@@ -232,14 +232,14 @@ def test_the_loader_decodes_video_frames_at_the_release_grid(size, tokenizer):
     per_tubelet = grid[0] * grid[1] // 4
     assert te.enc.video_tokens(units) == 2 * per_tubelet
     vl = chat_task_encoder(tokenizer, {"vision": "radio_vit_tiny"}, 256, video_frames=4, **TINY)
-    assert vl._units("video", data) == 4 and vl._decode_item("video", data, 4, "k", "s")[0].shape == (4, 3, 64, 64)
+    assert vl._units("video", data)[0] == 4 and vl._decode_item("video", data, 4, "k", "s")[0].shape == (4, 3, 64, 64)
 
 
 def test_vision_only_models_keep_tiles(tokenizer):
     te = chat_task_encoder(tokenizer, {"vision": "radio_vit_tiny"}, 256, **TINY)
     assert te.template == "vl" and not te.enc.native_resolution
     data = _image_bytes((500, 60), "JPEG")
-    tiles = te._units("image", data)
+    tiles, _ = te._units("image", data)
     assert isinstance(tiles, int) and te._decode_item("image", data, tiles, "k", "s").shape == (tiles, 3, 64, 64)
 
 

@@ -43,6 +43,7 @@ import soundfile as sf
 import torch
 from _omni_image_processor import release_grid, release_image_module, release_video_grid
 from PIL import Image
+from transformers.video_utils import VideoMetadata, default_sample_indices_fn
 
 from tessera.data.loader import RawSample
 from tessera.data.packing import pack_row
@@ -161,7 +162,8 @@ def _frames(frames: int, size: tuple[int, int]) -> np.ndarray:
 
 # frames, (width, height): 5 frames end in a one-frame tubelet ("Frame 5: "); the omni family's frame grid keeps
 # the clip's aspect ratio as the release's does (160x90: 24 x 42 patches, 252 tokens a tubelet, not a tile's 256)
-VIDEOS = {"5f": (5, (64, 64)), "4f": (4, (160, 90))}
+VIDEOS = {"5f": (5, (64, 64)), "4f": (4, (160, 90)), "12f": (12, (64, 64))}
+FPS = 8  # the clips' frame rate (encode_mp4): the labels' times are index x 125 ms
 
 
 def _wav_bytes(wave: np.ndarray) -> bytes:
@@ -194,6 +196,9 @@ CONVERSATIONS = {
     "video_audio_image": ([{"role": "user", "content": "<audio> then <video><image> Compare them."},
                            {"role": "assistant", "content": "A steady tone."}],
                           ["audio:0.5s", "video:4f", "image:wide"]),
+    # more frames than video_frames (8): the processor's sampling picks frames 0, 1, 3, 4, 6, 7, 9, 10
+    "video_sampled": ([{"role": "user", "content": "<video> What happens?"},
+                       {"role": "assistant", "content": "It moves."}], ["video:12f"]),
 }
 
 
@@ -205,7 +210,7 @@ def _sample(conversation: str):
         kind, name = item.split(":")
         field = f"m{i}.{ {'audio': 'wav', 'image': 'png', 'video': 'mp4'}[kind]}"
         members[field] = (_wav_bytes(WAVES[name]) if kind == "audio" else _png_bytes(IMAGE_SIZES[name])
-                          if kind == "image" else encode_mp4(_frames(*VIDEOS[name]), fps=8))
+                          if kind == "image" else encode_mp4(_frames(*VIDEOS[name]), fps=FPS))
         media.append({"kind": kind, "field": field})
     members["json"] = json.dumps({"conversation": turns, "media": media}).encode()
     raw = RawSample(__key__=conversation, __restore_key__=(), __subflavors__=None, __sources__=None, members=members)
@@ -228,12 +233,22 @@ def _processor_ids(processor, turns, items, task_encoder):
         if enc.native_resolution:  # the decoded image: the stand-in takes its grid from transformers' rule
             images.append(Image.open(io.BytesIO(_png_bytes(IMAGE_SIZES[name]))).convert("RGB"))
         else:  # vl: the image's tiles side by side as one patch grid, the same token count
-            tiles = task_encoder._units("image", _png_bytes(IMAGE_SIZES[name]))  # what the loader predicts
+            tiles, _ = task_encoder._units("image", _png_bytes(IMAGE_SIZES[name]))  # what the loader predicts
             images.append([enc.tile // enc.patch, tiles * enc.tile // enc.patch])
     audio = [WAVES[name] for kind, name in items if kind == "audio"]
     videos = [torch.from_numpy(_frames(*VIDEOS[name])).permute(0, 3, 1, 2) for kind, name in items if kind == "video"]
+    video_kwargs = {}
+    if videos:  # the clip's frames sampled as transformers' video loader samples them (load_video with its default
+        # sampling), with the metadata it returns (frame rate, source indices): each tubelet's label carries its
+        # frames' times (given no metadata the processor writes none; given metadata without the indices it
+        # would time the sampled frames as if they were consecutive)
+        (video,) = videos  # (the processor takes one video per call)
+        meta = VideoMetadata(total_num_frames=len(video), fps=FPS)
+        meta.frames_indices = default_sample_indices_fn(meta, num_frames=min(len(video), enc.video_frames))
+        videos = [video[torch.as_tensor(meta.frames_indices)]]
+        video_kwargs = dict(video_metadata=meta, do_sample_frames=False)
     out = processor(text=text, images=images or None, audio=audio or None, videos=videos or None,
-                    sampling_rate=16000)
+                    sampling_rate=16000, **video_kwargs)
     return np.asarray(out["input_ids"][0])
 
 
@@ -268,7 +283,23 @@ def test_input_ids_equal_the_released_processor(conversation, processor, task_en
         per_frame = processor.video_processor(videos=[torch.zeros(1, 3, h, w)])["num_tokens"][0]
         grid = release_video_grid(h, w)
         assert per_frame == grid[0] * grid[1] // 4
-        assert (units, n) == ((frames, *grid), math.ceil(frames / 2) * per_frame)
+        used = min(frames, task_encoder.enc.video_frames)
+        assert (units, n) == ((used, *grid), math.ceil(used / 2) * per_frame)
+
+
+def test_frames_are_sampled_and_timed_as_the_released_processor_does():
+    """The frames a clip trains on are the ones transformers' loader samples (default_sample_indices_fn), and the
+    times in the labels are replace_video_token's (source index x whole milliseconds per frame)."""
+    from tessera.data.media import sample_indices
+    from tessera.data.templates import release_frame_time
+
+    for total in range(1, 70):
+        for wanted in range(1, total + 1):
+            want = default_sample_indices_fn(VideoMetadata(total_num_frames=total, fps=FPS), num_frames=wanted)
+            assert sample_indices(total, wanted) == want.tolist(), (total, wanted)
+    assert sample_indices(5, 8) == [0, 1, 2, 3, 4]  # a short clip: every frame (transformers refuses to ask more)
+    # 30 fps: 33 ms a frame, so frame 300 is labelled 9.90 s, not 10.00 s
+    assert [f"{release_frame_time(i, 30.0):.2f}" for i in (0, 1, 300)] == ["0.00", "0.03", "9.90"]
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -60,3 +60,8 @@ class TubeletSettle:
             batch.settle_tubelet_chunks(self.key, {(r, j): counts[a:a + n]
                                                    for (r, j, _), a, n in zip(items, starts, sizes)})
         return batch.boundary_batches([self.key])[self.key]
+
+    def close(self) -> None:
+        """Destroy the participants' group (with the module groups, before another layout in the same processes)."""
+        if dist.get_rank() in self.ranks:
+            dist.destroy_process_group(self.group)

@@ -250,6 +250,8 @@ def compare_multimodal(hf_dir: str, layout: str = "", perturb: dict[str, float] 
     if rank == 0:
         out[0], out[1] = _score(gathered, samples, seq, _reference(hf_dir, seed))
     dist.broadcast(out, src=0)
+    if settle is not None:
+        settle.close()
     destroy_module_groups(run.groups)
     if int(out[1].item()) != expected:
         raise RuntimeError(f"parity: {int(out[1].item())} logits compared, expected {expected} (every real-vocabulary "

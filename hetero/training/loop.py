@@ -264,6 +264,8 @@ def run_training(cfg, run_dir: Path, device: torch.device | None = None) -> dict
     if cfg.trainer.export_hf and run.rank == 0:
         _export_hf(run.ckpt_root, cfg.trainer.export_hf)
     dist.barrier()
+    if settle is not None:
+        settle.close()
     destroy_module_groups(run.groups)
     return {"run_dir": str(run_dir), "layout": str(run.layout), "steps": cfg.trainer.max_steps,
             "first_loss": first_loss, "last_loss": record.get("loss"), "loss_png": str(plot) if plot else None}
