@@ -181,7 +181,7 @@ def decode_native_image(data: bytes, enc, defer_upscale: bool = False) -> np.nda
 
 def sample_indices(total: int, wanted: int) -> list[int]:
     """`wanted` frame indices spread uniformly over `total` frames, all when fewer: the released processor's rule
-    (transformers 5.23 video_utils.default_sample_indices_fn, l.353: arange(wanted) * total // wanted, the first
+    (transformers 5.24 video_utils.default_sample_indices_fn, l.353: arange(wanted) * total // wanted, the first
     frame of each of `wanted` equal segments), so a clip trains on the frames it is served with."""
     if total <= wanted:
         return list(range(total))

@@ -11,16 +11,16 @@ positions take encoder embeddings (they are the span data/packing.py turns into 
 ordinary text tokens the LLM embeds itself. Each piece is a single special token of the tokenizer.
 
 Where the wrapping comes from:
-  omni  transformers 5.23, models/nemotron_h_omni/processing_nemotron_h_omni.py (NemotronH_Omni_Reasoning_V3
-        Processor): token strings at l.66-72; image, replace_image_token l.158-162: <img> <image>xN </img>;
-        audio, replace_audio_token l.205-208: <so_start> <so_embedding>xN <so_end>. The processor's text tag of
+  omni  transformers 5.24, models/nemotron_h_omni/processing_nemotron_h_omni.py (NemotronH_Omni_Reasoning_V3
+        Processor): token strings at l.68-74; image, replace_image_token l.156-160: <img> <image>xN </img>;
+        audio, replace_audio_token l.206-209: <so_start> <so_embedding>xN <so_end>. The processor's text tag of
         an audio clip is its context token <so_embedding> itself; Tessera's conversations say <audio>.
         tests/test_prompt_parity.py checks input_ids against that processor.
   vl    Nemotron Nano V2 VL (12B): transformers has no processor for it. vLLM's port
         (vllm/transformers_utils/processors/nano_nemotron_vl.py, NanoNemotronVLProcessor.get_image_repl) wraps
         all tiles of an image, thumbnail included, in one <img> <image>xN </img>: the same as omni's image. It has
         no audio. Not checked against NVIDIA's own (remote-code) processor, which is not available offline.
-  video omni, the release's replace_video_token (l.164-203): one chunk per tubelet of temporal_patch frames,
+  video omni, the release's replace_video_token (l.162-204): one chunk per tubelet of temporal_patch frames,
         "Frame 1 sampled at 0.00 seconds and frame 2 sampled at 0.50 seconds: " <img> <image>xk </img>, chunks
         joined by "\n" (a short last tubelet names its frames only), k = the tubelet's tokens; the release's
         context token for video is its image token. The times are the sampled frames' (the processor's frame

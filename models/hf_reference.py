@@ -206,23 +206,18 @@ def release_video_tokens(tokens: torch.Tensor, chunks, per_tubelet: int) -> torc
 
 
 def release_video_pixels(frames, vcfg: dict) -> torch.Tensor:
-    """uint8 frames [F, 3, H, W] -> the forward's pixel_values_videos: rescaled and normalised as the video
-    processor does (processor_pixels without patching)."""
+    """uint8 frames [F, 3, H, W] -> the forward's pixel_values_videos [1, tubelets, T*3, H, W]: rescaled and
+    normalised as the video processor does (processor_pixels without patching), then packed as it packs them,
+    T = temporal_patch consecutive frames per tubelet along the channels, the last frame repeated to fill the
+    last tubelet."""
     import numpy as np
 
     mean, std = (torch.tensor(vcfg[k]).view(-1, 1, 1) * 255 for k in ("mean", "std"))
-    return (torch.as_tensor(np.asarray(frames)).to(torch.float32) - mean) / std
-
-
-def video_encoder_outputs(model, pixel_values_videos: torch.Tensor) -> dict:
-    """The forward's mm_encoder_outputs for one clip. transformers 5.23's forward torch.cat()s get_video_features'
-    pooler_output as if it were a tuple (it is one tensor [tubelets, tokens, hidden]: a TypeError); the same
-    features, wrapped, go in through the forward's own mm_encoder_outputs (a document with video has no image
-    beside it: the forward's EVS takes every image-token position as the clip's)."""
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-    video = model.get_video_features(pixel_values_videos).pooler_output
-    return {"video": BaseModelOutputWithPooling(pooler_output=(video,))}
+    x = (torch.as_tensor(np.asarray(frames)).to(torch.float32) - mean) / std
+    t = vcfg["temporal_patch"]
+    if len(x) % t:
+        x = torch.cat([x, x[-1:].expand(t - len(x) % t, -1, -1, -1)])
+    return x.reshape(1, len(x) // t, t * x.shape[1], *x.shape[-2:])
 
 
 def omni_inputs(sample: OmniSample, vcfg: dict | None, audio_frontend) -> dict:
@@ -296,8 +291,6 @@ def omni_reference_logits(hf_dir: str, samples: list[OmniSample]) -> list[torch.
     with torch.no_grad():
         for sample in samples:
             inputs = omni_inputs(sample, vcfg, audio_frontend)
-            if "pixel_values_videos" in inputs:
-                inputs["mm_encoder_outputs"] = video_encoder_outputs(model, inputs.pop("pixel_values_videos"))
             if "input_features" in inputs:  # placeholders Tessera sized vs embeddings transformers keeps
                 keeps = int(model.audio_tower._get_subsampling_output_length(
                     inputs["input_features_mask"].sum(-1) + 1).sum())

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 def native_patch_grid(height: int, width: int, patch: int, merge: int, min_patches: int,
                       max_patches: int) -> tuple[int, int]:
     """(rows, cols) in patches of the one grid an image of height x width pixels is resized to at native
-    resolution: transformers 5.23 models/nemotron_h_omni/image_processing_nemotron_h_omni.py,
+    resolution: transformers 5.24 models/nemotron_h_omni/image_processing_nemotron_h_omni.py,
     get_patch_grid_size (l.51-82), step for step (tests/test_native_resolution.py runs that function):
       - the image's own grid, round(side / patch + 0.5): Python's round halves to even, so an exact multiple
         of the patch gives side/patch + 1 when side/patch is odd and side/patch when it is even (not the
@@ -50,8 +50,8 @@ def native_patch_grid(height: int, width: int, patch: int, merge: int, min_patch
 
 
 def video_frame_grid(height: int, width: int, target: int, merge: int) -> tuple[int, int]:
-    """(rows, cols) in patches of every frame of a height x width clip at native resolution: transformers 5.23
-    models/nemotron_h_omni/video_processing_nemotron_h_omni.py, _compute_target_patches (l.80-104, aspect ratio
+    """(rows, cols) in patches of every frame of a height x width clip at native resolution: transformers 5.24
+    models/nemotron_h_omni/video_processing_nemotron_h_omni.py, _compute_target_patches (l.86-110, aspect ratio
     kept), step for step: sides round(sqrt(target / aspect)) and round(sqrt(target * aspect)) (Python's round,
     at least 1), each then rounded to a multiple of `merge`, both up when the grid stays within `target`
     patches, else both down (to at least merge). A square clip gets sqrt(target) patches a side: 32 x 32 for
@@ -71,8 +71,8 @@ def video_frame_grid(height: int, width: int, target: int, merge: int) -> tuple[
 
 def evs_kept_tokens(frames: int, per_frame: int, rate: float) -> int:
     """Tokens Efficient Video Sampling keeps of `frames` (tubelets) x `per_frame` tokens at pruning `rate`: the
-    releases' rule, int(frames * per_frame * (1 - rate)) but never fewer than one frame's (transformers 5.23,
-    models/nemotron_h_omni/modeling_nemotron_h_omni.py compute_retention_mask, l.127-129). It depends only on the
+    releases' rule, int(frames * per_frame * (1 - rate)) but never fewer than one frame's (transformers 5.24,
+    models/nemotron_h_omni/modeling_nemotron_h_omni.py compute_retention_mask, l.119-121). It depends only on the
     counts, so the data side sizes the placeholders before anything is encoded."""
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"video pruning rate must be in [0, 1), got {rate}")

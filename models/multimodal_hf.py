@@ -4,8 +4,9 @@
                      video_embedder}, blocks.N.{norm1,attn.qkv,attn.proj,layer_scale1.lambda1,norm2,mlp.fc1,
                      mlp.fc2,layer_scale2.lambda1}}, vision_model.radio_model.{summary_idxs,
                      input_conditioner.norm_{mean,std}} (buffers, as the config says: radio_buffers), and
-                     vision_final_layernorm.{weight,bias} (the Omni model's norm on RadioModel's features,
-                     only with final_norm)
+                     vision_projector.vision_final_layernorm.{weight,bias} (the Omni model's norm on
+                     RadioModel's features, only with final_norm; transformers loads it as
+                     `vision_final_layernorm`)
     vision (siglip)  vision_model.{embeddings.{patch_embedding,position_embedding},
                      encoder.layers.N.{layer_norm1,self_attn.{q,k,v,out}_proj,layer_norm2,mlp.fc1,mlp.fc2},
                      post_layernorm}   (a transformers SiglipVisionModel stored as the tower `vision_model`)
@@ -28,8 +29,9 @@ import torch
 
 RADIO_ROOT, SIGLIP_ROOT = "vision_model.radio_model.model.", "vision_model."
 RADIO_TOWER = "vision_model.radio_model."  # RadioModel's buffers live here (summary_idxs, input_conditioner.*)
-# NemotronH_Omni_Reasoning_V3's LayerNorm on RadioModel's features, a top-level module of that model
-RADIO_FINAL_NORM = "vision_final_layernorm."
+# NemotronH_Omni_Reasoning_V3's LayerNorm on RadioModel's features (its top-level `vision_final_layernorm`),
+# stored under the released name (transformers' conversion_mapping renames it on load, back on save)
+RADIO_FINAL_NORM = "vision_projector.vision_final_layernorm."
 PROJECTOR_ROOT = {"vision": "mlp1.", "audio": "sound_projection."}
 SOUND_ROOT = "sound_encoder.encoder."
 
@@ -117,7 +119,9 @@ class _Reader:
 
     def __call__(self, key: str) -> torch.Tensor:
         if key not in self.hf:
-            raise KeyError(f"{key} is missing from the checkpoint ({self.owner} has that tensor)")
+            fix = ": set final_norm=False for an Omni checkpoint whose LLM has no MTP layers" \
+                if key.startswith(RADIO_FINAL_NORM) else ""
+            raise KeyError(f"{key} is missing from the checkpoint ({self.owner} has that tensor{fix})")
         self.read.add(key)
         return self.hf[key]
 
@@ -138,9 +142,10 @@ class _Reader:
                                      f"{want[key].flatten().tolist()} ({want[key].dtype}) of {self.owner}: {why}")
 
     def check_all_read(self, cfg: dict) -> None:
-        # `vision_projector.` is where NVIDIA's remote-code MTP checkpoints keep the final norm that transformers
-        # calls `vision_final_layernorm`: refused rather than silently replaced by an identity norm
-        roots = (SIGLIP_ROOT,) if cfg["family"] == "siglip" else (SIGLIP_ROOT, RADIO_FINAL_NORM, "vision_projector.")
+        # a final norm the config does not have (final_norm=False), or under transformers' own name
+        # (`vision_final_layernorm.`, not the released one), is refused rather than dropped
+        roots = (SIGLIP_ROOT,) if cfg["family"] == "siglip" else (SIGLIP_ROOT, "vision_projector.",
+                                                                  "vision_final_layernorm.")
         left = sorted(k for k in self.hf if k.startswith(roots) and k not in self.read)
         if left:
             raise KeyError(f"checkpoint tensors {left[:8]}{' ...' if len(left) > 8 else ''} have no place in "
@@ -165,16 +170,12 @@ def vision_adapter_targets(name: str, b: torch.Tensor, cfg: dict) -> list[tuple[
 
 def vision_from_hf(hf: dict, cfg: dict, tp_rank: int = 0, tp: int = 1) -> dict[str, torch.Tensor]:
     """One TP rank's VisionTransformer state dict from HF-layout tensors. Every tensor the config's tower has must
-    be there and every tower tensor in `hf` must be read (else KeyError naming it), with one exception, as in
-    transformers' Omni: `vision_final_layernorm` (final_norm, RADIO) is never required in a checkpoint
-    (its `_keys_to_ignore_on_load_missing`) and then keeps its identity initialisation (weight 1, bias 0)."""
+    be there and every tower tensor in `hf` must be read (else KeyError naming it), the Omni model's final norm
+    (final_norm, RADIO) too: transformers >= 5.24 reads it from the checkpoint as well."""
     family, heads, p, d = cfg["family"], cfg["heads"], cfg["patch"], cfg["hidden"]
     take, out = _Reader(hf, cfg), {}
     for ours, theirs in _embed_keys(cfg).items():
-        if family == "radio" and theirs.startswith(RADIO_FINAL_NORM) and theirs not in hf:
-            out[ours] = torch.ones(d) if ours.endswith("weight") else torch.zeros(d)
-        else:
-            out[ours] = take(theirs)
+        out[ours] = take(theirs)
     if family == "siglip":  # Conv2d [D, 3, p, p] and table [N, D] -> our linear [D, 3pp] and [1, N, D]
         out["embedder.weight"] = out["embedder.weight"].reshape(d, 3 * p * p)
         out["pos_embed"] = out["pos_embed"][None]

@@ -1,6 +1,6 @@
 """transformers' Omni image (and video) processor rules, loaded without torchvision, for their pure-math grids.
 
-transformers 5.23 models/nemotron_h_omni/image_processing_nemotron_h_omni.py imports
+transformers 5.24 models/nemotron_h_omni/image_processing_nemotron_h_omni.py imports
 `torchvision.transforms.v2.functional` at the top (for the resize, which it uses only inside
 NemotronH_Omni_Reasoning_V3ImageProcessor._preprocess); torchvision is absent from this venv and not installable
 here. Its `get_patch_grid_size` (l.51-82) is plain `math` on ints, and the class's defaults (patch_size,

@@ -70,25 +70,26 @@ def test_omni_image_features_and_exact_tower_round_trip(mtp):
     assert got.shape == ref.shape and err <= 1e-5
 
 
-def test_absent_final_norm_is_identity_as_in_transformers():
-    """transformers' Omni never requires `vision_final_layernorm` in a checkpoint (it keeps weight 1, bias 0);
-    neither does Tessera's import, and both then compute the same norm."""
-    from safetensors.torch import load_file, save_file
+def test_final_norm_is_read_under_the_released_name():
+    """The Omni model's final norm is stored as the release names it (`vision_projector.vision_final_layernorm.*`,
+    what transformers' save_pretrained writes and its from_pretrained reads into `vision_final_layernorm`):
+    Tessera reads those tensors, so both compute the same norm; a checkpoint without them is refused by name."""
     from transformers import NemotronH_Omni_Reasoning_V3
 
     cfg = encoder_config("radio_vit_tiny", final_norm=True)
-    omni, _ = tiny_omni(cfg, None, seed=3, mtp=True)
+    omni, released = tiny_omni(cfg, None, seed=3, mtp=True)
     with tempfile.TemporaryDirectory() as d:
         omni.save_pretrained(d)
-        stored = {k: v for k, v in load_file(f"{d}/model.safetensors").items() if not k.startswith(RADIO_FINAL_NORM)}
-        save_file(stored, f"{d}/model.safetensors", metadata={"format": "pt"})
         loaded = NemotronH_Omni_Reasoning_V3.from_pretrained(d, dtype=torch.float32)
     theirs = loaded.vision_final_layernorm
     ours = VisionTransformer(cfg, single_rank_world())
-    _load_params(ours, vision_from_hf(stored, cfg))
+    _load_params(ours, vision_from_hf(released, cfg))
     for name in ("weight", "bias"):
         assert torch.equal(getattr(ours.final_norm, name), getattr(theirs, name)), name
-    assert torch.equal(ours.final_norm.weight, torch.ones(cfg["hidden"]))
+    assert not torch.equal(ours.final_norm.weight, torch.ones(cfg["hidden"]))  # the stored values, not the init
+    without = {k: v for k, v in released.items() if not k.startswith(RADIO_FINAL_NORM)}
+    with pytest.raises(KeyError, match=re.escape(RADIO_FINAL_NORM) + r".* is missing .* set final_norm=False"):
+        vision_from_hf(without, cfg)
 
 
 def _random_tower(cfg: dict, seed: int = 0) -> dict:
@@ -142,7 +143,6 @@ def test_buffers_and_leftovers_are_checked_by_name():
     without = {k: v for k, v in hf.items() if k != idxs}
     with pytest.raises(KeyError, match=re.escape(idxs) + r" is missing from the checkpoint, but .* summary_idxs"):
         vision_from_hf(without, cfg)
-    for extra in (f"{RADIO_ROOT}norm.weight", f"{RADIO_FINAL_NORM}weight",
-                  "vision_projector.vision_final_layernorm.bias"):
+    for extra in (f"{RADIO_ROOT}norm.weight", f"{RADIO_FINAL_NORM}weight", "vision_final_layernorm.bias"):
         with pytest.raises(KeyError, match=re.escape(extra) + r".* have no place"):
             vision_from_hf(dict(hf, **{extra: torch.ones(cfg["hidden"])}), cfg)

@@ -23,12 +23,11 @@ image placeholder counts are compared too: Tessera's omni family takes each imag
 computes the count from the waveform. The vl family (tiles + thumbnail, no transformers processor) is compared
 for its wrapping only: its stand-in is handed the grid whose count equals the tiles' (32 x 32·tiles patches).
 Video goes through transformers' own video processor (NemotronH_Omni_Reasoning_V3VideoProcessor: no torchvision
-needed) with the clip's frames at their stored size, all of them (Tessera samples every frame of a clip shorter
-than video_frames): the processor writes one "Frame i and frame j: " <img> <image>xk </img> chunk per 2-frame
-tubelet, k from its aspect-preserving frame grid (32x32 patches for a square frame; Tessera's omni family
-decodes frames to the same grid, models/media_tokens.video_frame_grid). Its
-frames carry no video_metadata (no timestamps in the labels, data/templates.py). The processor takes one video
-per call. Video is compared unpruned, the release's default (its EVS layout is decided in its forward).
+needed) with the clip's frames at their stored size, sampled as transformers' loader samples them, and their
+video_metadata (frame rate, source indices): the processor writes one "Frame i sampled at t seconds and frame j
+sampled at u seconds: " <img> <image>xk </img> chunk per 2-frame tubelet, k from its aspect-preserving frame grid
+(32x32 patches for a square frame; Tessera's omni family decodes frames to the same grid,
+models/media_tokens.video_frame_grid). The processor takes one video per call. Video is compared unpruned, the release's default (its EVS layout is decided in its forward).
 """
 
 from __future__ import annotations
@@ -280,7 +279,9 @@ def test_input_ids_equal_the_released_processor(conversation, processor, task_en
     videos = [name for kind, name in items if kind == "video"]
     for (kind, units, n, *_), name in zip([m for m in vision if m[0] == "video"], videos, strict=True):
         frames, (w, h) = VIDEOS[name]
-        per_frame = processor.video_processor(videos=[torch.zeros(1, 3, h, w)])["num_tokens"][0]
+        vp = processor.video_processor
+        tile = vp(videos=[torch.zeros(1, 3, h, w)])["pixel_values_videos"].shape[-2:]  # the processor's frame size
+        per_frame = (tile[0] // vp.patch_size) * (tile[1] // vp.patch_size) // round(1 / vp.downsample_ratio) ** 2
         grid = release_video_grid(h, w)
         assert per_frame == grid[0] * grid[1] // 4
         used = min(frames, task_encoder.enc.video_frames)
@@ -320,7 +321,7 @@ def test_an_evs_pruned_clip_settles_to_the_released_models_pruned_ids(seed, proc
     rows, cols = (g // 2 for g in release_video_grid(h, w))
     tubelets = math.ceil(frames / 2)
     embeds = torch.randn(tubelets * rows * cols, 8, generator=torch.Generator().manual_seed(seed))
-    keep = compute_retention_mask(video_embeds=embeds, thw=(tubelets, rows, cols), spatial_merge_size=1, q=0.5)
+    keep = compute_retention_mask(embeds, tubelets, 0.5)
     retention = np.ones(len(full), dtype=bool)
     retention[full == processor.image_token_id] = keep.numpy()
     want = full[retention]

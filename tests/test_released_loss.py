@@ -43,8 +43,7 @@ from tessera.scripts.tiny_release import AUDIO, VISION
 
 from tessera.data.templates import TEMPLATES
 from tessera.models import configs
-from tessera.models.hf_reference import (omni_forward_inputs, release_video_pixels, release_video_tokens,
-                                         video_encoder_outputs)
+from tessera.models.hf_reference import omni_forward_inputs, release_video_pixels, release_video_tokens
 
 OMNI = TEMPLATES["omni"]  # the template the loader uses for a model with an audio encoder
 
@@ -233,9 +232,9 @@ def _documents(batch):
     return docs
 
 
-def _oracle_inputs(doc, vcfg, audio_encoder, model) -> dict:
+def _oracle_inputs(doc, vcfg, audio_encoder) -> dict:
     """The forward's inputs; a clip's document gets the release's ids (its chunks widened to every tubelet's
-    tokens) and the clip's features through mm_encoder_outputs."""
+    tokens) and the clip's frames, packed into tubelets as the video processor packs them."""
     from tessera.models.encoders import tokens_config
 
     videos = [item for kind, item in doc.get("vision", []) if kind == "video"]
@@ -247,7 +246,7 @@ def _oracle_inputs(doc, vcfg, audio_encoder, model) -> dict:
     per_tubelet = tokens_config(vcfg).grid_tokens(frames.shape[-2] // vcfg["patch"], frames.shape[-1] // vcfg["patch"])
     tokens = release_video_tokens(doc["tokens"], chunks, per_tubelet)
     inputs = omni_forward_inputs(tokens, [], [], vcfg, audio_encoder, doc["key"])
-    return {**inputs, "mm_encoder_outputs": video_encoder_outputs(model, release_video_pixels(frames, vcfg))}
+    return {**inputs, "pixel_values_videos": release_video_pixels(frames, vcfg)}
 
 
 def oracle_loss(ckpt: str, batch) -> tuple[float, int, dict]:
@@ -269,7 +268,7 @@ def oracle_loss(ckpt: str, batch) -> tuple[float, int, dict]:
         for doc in _documents(batch):
             kind = "video" if doc["chunks"] else _kind(doc["key"])
             kinds[kind] = kinds.get(kind, 0) + 1
-            logits = model(**_oracle_inputs(doc, vcfg, audio_encoder, model)).logits[0]
+            logits = model(**_oracle_inputs(doc, vcfg, audio_encoder)).logits[0]
             assert logits.shape == (len(doc["tokens"]), model.config.text_config.vocab_size)
             labels = doc["labels"]
             total += torch.nn.functional.cross_entropy(logits.double(), labels, ignore_index=-100, reduction="sum")
@@ -330,12 +329,10 @@ def _settled_away_from_nominal(ckpt: str, batch) -> int:
     with torch.no_grad():
         for doc in _documents(batch):
             for (kind, (frames, _)), chunks in zip(doc.get("vision", []), doc["chunks"]):
-                video = model.get_video_features(release_video_pixels(frames, vcfg)).pooler_output  # [T, P, d]
-                side = int(video.shape[1] ** 0.5)
-                keep = compute_retention_mask(video_embeds=video.reshape(-1, video.shape[-1]),
-                                              thw=(video.shape[0], side, side), spatial_merge_size=1,
-                                              q=model.config.video_pruning_rate)
-                moved += keep.view(video.shape[0], -1).sum(-1).tolist() != [n for _, n in chunks]
+                pixels = release_video_pixels(frames, vcfg)  # [1, T, 2C, H, W]
+                (video,) = model.get_video_features(pixels).pooler_output  # [T * P, d]
+                keep = compute_retention_mask(video, pixels.shape[1], model.config.video_pruning_rate)
+                moved += keep.view(pixels.shape[1], -1).sum(-1).tolist() != [n for _, n in chunks]
     return moved
 
 

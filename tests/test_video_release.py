@@ -28,8 +28,7 @@ def test_evs_keeps_what_the_release_keeps(frames, rate):
     if rate == 0.0:
         mask = torch.ones(grid.shape[:3], dtype=torch.bool).flatten()  # the release skips EVS at rate 0
     else:
-        mask = compute_retention_mask(video_embeds=grid.reshape(-1, 16), thw=(frames, 4, 4), spatial_merge_size=1,
-                                      q=rate)
+        mask = compute_retention_mask(grid.reshape(-1, 16), frames, rate)
     assert kept.tolist() == torch.nonzero(mask).flatten().tolist()
     tokens = EncoderTokens(tile=128, patch=16, pixel_shuffle=2, video_pruning=rate)  # 4x4 tokens per frame
     assert len(kept) == evs_kept_tokens(frames, 16, rate) == tokens.video_tokens(frames)
@@ -60,6 +59,7 @@ def test_tubelet_video_equals_the_releases_video_features(frames, rate, size):
     from tessera.models import configs
     from tessera.models.encoders import encoder_config
     from tessera.models.multimodal import build_media_module
+    from tessera.models.hf_reference import release_video_pixels
     from tessera.models.multimodal_hf import PROJECTOR_ROOT, _load_params, vision_from_hf
 
     cfg = encoder_config("radio_vit_tiny")
@@ -74,14 +74,10 @@ def test_tubelet_video_equals_the_releases_video_features(frames, rate, size):
     clip = np.random.default_rng(frames).integers(0, 256, (frames, 3, *size), dtype=np.uint8)
     with torch.no_grad():
         got = mod([("video", (clip, None))])
-        x = torch.as_tensor(clip).float()  # the processor's rescale + normalize (models/hf_reference.processor_pixels)
-        x = (x - torch.tensor(cfg["mean"]).view(-1, 1, 1) * 255) / (torch.tensor(cfg["std"]).view(-1, 1, 1) * 255)
-        ref = omni.get_video_features(x).pooler_output  # [tubelets, tokens per frame, llm_hidden]
-        ref = torch.cat(list(ref)) if isinstance(ref, (list, tuple)) else ref.flatten(0, -2)
+        x = release_video_pixels(clip, cfg)  # the video processor's pixels (test_decoded_frames_are_...)
+        (ref,) = omni.get_video_features(x).pooler_output  # [tubelets * tokens per tubelet, llm_hidden]
         if rate:
-            t = -(-frames // 2)
-            thw = (t, size[0] // 32, size[1] // 32)  # tokens: 16-px patches, pixel shuffle 2
-            ref = ref[compute_retention_mask(video_embeds=ref, thw=thw, spatial_merge_size=1, q=rate)]
+            ref = ref[compute_retention_mask(ref, x.shape[1], rate)]
     assert got.shape == ref.shape == (mod.num_tokens("video", (clip, None)), configs.TINY_DENSE["hidden_size"])
     err = float((got - ref).abs().max() / ref.abs().max())
     assert err <= 1e-5, err
@@ -141,7 +137,8 @@ def _smooth_frames(width: int, height: int, frames: int = 3) -> np.ndarray:
 def test_decoded_frames_are_the_release_processors_pixels(size):
     """An omni clip decoded by the loader (data/media.decode_video at the release's frame grid) against
     transformers' video processor (NemotronH_Omni_Reasoning_V3VideoProcessor, run as is) on the same decoded
-    frames: within 1.25 uint8 levels, mean <= 0.35. Tessera resizes uint8 in two passes (rounding between them,
+    frames, packed into tubelets (models/hf_reference.release_video_pixels, which the oracles here feed the
+    model; 3 frames: the last tubelet repeats the last frame): within 1.25 uint8 levels, mean <= 0.35. Tessera resizes uint8 in two passes (rounding between them,
     torch's uint8 kernel), the release in one float pass; measured 1.0-1.1 levels max (a bilinear or
     non-antialiased resize: 1.6-4.3). Where bicubic overshoots past 0 / 255 (noise), Tessera's uint8 clamps and the
     release's float does not: up to ~43 levels there (0.66 of a 0.25 std), mean ~0.4 levels."""
@@ -150,6 +147,7 @@ def test_decoded_frames_are_the_release_processors_pixels(size):
 
     from tessera.data.media import decode_video
     from tessera.data.prepare import encode_mp4
+    from tessera.models.hf_reference import release_video_pixels
     from tessera.models.media_tokens import video_frame_grid
 
     w, h = size
@@ -160,6 +158,7 @@ def test_decoded_frames_are_the_release_processors_pixels(size):
     mean, std = 0.5, 0.25
     ref = NemotronH_Omni_Reasoning_V3VideoProcessor(norm_mean=[mean] * 3, norm_std=[std] * 3)(
         videos=[torch.as_tensor(source)], do_sample_frames=False)["pixel_values_videos"]
-    assert ref.shape == ours.shape
-    levels = ((torch.as_tensor(ours).float() / 255 - mean) / std - ref).abs() * std * 255
+    ours = release_video_pixels(ours, dict(mean=[mean] * 3, std=[std] * 3, temporal_patch=2))
+    assert ref.shape == ours.shape == (1, 2, 6, rows * 16, cols * 16)
+    levels = (ours - ref).abs() * std * 255
     assert float(levels.max()) <= 1.25 and float(levels.mean()) <= 0.35, (float(levels.max()), float(levels.mean()))
