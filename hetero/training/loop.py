@@ -228,7 +228,8 @@ def tubelet_settle(run: RunState) -> TubeletSettle | None:
 def boundary_batches(batches: list, layout, settle: TubeletSettle | None) -> list[dict]:
     """Each microbatch's boundary batch per encoder, for hetero_step; the vision one settled inside its boundary
     op when the run prunes clips written in tubelet chunks."""
-    out = [b.boundary_batches(sorted(layout.encoders)) for b in batches]
+    settled = settle.key if settle is not None else None  # built inside its boundary op instead
+    out = [b.boundary_batches([k for k in sorted(layout.encoders) if k != settled]) for b in batches]
     if settle is not None:
         for mb, (b, per_key) in enumerate(zip(batches, out)):
             per_key[settle.key] = settle.lazy(b, mb)

@@ -57,11 +57,13 @@ class MediaEncoderStage:
             raise ValueError(f"{key}={layout.to_spec()}: an encoder stage under CP needs its cp group")
         self._kept: dict[int, dict[tuple[int, int], list[int]]] = {}  # mb -> {(row, item): per-tubelet kept}
 
+    def _row_ids(self, mb: int) -> list[int]:
+        """This rank's DP rows of microbatch mb (batch row indices)."""
+        return dp_rows(self.batches[mb].tokens.shape[0], self.layout.dp_size, self.coord.dp)
+
     def _rows(self, mb: int) -> list[list]:
         """Each of this rank's DP rows' items of this encoder, in order."""
-        batch = self.batches[mb]
-        rows = dp_rows(batch.tokens.shape[0], self.layout.dp_size, self.coord.dp)
-        return [batch.media[r].get(self.key, []) for r in rows]
+        return [self.batches[mb].media[r].get(self.key, []) for r in self._row_ids(mb)]
 
     def _items(self, mb: int) -> list:
         return [it for row in self._rows(mb) for it in row]
@@ -89,9 +91,8 @@ class MediaEncoderStage:
                 kept += self.module.tubelet_kept
             out = torch.cat(outs)
         if kept:  # EVS: each pruned clip's per-tubelet kept counts, by (row, item index) of the batch
-            rows = dp_rows(self.batches[mb].tokens.shape[0], self.layout.dp_size, self.coord.dp)
-            videos = [(r, j) for r in rows for j, (kind, _) in enumerate(self.batches[mb].media[r].get(self.key, []))
-                      if kind == "video"]
+            videos = [(r, j) for r, row in zip(self._row_ids(mb), self._rows(mb))
+                      for j, (kind, _) in enumerate(row) if kind == "video"]
             self._kept[mb] = dict(zip(videos, kept, strict=True))
         return out
 
