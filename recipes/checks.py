@@ -17,6 +17,7 @@ import typing
 
 from tessera.hetero.plan.layout import HeteroLayout
 from tessera.hetero.plan.recompute import parse_recompute
+from tessera.hetero.plan.retention import KeepPolicy
 from tessera.hetero.planner.run_layout import resolve_run_layout
 from tessera.hetero.training.run_modules import ENCODER_KEYS, module_specs
 from tessera.models import configs, encoders
@@ -45,6 +46,7 @@ def check_run(cfg, world_size: int) -> HeteroLayout:
     if getattr(cfg.optim, "use_distributed_optimizer", False) and cfg.model.dtype != "bfloat16":
         raise ValueError(f"optim.use_distributed_optimizer=True shards the fp32 master weights of a bf16 run, and "
                          f"model.dtype={cfg.model.dtype!r} has none: set model.dtype=bfloat16 or drop the option")
+    KeepPolicy(getattr(cfg.trainer, "keep_last", None), getattr(cfg.trainer, "keep_every", 0))
     return resolve_run_layout(cfg, world_size)
 
 

@@ -94,7 +94,11 @@ class TrainerConfig:
     max_steps: int = 20
     seed: int = 1234
     log_every: int = 1
-    save_every: int = 0                     # 0 = save only at the end
+    save_every: int = 0                     # 0 = save only at the end (and on SIGTERM/SIGUSR1)
+    save_interval_minutes: float = 0.0      # > 0: also save when this much wall time passed since the last save
+    keep_last: int | None = None            # keep the newest N checkpoints (None = all); `latest` is never deleted
+    keep_every: int = 0                     # > 0: also keep every step divisible by it, permanently
+    async_save: bool = False                # write checkpoints in a helper process while training goes on
     run_dir: str | None = None              # None = runs/<name>-<timestamp>
     resume: bool = True                     # continue from run_dir's last complete checkpoint if any
     progress: bool = True

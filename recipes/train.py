@@ -153,6 +153,14 @@ def train(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: Tra
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
+    if summary.get("stopped_by"):
+        from tessera.hetero.training.preemption import EXIT_STOPPED
+
+        if rank == 0:
+            print(f"stopped by {summary['stopped_by']} after step {summary['steps']}: checkpoint step "
+                  f"{summary['steps']} saved in {run_dir / 'checkpoints'}; the same command (or Slurm's requeue) "
+                  f"resumes from it", flush=True)
+        raise SystemExit(EXIT_STOPPED)  # not finished: non-zero, so Slurm requeues and `nemo` reports it
     if rank == 0:
         print(f"done: steps={summary['steps']} first_loss={summary['first_loss']:.4f} "
               f"last_loss={summary['last_loss']:.4f} layout={summary['layout']}", flush=True)

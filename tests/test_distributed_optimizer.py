@@ -52,8 +52,32 @@ def _optimizer_steps(distributed: bool, steps: int = 4):
     held = sum(t.numel() for st in opt.optimizers["language"].state.values() for k, t in st.items() if k != "step")
     held += sum(m.numel() for ms in opt.masters.values() for m in ms)
     held += sum(part.master.numel() for parts in opt.zero.values() for part in parts)
+    saved = _optimizer_state_as_saved(module, opt, groups)
     destroy_module_groups(groups)
-    return weights, norms, held
+    return weights, norms, held, saved
+
+
+def _optimizer_state_as_saved(module, opt, groups) -> dict:
+    """What a checkpoint of this rank holds of the optimizer (hetero/training/checkpoint._sharded_state):
+    per stored tensor, whether its data is the live state's own memory (no gathered copy), its elements, and
+    its (global shape, offset, shape) where this rank is the writer."""
+    from tessera.hetero.training.checkpoint import _sharded_state
+
+    live = {t.untyped_storage().data_ptr() for st in opt.optimizers["language"].state.values()
+            for k, t in st.items() if k != "step"}
+    live |= {m.untyped_storage().data_ptr() for ms in opt.masters.values() for m in ms}
+    live |= {part.master.untyped_storage().data_ptr() for parts in opt.zero.values() for part in parts}
+    state = _sharded_state({"language": module}, opt, groups, {"language": None}, dist.get_rank(),
+                           dist.get_world_size(), with_rng=False)
+    out = {"views_of_live_state": True, "elements": 0, "written": []}
+    for sh in state.values():
+        if not sh.key.startswith("optim."):
+            continue
+        out["views_of_live_state"] &= sh.data.untyped_storage().data_ptr() in live
+        out["elements"] += sh.data.numel()
+        if all(r == 0 for r in (sh.replica_id if isinstance(sh.replica_id, tuple) else (sh.replica_id,))):
+            out["written"].append((sh.key, sh.global_shape, sh.global_offset, sh.local_shape))
+    return out
 
 
 def _both():
@@ -63,7 +87,7 @@ def _both():
 def test_zero1_steps_equal_the_replicated_optimizer_with_a_shard_of_its_state(trained):
     _, per_rank = trained
     held = []
-    for (w_rep, n_rep, held_rep), (w_zero, n_zero, held_zero) in per_rank:
+    for (w_rep, n_rep, held_rep, _), (w_zero, n_zero, held_zero, _) in per_rank:
         for a, b in zip(w_rep, w_zero):
             assert a == b, "ZeRO-1 weights differ from the replicated optimizer's"
         assert max(abs(x - y) / y for x, y in zip(n_rep, n_zero)) < 1e-12, (n_rep, n_zero)
@@ -74,10 +98,30 @@ def test_zero1_steps_equal_the_replicated_optimizer_with_a_shard_of_its_state(tr
     assert sorted(held) == [3 * 10 + 8 + 2 * 7] * 2 + [3 * (10 + 8)] * 2, held
 
 
+def test_zero1_checkpoint_writes_each_ranks_shard_in_place_and_every_element_once(trained):
+    """A ZeRO-1 save gathers nothing: every optimizer tensor it hands the checkpoint is a view of this rank's
+    live shard (master, exp_avg, exp_avg_sq), holding exactly the rank's elements; and over the 4 ranks the
+    written pieces tile every parameter's states exactly once (the check megatron skips for uneven sharding)."""
+    _, per_rank = trained
+    written = {}
+    for _, (_, _, held_zero, saved) in per_rank:
+        assert saved["views_of_live_state"], "a ZeRO-1 save copied (gathered) optimizer state"
+        assert saved["elements"] == held_zero, (saved["elements"], held_zero)
+        for key, gshape, off, shape in saved["written"]:
+            cover = written.setdefault(key, torch.zeros(gshape, dtype=torch.int))
+            cover[tuple(slice(o, o + s) for o, s in zip(off, shape))] += 1
+    # dense 5x7 weight + 5 bias, experts: each EP rank its own 3x5 weight under one global key
+    assert sorted(written) == sorted(f"optim.{f}.language.{p}" for f in ("master", "exp_avg", "exp_avg_sq")
+                                     for p in ("0.weight", "0.bias", "1.weight")), sorted(written)
+    for key, cover in written.items():
+        assert (cover == 1).all(), (key, cover)
+
+
 # ---- (b) the trainer ------------------------------------------------------------------------------------
 
 LAYOUT = "vision=dp4@0-3;language=dp4,ep2@0-3"
 OTHER = "vision=dp2@0-1;language=dp2,ep2@2-3"
+OTHER_ZERO = "vision=dp4@0-3;language=tp2,dp2@0-3"  # ZeRO over DP2 instead of DP4, TP2 on top
 STEPS, SAVE_AT = 10, 5
 
 
@@ -106,11 +150,12 @@ def _runs(root: str):
     _train(str(root / "replicated"), STEPS, False)
     _train(str(root / "zero"), STEPS, True, save_every=SAVE_AT)
     if dist.get_rank() == 0:
-        for name in ("resumed", "other"):
+        for name in ("resumed", "other", "other_zero"):
             _seed(root / "zero" / "checkpoints" / f"step_{SAVE_AT:06d}", root / name)
     dist.barrier()
     _train(str(root / "resumed"), STEPS, True)
     _train(str(root / "other"), STEPS, False, layout=OTHER)
+    _train(str(root / "other_zero"), STEPS, True, layout=OTHER_ZERO)
     return both
 
 
@@ -130,9 +175,12 @@ def test_zero1_training_follows_the_replicated_curve_and_resumes(trained):
     assert len(rep) == len(zero) == STEPS and zero[-1] < zero[0] - 0.5
     assert max(abs(a - b) / b for a, b in zip(zero, rep)) <= 1e-6, (zero, rep)
     assert _losses(trained / "resumed") == zero[SAVE_AT:], "a ZeRO-1 resume in its layout must be bitwise"
-    other = _losses(trained / "other")
-    # another layout computes in another order in bf16: the mixed-precision bound (tests/test_mixed_precision.py)
-    assert max(abs(a - b) / b for a, b in zip(other, zero[SAVE_AT:])) <= 2.0 ** -9, (other, zero[SAVE_AT:])
+    # another layout computes in another order in bf16: the mixed-precision bound (tests/test_mixed_precision.py);
+    # "other_zero" reads the DP4 shards' pieces into DP2 x TP2 shards (each rank's pieces cut elsewhere)
+    for name in ("other", "other_zero"):
+        other = _losses(trained / name)
+        assert len(other) == STEPS - SAVE_AT
+        assert max(abs(a - b) / b for a, b in zip(other, zero[SAVE_AT:])) <= 2.0 ** -9, (name, other, zero[SAVE_AT:])
 
 
 def test_distributed_optimizer_needs_bf16():

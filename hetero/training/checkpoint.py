@@ -24,6 +24,7 @@ is written and before the rename that publishes them (what the fault test uses).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -33,9 +34,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from torch.distributed.checkpoint.api import CheckpointException
 
 from tessera.hetero.runtime.groups import ModuleGroups
+from tessera.hetero.plan.flat_boxes import flat_boxes
 from tessera.hetero.plan.layout import LANGUAGE
+from tessera.hetero.plan.retention import KeepPolicy
+from tessera.hetero.training.zero import FlatSlice
 from tessera.models.nemotron_h_hf import _mamba_parts
 
 LATEST = "latest"
@@ -47,14 +52,19 @@ def _mamba_local_parts(config, tp: int) -> list[int]:
     return [s // tp for s in _mamba_parts(config)]
 
 
-def _pieces(name: str, t: torch.Tensor, mamba_parts: list[int] | None) -> list[tuple[str, torch.Tensor]]:
-    """(key suffix, view) pieces of one local tensor: fused Mamba tensors split into their parts."""
+def _piece_rows(name: str, rows: int, mamba_parts: list[int] | None) -> list[tuple[str, int, int]]:
+    """(key suffix, first row, last row + 1) of each stored piece of a local tensor with `rows` rows along
+    dim 0: fused Mamba tensors split into their parts, anything else one piece."""
+    sizes = None
     # (a LoRA adapter's B of in_proj has the weight's row layout: hetero/training/lora.py)
     if mamba_parts and (name.endswith("mixer.in_proj.weight") or name.endswith("mixer.in_proj.adapter.lora_B")):
-        return [(f".part{i}", v) for i, v in enumerate(t.split(mamba_parts))]
-    if mamba_parts and (name.endswith("mixer.conv1d_weight") or name.endswith("mixer.conv1d_bias")):
-        return [(f".part{i}", v) for i, v in enumerate(t.split(mamba_parts[1:4]))]
-    return [("", t)]
+        sizes = mamba_parts
+    elif mamba_parts and (name.endswith("mixer.conv1d_weight") or name.endswith("mixer.conv1d_bias")):
+        sizes = mamba_parts[1:4]
+    if sizes is None:
+        return [("", 0, rows)]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [(f".part{i}", a, a + n) for i, (a, n) in enumerate(zip(starts, sizes))]
 
 
 _LOCAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
@@ -79,7 +89,7 @@ def _expert_offset(key: str, config, g: ModuleGroups) -> int:
 def _param_specs(key: str, module: torch.nn.Module, g: ModuleGroups, mamba_parts, layer_offset: int,
                  expert_offset: int = 0):
     """Per parameter and persistent buffer (MoE expert bias, BatchNorm statistics): (tensor, global key,
-    pieces of a same-shaped tensor, rank_offsets, replica_id)."""
+    its pieces as (suffix, first row, end row), its TP rank offsets, replica_id)."""
     tp, tp_rank = g.pgs.tp.size(), g.pgs.tp.rank()
     seen = set()
     for name, p in module.state_dict(keep_vars=True).items():
@@ -91,29 +101,57 @@ def _param_specs(key: str, module: torch.nn.Module, g: ModuleGroups, mamba_parts
         # replicas: dense tensors over DP x CP, routed experts (distinct per EP rank) over expert-DP
         rep = (g.pgs.expt_dp if _LOCAL_EXPERT.search("." + name) else g.pgs.dp_cp).rank()
         replica = (0, rep) if sharded else (tp_rank, rep)  # exactly one writer per element
+        # fused Mamba tensors split at every TP size, so keys never change
+        rows = _piece_rows(name, p.shape[0] if p.dim() else 1, mamba_parts)
+        yield p, _global_name(key, name, layer_offset, expert_offset), rows, offsets, replica
 
-        def pieces(t, name=name):  # fused Mamba tensors split at every TP size, so keys never change
-            return _pieces(name, t, mamba_parts)
 
-        yield p, _global_name(key, name, layer_offset, expert_offset), pieces, offsets, replica
+def _flat_slice_tensors(k: str, fs: FlatSlice, shape: torch.Size, rows: tuple[int, int], offsets, replica,
+                        vocab: bool) -> list[ShardedTensor]:
+    """A ZeRO-1 rank's range of one piece of a parameter as rectangles with global offsets (uneven sharding:
+    axis_fragmentations=None, which torch_dist stores as DCP chunks), each a view of the live shard. The
+    owner of an element in its reduction group is unique, so only TP replicas of an unsharded tensor repeat."""
+    r0, r1 = rows
+    row = math.prod(shape[1:])
+    lo, hi = max(fs.start, r0 * row), min(fs.start + fs.data.numel(), r1 * row)
+    if lo >= hi:
+        return []
+    local = (r1 - r0,) + tuple(shape[1:])
+    glob, base = list(local), [0] * len(local)
+    for axis, tp_rank, tp in offsets:
+        glob[axis], base[axis] = local[axis] * tp, local[axis] * tp_rank
+    out = []
+    for box_off, box_shape, first in flat_boxes(local, lo - r0 * row, hi - r0 * row):
+        at = first + r0 * row - fs.start
+        data = fs.data[at:at + math.prod(box_shape)].view(box_shape)
+        out.append(ShardedTensor(k, data, data.dtype, box_shape, tuple(glob),
+                                 tuple(b + o for b, o in zip(base, box_off)), None,
+                                 (replica[0], 0), allow_shape_mismatch=vocab))
+    return out
 
 
 def _sharded_state(modules, opt, groups, configs, rank, world, with_rng=True) -> dict:
     # per trainable parameter: fp32 Adam states and (bf16 run) master, sharded like their parameter
     state, space = {}, (opt.param_space() if opt is not None else {})
     for key, module in modules.items():
-        parts = _mamba_local_parts(configs[key], groups[key].pgs.tp.size()) if key == LANGUAGE else None
+        parts = (_mamba_local_parts(configs[key], groups[key].pgs.tp.size())
+                 if key == LANGUAGE and configs.get(key) is not None else None)
         extra = {id(p): d for p, d in zip(opt.params[key], space[key])} if key in space else {}
-        for p, gkey, pieces, offsets, replica in _param_specs(key, module, groups[key], parts,
-                                                              getattr(module, "layer_offset", 0),
-                                                              _expert_offset(key, configs.get(key), groups[key])):
+        for p, gkey, rows, offsets, replica in _param_specs(key, module, groups[key], parts,
+                                                            getattr(module, "layer_offset", 0),
+                                                            _expert_offset(key, configs.get(key), groups[key])):
             tensors = {"model": p.data, **extra.get(id(p), {})}
             # the vocabulary's padded size depends on TP (models/hybrid_llm.py): as megatron does for its
             # embedding and output layer, a load reads the rows both layouts have and leaves the rest zero
             vocab = key == LANGUAGE and gkey in VOCAB_ROWS
             for prefix, t in tensors.items():
-                for suffix, view in pieces(t):
+                for suffix, r0, r1 in rows:
                     k = f"{prefix}.{gkey}{suffix}"
+                    if isinstance(t, FlatSlice):  # ZeRO-1: this rank's range only, never gathered
+                        for i, sh in enumerate(_flat_slice_tensors(k, t, p.shape, (r0, r1), offsets, replica, vocab)):
+                            state[f"{k}#{i}"] = sh
+                        continue
+                    view = t if (r0, r1) == (0, len(t) if t.dim() else 1) else t[r0:r1]
                     state[k] = ShardedTensor.from_rank_offsets(k, view, *offsets, replica_id=replica,
                                                                allow_shape_mismatch=vocab)
     if with_rng:
@@ -138,8 +176,72 @@ def _maybe_fail_in_save(step: int, rank: int) -> None:
             os._exit(17)  # an abrupt death: shards written, nothing published
 
 
-def save_checkpoint(root: str | Path, step: int, modules, opt, groups, configs: dict, common: dict) -> Path:
-    """Collective over the world. Returns the completed checkpoint directory."""
+_STEP_DIR = re.compile(r"^step_(\d+)(\.partial)?$")
+
+
+def _prune(root: Path, published: int, keep: KeepPolicy) -> list[str]:
+    """Rank 0, right after publishing step `published`: delete what `keep` lets go, and `.partial` directories of
+    older steps (saves that died). A save in flight is always newer (a new save waits for the last), so its
+    `.partial` is never touched."""
+    found = {}
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if m and d.is_dir():
+            found[d.name] = (int(m[1]), bool(m[2]))
+    doomed = [f"step_{s:06d}" for s in keep.to_delete([s for s, p in found.values() if not p], published)]
+    doomed += [name for name, (s, partial) in found.items() if partial and s < published]
+    for name in doomed:
+        shutil.rmtree(root / name, ignore_errors=True)
+    return doomed
+
+
+def _publish(root: Path, step: int, keep: KeepPolicy) -> None:
+    """Collective, once every rank's shards of `step` are written: rank 0 renames step_N.partial to step_N,
+    points `latest` at it (atomically) and prunes."""
+    rank = dist.get_rank()
+    dist.barrier()
+    _maybe_fail_in_save(step, rank)
+    if rank == 0:
+        final, partial = root / f"step_{step:06d}", root / f"step_{step:06d}.partial"
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(partial, final)
+        tmp = root / (LATEST + ".tmp")
+        tmp.write_text(final.name + "\n")
+        os.replace(tmp, root / LATEST)  # atomic: readers see the old or the new checkpoint, never half
+        _prune(root, step, keep)
+    dist.barrier()
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint write failed on some rank; nothing of it was published."""
+
+
+def _save_failed(root: Path, what: str, err: BaseException, needed: int = 0) -> SaveFailed:
+    """The error every rank raises: which save, why, what is intact, the fix. Rank 0 removes the unpublished
+    `.partial` directories (a full disk gets its room back for the relaunch). A full file system is told by its
+    free space (less than this rank had to write): torch's writer reports ENOSPC as a bare "unexpected pos"."""
+    free = shutil.disk_usage(root).free if root.exists() else 0
+    nospace = free < max(needed, 1 << 20) or "No space left on device" in str(err)
+    fix = ("the file system is full: free space there, or set trainer.keep_last=N to keep only the newest N "
+           "checkpoints" if nospace else "the error above says why")
+    last = latest_checkpoint(root)
+    if dist.get_rank() == 0:
+        for d in root.glob("step_*.partial"):
+            shutil.rmtree(d, ignore_errors=True)
+    return SaveFailed(f"saving {what} under {root} failed ({type(err).__name__}: {str(err)[:500]}); {fix}. "
+                      f"The last complete checkpoint, {last.name if last else 'none yet'}, is intact and `latest` "
+                      f"names it: a relaunch resumes from there")
+
+
+def save_checkpoint(root: str | Path, step: int, modules, opt, groups, configs: dict, common: dict,
+                    keep: KeepPolicy = KeepPolicy(), queue=None) -> Path:
+    """Collective over the world: write `step` into step_N.partial/, then publish it (_publish).
+
+    queue: a dist_checkpointing AsyncCallsQueue to save asynchronously: the shards are written by a forked
+    helper (a copy-on-write snapshot of this step) while training goes on, and the publish runs when every
+    rank's helper has finished (queue.maybe_finalize_async_calls, called by the loop each step). The caller
+    first waits for the previous save (one save in flight at a time). Returns the directory the step is (or
+    will be) published as. A failed write raises SaveFailed naming the fix; nothing is published then."""
     rank, world = dist.get_rank(), dist.get_world_size()
     root = Path(root)
     final, partial = root / f"step_{step:06d}", root / f"step_{step:06d}.partial"
@@ -149,17 +251,29 @@ def save_checkpoint(root: str | Path, step: int, modules, opt, groups, configs: 
     dist.barrier()
     state = _sharded_state(modules, opt, groups, configs, rank, world)
     state["common"] = dict(common, world=world, step=step)
-    dist_checkpointing.save(state, str(partial), sharded_strategy=("torch_dist", 1))
-    dist.barrier()
-    _maybe_fail_in_save(step, rank)
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(partial, final)
-        tmp = root / (LATEST + ".tmp")
-        tmp.write_text(final.name + "\n")
-        os.replace(tmp, root / LATEST)  # atomic: readers see the old or the new checkpoint, never half
-    dist.barrier()
+    needed = sum(t.data.numel() * t.data.element_size() for t in state.values() if isinstance(t, ShardedTensor))
+    try:
+        request = dist_checkpointing.save(state, str(partial), sharded_strategy=("torch_dist", 1),
+                                          async_sharded_save=queue is not None)
+    except (Exception, CheckpointException) as e:  # (a BaseException) every write error: which step, the fix
+        raise _save_failed(root, f"checkpoint step {step}", e, needed) from e
+    if queue is None:
+        _publish(root, step, keep)
+    else:
+        request.add_finalize_fn(lambda: _publish(root, step, keep))
+        queue.schedule_async_request(request)
     return final
+
+
+def finish_async_saves(queue, root: str | Path, blocking: bool) -> None:
+    """Publish the async saves whose writes finished on every rank (all of them, waiting, when `blocking`).
+    Collective; a failed write raises SaveFailed (nothing of it is published)."""
+    if queue is None or not queue.get_num_unfinalized_calls():
+        return
+    try:
+        queue.maybe_finalize_async_calls(blocking=blocking)
+    except (Exception, CheckpointException) as e:
+        raise _save_failed(Path(root), "an asynchronous checkpoint", e) from e
 
 
 def load_checkpoint(path: str | Path, modules, opt, groups, configs: dict) -> dict:

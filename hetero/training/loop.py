@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
 from tessera.data.loader import close_loader
 from tessera.data.pipeline import settles_tubelet_chunks
@@ -33,7 +34,8 @@ from tessera.hetero.plan.layout import LANGUAGE
 from tessera.hetero.planner.run_layout import resolve_run_layout
 from tessera.hetero.runtime.step_executor import hetero_step
 from tessera.hetero.runtime.tubelet_settle import TubeletSettle
-from tessera.hetero.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tessera.hetero.training.checkpoint import (KeepPolicy, finish_async_saves, latest_checkpoint, load_checkpoint,
+                                                save_checkpoint)
 from tessera.hetero.training.loader_state import decode_loader_state, encode_loader_state
 from tessera.hetero.training.lora import apply_lora
 from tessera.hetero.training.metrics import RunMetrics
@@ -41,6 +43,7 @@ from tessera.hetero.training.run_modules import checkpoint_llm_fields, encoder_n
 from tessera.hetero.training.model_build import (build_rank_modules, check_checkpoint_tensors,
                                                  llm_fields, load_full_state, module_configs)
 from tessera.hetero.training.optim import ModuleOptimizers, lr_at
+from tessera.hetero.training.preemption import StopSignals, signal_name
 from tessera.hetero.training.seeded_init import SeededState
 from tessera.hetero.training.stages import LanguageStage, MediaEncoderStage, global_token_count
 
@@ -172,8 +175,10 @@ def _build_loader(run: RunState):
 
 
 def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, hosts_loss: bool,
-                settle: TubeletSettle | None = None) -> dict:
-    """One optimizer step over `data.microbatches` microbatches; returns the metrics record (every rank)."""
+                settle: TubeletSettle | None = None, flags=lambda: [0.0, 0.0]) -> tuple[dict, list[bool]]:
+    """One optimizer step over `data.microbatches` microbatches; returns the metrics record (every rank) and
+    `flags()` (this rank's stop requests, read just before the step's one all-reduce, which carries them:
+    hetero/training/preemption.py) as the world agreed on them."""
     cfg, layout, groups, modules = run.cfg, run.layout, run.groups, run.modules
     t0 = time.perf_counter()
     batches = [next(it) for _ in range(cfg.data.microbatches)]
@@ -186,24 +191,34 @@ def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, h
     result = hetero_step(layout, groups, enc, lang, comms, boundary_batches(batches, layout, settle), like)
     stats = run.opt.step(lr_at(step, cfg.trainer.max_steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio))
     sums = torch.tensor([float(result.loss) if hosts_loss else 0.0,
-                         sum(c.bytes_sent for c in comms.values()) - sent0], dtype=torch.float64,
+                         sum(c.bytes_sent for c in comms.values()) - sent0, *flags()], dtype=torch.float64,
                         device=run.device)  # NCCL reduces device tensors only
     dist.all_reduce(sums)
+    agreed = [bool(f > 0) for f in sums[2:].tolist()]  # any rank's request holds for all
     dt = time.perf_counter() - t0
     rows = cfg.data.rows_per_microbatch * cfg.data.microbatches
     return {"step": step + 1, "loss": float(sums[0]), "lr": stats["lr"], "grad_norm": stats["grad_norm"],
             "tokens_per_s": rows * cfg.data.seq_length / dt, "samples_per_s": rows / dt,
             "target_tokens": total, "boundary_bytes": int(sums[1]), "step_time_s": dt,
             "skipped": sum(sum(b.skipped.values()) for b in batches),
-            "skipped_by_reason": dict(sum((Counter(b.skipped) for b in batches), Counter()))}
+            "skipped_by_reason": dict(sum((Counter(b.skipped) for b in batches), Counter()))}, agreed
 
 
-def _save(run: RunState, step: int, loader) -> None:
+def _save(run: RunState, step: int, loader, keep: KeepPolicy, queue) -> None:
+    """Save `step` (asynchronously when `queue` is given, after the previous save is published)."""
+    finish_async_saves(queue, run.ckpt_root, blocking=True)  # one save in flight at a time
     save_checkpoint(run.ckpt_root, step, run.modules, run.opt, run.groups, run.configs,
                     # all text, so the common state is torch.load(weights_only=True)-safe and the
                     # loader state is data, never a pickle (hetero/training/loader_state.py)
                     {"loader": encode_loader_state(loader.save_state_rank()), "layout": str(run.layout),
-                     "config": json.dumps(asdict(run.cfg)), "llm_hf_config": json.dumps(run.hf_fields)})
+                     "config": json.dumps(asdict(run.cfg)), "llm_hf_config": json.dumps(run.hf_fields)},
+                    keep=keep, queue=queue)
+
+
+def _save_due(trainer, step: int, agreed: list[bool]) -> bool:
+    """After `step` optimizer steps: the last step, every save_every steps, the wall-time interval, or a stop."""
+    return (step == trainer.max_steps or (trainer.save_every and step % trainer.save_every == 0)
+            or any(agreed))
 
 
 def step_context(run: RunState) -> tuple[dict, torch.Tensor, bool]:
@@ -241,6 +256,7 @@ def run_training(cfg, run_dir: Path, device: torch.device | None = None) -> dict
     `device`: where this rank computes; default the one its launcher bound (hetero/runtime/device.py)."""
     run = RunState(cfg, run_dir, dist.get_rank(), dist.get_world_size(), device or current_device(),
                {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype])
+    keep = KeepPolicy(cfg.trainer.keep_last, cfg.trainer.keep_every)  # a bad policy fails before any work
     _resolve(run)
     _build_model(run)
     _resume(run)
@@ -250,23 +266,37 @@ def run_training(cfg, run_dir: Path, device: torch.device | None = None) -> dict
     metrics = RunMetrics(run_dir, cfg.trainer.max_steps, run.start, cfg.trainer.progress,
                          cfg.trainer.tensorboard) if run.rank == 0 else None
 
-    it, record, first_loss = iter(loader), {}, None
-    for step in range(run.start, cfg.trainer.max_steps):
-        _maybe_fail(step, run.rank)
-        record = _train_step(run, step, it, comms, like, hosts_loss, settle)
-        first_loss = record["loss"] if first_loss is None else first_loss
-        if metrics is not None:
-            metrics.log(record)
-        if step + 1 == cfg.trainer.max_steps or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
-            _save(run, step + 1, loader)
+    # SIGTERM / SIGUSR1 end the run after a saved step; async saves write while the next steps train
+    stop = StopSignals(cfg.trainer.save_interval_minutes)
+    queue = AsyncCallsQueue() if cfg.trainer.async_save else None
+    it, record, first_loss, last_save, stopped = iter(loader), {}, None, time.monotonic(), None
+    try:
+        for step in range(run.start, cfg.trainer.max_steps):
+            _maybe_fail(step, run.rank)
+            record, (stop_now, time_due) = _train_step(run, step, it, comms, like, hosts_loss, settle,
+                                                       lambda: stop.local_flags(last_save))
+            first_loss = record["loss"] if first_loss is None else first_loss
+            if metrics is not None:
+                metrics.log(record)
+            if _save_due(cfg.trainer, step + 1, [stop_now, time_due]):
+                _save(run, step + 1, loader, keep, queue)
+                last_save = time.monotonic()
+            finish_async_saves(queue, run.ckpt_root, blocking=False)  # publish what finished writing
+            if stop_now and step + 1 < cfg.trainer.max_steps:
+                stopped = (signal_name(stop.received), step + 1)
+                break
+        finish_async_saves(queue, run.ckpt_root, blocking=True)
+    finally:
+        stop.close()
 
     close_loader(loader)
     plot = metrics.close() if metrics is not None else None
-    if cfg.trainer.export_hf and run.rank == 0:
+    if cfg.trainer.export_hf and run.rank == 0 and not stopped:
         _export_hf(run.ckpt_root, cfg.trainer.export_hf)
     dist.barrier()
     if settle is not None:
         settle.close()
     destroy_module_groups(run.groups)
-    return {"run_dir": str(run_dir), "layout": str(run.layout), "steps": cfg.trainer.max_steps,
+    return {"run_dir": str(run_dir), "layout": str(run.layout),
+            "steps": stopped[1] if stopped else cfg.trainer.max_steps, "stopped_by": stopped[0] if stopped else None,
             "first_loss": first_loss, "last_loss": record.get("loss"), "loss_png": str(plot) if plot else None}

@@ -304,21 +304,22 @@ class ModuleOptimizers:
                       exp_avg_sq=torch.zeros_like(t))
         return st
 
-    def param_space(self) -> dict[str, list[dict[str, torch.Tensor]]]:
+    def param_space(self) -> dict[str, list[dict]]:
         """What a checkpoint stores besides the weights, per module and trainable parameter (aligned with
-        self.params[key]), each tensor shaped like its parameter: 'optim.master' (mixed precision),
-        'optim.exp_avg', 'optim.exp_avg_sq' (fp32). The live tensors, or under ZeRO-1 whole copies gathered from
-        the shards (collective), which load_param_space() takes back after a load."""
+        self.params[key]): 'optim.master' (mixed precision), 'optim.exp_avg', 'optim.exp_avg_sq' (fp32), each
+        the live tensor shaped like its parameter - or, under ZeRO-1, this rank's FlatSlice of it (a view of
+        the shard; a parameter this rank holds none of gets no entry). No copies: a checkpoint reads and loads
+        these tensors in place."""
         out = {}
         for key, opt in self.optimizers.items():
             if key in self.zero:
                 per = []
                 for part in self.zero[key]:
                     states = [self._adam_state(opt, v) for v in part.master_views]
-                    fields = {"optim.master": part.full(lambda k, part=part: part.master_views[k])}
+                    fields = {"optim.master": part.flat_slices(lambda k, part=part: part.master_views[k])}
                     for f in ("exp_avg", "exp_avg_sq"):
-                        fields[f"optim.{f}"] = part.full(lambda k, f=f: states[k][f])
-                    per += [dict(zip(fields, ts)) for ts in zip(*fields.values())]
+                        fields[f"optim.{f}"] = part.flat_slices(lambda k, f=f: states[k][f])
+                    per += [{} if ts[0] is None else dict(zip(fields, ts)) for ts in zip(*fields.values())]
                 out[key] = per
                 continue
             stepped = self.masters.get(key, self.params[key])  # what AdamW steps
@@ -327,21 +328,12 @@ class ModuleOptimizers:
                 for d, m in zip(per, self.masters[key]):
                     d["optim.master"] = m
             out[key] = per
-        self._space = out
         return out
 
     def load_param_space(self, step: int) -> None:
-        """After a checkpoint was loaded into the tensors of the last param_space(): ZeRO-1 ranks take their
-        shards, every Adam state's step count is set, and the params are re-derived from the masters."""
-        for key, opt in self.optimizers.items():
-            space, first = self._space[key], 0
-            for part in self.zero.get(key, []):  # parts tile self.params[key] in order (dense, experts)
-                mine = space[first:first + len(part.params)]
-                first += len(part.params)
-                part.load_full([d["optim.master"] for d in mine], lambda k: part.master_views[k])
-                for f in ("exp_avg", "exp_avg_sq"):
-                    part.load_full([d[f"optim.{f}"] for d in mine],
-                                   lambda k, f=f: self._adam_state(opt, part.master_views[k])[f])
+        """After a checkpoint was loaded into the tensors of param_space() (in place, ZeRO-1 shards included):
+        every Adam state's step count is set, and the params are re-derived from the masters."""
+        for opt in self.optimizers.values():
             for st in opt.state.values():
                 st["step"].fill_(float(step))
         self.copy_masters_to_params()  # bf16 params = the loaded fp32 masters, rounded (as after a step)

@@ -15,16 +15,29 @@ parameter (fp32 master + exp_avg + exp_avg_sq) plus the 4-byte main grad.
 
 Why not megatron's DistributedOptimizer: hetero/training/optim.py (CUDA-only type checks and buffers).
 
-Checkpoints stay in parameter space, as megatron's "fully reshardable" format: `full(...)` all-gathers a part's
-shards into whole per-parameter tensors on save, `load_full(...)` takes each rank's shard back after a load; so
-a checkpoint moves between ZeRO and the replicated optimizer and between DP sizes. (The gather holds the
-part's full fp32 states for the duration of the save.)
+Checkpoints stay in parameter space, as megatron's "fully reshardable" format, without gathering anything:
+`flat_slices(...)` hands the checkpoint each rank's contiguous range of each parameter as a `FlatSlice` (a view
+of the live shard and where it starts in the parameter), which hetero/training/checkpoint.py writes as the
+rectangles that tile it (hetero/plan/flat_boxes.py) and loads back in place. A save therefore adds no
+optimizer memory, and a checkpoint still moves between ZeRO and the replicated optimizer and between DP sizes
+(the store reshards by global offsets). Before this, a save all-gathered every part's fp32 master and Adam
+states whole on every rank: about 78 GiB more per rank for nemotron_vl_12b, which did not fit.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
+
+
+class FlatSlice(NamedTuple):
+    """Elements [start, start + data.numel()) of a parameter's flattened (TP-local) tensor: `data` is a 1-D
+    view of a ZeRO shard (master or Adam state), written and loaded in place by the checkpoint."""
+
+    data: torch.Tensor
+    start: int
 
 
 class ShardedPart:
@@ -95,21 +108,10 @@ class ShardedPart:
         self.grad.zero_()
         self.grad_shard.zero_()
 
-    def full(self, shard_of) -> list[torch.Tensor]:
-        """Whole fp32 tensors per parameter from a per-view quantity (`shard_of(view_index) -> 1-D tensor`),
-        all-gathered over the group (collective)."""
-        shard = torch.zeros(self.shard_len, dtype=torch.float32, device=self.master.device)
+    def flat_slices(self, shard_of) -> list[FlatSlice | None]:
+        """Per parameter of the part: this rank's range of it as a FlatSlice of `shard_of(view_index)` (a 1-D
+        tensor shaped like that master view), or None where this rank holds none of the parameter."""
+        out: list[FlatSlice | None] = [None] * len(self.params)
         for k, (i, a, b, s) in enumerate(self.segments):
-            shard[s:s + b - a] = shard_of(k)
-        out = torch.empty(self.size, dtype=torch.float32, device=shard.device)
-        if self.group.size() == 1:
-            out.copy_(shard)
-        else:
-            dist.all_gather_into_tensor(out, shard, group=self.group)
-        return [out[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
-
-    def load_full(self, full: list[torch.Tensor], into) -> None:
-        """Take this rank's shard of whole per-parameter tensors: `into(view_index)` is the 1-D tensor to fill."""
-        with torch.no_grad():
-            for k, (i, a, b, s) in enumerate(self.segments):
-                into(k).copy_(full[i].reshape(-1)[a:b])
+            out[i] = FlatSlice(shard_of(k), a)
+        return out
