@@ -78,6 +78,7 @@ class TesseraRunContext(RunContext):
         task = self.parse_fn(fn, task_args)
         if fn.__name__ != "plan":
             executors.request_gpus(self.executor, task.model)
+            prelaunch.check_save_schedule(task, self.executor, dryrun=self.dryrun)
         run.dryrun_fn(task, executor=self.executor)
         if self.dryrun:
             console.print(f"[bold cyan]Dry run for {self.name}:[/bold cyan]")

@@ -29,12 +29,54 @@ CPU_DEFAULT_WORLD = 4  # layout "" on a machine without GPUs: the 4-rank CPU lay
 # Slurm defaults (nemo-run's SlurmExecutor fields): a 4-hour allocation (a common partition maximum; a 20,000-step
 # recipe spans several), requeued up to 3 times (nemo-run's sbatch script runs `scontrol requeue` after a
 # non-zero exit while SLURM_RESTART_COUNT < retries; it submits with --requeue, so preemption requeues too),
-# and SIGTERM to the ranks 5 minutes before the limit (--signal=TERM@300): the run then ends as a failure
-# that is requeued instead of being killed with its batch script. A requeued job keeps its id, and
-# recipes/train.py names the run directory after it, so it resumes from its last checkpoint (save_every).
+# and SIGTERM to the ranks 5 minutes before the limit (--signal=TERM@300): they save the step they are in and
+# exit non-zero, so the job is requeued instead of being killed with its batch script. A requeued job keeps its
+# id, and recipes/train.py names the run directory after it, so it resumes from that checkpoint.
 DEFAULT_TIME = "04:00:00"
 DEFAULT_RETRIES = 3
 DEFAULT_SIGNAL = "TERM@300"
+# On SIGTERM (or SIGUSR1) the ranks finish their step, save it and exit (hetero/training/preemption.py). torchrun
+# forwards the signal and SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later (30 by default:
+# about one full-recipe step, no time for a save), and dies on a SIGUSR1 it was not told to handle. So every
+# job gets the grace below (Slurm: the signal's lead time minus SLURM_MARGIN_S, in which torchrun exits and the
+# batch script requeues the job before the limit) and torchrun forwards SIGUSR1 too.
+SLURM_MARGIN_S = 30
+LOCAL_GRACE_S = 300
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+STOP_SIGNALS = ("TERM", "USR1")  # what the ranks save on
+
+
+def slurm_signal(spec: str | None) -> tuple[str | None, int | None]:
+    """(signal name, seconds before the limit) that the job's ranks receive from `--signal=spec`
+    ([{R|B}:]SIG[@SECONDS], SECONDS 60 when left out); (None, None) when only the batch shell gets it (B:)
+    or there is none."""
+    if not spec:
+        return None, None
+    flags, _, rest = spec.rpartition(":")
+    if "B" in flags.upper():
+        return None, None
+    sig, _, secs = rest.partition("@")
+    sig = sig.upper().removeprefix("SIG")
+    names = {"15": "TERM", "10": "USR1"}
+    return names.get(sig, sig), int(secs) if secs else 60
+
+
+def slurm_time_s(limit: str) -> int:
+    """Seconds of a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
+    days, _, rest = limit.rpartition("-") if "-" in limit else ("0", "", limit)
+    parts = [int(p) for p in rest.split(":")]
+    if "-" in limit:  # D-HH[:MM[:SS]]
+        h, m, sec = (parts + [0, 0])[:3]
+    else:  # MM | MM:SS | HH:MM:SS
+        h, m, sec = {1: (0, parts[0], 0), 2: (0, *parts), 3: tuple(parts)}[len(parts)]
+    return ((int(days) * 24 + h) * 60 + m) * 60 + sec
+
+
+def shutdown_grace_s(signal_spec: str | None) -> int:
+    """torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT for a Slurm job: the ranks' time between the signal and the
+    limit, less the margin the launcher and the requeue need."""
+    _, lead = slurm_signal(signal_spec)
+    return max(30, (lead or 0) - SLURM_MARGIN_S)
 
 
 def gpu_count() -> int:
@@ -51,6 +93,7 @@ def default_world() -> int:
 def local(ntasks_per_node: int = 0) -> run.Config[run.LocalExecutor]:
     """torchrun on this machine; ntasks_per_node 0 = the layout's world size."""
     env = {} if gpu_count() else {"OMP_NUM_THREADS": "1"}
+    env.update(TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(LOCAL_GRACE_S), PET_SIGNALS_TO_HANDLE=TORCHRUN_SIGNALS)
     # `.venv/bin/nemo` runs without an activated venv: torchrun (the launcher) must still resolve
     env["PATH"] = f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"
     return run.Config(run.LocalExecutor, ntasks_per_node=ntasks_per_node, launcher="torchrun", env_vars=env)
@@ -63,8 +106,10 @@ def slurm(account: str = "", partition: Optional[str] = None, nodes: int = 1, gp
           ssh_identity: Optional[str] = None, remote_job_dir: str = "") -> run.Config[run.SlurmExecutor]:
     """sbatch + torchrun; LocalTunnel on the cluster, SSHTunnel when ssh_host is set. time: the job's limit;
     retries: requeues after a failed, timed-out or preempted run (each resumes from the last checkpoint);
-    signal: sent to the ranks ahead of the limit so the run ends as a failure that is requeued."""
+    signal: sent to the ranks ahead of the limit: they save the step they are in and exit non-zero, and the job
+    is requeued (torchrun is given the time in between to wait for them: shutdown_grace_s)."""
     env = {} if gpus_per_node else {"OMP_NUM_THREADS": "1"}
+    env.update(TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(shutdown_grace_s(signal)), PET_SIGNALS_TO_HANDLE=TORCHRUN_SIGNALS)
     if ssh_host:
         if not remote_job_dir:
             raise ValueError("run.executor.ssh_host is set: also set run.executor.remote_job_dir (a folder on the "

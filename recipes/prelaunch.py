@@ -161,3 +161,74 @@ def check_inputs(task, executor=None, dryrun: bool = False) -> None:
         if not dryrun:
             raise
         print(f"note (a real launch stops here): {e}", file=sys.stderr, flush=True)
+
+
+# ---- saves before a Slurm time limit ----------------------------------------------------------------------
+
+# What one rank writes per second to a cluster's parallel file system while saving (its share of a node's few
+# GB/s): used to estimate how long the save on the signal takes, from the planner's weights + optimizer bytes.
+SAVE_BYTES_PER_S_PER_RANK = 1.0e9
+
+
+def save_schedule_problems(trainer, time_limit_s: int, signal_spec: str | None, step_s: float,
+                           save_s: float) -> tuple[list[str], list[str]]:
+    """(errors, warnings) about a Slurm job keeping its work: a save on the signal must fit in the grace
+    torchrun gets (a step + the save), and without a usable signal a periodic save must come before the limit.
+    step_s / save_s: the planner's step time and the estimated save time of the run's layout."""
+    from tessera.recipes.executors import STOP_SIGNALS, shutdown_grace_s, slurm_signal
+
+    errors, warnings = [], []
+    sig, lead = slurm_signal(signal_spec)
+    periodic = [trainer.save_every * step_s if trainer.save_every else None,
+                trainer.save_interval_minutes * 60 + step_s if trainer.save_interval_minutes else None]
+    first = min((t for t in periodic if t is not None), default=None)
+    hours = lambda t: f"{t / 3600:.1f} h"  # noqa: E731
+    when = (f"the first periodic save comes after {hours(first)} (trainer.save_every={trainer.save_every}, "
+            f"trainer.save_interval_minutes={trainer.save_interval_minutes}, {step_s:.1f} s per step as the planner "
+            f"prices this layout)" if first is not None else "no periodic save is set (trainer.save_every=0, "
+            "trainer.save_interval_minutes=0)")
+    suggest = max(1, int((time_limit_s / 4) / 60))
+    if sig is None or sig not in STOP_SIGNALS:
+        if first is None or first + save_s > time_limit_s:
+            why = ("run.executor.signal is unset or goes to the batch shell only (B:)" if sig is None else
+                   f"run.executor.signal={signal_spec} sends SIG{sig}, which the ranks do not save on (TERM, USR1)")
+            errors.append(f"no checkpoint would be written before the job's time limit ({hours(time_limit_s)}): {why}, "
+                          f"and {when}. Set run.executor.signal=TERM@300 (the ranks save on it), or "
+                          f"trainer.save_interval_minutes={suggest}")
+        return errors, warnings
+    grace = shutdown_grace_s(signal_spec)
+    if step_s + save_s > grace:
+        need = int(step_s + save_s) + 1 + 30
+        errors.append(f"run.executor.signal={signal_spec} leaves the ranks {grace} s between the signal and the "
+                      f"launcher's kill, but finishing a step ({step_s:.0f} s) and saving it (~{save_s:.0f} s) takes "
+                      f"longer: set run.executor.signal={sig}@{max(need, lead + 60)}")
+    if first is None or first + save_s > time_limit_s - lead:
+        warnings.append(f"every allocation keeps only the checkpoint saved on SIG{sig} before its limit "
+                        f"({hours(time_limit_s)}): {when}; a crash before then loses the allocation's work. Set "
+                        f"trainer.save_interval_minutes={suggest} to also save on time")
+    return errors, warnings
+
+
+def check_save_schedule(task, executor, dryrun: bool = False) -> None:
+    """For a Slurm job on GPUs: the planner's step time for the run's layout against the time limit and the
+    signal's grace (save_schedule_problems). Errors raise ValueError (notes in a dry run); warnings print."""
+    import nemo_run as run
+
+    if not isinstance(executor, run.SlurmExecutor) or not executor.gpus_per_node or not task.layout:
+        return  # CPU jobs: the planner prices GPUs, its step time says nothing about them
+    from tessera.hetero.planner.run_layout import price_run
+    from tessera.recipes.config import RunConfig
+    from tessera.recipes.executors import slurm_time_s
+
+    pred = price_run(RunConfig(task.name, task.layout, task.model, task.data, task.optim, task.trainer), task.layout)
+    if not pred.feasible:
+        return  # the layout checks say why; no step time to compare
+    save_s = max(pred.state_gib.values(), default=0.0) * 2**30 / SAVE_BYTES_PER_S_PER_RANK
+    errors, warnings = save_schedule_problems(task.trainer, slurm_time_s(executor.time), executor.signal,
+                                              pred.step_s, save_s)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr, flush=True)
+    if errors and not dryrun:
+        raise ValueError(errors[0])
+    for e in errors:
+        print(f"note (a real launch stops here): {e}", file=sys.stderr, flush=True)

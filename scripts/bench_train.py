@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_train.py --out bench_train.json          # ~3 min here
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_train.py --only-extra --layout "vision=tp4@0-3;audio=dp4@0-3;language=pp2,dp2@0-3"
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_train.py --saves --out bench_saves.json   # what a save costs
 
 One spawn of 4 ranks (hetero.tools.spawn.run_on_ranks) trains every layout in sequence through the real entry
 point (recipes.train.train, as tests/test_train_hetero.py does): RADIO-tiny + FastConformer-tiny +
@@ -42,9 +43,9 @@ MODEL = dict(vision="radio_vit_tiny", audio="fastconformer_tiny")
 
 
 def _train_all(root: str, layouts: list[tuple[str, str]], steps: int, seq: int, rows: int, microbatches: int,
-               pre=None):
+               pre=None, trainer_kw: dict | None = None):
     """Every rank: pre() first when given (a microbenchmark), then train each layout for `steps` steps into
-    root/<name>; returns (pre's result, the resolved layouts)."""
+    root/<name> (trainer_kw: TrainerConfig fields per run name); returns (pre's result, the run summaries)."""
     from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
@@ -52,11 +53,11 @@ def _train_all(root: str, layouts: list[tuple[str, str]], steps: int, seq: int, 
     out = []
     for name, layout in layouts:
         trainer = TrainerConfig(max_steps=steps, run_dir=str(Path(root) / name), resume=False, progress=False,
-                                tensorboard=False)
+                                tensorboard=False, **(trainer_kw or {}).get(name, {}))
         summary = train(ModelConfig(**MODEL), DataConfig(seq_length=seq, rows_per_microbatch=rows,
                                                          microbatches=microbatches),
                         OptimConfig(lr=2e-3, warmup_steps=2, min_lr_ratio=1.0), trainer, layout=layout, name=name)
-        out.append(summary["layout"])
+        out.append(summary)
     return before, out
 
 
@@ -109,7 +110,7 @@ def run(layouts: list[tuple[str, str]], steps: int = 10, warmup: int = 2, seq: i
     try:
         per_rank = run_on_ranks(WORLD, _train_all, root, layouts, steps, seq, rows, microbatches, pre,
                                 timeout=timeout)
-        out = [summarize(name, spec, res, read_metrics(Path(root) / name), warmup, rows * microbatches * seq)
+        out = [summarize(name, spec, res["layout"], read_metrics(Path(root) / name), warmup, rows * microbatches * seq)
                for (name, spec), res in zip(layouts, per_rank[0][1])]
     finally:
         if tmp is not None:
@@ -122,6 +123,46 @@ def measure(layouts: list[tuple[str, str]], steps: int = 10, warmup: int = 2, **
     return run(layouts, steps, warmup, **kw)[0]
 
 
+SAVE_VARIANTS = {"no saves": {}, "sync": {"save_every": 2}, "async": {"save_every": 2, "async_save": True}}
+
+
+def measure_saves(steps: int = 12, repeats: int = 2, root: str | None = None) -> list[dict]:
+    """The homogeneous layout trained `steps` steps with no save but the last, a synchronous save every 2 steps,
+    and an asynchronous one every 2 steps, alternating, `repeats` times, in one spawn: per variant the median over
+    repeats of the step loop's wall time, of the time the loop was blocked in saves (per save), and the loop's
+    extra time per save over the no-save run (rank 0's clock; every rank waits at the step's all-reduce)."""
+    from tessera.hetero.tools.spawn import run_on_ranks
+
+    runs = [(f"{v}#{i}", "") for i in range(repeats) for v in SAVE_VARIANTS]
+    kw = {name: SAVE_VARIANTS[name.split("#")[0]] for name, _ in runs}
+    tmp = None if root else tempfile.TemporaryDirectory(prefix="bench_saves_")
+    try:
+        summaries = run_on_ranks(WORLD, _train_all, root or tmp.name, runs, steps, 128, 4, 2, None, kw,
+                                 timeout=3600)[0][1]
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    rows = []
+    for v in SAVE_VARIANTS:
+        mine = [s for (name, _), s in zip(runs, summaries) if name.split("#")[0] == v]
+        rows.append({"variant": v, "saves": mine[0]["saves"],
+                     "loop_s": statistics.median(s["loop_s"] for s in mine),
+                     "blocked_per_save_s": statistics.median(s["save_blocked_s"] / s["saves"] for s in mine)})
+    base = rows[0]["loop_s"]
+    for r in rows:
+        extra = r["saves"] - rows[0]["saves"]
+        r["extra_per_save_s"] = (r["loop_s"] - base) / extra if extra else 0.0
+    return rows
+
+
+def saves_table(rows: list[dict]) -> str:
+    lines = ["| saves | count | step loop s | blocked per save s | loop time added per save s |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['variant']} | {r['saves']} | {r['loop_s']:.2f} | {r['blocked_per_save_s']:.3f} | "
+              f"{r['extra_per_save_s']:.3f} |" for r in rows]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=20, help="steps per layout (the first --warmup are not timed)")
@@ -131,7 +172,16 @@ def main(argv=None) -> int:
     ap.add_argument("--only-extra", action="store_true", help="run only the homogeneous one and the --layout ones")
     ap.add_argument("--runs", default=None, help="keep the run directories here (default: a temporary folder)")
     ap.add_argument("--out", default="bench_train.json", help="JSON output path")
+    ap.add_argument("--saves", action="store_true", help="instead: what a checkpoint save costs, sync vs async")
     args = ap.parse_args(argv)
+    if args.saves:
+        t0 = time.perf_counter()
+        rows = measure_saves(root=args.runs)
+        print(saves_table(rows))
+        print(f"\n{WORLD} gloo ranks, homogeneous layout, 12 steps, a save every 2 steps (the last step always saves), "
+              f"median of 2 alternating repeats; wall {time.perf_counter() - t0:.0f} s")
+        Path(args.out).write_text(json.dumps({"world": WORLD, "rows": rows}, indent=1))
+        return 0
     layouts = LAYOUTS[:1] if args.only_extra else list(LAYOUTS)
     layouts += [(f"extra{i}", spec) for i, spec in enumerate(args.layout)]
     t0 = time.perf_counter()

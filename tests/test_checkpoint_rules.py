@@ -68,3 +68,45 @@ def test_keep_policy(last, every, steps, latest, gone):
 def test_keep_policy_refuses_what_would_lose_the_resume_point(last, every, msg):
     with pytest.raises(ValueError, match=msg):
         KeepPolicy(last, every)
+
+
+# ---- Slurm: signal, time limit, grace ---------------------------------------------------------------------
+
+def test_slurm_signal_and_time_limit_parsing():
+    from tessera.recipes.executors import shutdown_grace_s, slurm_signal, slurm_time_s
+
+    assert slurm_signal("TERM@300") == ("TERM", 300) and shutdown_grace_s("TERM@300") == 270
+    assert slurm_signal("R:SIGUSR1@90") == ("USR1", 90) and slurm_signal("15@100") == ("TERM", 100)
+    assert slurm_signal("TERM") == ("TERM", 60)  # Slurm's default lead
+    assert slurm_signal("B:USR1@120") == (None, None)  # the batch shell only: the ranks never see it
+    assert [slurm_time_s(t) for t in ("30", "2:30", "04:00:00", "1-00", "1-2:03", "1-02:03:04")] == [
+        1800, 150, 14400, 86400, 93780, 93784]
+
+
+def _trainer(**kw):
+    from tessera.recipes.config import TrainerConfig
+
+    return TrainerConfig(**kw)
+
+
+def test_save_schedule_for_the_12b_defaults_as_the_issue_counted():
+    """nemotron_vl_12b's old settings: 30.6 s steps, save_every=1000 -> the first save after 8.5 h, past a 4 h
+    limit: without a signal no checkpoint is ever written (error naming the fix); with TERM@300 the signal's
+    save fits the 270 s grace but is the only one (warning naming save_interval_minutes)."""
+    from tessera.recipes.prelaunch import save_schedule_problems
+
+    t = _trainer(save_every=1000)
+    errors, warnings = save_schedule_problems(t, 4 * 3600, None, 30.6, 12.0)
+    assert len(errors) == 1 and "no checkpoint would be written" in errors[0] and "8.5 h" in errors[0], errors
+    assert "run.executor.signal=TERM@300" in errors[0] and "trainer.save_interval_minutes=60" in errors[0], errors
+    errors, warnings = save_schedule_problems(t, 4 * 3600, "TERM@300", 30.6, 12.0)
+    assert errors == [] and len(warnings) == 1 and "trainer.save_interval_minutes=60" in warnings[0], warnings
+    # an interval under the limit: nothing to say
+    assert save_schedule_problems(_trainer(save_every=1000, save_interval_minutes=60), 4 * 3600, "TERM@300",
+                                  30.6, 12.0) == ([], [])
+    # a step plus a save longer than the grace: raise the signal's lead
+    errors, _ = save_schedule_problems(_trainer(save_interval_minutes=60), 4 * 3600, "TERM@60", 30.6, 12.0)
+    assert len(errors) == 1 and "leaves the ranks 30 s" in errors[0] and "run.executor.signal=TERM@120" in errors[0]
+    # a signal the ranks do not save on counts as none
+    errors, _ = save_schedule_problems(t, 4 * 3600, "INT@300", 30.6, 12.0)
+    assert errors and "SIGINT, which the ranks do not save on" in errors[0], errors

@@ -146,7 +146,9 @@ def test_sbatch_script_of_a_full_size_recipe(tmp_path):
     for line in ("#SBATCH --gpus-per-node=8", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
                  f"#SBATCH --time={executors.DEFAULT_TIME}", f"#SBATCH --signal={executors.DEFAULT_SIGNAL}",
                  f"TORCHX_MAX_RETRIES={executors.DEFAULT_RETRIES}", 'scontrol requeue "$SLURM_JOB_ID"',
-                 "sbatch --requeue", "--nproc-per-node 8"):
+                 "sbatch --requeue", "--nproc-per-node 8",
+                 # torchrun waits for the ranks' save on the signal (300 s lead - 30 s margin) and forwards SIGUSR1
+                 "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=270", "PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"):
         assert line in out, f"{line!r} not in:\n{out[-5000:]}"
 
 

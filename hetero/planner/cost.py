@@ -66,6 +66,7 @@ class Prediction:
     idle_s: dict[str, float] = field(default_factory=dict)      # per rank range: step time its GPUs wait
     memory_gib: dict[str, float] = field(default_factory=dict)  # per rank range "first-last"
     memory_detail: dict[str, str] = field(default_factory=dict)
+    state_gib: dict[str, float] = field(default_factory=dict)   # per rank range: weights + optimizer (what a save writes)
     tflops_per_gpu: float = 0.0
     tokens_per_s: float = 0.0
     microbatches: int = 0
@@ -331,6 +332,7 @@ def _finish(out: Prediction, acc: StepParts, core: float, llm: ModuleCost, layou
                   for r in set(ranges.values())}
     out.memory_gib = {r: mm.total / GIB for r, mm in mem.items()}
     out.memory_detail = {r: mm.describe() for r, mm in mem.items()}
+    out.state_gib = {r: (mm.weights + mm.optim) / GIB for r, mm in mem.items()}
     out.tflops_per_gpu = (acc.flops + out.microbatches * llm.model_flops) / out.step_s / out.gpus / 1e12
     out.tokens_per_s = w.global_batch * w.seq_length / out.step_s
     limit = cl.hbm_gib * HEADROOM

@@ -102,7 +102,7 @@ def memory_report(layout: HeteroLayout, shards: list[Shard], pred: Prediction, u
         where = ", ".join(f"{k}" + (f" stage {st}/{layout[k].pp}" if layout[k].pp > 1 else "")
                           for k, st in sorted(hosted.items()))
         lines.append(f"  rank {rank} ({where}):")
-        total, planned, other = Memory(), Memory(), 0.0
+        total, planned, other, staged, gathered = Memory(), Memory(), 0.0, 0.0, 0.0
         for key, stage in sorted(hosted.items()):
             s, lay = by[(key, stage)], layout[key]
             mem, source = shard_memory(s, lay, pred, zero1, mixed)
@@ -112,10 +112,18 @@ def memory_report(layout: HeteroLayout, shards: list[Shard], pred: Prediction, u
             lines.append(f"    {key:9s} {_gib(mem)}  ({how}) | planner {_gib(plan)} ({_diff(mem.total, plan.total)})")
             total, planned = total + mem, planned + plan
             other += optimizer_bytes(s, lay, not zero1, mixed) - mem.optim
+            staged += mem.weights + mem.optim
+            gathered += optimizer_bytes(s, lay, False, mixed) if zero1 else 0.0
         usable = f" of {usable_gib:.1f} usable" if usable_gib else ""
         lines.append(f"    {'total':9s} {_gib(total)}{usable} | planner {planned.total / GIB:.2f} "
                      f"({_diff(total.total, planned.total)}) | with the {'replicated' if zero1 else 'ZeRO-1'} "
                      f"optimizer {(total.total + other) / GIB:.2f}")
+        # a save hands the checkpoint views of the live weights and (ZeRO-1) optimizer shards: no GPU memory is
+        # added (tests/test_distributed_optimizer.py checks the views); the writer stages at most the rank's
+        # weights + optimizer bytes in host memory (D2H) while it writes
+        lines.append(f"    {'save':9s} during a save {total.total / GIB:6.2f} (+0.00 on the GPU); host staging "
+                     f"<= {staged / GIB:.2f}" + (f" (a save that gathered the ZeRO-1 states would add "
+                                                 f"{gathered / GIB:.2f})" if zero1 else ""))
         if usable_gib and total.total / GIB > usable_gib:
             problems.append(f"memory: rank {rank} ({where}) needs {total.total / GIB:.1f} GiB > {usable_gib:.1f} "
                             f"GiB usable (meta-device count, optimizer {opt.split(' ')[0]})")

@@ -28,7 +28,7 @@ from tessera.hetero.plan.layout import (LANGUAGE, HeteroLayout, LayoutError, Mod
 from tessera.hetero.plan.trainable import check_trainable, untrainable_reasons
 from tessera.hetero.planner.cluster import Workload, cluster
 from tessera.hetero.planner.model import describe_model
-from tessera.hetero.planner.search import format_table, search
+from tessera.hetero.planner.search import format_table, price_layout, search
 from tessera.hetero.training.run_modules import checkpoint_llm_fields, encoder_names, module_specs
 from tessera.models import configs, encoders
 
@@ -112,10 +112,20 @@ def workload_for_run(cfg) -> Workload:
 
 def ranked_for_run(cfg, gpus: int, cluster_name: str = "h100"):
     """Feasible layouts for this run on `gpus` GPUs, best predicted throughput first."""
-    names = encoder_names(cfg.model)  # a released checkpoint's own encoders and LLM when fine-tuning one
+    return [p for p in search(model_for_run(cfg), workload_for_run(cfg), cluster(cluster_name), gpus) if p.feasible]
+
+
+def price_run(cfg, spec: str, cluster_name: str = "h100"):
+    """The cost model's Prediction for this run in layout `spec` (step time, memory, state per rank range)."""
+    return price_layout(HeteroLayout.parse(spec), model_for_run(cfg), workload_for_run(cfg), cluster(cluster_name))
+
+
+def model_for_run(cfg):
+    """The cost model's description of this run's model: a released checkpoint's own encoders and LLM when
+    fine-tuning one, else the recipe's registry names."""
+    names = encoder_names(cfg.model)
     llm = checkpoint_llm_fields(getattr(cfg.model, "checkpoint", None)) or cfg.model.llm
-    model = describe_model(llm, names.get("vision"), names.get("audio"), name=cfg.name)
-    return [p for p in search(model, workload_for_run(cfg), cluster(cluster_name), gpus) if p.feasible]
+    return describe_model(llm, names.get("vision"), names.get("audio"), name=cfg.name)
 
 
 def _problems(spec: str, cfg, world: int, llm_fields: dict | None) -> list[str]:

@@ -270,6 +270,7 @@ def run_training(cfg, run_dir: Path, device: torch.device | None = None) -> dict
     stop = StopSignals(cfg.trainer.save_interval_minutes)
     queue = AsyncCallsQueue() if cfg.trainer.async_save else None
     it, record, first_loss, last_save, stopped = iter(loader), {}, None, time.monotonic(), None
+    loop_start, blocked, saves = time.perf_counter(), 0.0, 0  # what saves cost the steps (scripts/bench_train.py)
     try:
         for step in range(run.start, cfg.trainer.max_steps):
             _maybe_fail(step, run.rank)
@@ -278,14 +279,19 @@ def run_training(cfg, run_dir: Path, device: torch.device | None = None) -> dict
             first_loss = record["loss"] if first_loss is None else first_loss
             if metrics is not None:
                 metrics.log(record)
+            t = time.perf_counter()
             if _save_due(cfg.trainer, step + 1, [stop_now, time_due]):
                 _save(run, step + 1, loader, keep, queue)
-                last_save = time.monotonic()
+                last_save, saves = time.monotonic(), saves + 1
             finish_async_saves(queue, run.ckpt_root, blocking=False)  # publish what finished writing
+            blocked += time.perf_counter() - t
             if stop_now and step + 1 < cfg.trainer.max_steps:
                 stopped = (signal_name(stop.received), step + 1)
                 break
+        t = time.perf_counter()
         finish_async_saves(queue, run.ckpt_root, blocking=True)
+        blocked += time.perf_counter() - t
+        loop_s = time.perf_counter() - loop_start
     finally:
         stop.close()
 
@@ -299,4 +305,5 @@ def run_training(cfg, run_dir: Path, device: torch.device | None = None) -> dict
     destroy_module_groups(run.groups)
     return {"run_dir": str(run_dir), "layout": str(run.layout),
             "steps": stopped[1] if stopped else cfg.trainer.max_steps, "stopped_by": stopped[0] if stopped else None,
-            "first_loss": first_loss, "last_loss": record.get("loss"), "loss_png": str(plot) if plot else None}
+            "first_loss": first_loss, "last_loss": record.get("loss"), "loss_png": str(plot) if plot else None,
+            "loop_s": loop_s, "saves": saves, "save_blocked_s": blocked}
