@@ -175,7 +175,7 @@ def save_schedule_problems(trainer, time_limit_s: int, signal_spec: str | None, 
     """(errors, warnings) about a Slurm job keeping its work: a save on the signal must fit in the grace
     torchrun gets (a step + the save), and without a usable signal a periodic save must come before the limit.
     step_s / save_s: the planner's step time and the estimated save time of the run's layout."""
-    from tessera.recipes.executors import STOP_SIGNALS, shutdown_grace_s, slurm_signal
+    from tessera.recipes.slurm_signal import STOP_SIGNALS, shutdown_grace_s, slurm_signal
 
     errors, warnings = [], []
     sig, lead = slurm_signal(signal_spec)
@@ -218,7 +218,7 @@ def check_save_schedule(task, executor, dryrun: bool = False) -> None:
         return  # CPU jobs: the planner prices GPUs, its step time says nothing about them
     from tessera.hetero.planner.run_layout import price_run
     from tessera.recipes.config import RunConfig
-    from tessera.recipes.executors import slurm_time_s
+    from tessera.recipes.slurm_signal import slurm_time_s
 
     pred = price_run(RunConfig(task.name, task.layout, task.model, task.data, task.optim, task.trainer), task.layout)
     if not pred.feasible:

@@ -131,6 +131,18 @@ def train(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: Tra
           name: str = "tessera") -> dict:
     """Train `model` on `data` in `layout`; returns a summary (run_dir, first/last loss, ...)."""
     _start_reaper()
+    # from here a SIGTERM / SIGUSR1 (Slurm's signal, scancel, preemption) is answered by saving the step the rank
+    # is in, even when it arrives while the model loads (stdlib only: nothing heavy is imported before the first line)
+    from tessera.hetero.training.preemption import StopSignals
+
+    stop = StopSignals(trainer.save_interval_minutes)
+    try:
+        return _train(model, data, optim, trainer, layout, name, stop)
+    finally:
+        stop.close()
+
+
+def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not torch.cuda.is_available():
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -149,7 +161,7 @@ def train(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: Tra
     from tessera.hetero.training.loop import run_training
 
     try:
-        summary = run_training(RunConfig(name, layout, model, data, optim, trainer), run_dir)
+        summary = run_training(RunConfig(name, layout, model, data, optim, trainer), run_dir, stop=stop)
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()

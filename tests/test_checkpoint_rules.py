@@ -73,7 +73,7 @@ def test_keep_policy_refuses_what_would_lose_the_resume_point(last, every, msg):
 # ---- Slurm: signal, time limit, grace ---------------------------------------------------------------------
 
 def test_slurm_signal_and_time_limit_parsing():
-    from tessera.recipes.executors import shutdown_grace_s, slurm_signal, slurm_time_s
+    from tessera.recipes.slurm_signal import shutdown_grace_s, slurm_signal, slurm_time_s
 
     assert slurm_signal("TERM@300") == ("TERM", 300) and shutdown_grace_s("TERM@300") == 270
     assert slurm_signal("R:SIGUSR1@90") == ("USR1", 90) and slurm_signal("15@100") == ("TERM", 100)

@@ -1,7 +1,7 @@
 """Training checkpoints with megatron-core dist_checkpointing (torch_dist): any layout in, any layout out.
 
-    save_checkpoint(root, step, modules, opt, groups, layout, configs, common={"loader": ...})
-    common = load_checkpoint(root / "step_000010", modules, opt, groups, layout, configs)
+    save_checkpoint(root, step, modules, opt, groups, configs, common={"loader": ...}, keep=KeepPolicy(3), queue=None)
+    common = load_checkpoint(root / "step_000010", modules, opt, groups, configs)
 
 Every rank contributes its shards of every module it hosts under *global* keys: `language.layers.<global
 layer index>...`, TP shards as offsets along the parameter's partition dim, replicas (DP, CP, TP copies of
@@ -15,9 +15,17 @@ Mixed precision (hetero/training/optim.py): a bf16 run also stores each trainabl
 so masters reshard into any layout exactly like the weights; on load the bf16 parameters are re-derived from
 the masters, and steps after a resume are bitwise those of an uninterrupted run.
 
+ZeRO-1 (hetero/training/zero.py): a rank's optimizer state is a contiguous slice of each parameter's elements,
+written as the rectangles that tile it (hetero/plan/flat_boxes.py; uneven sharding, which torch_dist stores as
+DCP chunks) - views of the live shards, never gathered - under the same keys and global shapes as the replicated
+optimizer's, so a load in any layout, DP size or optimizer reads the elements it needs, into its own views.
+
 Crash safety: a step is written into `step_N.partial/`, and only after every rank finished does rank 0
-rename it to `step_N/` and atomically replace the `latest` file. A crash mid-save leaves a `.partial`
-directory that nothing points at; the last complete checkpoint is untouched.
+rename it to `step_N/`, atomically replace the `latest` file and delete what the KeepPolicy lets go
+(hetero/plan/retention.py). A crash mid-save leaves a `.partial` directory that nothing points at; the last
+complete checkpoint is untouched; a failed write (a full disk) raises SaveFailed on every rank, naming the fix.
+Async (`queue`): the same, with the shards written by a forked helper while training goes on and the publish
+run when every rank's helper is done (finish_async_saves, called by the loop after every step).
 `TESSERA_FAIL_IN_SAVE=N[:RANK]` makes RANK (default 0) exit abruptly in the save of step N, once every shard
 is written and before the rename that publishes them (what the fault test uses).
 """
@@ -151,7 +159,7 @@ def _sharded_state(modules, opt, groups, configs, rank, world, with_rng=True) ->
                         for i, sh in enumerate(_flat_slice_tensors(k, t, p.shape, (r0, r1), offsets, replica, vocab)):
                             state[f"{k}#{i}"] = sh
                         continue
-                    view = t if (r0, r1) == (0, len(t) if t.dim() else 1) else t[r0:r1]
+                    view = t if len(rows) == 1 else t[r0:r1]
                     state[k] = ShardedTensor.from_rank_offsets(k, view, *offsets, replica_id=replica,
                                                                allow_shape_mismatch=vocab)
     if with_rng:

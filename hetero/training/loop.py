@@ -251,9 +251,22 @@ def boundary_batches(batches: list, layout, settle: TubeletSettle | None) -> lis
     return out
 
 
-def run_training(cfg, run_dir: Path, device: torch.device | None = None) -> dict:
+def run_training(cfg, run_dir: Path, device: torch.device | None = None, stop: StopSignals | None = None) -> dict:
     """Train `cfg` on this rank: resolve, build, resume, then steps with metrics and checkpoints.
-    `device`: where this rank computes; default the one its launcher bound (hetero/runtime/device.py)."""
+    `device`: where this rank computes; default the one its launcher bound (hetero/runtime/device.py).
+    `stop`: the rank's StopSignals when its caller installed them earlier (recipes/train.py does, first thing);
+    from then on SIGTERM / SIGUSR1 end the run after a saved step (one that arrives while the model is built or
+    loaded is answered at the end of the first step)."""
+    own = stop is None
+    stop = StopSignals(cfg.trainer.save_interval_minutes) if own else stop
+    try:
+        return _train(cfg, run_dir, device, stop)
+    finally:
+        if own:
+            stop.close()
+
+
+def _train(cfg, run_dir: Path, device: torch.device | None, stop: StopSignals) -> dict:
     run = RunState(cfg, run_dir, dist.get_rank(), dist.get_world_size(), device or current_device(),
                {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype])
     keep = KeepPolicy(cfg.trainer.keep_last, cfg.trainer.keep_every)  # a bad policy fails before any work
@@ -266,34 +279,29 @@ def run_training(cfg, run_dir: Path, device: torch.device | None = None) -> dict
     metrics = RunMetrics(run_dir, cfg.trainer.max_steps, run.start, cfg.trainer.progress,
                          cfg.trainer.tensorboard) if run.rank == 0 else None
 
-    # SIGTERM / SIGUSR1 end the run after a saved step; async saves write while the next steps train
-    stop = StopSignals(cfg.trainer.save_interval_minutes)
-    queue = AsyncCallsQueue() if cfg.trainer.async_save else None
+    queue = AsyncCallsQueue() if cfg.trainer.async_save else None  # async saves write while the next steps train
     it, record, first_loss, last_save, stopped = iter(loader), {}, None, time.monotonic(), None
     loop_start, blocked, saves = time.perf_counter(), 0.0, 0  # what saves cost the steps (scripts/bench_train.py)
-    try:
-        for step in range(run.start, cfg.trainer.max_steps):
-            _maybe_fail(step, run.rank)
-            record, (stop_now, time_due) = _train_step(run, step, it, comms, like, hosts_loss, settle,
-                                                       lambda: stop.local_flags(last_save))
-            first_loss = record["loss"] if first_loss is None else first_loss
-            if metrics is not None:
-                metrics.log(record)
-            t = time.perf_counter()
-            if _save_due(cfg.trainer, step + 1, [stop_now, time_due]):
-                _save(run, step + 1, loader, keep, queue)
-                last_save, saves = time.monotonic(), saves + 1
-            finish_async_saves(queue, run.ckpt_root, blocking=False)  # publish what finished writing
-            blocked += time.perf_counter() - t
-            if stop_now and step + 1 < cfg.trainer.max_steps:
-                stopped = (signal_name(stop.received), step + 1)
-                break
+    for step in range(run.start, cfg.trainer.max_steps):
+        _maybe_fail(step, run.rank)
+        record, (stop_now, time_due) = _train_step(run, step, it, comms, like, hosts_loss, settle,
+                                                   lambda: stop.local_flags(last_save))
+        first_loss = record["loss"] if first_loss is None else first_loss
+        if metrics is not None:
+            metrics.log(record)
         t = time.perf_counter()
-        finish_async_saves(queue, run.ckpt_root, blocking=True)
+        if _save_due(cfg.trainer, step + 1, [stop_now, time_due]):
+            _save(run, step + 1, loader, keep, queue)
+            last_save, saves = time.monotonic(), saves + 1
+        finish_async_saves(queue, run.ckpt_root, blocking=False)  # publish what finished writing
         blocked += time.perf_counter() - t
-        loop_s = time.perf_counter() - loop_start
-    finally:
-        stop.close()
+        if stop_now and step + 1 < cfg.trainer.max_steps:
+            stopped = (signal_name(stop.received), step + 1)
+            break
+    t = time.perf_counter()
+    finish_async_saves(queue, run.ckpt_root, blocking=True)
+    blocked += time.perf_counter() - t
+    loop_s = time.perf_counter() - loop_start
 
     close_loader(loader)
     plot = metrics.close() if metrics is not None else None

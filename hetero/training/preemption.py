@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -33,7 +34,7 @@ EXIT_STOPPED = 128 + signal.SIGTERM
 
 
 def signal_name(signum: int | None) -> str:
-    return signal.Signals(signum).name if signum else "a stop request"
+    return signal.Signals(signum).name if signum else "a signal another rank received"
 
 
 class StopSignals:
@@ -42,7 +43,9 @@ class StopSignals:
         self.received: int | None = None
         self.count = 0
         self.interval_s = 60.0 * save_interval_minutes
-        self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        # (handlers can only be set from the main thread; elsewhere the signals keep their default action)
+        main = threading.current_thread() is threading.main_thread()
+        self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS} if main else {}
 
     def _handle(self, signum, frame) -> None:
         self.count += 1
