@@ -14,3 +14,13 @@ def ckpts(tmp_path_factory):
         "dense": str(make_tiny_checkpoint(configs.TINY_DENSE, root / "dense", seed=0)),
         "moe": str(make_tiny_checkpoint(configs.TINY_MOE, root / "moe", seed=1)),
     }
+
+
+# Files that take minutes of wall time mostly waiting (a real Slurm's scheduler and requeue): collected first, so
+# that under scripts/test.sh's `--dist loadfile` one worker starts them while the other runs everything else,
+# instead of running them alone at the end (longest first).
+SLOW_FIRST = ("test_slurm.py",)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: item.path.name not in SLOW_FIRST)  # stable: the rest keep their order

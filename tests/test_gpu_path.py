@@ -47,7 +47,7 @@ def _audited_steps(run_dir: str) -> dict:
         loader = loop._build_loader(run)
         comms, like, hosts_loss = loop.step_context(run)
         it = audit.host_batches(iter(loader))
-        record = loop._train_step(run, 0, it, comms, like, hosts_loss)
+        record, _ = loop._train_step(run, 0, it, comms, like, hosts_loss)
         out["clean"] = list(audit.violations)
         out["loss"], out["checked"] = record["loss"], dict(audit.checked)
         out["collectives"], out["modules"] = sorted(audit.collectives), sorted(audit.modules)
