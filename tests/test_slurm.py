@@ -15,7 +15,6 @@ import io
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -172,16 +171,30 @@ def test_slurm_failed_job_is_reported(slurm_cluster, nemorun_home):
     assert failure is not None and "FAILED" in failure, failure
 
 
-def _release_once_requeued(stop: threading.Event) -> list[str]:
-    """Background: once the job was requeued (pending again after a run), let it start now, as an administrator
-    would (Slurm holds a requeued job 2 minutes first); returns what it saw."""
-    while not stop.wait(1):
-        out = subprocess.run(["squeue", "-h", "-o", "%i %T %r"], capture_output=True, text=True)  # our job only
-        line = out.stdout.strip()
-        if line and "BeginTime" in line and "PENDING" in line:
-            subprocess.run(["scontrol", "update", f"JobId={line.split()[0]}", "StartTime=now"], check=True)
-            return [line]
-    return []
+def _job_state() -> tuple[str, str, str] | None:
+    """(job id, state, reason) of the one job on this test cluster, or None."""
+    out = subprocess.run(["squeue", "-h", "-o", "%i %T %r"], capture_output=True, text=True).stdout.split()
+    return tuple(out[:3]) if len(out) >= 3 else None
+
+
+def _signal_each_allocation(run_dir: Path, allocations: int, steps: int, stop: threading.Event) -> list[int]:
+    """Background, as Slurm does at a time limit: in each of `allocations` allocations, once the job trained
+    `steps` more steps, SIGTERM to every process of its steps through Slurm (scancel --signal, the delivery path of
+    --signal=TERM@S); a requeued job is let start at once (Slurm would hold it 2 minutes). Returns the number of
+    steps in metrics.jsonl at each signal."""
+    sent, seen = [], 0
+    while not stop.wait(0.5) and len(sent) < allocations:
+        job = _job_state()
+        if job and job[1] == "PENDING" and job[2] == "BeginTime":
+            subprocess.run(["scontrol", "update", f"JobId={job[0]}", "StartTime=now"], check=True)
+        now = len(_metrics(run_dir))
+        if job and job[1] == "RUNNING" and now >= seen + steps:
+            subprocess.run(["scancel", "--signal=TERM", job[0]], check=True)
+            sent.append(now)
+            while not stop.wait(0.5) and (_job_state() or ("", ""))[1] == "RUNNING":
+                pass  # until this allocation ended (saved and exited)
+            seen = len(_metrics(run_dir))
+    return sent
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -190,54 +203,44 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def test_slurm_job_saves_on_its_signal_is_requeued_and_resumes_bitwise(slurm_cluster, nemorun_home, tmp_path):
-    """The real path of a long job on a real Slurm: a 2-minute time limit, SIGTERM 60 s before it
-    (run.executor.signal=TERM@60), no periodic save (save_every=0), far more steps than an allocation trains, one
-    requeue (retries=1). In each allocation Slurm signals the job's processes; the ranks finish their step, save
-    it and exit non-zero. After the first, nemo-run's sbatch script requeues the job, which resumes from that step
-    in the same run directory (named after the job id); after the second, the retries are spent and the job ends
-    FAILED with its second save on disk. The stitched curve equals an uninterrupted run's bitwise (torchrun on this
-    machine meanwhile, stopped by a SIGTERM of its own once it is far enough)."""
+    """The real path of a long job on a real Slurm: no periodic save (save_every=0), far more steps than it will
+    train, one requeue (retries=1). Twice Slurm delivers SIGTERM to every process of the job's steps (scancel
+    --signal: what --signal=TERM@S does before a time limit, sent here once an allocation trained 2 steps, so the
+    test does not depend on how fast this box starts ranks). Each time the ranks finish their step, save it and
+    exit non-zero; after the first, nemo-run's sbatch script requeues the job, which resumes from that step in the
+    same run directory (named after the job id); after the second the retries are spent and the job ends FAILED,
+    its second save on disk. The stitched curve equals an uninterrupted run's bitwise."""
     from tessera.recipes.cli import as_task, finetune
     from tessera.recipes.registry import recipe
 
-    steps = 100_000
     cfg = recipe("nemotron_vl_tiny")
-    cfg.trainer.max_steps, cfg.trainer.save_every = steps, 0
+    cfg.trainer.max_steps, cfg.trainer.save_every = 100_000, 0
+    cfg.optim.min_lr_ratio = 1.0  # a constant LR after warm-up: the reference's shorter max_steps gives the same LRs
     cfg.trainer.run_dir = str(tmp_path / "run")
     cfg.trainer.progress = cfg.trainer.tensorboard = False
-    with open(tmp_path / "reference.log", "w") as ref_log:
-        reference = subprocess.Popen(  # the uninterrupted run
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
-             "tessera.recipes.train", "--recipe", "nemotron_vl_tiny", f"trainer.max_steps={steps}",
-             "trainer.save_every=0", f"trainer.run_dir={tmp_path / 'reference'}", "trainer.progress=false",
-             "trainer.tensorboard=false"], cwd=ROOT, stdout=ref_log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
     stop = threading.Event()
-    try:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            watcher = pool.submit(_release_once_requeued, stop)
-            try:
-                ex = fdl.build(executors.slurm(time="00:02:00", signal="TERM@60", retries=1))
-                assert executors.fit_executor(ex, 4) == 4
-                state, logs = _submit(as_task(cfg, finetune), ex, "tessera-requeue")
-            finally:
-                stop.set()
-            requeued = watcher.result()
-        rows = _metrics(tmp_path / "run")
-        end = time.monotonic() + 600
-        while len(_metrics(tmp_path / "reference")) < len(rows) and reference.poll() is None:
-            assert time.monotonic() < end, "the reference run is too slow"
-            time.sleep(1)
-        os.killpg(reference.pid, signal.SIGTERM)  # it saves and stops too
-        reference.wait(timeout=300)
-    finally:
-        if reference.poll() is None:
-            os.killpg(reference.pid, signal.SIGKILL)
-    assert requeued, f"the job was never requeued; logs:\n{logs[-5000:]}"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        signaller = pool.submit(_signal_each_allocation, tmp_path / "run", 2, 2, stop)
+        try:
+            ex = fdl.build(executors.slurm(time="00:10:00", signal="TERM@60", retries=1))
+            assert executors.fit_executor(ex, 4) == 4
+            state, logs = _submit(as_task(cfg, finetune), ex, "tessera-requeue")
+        finally:
+            stop.set()
+        sent = signaller.result()
+    rows = _metrics(tmp_path / "run")
+    assert len(sent) == 2, f"signals sent at steps {sent}; logs:\n{logs[-5000:]}"
     assert state.endswith("FAILED"), f"job state {state} (retries spent: FAILED expected); logs:\n{logs[-5000:]}"
     saved = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
-    assert len(saved) == 2 and 0 < saved[0] < saved[1] == len(rows), (
-        f"expected a save on each allocation's signal, got {saved} after {len(rows)} steps; logs:\n{logs[-5000:]}")
+    assert len(saved) == 2 and sent[0] <= saved[0] < sent[1] <= saved[1] == len(rows), (
+        f"expected a save right after each signal {sent}, got {saved} after {len(rows)} steps; logs:\n{logs[-5000:]}")
     assert [r["step"] for r in rows] == list(range(1, saved[1] + 1)), "each step once, across the requeue"
-    want = [r["loss"] for r in _metrics(tmp_path / "reference")][:len(rows)]
-    assert [r["loss"] for r in rows] == want, "the requeued job's curve differs from one uninterrupted run's"
+    ref = subprocess.run(  # the uninterrupted run
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
+         "tessera.recipes.train", "--recipe", "nemotron_vl_tiny", f"trainer.max_steps={saved[1]}",
+         "optim.min_lr_ratio=1.0", "trainer.save_every=0", f"trainer.run_dir={tmp_path / 'reference'}",
+         "trainer.progress=false", "trainer.tensorboard=false"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"), stdin=subprocess.DEVNULL)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    assert [r["loss"] for r in rows] == [r["loss"] for r in _metrics(tmp_path / "reference")], (
+        "the requeued job's curve differs from one uninterrupted run's")
