@@ -126,7 +126,7 @@ def measure(layouts: list[tuple[str, str]], steps: int = 10, warmup: int = 2, **
 SAVE_VARIANTS = {"no saves": {}, "sync": {"save_every": 2}, "async": {"save_every": 2, "async_save": True}}
 
 
-def measure_saves(steps: int = 12, repeats: int = 2, root: str | None = None) -> list[dict]:
+def measure_saves(steps: int = 20, repeats: int = 3, root: str | None = None) -> list[dict]:
     """The homogeneous layout trained `steps` steps with no save but the last, a synchronous save every 2 steps,
     and an asynchronous one every 2 steps, alternating, `repeats` times, in one spawn: per variant the median over
     repeats of the step loop's wall time, of the time the loop was blocked in saves (per save), and the loop's
@@ -178,8 +178,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         rows = measure_saves(root=args.runs)
         print(saves_table(rows))
-        print(f"\n{WORLD} gloo ranks, homogeneous layout, 12 steps, a save every 2 steps (the last step always saves), "
-              f"median of 2 alternating repeats; wall {time.perf_counter() - t0:.0f} s")
+        print(f"\n{WORLD} gloo ranks, homogeneous layout, 20 steps, a save every 2 steps (the last step always saves), "
+              f"median of 3 alternating repeats; wall {time.perf_counter() - t0:.0f} s")
         Path(args.out).write_text(json.dumps({"world": WORLD, "rows": rows}, indent=1))
         return 0
     layouts = LAYOUTS[:1] if args.only_extra else list(LAYOUTS)
