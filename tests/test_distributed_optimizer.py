@@ -151,15 +151,17 @@ def _runs(root: str):
     """(a)'s optimizer comparison, then (b)'s runs (one launch: the processes start once)."""
     both = _both()
     root = Path(root)
-    _train(str(root / "replicated"), STEPS, False)
+    _train(str(root / "replicated"), STEPS, False, save_every=SAVE_AT)
     _train(str(root / "zero"), STEPS, True, save_every=SAVE_AT)
     if dist.get_rank() == 0:
         for name in ("resumed", "other", "other_zero"):
             _seed(root / "zero" / "checkpoints" / f"step_{SAVE_AT:06d}", root / name)
+        _seed(root / "replicated" / "checkpoints" / f"step_{SAVE_AT:06d}", root / "zero_from_replicated")
     dist.barrier()
     _train(str(root / "resumed"), STEPS, True)
     _train(str(root / "other"), STEPS, False, layout=OTHER)
     _train(str(root / "other_zero"), STEPS, True, layout=OTHER_ZERO)
+    _train(str(root / "zero_from_replicated"), STEPS, True)  # whole tensors read into each rank's pieces
     return both
 
 
@@ -179,6 +181,10 @@ def test_zero1_training_follows_the_replicated_curve_and_resumes(trained):
     assert len(rep) == len(zero) == STEPS and zero[-1] < zero[0] - 0.5
     assert max(abs(a - b) / b for a, b in zip(zero, rep)) <= 1e-6, (zero, rep)
     assert _losses(trained / "resumed") == zero[SAVE_AT:], "a ZeRO-1 resume in its layout must be bitwise"
+    # the replicated optimizer's checkpoint resumed by ZeRO-1 in the same layout: its curve, as ZeRO follows it
+    from_rep = _losses(trained / "zero_from_replicated")
+    assert len(from_rep) == STEPS - SAVE_AT
+    assert max(abs(a - b) / b for a, b in zip(from_rep, rep[SAVE_AT:])) <= 1e-6, (from_rep, rep[SAVE_AT:])
     # another layout computes in another order in bf16: the mixed-precision bound (tests/test_mixed_precision.py);
     # "other_zero" reads the DP4 shards' pieces into DP2 x TP2 shards (each rank's pieces cut elsewhere)
     for name in ("other", "other_zero"):
