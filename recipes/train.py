@@ -161,7 +161,7 @@ def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
     from tessera.hetero.training.loop import run_training
 
     try:
-        summary = run_training(RunConfig(name, layout, model, data, optim, trainer), run_dir, stop=stop)
+        summary = run_training(RunConfig(name, layout, model, data, optim, trainer), run_dir, stop)
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()

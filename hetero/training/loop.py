@@ -251,22 +251,11 @@ def boundary_batches(batches: list, layout, settle: TubeletSettle | None) -> lis
     return out
 
 
-def run_training(cfg, run_dir: Path, device: torch.device | None = None, stop: StopSignals | None = None) -> dict:
+def run_training(cfg, run_dir: Path, stop: StopSignals, device: torch.device | None = None) -> dict:
     """Train `cfg` on this rank: resolve, build, resume, then steps with metrics and checkpoints.
-    `device`: where this rank computes; default the one its launcher bound (hetero/runtime/device.py).
-    `stop`: the rank's StopSignals when its caller installed them earlier (recipes/train.py does, first thing);
-    from then on SIGTERM / SIGUSR1 end the run after a saved step (one that arrives while the model is built or
-    loaded is answered at the end of the first step)."""
-    own = stop is None
-    stop = StopSignals(cfg.trainer.save_interval_minutes) if own else stop
-    try:
-        return _train(cfg, run_dir, device, stop)
-    finally:
-        if own:
-            stop.close()
-
-
-def _train(cfg, run_dir: Path, device: torch.device | None, stop: StopSignals) -> dict:
+    `stop`: the rank's StopSignals, installed by recipes/train.py first thing: SIGTERM / SIGUSR1 end the run after
+    a saved step (one that arrives while the model is built or loaded is answered at the end of the first step).
+    `device`: where this rank computes; default the one its launcher bound (hetero/runtime/device.py)."""
     run = RunState(cfg, run_dir, dist.get_rank(), dist.get_world_size(), device or current_device(),
                {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype])
     keep = KeepPolicy(cfg.trainer.keep_last, cfg.trainer.keep_every)  # a bad policy fails before any work
