@@ -30,8 +30,7 @@ from megatron.energon import Batch, Sample
 from megatron.energon.edataclass import edataclass
 
 from tessera.data.tokens import EncodedPrompt
-
-IGNORE = -100  # label value that losses skip (torch's cross_entropy ignore_index default)
+from tessera.hetero.plan.resolved_run import IGNORE  # the label value that losses skip
 
 
 @edataclass

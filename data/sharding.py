@@ -7,7 +7,8 @@ gives DP rank d the rows [d*N/D, (d+1)*N/D); TP/CP/PP peers of one DP rank keep 
 layout, colocated or not, the union over a module's DP ranks is the whole microbatch with no duplicates,
 and an encoder rank and the LLM rank that consumes its embeddings agree on which global row is which.
 hetero.plan.layout.HeteroLayout.validate(ModelShapes(samples_per_microbatch=N)) rejects N not divisible by
-every module's DP size; dp_rows repeats that check so a direct caller gets the same clear error.
+every module's DP size; dp_rows repeats that check so a direct caller gets the same clear error. Both rules
+live in hetero/plan/resolved_run.py; this module applies them to a PackedBatch.
 """
 
 from __future__ import annotations
@@ -15,19 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.hetero.plan.layout import HeteroLayout
+# the row-ownership rule and the decode plan are the resolved run's (hetero/plan/resolved_run.py)
+from tessera.hetero.plan.resolved_run import decode_rows as decode_plan, dp_rows  # noqa: F401
 
 from tessera.data.packing import PackedBatch
-
-
-def dp_rows(n: int, dp_size: int, dp_rank: int) -> range:
-    """Rows of a microbatch of n rows that DP rank `dp_rank` of `dp_size` takes."""
-    if n % dp_size:
-        raise ValueError(f"{n} rows per microbatch cannot be split evenly over dp={dp_size}; use a multiple of "
-                         f"{dp_size} rows")
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank {dp_rank} outside dp={dp_size}")
-    per = n // dp_size
-    return range(dp_rank * per, (dp_rank + 1) * per)
 
 
 @dataclass
@@ -50,18 +42,6 @@ class ModuleShard:
     def media(self) -> list[list]:
         """Per kept row, the items of this module in position order (empty for the language module)."""
         return [row.get(self.module, []) for row in self.batch.media]
-
-
-def decode_plan(layout: HeteroLayout, rank: int, rows_per_microbatch: int) -> dict[str, range]:
-    """Encoder module -> the global rows whose media `rank` must decode (its DP rows of that module).
-
-    Empty for an LLM-only rank. TP/CP/PP peers of one encoder DP rank get the same rows (each decodes them:
-    a peer needs the pixels it shards, and peers usually sit on other hosts)."""
-    plan = {}
-    for key in layout.modules_of_rank(rank):
-        if key in layout.encoders:
-            plan[key] = dp_rows(rows_per_microbatch, layout[key].dp_size, layout[key].coord(rank).dp)
-    return plan
 
 
 def shard_for_rank(batch: PackedBatch, layout: HeteroLayout, rank: int) -> dict[str, ModuleShard]:

@@ -55,13 +55,13 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from tessera.hetero.plan.resolved_run import IGNORE
 from tessera.models.sdpa_attention import DocumentSeqParams, SDPACoreAttention
 from tessera.models.mamba2 import Mamba2Mixer, Mamba2Submodules
 from tessera.models.recompute import run_layers, with_recompute
 
 MAMBA, ATTENTION, MLP_SYMBOL, MOE = "M", "*", "-", "E"
 SYMBOLS = (MAMBA, ATTENTION, MLP_SYMBOL, MOE)
-IGNORE_INDEX = -100
 
 
 def vocab_size_with_padding(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -304,7 +304,7 @@ class HybridLM(MegatronModule):
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         labels = labels.transpose(0, 1)
-        valid = labels != IGNORE_INDEX
+        valid = labels != IGNORE
         loss = self.cross_entropy(logits.float(), labels.clamp(min=0).contiguous())
         return (loss * valid).transpose(0, 1).contiguous()
 
@@ -323,13 +323,13 @@ class HybridLM(MegatronModule):
         padding silently as 0 by megatron's cross entropy: refuse both with the offending id. On an accelerator
         the check is asynchronous (no host sync per microbatch; a bad label still stops the run, as a device
         assert): the launcher has already checked that the tokenizer fits the vocabulary."""
-        bad = ((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= self.config.vocab_size)
+        bad = ((labels < 0) & (labels != IGNORE)) | (labels >= self.config.vocab_size)
         if labels.device.type != "cpu":
             torch._assert_async(~bad.any(), "a label id is outside the vocabulary (tokenizer/model mismatch)")
             return
         if bool(bad.any()):
             raise ValueError(f"label id {labels[bad][0].item()} is outside the vocabulary [0, "
-                             f"{self.config.vocab_size}) (ignored positions use {IGNORE_INDEX}); "
+                             f"{self.config.vocab_size}) (ignored positions use {IGNORE}); "
                              "the data's tokenizer does not match the model")
 
     def full_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:

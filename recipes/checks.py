@@ -1,12 +1,14 @@
 """Checks that run before anything is launched: registry names, override keys, the layout against the model.
 
     from tessera.recipes.checks import check_run
-    layout = check_run(cfg, world_size=4)   # HeteroLayout, or a ValueError naming the field and the fix
+    run = check_run(cfg, world_size=4)   # a ResolvedRun (run.layout, run.rows_per_microbatch, ...), or a
+                                         # ValueError naming the field and the fix
 
 Every error names what was wrong and lists what exists, so a typo on the CLI fails in a second on the
 submitting machine instead of minutes later on every rank of a cluster job. The layout is resolved by the
-one function the trainer uses too (hetero/planner/run_layout.resolve_run_layout), so what passes here is
-exactly what trains. Plain data only (no torch, no process groups).
+one function (hetero/plan/resolved_run.resolve_run, the planner proposing layouts for layout=auto), so what passes here is
+exactly what trains: recipes/train.py resolves the run with `resolve` below and hands it to the trainer.
+Plain data only (no torch, no process groups).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import dataclasses
 import re
 import typing
 
-from tessera.hetero.plan.layout import HeteroLayout
+from tessera.hetero.plan.layout import ENCODER_KEYS
 from tessera.hetero.plan.recompute import parse_recompute
+from tessera.hetero.plan.resolved_run import ResolvedRun
 from tessera.hetero.plan.retention import KeepPolicy
-from tessera.hetero.planner.run_layout import resolve_run_layout
-from tessera.hetero.training.run_modules import ENCODER_KEYS, module_specs
+from tessera.hetero.planner.run_layout import layout_proposals
+from tessera.hetero.training.run_modules import module_specs, resolve_config
 from tessera.models import configs, encoders
 
 MODALITIES = ENCODER_KEYS  # the encoder module keys of a ModelConfig and of a layout
@@ -40,14 +43,19 @@ def check_names(model) -> None:
     parse_recompute(getattr(model, "recompute", "none"))
 
 
-def check_run(cfg, world_size: int) -> HeteroLayout:
-    """Names, module keys, and the layout resolved and validated for `world_size` ranks (trainability included)."""
+def resolve(cfg, world_size: int, llm_fields: dict | None = None) -> ResolvedRun:
+    """The run resolved on `world_size` ranks; for layout=auto the planner proposes (h100 costs)."""
+    return resolve_config(cfg, world_size, llm_fields, layout_proposals(cfg, world_size))
+
+
+def check_run(cfg, world_size: int) -> ResolvedRun:
+    """Names, module keys, and the run resolved and validated for `world_size` ranks (trainability included)."""
     check_names(cfg.model)
     if getattr(cfg.optim, "use_distributed_optimizer", False) and cfg.model.dtype != "bfloat16":
         raise ValueError(f"optim.use_distributed_optimizer=True shards the fp32 master weights of a bf16 run, and "
                          f"model.dtype={cfg.model.dtype!r} has none: set model.dtype=bfloat16 or drop the option")
     KeepPolicy(getattr(cfg.trainer, "keep_last", None), getattr(cfg.trainer, "keep_every", 0))
-    return resolve_run_layout(cfg, world_size)
+    return resolve(cfg, world_size)
 
 
 # ---- override keys --------------------------------------------------------------------------------------

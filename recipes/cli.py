@@ -49,9 +49,10 @@ class TesseraRunContext(RunContext):
         layout_world = HeteroLayout.parse(spec).world_size if spec and spec != "auto" else None
         world = executors.fit_executor(getattr(self, "executor", None), layout_world)
         split = (task.data.rows_per_microbatch, task.data.microbatches)
-        layout = checks.check_run(task, world)  # may re-split the step's rows so that every DP gets whole rows
-        if split != (task.data.rows_per_microbatch, task.data.microbatches):
-            print(f"data: rows_per_microbatch={task.data.rows_per_microbatch} microbatches={task.data.microbatches} "
+        resolved = checks.check_run(task, world)  # may re-split the step's rows so that every DP gets whole rows
+        layout = resolved.layout
+        if split != (resolved.rows_per_microbatch, resolved.microbatches):
+            print(f"data: rows_per_microbatch={resolved.rows_per_microbatch} microbatches={resolved.microbatches} "
                   f"(was {split[0]} x {split[1]}: the same {split[0] * split[1]} rows per step, whole rows for every "
                   f"module's DP in {layout})", flush=True)
         if spec != str(layout):  # "", auto, a scaled or completed layout: every rank gets the resolved one

@@ -20,12 +20,11 @@ recipes/full_size.py planned it for; multiples of it grow its DP; 8-64 otherwise
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import nemo_run as run
 
-from tessera.hetero.plan.layout import HeteroLayout, scale_layout
+from tessera.hetero.plan.layout import HeteroLayout, rows_multiple, scale_layout
 from tessera.hetero.training.run_modules import ENCODER_KEYS
 from tessera.recipes.full_size import RECIPES as PLANNED  # the planner's layout per full-size recipe
 from tessera.recipes.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
@@ -78,7 +77,7 @@ _TINY_LAYOUTS = {
 
 def rows_for(layout: str) -> int:
     """The smallest global rows per microbatch that every module's DP divides."""
-    return math.lcm(*(m.dp_size for m in HeteroLayout.parse(layout).modules.values()))
+    return rows_multiple(HeteroLayout.parse(layout))
 
 
 def _run(name: str, model: run.Config, layout: str, data: run.Config, optim: run.Config,

@@ -159,9 +159,12 @@ def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
 
     apply_cpu_shims()
     from tessera.hetero.training.loop import run_training
+    from tessera.recipes.checks import resolve
 
+    cfg = RunConfig(name, layout, model, data, optim, trainer)
     try:
-        summary = run_training(RunConfig(name, layout, model, data, optim, trainer), run_dir, stop)
+        # the run resolved once on this world (every rank alike: pure and deterministic; layout=auto asks the planner)
+        summary = run_training(cfg, resolve(cfg, dist.get_world_size()), run_dir, stop)
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()

@@ -60,12 +60,12 @@ CPU_BOUNDS = {"eff_llm": (1e-4, 1.0), "eff_vit": (1e-4, 1.0), "eff_conformer": (
 
 def check_trainable(spec: str) -> None:
     """The layout as training resolves it (the one resolution, trainability rule included), or a LayoutError."""
-    from tessera.hetero.planner.run_layout import resolve_run_layout
+    from tessera.recipes.checks import resolve
     from tessera.recipes.config import DataConfig, ModelConfig, RunConfig
 
     cfg = RunConfig(layout=spec, model=ModelConfig(llm=LLM, **MODEL),
                     data=DataConfig(seq_length=SEQ, rows_per_microbatch=ROWS, microbatches=MICROBATCHES))
-    resolve_run_layout(cfg, WORLD)
+    resolve(cfg, WORLD)
 
 
 def _median_time(fn, reps: int) -> float:

@@ -272,13 +272,13 @@ def test_what_encoder_cp_refuses():
     # the video recipe prunes: the trainer's resolution refuses vision CP for it before launch
     import fiddle as fdl
 
-    from tessera.hetero.planner.run_layout import resolve_run_layout
     from tessera.recipes import registry
+    from tessera.recipes.checks import resolve
 
     run = fdl.build(registry.recipe("nemotron_video_tiny"))
     run.layout = "vision=cp2@0-1;language=tp2@2-3"
     with pytest.raises(LayoutError, match=re.escape("model.video_pruning=0")):
-        resolve_run_layout(run, 4)
+        resolve(run, 4)
 
     class _Group:  # a CP group of two as the module sees it (size and rank only)
         def size(self):

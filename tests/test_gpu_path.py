@@ -39,7 +39,10 @@ def _audited_steps(run_dir: str) -> dict:
                     # 192: both steps hold images and audio clips (the audit must reach every module)
                     DataConfig(seq_length=192, rows_per_microbatch=2, microbatches=2), OptimConfig(),
                     TrainerConfig(max_steps=3, run_dir=run_dir, progress=False, tensorboard=False))
-    run = loop.RunState(cfg, Path(run_dir), dist.get_rank(), dist.get_world_size(), RUN, torch.float32)
+    from tessera.recipes.checks import resolve
+
+    run = loop.RunState(cfg, resolve(cfg, dist.get_world_size()), Path(run_dir), dist.get_rank(),
+                        dist.get_world_size(), RUN, torch.float32)
     loop._resolve(run)
     out = {}
     with DeviceAudit(RUN) as audit:

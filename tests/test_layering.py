@@ -127,3 +127,12 @@ def test_the_checker_sees_lazy_imports_and_module_strings(tmp_path):
     f.write_text("def f():\n    from tessera.scripts.prepare_data import main\n\nLAUNCHER = 'tessera.hetero.tools.parity'\n")
     assert [n for _, n in imports_of(f)] == ["tessera.scripts.prepare_data", "tessera.scripts.prepare_data.main",
                                                "tessera.hetero.tools.parity"]
+
+
+def test_the_planner_only_proposes_training_never_imports_it():
+    # the run is resolved in the plan layer (hetero/plan/resolved_run.py); the planner proposes layouts for
+    # layout=auto through the recipes. Training, runtime and parallel code never reach for the cost model.
+    below = ("tessera.hetero.training", "tessera.hetero.runtime", "tessera.hetero.parallel")
+    bad = [f"{mod} -> {dst} at line {line}" for mod, targets in edges().items() if mod.startswith(below)
+           for dst, line in targets if dst.startswith("tessera.hetero.planner")]
+    assert not bad, "the planner is above training, runtime and parallel code:\n" + "\n".join(sorted(bad))

@@ -136,7 +136,10 @@ def _reshard(src_run: str, dst_root: str) -> None:
                     DataConfig(seq_length=128, rows_per_microbatch=4, microbatches=2),
                     OptimConfig(lr=TRAIN_LR, warmup_steps=2, min_lr_ratio=1.0),
                     TrainerConfig(max_steps=RESUME_TO, run_dir=src_run, progress=False, tensorboard=False))
-    run = loop.RunState(cfg, Path(src_run), dist.get_rank(), dist.get_world_size(), torch.device("cpu"), torch.bfloat16)
+    from tessera.recipes.checks import resolve
+
+    run = loop.RunState(cfg, resolve(cfg, dist.get_world_size()), Path(src_run), dist.get_rank(),
+                        dist.get_world_size(), torch.device("cpu"), torch.bfloat16)
     loop._resolve(run)
     loop._build_model(run)
     loop._resume(run)

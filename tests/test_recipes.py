@@ -16,7 +16,7 @@ import pytest
 import nemo_run as run
 from tessera.hetero.plan.layout import HeteroLayout, LayoutError
 from tessera.recipes.full_size import RECIPES as PLANNED
-from tessera.hetero.planner.run_layout import model_shapes, module_keys
+from tessera.hetero.training.run_modules import run_model
 from tessera.recipes import checks, executors, registry
 from tessera.recipes.cli import ENTRYPOINTS, TesseraRunContext, factories_of
 from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
@@ -39,10 +39,10 @@ def test_every_recipe_builds_and_validates(name, gpus):
     assert isinstance(cfg, RunConfig) and isinstance(cfg.model, ModelConfig) and isinstance(cfg.data, DataConfig)
     assert isinstance(cfg.optim, OptimConfig) and isinstance(cfg.trainer, TrainerConfig)
     world = gpus or registry.TINY_WORLD
-    layout = HeteroLayout.parse(cfg.layout).validate(model_shapes(cfg), world_size=world)
+    layout = HeteroLayout.parse(cfg.layout).validate(run_model(cfg.model).shapes(cfg.data.seq_length, cfg.data.rows_per_microbatch), world_size=world)
     assert layout.world_size == world
-    assert set(layout.modules) == set(module_keys(cfg.model))
-    assert checks.check_run(cfg, world) == layout
+    assert set(layout.modules) == set(run_model(cfg.model).keys)
+    assert checks.check_run(cfg, world).layout == layout
     # a microbatch is exactly what every module's DP can share, no more
     assert cfg.data.rows_per_microbatch % registry.rows_for(cfg.layout) == 0
     frozen = (cfg.model.freeze_vision, cfg.model.freeze_audio, cfg.model.freeze_llm)
@@ -117,24 +117,24 @@ def _run(layout: str, **model) -> RunConfig:
 
 
 def test_empty_layout_is_every_module_dp_on_the_world():
-    hl = checks.check_run(_run("", audio="fastconformer_tiny"), 4)
+    hl = checks.check_run(_run("", audio="fastconformer_tiny"), 4).layout
     assert str(hl) == "vision=dp4@0-3;audio=dp4@0-3;language=dp4@0-3"
 
 
 def test_an_added_encoder_gets_a_layout_derived_from_the_recipes():
     # colocated recipe layout: the new encoder joins the existing encoder's ranks, data-parallel
-    hl = checks.check_run(_run("vision=dp4@0-3;language=tp2,dp2@0-3", audio="fastconformer_tiny"), 4)
+    hl = checks.check_run(_run("vision=dp4@0-3;language=tp2,dp2@0-3", audio="fastconformer_tiny"), 4).layout
     assert str(hl) == "vision=dp4@0-3;audio=dp4@0-3;language=tp2,dp2@0-3"
     # non-colocated: on the encoder ranks, not the LLM's
-    hl = checks.check_run(_run("vision=dp2@0-1;language=tp2@2-3", audio="fastconformer_tiny"), 4)
+    hl = checks.check_run(_run("vision=dp2@0-1;language=tp2@2-3", audio="fastconformer_tiny"), 4).layout
     assert str(hl) == "vision=dp2@0-1;audio=dp2@0-1;language=tp2,dp1@2-3"
     # no encoder in the layout: on the LLM's ranks
-    hl = checks.check_run(_run("language=tp2,dp2@0-3", vision=None, audio="fastconformer_tiny"), 4)
+    hl = checks.check_run(_run("language=tp2,dp2@0-3", vision=None, audio="fastconformer_tiny"), 4).layout
     assert str(hl) == "audio=dp4@0-3;language=tp2,dp2@0-3"
 
 
 def test_a_dropped_encoder_leaves_its_layout_entry_only_when_ranks_are_shared():
-    hl = checks.check_run(_run("vision=dp4@0-3;language=dp4@0-3", vision=None), 4)
+    hl = checks.check_run(_run("vision=dp4@0-3;language=dp4@0-3", vision=None), 4).layout
     assert str(hl) == "language=dp4@0-3"
     with pytest.raises(LayoutError, match=r"no 'vision' module, and ranks 0-1 hold nothing else"):
         checks.check_run(_run("vision=dp2@0-1;language=tp2@2-3", vision=None), 4)
@@ -142,14 +142,14 @@ def test_a_dropped_encoder_leaves_its_layout_entry_only_when_ranks_are_shared():
 
 def test_the_one_resolution_scales_handles_auto_and_refuses_what_cannot_train():
     # a 4-rank layout launched on 8 ranks grows by data parallelism
-    hl = checks.check_run(RunConfig(layout="vision=dp2@0-1;language=tp2@2-3", data=DataConfig(rows_per_microbatch=4)), 8)
+    hl = checks.check_run(RunConfig(layout="vision=dp2@0-1;language=tp2@2-3",
+                                    data=DataConfig(rows_per_microbatch=4)), 8).layout
     assert str(hl) == "vision=dp4@0-3;language=tp2,dp2@4-7"
     # auto: the planner's best trainable layout, valid for this world
-    auto = checks.check_run(_run("auto"), 4)
+    auto = checks.check_run(_run("auto"), 4).layout
     from tessera.hetero.plan.trainable import untrainable_reasons
-    from tessera.hetero.planner.run_layout import encoder_has_tp
 
-    assert auto.world_size == 4 and untrainable_reasons(auto, encoder_has_tp(_run("auto").model)) == []
+    assert auto.world_size == 4 and untrainable_reasons(auto, run_model(_run("auto").model).encoder_tp) == []
     # the trainer's rule, before launch: an encoder's cp x pp, and audio TP
     for bad, why in (("vision=cp2,pp2@0-3;language=dp4@0-3", "splits over cp or pp, not both"),
                      ("vision=dp4@0-3;audio=cp2,pp2@0-3;language=dp4@0-3", "audio encoder splits over cp or pp"),
@@ -257,7 +257,7 @@ def test_cli_layout_auto_prints_the_layout_it_chose_before_launch():
     # the task launched carries the resolved layout, not "auto", so every rank trains exactly that one
     assert re.search(r"layout\s*│\s*'" + re.escape(chosen.group(1)) + "'", p.stdout), out
     cfg = fdl.build(registry.recipe("nemotron_vl_tiny"))
-    assert str(checks.check_run(RunConfig(layout=chosen.group(1), model=cfg.model, data=cfg.data), 4)) == chosen.group(1)
+    assert str(checks.check_run(RunConfig(layout=chosen.group(1), model=cfg.model, data=cfg.data), 4).layout) == chosen.group(1)
 
 
 def test_cli_plan_ranks_only_trainable_layouts_first():
@@ -267,10 +267,9 @@ def test_cli_plan_ranks_only_trainable_layouts_first():
     first = re.search(r"^\s*1\s.*?((?:\w+=[\w,]+@\d+-\d+;?)+)", p.stdout, flags=re.M)
     assert first, out
     from tessera.hetero.plan.trainable import untrainable_reasons
-    from tessera.hetero.planner.run_layout import encoder_has_tp
 
     cfg = fdl.build(registry.recipe("nemotron_video_12b"))
-    assert untrainable_reasons(HeteroLayout.parse(first.group(1)), encoder_has_tp(cfg.model)) == [], first.group(1)
+    assert untrainable_reasons(HeteroLayout.parse(first.group(1)), run_model(cfg.model).encoder_tp) == [], first.group(1)
 
 
 
@@ -283,10 +282,11 @@ def test_a_full_recipe_sized_for_its_gpus_runs_and_plans_its_default_on_four_tim
 
     cfg = fdl.build(registry.recipe(name))
     gpus, step = 4 * PLANNED[name].gpus, cfg.data.rows_per_microbatch * cfg.data.microbatches
-    hl = checks.check_run(cfg, gpus)
+    resolved = checks.check_run(cfg, gpus)
+    hl = resolved.layout
     assert str(hl) == str(HeteroLayout.parse(registry.full_layout(name, gpus)))
-    assert cfg.data.rows_per_microbatch * cfg.data.microbatches == step
-    assert all(cfg.data.rows_per_microbatch % m.dp_size == 0 for m in hl.modules.values())
+    assert resolved.rows_per_microbatch * resolved.microbatches == step
+    assert all(resolved.rows_per_microbatch % m.dp_size == 0 for m in hl.modules.values())
     if name != "nemotron_vl_12b":  # the planner's search takes ~10 s a recipe: one recipe shows it
         return
     table = plan_table_for_run(fdl.build(registry.recipe(name)), gpus)

@@ -22,7 +22,8 @@ from _mcore_cpu import single_rank_world
 from tessera.hetero.tools.spawn import run_on_ranks
 from tessera.models import configs
 from tessera.models.hf_reference import fixed_batch
-from tessera.models.hybrid_llm import IGNORE_INDEX, HybridLM, vocab_size_with_padding
+from tessera.hetero.plan.resolved_run import IGNORE as IGNORE_INDEX
+from tessera.models.hybrid_llm import HybridLM, vocab_size_with_padding
 from tessera.models.nemotron_h_hf import hybrid_config_from_hf, load_hf_state_dict, load_into, megatron_to_hf
 
 VOCAB = 509  # prime: divides by no TP size; padded to 512 at TP1 and TP2

@@ -30,8 +30,9 @@ from typing import Sequence
 
 import numpy as np
 
-from tessera.hetero.plan.zigzag import zigzag_local_offset, zigzag_owner
 from tessera.hetero.plan.layout import ModuleLayout
+from tessera.hetero.plan.resolved_run import dp_owner
+from tessera.hetero.plan.zigzag import zigzag_local_offset, zigzag_multiple, zigzag_owner
 
 
 class BoundaryError(ValueError):
@@ -164,18 +165,19 @@ def _elements(src: ModuleLayout, dst: ModuleLayout, batch: BoundaryBatch, dst_fo
         if n % layout.dp_size:
             raise BoundaryError(f"{side} dp={layout.dp_size} does not divide the {n} samples of the microbatch; "
                                 f"use a multiple of {layout.dp_size} samples")
-    if seq % (2 * dst.cp):
-        raise BoundaryError(f"seq_length={seq} is not divisible by 2*cp={2 * dst.cp} of the destination; pad it")
+    if seq % zigzag_multiple(dst.cp):
+        raise BoundaryError(f"seq_length={seq} is not divisible by 2*cp={zigzag_multiple(dst.cp)} of the destination; "
+                            f"pad it")
     batch.validate()
     sample, token = _sample_and_token(batch)
     pos = np.concatenate(batch.positions) if n else np.zeros(0, np.int64)
 
-    src_dp = sample // (n // src.dp_size)
+    src_dp = dp_owner(sample, n, src.dp_size)
     src_cp = contiguous_part(token, batch.tokens_per_sample[sample], src.cp)
     src_row = _rank_in_group(src_dp * src.cp + src_cp)
 
-    dst_dp = sample // (n // dst.dp_size)
-    chunk_len = seq // (2 * dst.cp)
+    dst_dp = dp_owner(sample, n, dst.dp_size)
+    chunk_len = seq // zigzag_multiple(dst.cp)
     chunk = pos // chunk_len
     dst_cp = zigzag_owner(chunk, dst.cp)
     if dst_format == "tokens":
@@ -276,6 +278,6 @@ def minimum_rows(src: ModuleLayout, dst: ModuleLayout, batch: BoundaryBatch) -> 
 def source_shard(src: ModuleLayout, batch: BoundaryBatch, dp: int, cp: int) -> np.ndarray:
     """Global element ids held by the source (dp, cp) shard, in its row order."""
     sample, token = _sample_and_token(batch)
-    src_dp = sample // (batch.num_samples // src.dp_size)
+    src_dp = dp_owner(sample, batch.num_samples, src.dp_size)
     src_cp = contiguous_part(token, batch.tokens_per_sample[sample], src.cp)
     return np.flatnonzero((src_dp == dp) & (src_cp == cp))

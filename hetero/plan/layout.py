@@ -26,7 +26,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from tessera.hetero.plan.zigzag import zigzag_multiple
+
 LANGUAGE = "language"
+VISION, AUDIO = "vision", "audio"
+ENCODER_KEYS = (VISION, AUDIO)          # the encoder module keys a run can have (each a modality), in order
+MODULE_KEYS = (*ENCODER_KEYS, LANGUAGE)  # every module key, in the order runs list them
 GRID_DIMS = ("tp", "cp", "dp", "pp")  # fastest first, as HyperCommGrid's shape
 _FIELD_RE = re.compile(r"^(tp|cp|pp|dp|ep)(\d+)$")
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -264,24 +269,25 @@ class HeteroLayout:
                     raise LayoutError(f"module '{key}': tp={m.tp} does not divide its {n} attention {label}; "
                                       f"use tp in {fits}")
         lang = self.modules[LANGUAGE]
-        if shapes.seq_length is not None and shapes.seq_length % (2 * lang.cp):
+        chunks = zigzag_multiple(lang.cp)
+        if shapes.seq_length is not None and shapes.seq_length % chunks:
             raise LayoutError(
-                f"module '{LANGUAGE}': seq_length={shapes.seq_length} is not divisible by 2*cp = {2 * lang.cp} "
+                f"module '{LANGUAGE}': seq_length={shapes.seq_length} is not divisible by 2*cp = {chunks} "
                 f"(zigzag context parallelism cuts the sequence into 2*cp chunks); pad the sequence to a "
-                f"multiple of {2 * lang.cp} or lower cp")
+                f"multiple of {chunks} or lower cp")
         if (shapes.seq_length is not None and llm_sequence_parallel(shapes.moe, lang.tp)
                 and (shapes.seq_length // lang.cp) % lang.tp):
             raise LayoutError(
                 f"module '{LANGUAGE}': each CP rank's {shapes.seq_length // lang.cp} of seq_length="
                 f"{shapes.seq_length} positions do not divide by tp={lang.tp} (an MoE LLM with TP runs sequence "
                 f"parallel: every TP rank holds 1/tp of them); use a seq_length that is a multiple of "
-                f"{math.lcm(2 * lang.cp, lang.cp * lang.tp)}")
+                f"{math.lcm(chunks, lang.cp * lang.tp)}")
         n = shapes.samples_per_microbatch
         if n is not None:
             for key, m in self.modules.items():
                 if n % m.dp_size:
                     others = ", ".join(f"{k} dp={o.dp_size}" for k, o in self.modules.items() if k != key)
-                    need = math.lcm(*(o.dp_size for o in self.modules.values()))
+                    need = rows_multiple(self)
                     raise LayoutError(
                         f"module '{key}': dp={m.dp_size} cannot take an equal share of {n} samples per microbatch, "
                         f"so its data cannot fan in/out to {others}; use a multiple of {need} samples per "
@@ -299,12 +305,18 @@ def scale_layout(layout: HeteroLayout | str, world: int) -> HeteroLayout:
                          for k, m in layout.modules.items()})
 
 
+def rows_multiple(layout: HeteroLayout) -> int:
+    """Rows per microbatch must be a multiple of this for every module's DP to take an equal share: the lcm of
+    the DP sizes. The one rule: validation, rows_for_layout, the recipes, the planner and verify read it."""
+    return math.lcm(*(m.dp_size for m in layout.modules.values()))
+
+
 def rows_for_layout(layout: HeteroLayout, rows: int, microbatches: int) -> tuple[int, int]:
     """(rows per microbatch, microbatches) for `layout` with the same rows per step (rows x microbatches): the
     given ones when every module's DP divides `rows`; else the smallest multiple of lcm(DP sizes) >= rows that
     divides the step's rows (fewer microbatches, as megatron derives them from the global batch and DP), or
     the largest smaller one. LayoutError naming the fix when no multiple divides the step's rows."""
-    need = math.lcm(*(m.dp_size for m in layout.modules.values()))
+    need = rows_multiple(layout)
     if rows % need == 0:
         return rows, microbatches
     step = rows * microbatches

@@ -51,10 +51,18 @@ def untrainable_reasons(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool]
     return reasons
 
 
+class UntrainableLayout(LayoutError):
+    """A valid layout the trainer cannot run; `reasons` lists why, each naming the module and the fix."""
+
+    def __init__(self, layout: HeteroLayout, reasons: list[str]):
+        super().__init__("layout " + str(layout) + " cannot train: " + "; ".join(reasons))
+        self.reasons = reasons
+
+
 def check_trainable(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool],
                     video_pruned: bool = False) -> HeteroLayout:
-    """`layout`, or a LayoutError listing every reason the trainer cannot run it."""
+    """`layout`, or an UntrainableLayout (a LayoutError) listing every reason the trainer cannot run it."""
     reasons = untrainable_reasons(layout, encoder_has_tp, video_pruned)
     if reasons:
-        raise LayoutError("layout " + str(layout) + " cannot train: " + "; ".join(reasons))
+        raise UntrainableLayout(layout, reasons)
     return layout

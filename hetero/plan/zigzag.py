@@ -12,6 +12,11 @@ from __future__ import annotations
 import numpy as np
 
 
+def zigzag_multiple(cp: int) -> int:
+    """A sequence split over `cp` ranks must be a multiple of this long: 2*cp equal chunks (the one rule)."""
+    return 2 * cp
+
+
 def zigzag_chunks(cp: int, cp_rank: int) -> tuple[int, int]:
     """The two chunk indices (of 2*cp) that CP rank `cp_rank` holds, in local order."""
     return cp_rank, 2 * cp - 1 - cp_rank

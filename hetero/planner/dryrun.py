@@ -37,7 +37,7 @@ import numpy as np
 
 from tessera.hetero.plan.boundary_plan import BoundaryBatch, BoundaryPlan, minimum_rows, plan_boundary
 from tessera.hetero.plan.schedule_plan import ScheduleError, build_schedule, check_schedule
-from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, ModuleLayout, scale_layout
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, ModuleLayout, rows_multiple, scale_layout
 from tessera.hetero.planner.cluster import Workload, cluster
 from tessera.hetero.planner.cost import HEADROOM, items_of, predict
 from tessera.hetero.planner.memory_report import ParamCheck, memory_report, param_checks
@@ -236,7 +236,7 @@ def microbatch_workload(layout: HeteroLayout, w: Workload, microbatches: int) ->
     """`w` with the smallest microbatch every module's DP divides (rows per LLM DP replica, as the full-size
     recipes' rows_per_microbatch) and `microbatches` of them per step."""
     dp = layout[LANGUAGE].dp_size
-    need = math.lcm(*(m.dp_size for m in layout.modules.values()))
+    need = rows_multiple(layout)
     samples = dp * (need // math.gcd(need, dp))
     return dataclasses.replace(w, micro_batch=samples // dp, global_batch=samples * microbatches)
 

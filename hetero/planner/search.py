@@ -27,10 +27,10 @@ batch is rounded to a whole number of microbatches (Prediction.global_batch says
 from __future__ import annotations
 
 import dataclasses
-import math
 from itertools import product
 
-from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, ModuleLayout
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, ModuleLayout, rows_multiple
+from tessera.hetero.plan.zigzag import zigzag_multiple
 from tessera.hetero.planner.cluster import Cluster, Constants, Workload
 from tessera.hetero.planner.cost import GIB, HEADROOM, Prediction, module_cost, predict
 from tessera.hetero.planner.model import ModelDesc, ModuleDesc
@@ -48,7 +48,7 @@ def llm_options(mod: ModuleDesc, gpus: int, w: Workload, cl: Cluster) -> list[di
     for tp, cp, pp in product(_pow2(min(cl.gpus_per_node, gpus)), _pow2(MAX_CP), _pow2(min(MAX_PP, mod.layers))):
         if any(n % tp for n in mod.tp_divides) or gpus % (tp * cp * pp):
             continue
-        if cp > 1 and (w.seq_length % (2 * cp) or w.seq_length // cp < MIN_TOKENS_PER_CP_RANK):
+        if cp > 1 and (w.seq_length % zigzag_multiple(cp) or w.seq_length // cp < MIN_TOKENS_PER_CP_RANK):
             continue
         dp = gpus // (tp * cp * pp)
         out.append(dict(tp=tp, cp=cp, pp=pp, dp=dp, ep=_best_ep(mod, tp, cp, pp, dp, w, cl)))
@@ -89,7 +89,7 @@ def _micro_batch(layout: HeteroLayout, w: Workload) -> Workload:
     the global batch rounded to the nearest multiple of one microbatch's samples (DP sizes that are not
     powers of two, as disjoint rank blocks give, would otherwise never divide it)."""
     dp = layout[LANGUAGE].dp_size
-    need = math.lcm(*(m.dp_size for m in layout.modules.values()))
+    need = rows_multiple(layout)
     mb = w.micro_batch
     while (mb * dp) % need and mb < w.global_batch:
         mb *= 2

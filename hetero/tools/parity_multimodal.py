@@ -20,7 +20,7 @@ config's image/audio token ids (or, when the config sets none, the last vocabula
 placeholder counts are the encoders' own token arithmetic. One sample per row, no packing.
 
 Tessera's side is the trainer's, not a re-implementation: the layout resolved as a run resolves it
-(hetero/planner/run_layout.resolve_run_layout), the module groups, this rank's modules built and loaded from
+(hetero/training/run_modules.resolve_config), the module groups, this rank's modules built and loaded from
 DIR as a fine-tuning run builds them (hetero/training/model_build: build_rank_modules, check_checkpoint_tensors,
 load_full_state on a LazyCheckpoint), the boundary communicators of hetero/training/loop, the stages of
 hetero/training/stages.py and one hetero_step (hetero/runtime/step_executor.py) on a fixed PackedBatch. The only
@@ -59,14 +59,13 @@ import torch.distributed as dist
 from tessera.data.packing import IGNORE, PackedBatch
 from tessera.data.pipeline import video_temporal
 from tessera.hetero.plan.layout import LANGUAGE
-from tessera.hetero.planner.run_layout import resolve_run_layout
 from tessera.hetero.runtime.device import current_device
 from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
 from tessera.hetero.runtime.step_executor import hetero_step
 from tessera.hetero.training.loop import RunState, boundary_batches, step_context, tubelet_settle
 from tessera.hetero.training.model_build import (build_rank_modules, check_checkpoint_tensors, load_full_state,
                                                  module_configs)
-from tessera.hetero.training.run_modules import checkpoint_llm_fields
+from tessera.hetero.training.run_modules import checkpoint_llm_fields, resolve_config
 from tessera.hetero.training.stages import LanguageStage, MediaEncoderStage
 from tessera.models.hf_reference import (OMNI_SEED, OmniSample, omni_reference_logits, omni_samples,
                                          omni_token_ids, video_pruning_rate)
@@ -208,12 +207,13 @@ def compare_multimodal(hf_dir: str, layout: str = "", perturb: dict[str, float] 
     hf_fields = checkpoint_llm_fields(hf_dir)
     cfg = SimpleNamespace(layout=layout, model=model_cfg,
                           data=SimpleNamespace(seq_length=seq, rows_per_microbatch=len(samples), microbatches=1))
-    hetero = resolve_run_layout(cfg, world, hf_fields)
-    if (cfg.data.rows_per_microbatch, cfg.data.microbatches) != (len(samples), 1):
+    resolved = resolve_config(cfg, world, hf_fields)
+    hetero = resolved.layout
+    if (resolved.rows_per_microbatch, resolved.microbatches) != (len(samples), 1):
         raise ValueError(f"layout {hetero}: its DP sizes do not divide the {len(samples)} sample rows")
 
     # this rank's modules, as a fine-tuning run from DIR builds and loads them (hetero/training/loop._build_model)
-    run = RunState(cfg, Path("."), rank, world, device, torch.float32, hf_fields=hf_fields, layout=hetero)
+    run = RunState(cfg, resolved, Path("."), rank, world, device, torch.float32, hf_fields=hf_fields)
     run.groups = build_module_groups(hetero)
     run.configs = module_configs(hetero, hf_fields)
     run.modules = build_rank_modules(model_cfg, hetero, run.groups, run.configs)

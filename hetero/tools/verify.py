@@ -31,7 +31,6 @@ FAIL when any error exceeds 1e-5 (fp32) or the boundary moved more bytes than th
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
@@ -41,11 +40,12 @@ import torch.distributed as dist
 
 from tessera.hetero.runtime.boundary import BoundaryCommunicator
 from tessera.hetero.plan.boundary_plan import BoundaryBatch, source_shard
-from tessera.hetero.plan.zigzag import zigzag_positions
+from tessera.hetero.plan.zigzag import zigzag_multiple, zigzag_positions
 from tessera.hetero.runtime.cpu_shims import apply_cpu_shims, default_backend
 from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
 from tessera.hetero.runtime.step_executor import hetero_step, reduce_gradients
-from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, ModelShapes
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, ModelShapes, rows_multiple
+from tessera.hetero.plan.resolved_run import dp_rows
 from tessera.hetero.tools.verify_chain_model import (ChainDims, ParallelEncoder, ParallelLanguage, encoder_token_meta, make_weights,
                                  reference_documents_alone, reference_forward, sharded_reference_grad,
                                  token_segments)
@@ -56,7 +56,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 
 def batch_shape(layout: HeteroLayout) -> tuple[int, int]:
     """(samples per microbatch, sequence length) that exercise every module's DP and the LLM's CP."""
-    return 2 * math.lcm(*(m.dp_size for m in layout.modules.values())), 8 * 2 * layout[LANGUAGE].cp
+    return 2 * rows_multiple(layout), 8 * zigzag_multiple(layout[LANGUAGE].cp)
 
 
 def validated_layout(spec: str, dims: ChainDims, world_size: int, llm: str = "dense") -> HeteroLayout:
@@ -146,7 +146,7 @@ class _LanguageStage:
         lang = layout[LANGUAGE]
         n, seq = micro[0][2].shape[:2]
         self.local_pos = zigzag_positions(seq, lang.cp, coord.cp)
-        self.samples = np.arange(coord.dp * n // lang.dp_size, (coord.dp + 1) * n // lang.dp_size)
+        self.samples = np.asarray(dp_rows(n, lang.dp_size, coord.dp))
         self.sl = (torch.as_tensor(self.samples)[:, None], torch.as_tensor(self.local_pos)[None, :])
         self.pos = torch.as_tensor(np.tile(self.local_pos, len(self.samples)), device=dev)
         self.seg = torch.as_tensor(np.repeat(self.samples, len(self.local_pos)), device=dev)

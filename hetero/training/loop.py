@@ -26,12 +26,11 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 
 from tessera.data.loader import close_loader
 from tessera.data.pipeline import settles_tubelet_chunks
-from tessera.data.sharding import decode_plan
 from tessera.hetero.runtime.boundary import BoundaryCommunicator
 from tessera.hetero.runtime.device import current_device
 from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
-from tessera.hetero.plan.layout import LANGUAGE
-from tessera.hetero.planner.run_layout import resolve_run_layout
+from tessera.hetero.plan.layout import LANGUAGE, VISION
+from tessera.hetero.plan.resolved_run import ResolvedRun
 from tessera.hetero.runtime.step_executor import hetero_step
 from tessera.hetero.runtime.tubelet_settle import TubeletSettle
 from tessera.hetero.training.checkpoint import (KeepPolicy, finish_async_saves, latest_checkpoint, load_checkpoint,
@@ -85,6 +84,7 @@ class RunState:
     """What one rank trains with, built in the order below and read by every step."""
 
     cfg: object
+    resolved: ResolvedRun  # the run's layout and batch split on this world (hetero/plan/resolved_run.py)
     run_dir: Path
     rank: int
     world: int
@@ -93,7 +93,6 @@ class RunState:
     data_path: str = ""
     tok_path: str = ""
     hf_fields: dict = field(default_factory=dict)
-    layout: object = None
     groups: dict = field(default_factory=dict)
     configs: dict = field(default_factory=dict)
     modules: dict = field(default_factory=dict)
@@ -102,12 +101,16 @@ class RunState:
     loader_state: object = None
 
     @property
+    def layout(self):
+        return self.resolved.layout
+
+    @property
     def ckpt_root(self) -> Path:
         return self.run_dir / "checkpoints"
 
 
 def _resolve(run: RunState) -> None:
-    """Data set, tokenizer, the LLM's shape (from the checkpoint when fine-tuning) and the layout."""
+    """Data set, tokenizer and the LLM's shape (from the checkpoint when fine-tuning)."""
     from tessera.data.tokens import Tokenizer
 
     cfg = run.cfg
@@ -117,7 +120,6 @@ def _resolve(run: RunState) -> None:
     if run.hf_fields["vocab_size"] < vocab:
         raise ValueError(f"tokenizer {run.tok_path} has {vocab} tokens but the model "
                          f"{cfg.model.checkpoint or cfg.model.llm} only {run.hf_fields['vocab_size']}: use its tokenizer")
-    run.layout = resolve_run_layout(cfg, run.world, run.hf_fields)
 
 
 def _build_model(run: RunState) -> None:
@@ -166,7 +168,7 @@ def _build_loader(run: RunState):
 
     d = run.cfg.data
     return build_train_loader(run.data_path, run.tok_path, encoder_names(run.cfg.model), d.seq_length,
-                              d.rows_per_microbatch, decode=decode_plan(run.layout, run.rank, d.rows_per_microbatch),
+                              run.resolved.rows_per_microbatch, decode=run.resolved.decode_rows(run.rank),
                               num_workers=d.num_workers, seed=d.seed, max_tiles=d.max_tiles,
                               video_frames=d.video_frames, video_pruning=run.cfg.model.video_pruning,
                               state=run.loader_state,
@@ -176,12 +178,12 @@ def _build_loader(run: RunState):
 
 def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, hosts_loss: bool,
                 settle: TubeletSettle | None = None, flags=lambda: [0.0, 0.0]) -> tuple[dict, list[bool]]:
-    """One optimizer step over `data.microbatches` microbatches; returns the metrics record (every rank) and
+    """One optimizer step over the run's microbatches (ResolvedRun.microbatches); returns the metrics record (every rank) and
     `flags()` (this rank's stop requests, read just before the step's one all-reduce, which carries them:
     hetero/training/preemption.py) as the world agreed on them."""
     cfg, layout, groups, modules = run.cfg, run.layout, run.groups, run.modules
     t0 = time.perf_counter()
-    batches = [next(it) for _ in range(cfg.data.microbatches)]
+    batches = [next(it) for _ in range(run.resolved.microbatches)]
     total = global_token_count(batches)
     enc = {k: MediaEncoderStage(modules[k], k, layout[k], groups[k].coord, batches, run.device, groups[k].pgs.cp)
            for k in modules if k != LANGUAGE}
@@ -196,7 +198,7 @@ def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, h
     dist.all_reduce(sums)
     agreed = [bool(f > 0) for f in sums[2:].tolist()]  # any rank's request holds for all
     dt = time.perf_counter() - t0
-    rows = cfg.data.rows_per_microbatch * cfg.data.microbatches
+    rows = run.resolved.rows_per_step
     return {"step": step + 1, "loss": float(sums[0]), "lr": stats["lr"], "grad_norm": stats["grad_norm"],
             "tokens_per_s": rows * cfg.data.seq_length / dt, "samples_per_s": rows / dt,
             "target_tokens": total, "boundary_bytes": int(sums[1]), "step_time_s": dt,
@@ -237,7 +239,7 @@ def tubelet_settle(run: RunState) -> TubeletSettle | None:
     them (data/pipeline.settles_tubelet_chunks); built on every rank alike (it creates a process group)."""
     if not settles_tubelet_chunks(encoder_names(run.cfg.model), getattr(run.cfg.model, "video_pruning", 0.0)):
         return None
-    return TubeletSettle(run.layout, "vision", run.device)
+    return TubeletSettle(run.layout, VISION, run.device)
 
 
 def boundary_batches(batches: list, layout, settle: TubeletSettle | None) -> list[dict]:
@@ -251,12 +253,16 @@ def boundary_batches(batches: list, layout, settle: TubeletSettle | None) -> lis
     return out
 
 
-def run_training(cfg, run_dir: Path, stop: StopSignals, device: torch.device | None = None) -> dict:
-    """Train `cfg` on this rank: resolve, build, resume, then steps with metrics and checkpoints.
+def run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals,
+                 device: torch.device | None = None) -> dict:
+    """Train `cfg`, resolved on this world as `resolved` (recipes/checks.resolve), on this rank: data and
+    tokenizer, build, resume, then steps with metrics and checkpoints.
     `stop`: the rank's StopSignals, installed by recipes/train.py first thing: SIGTERM / SIGUSR1 end the run after
     a saved step (one that arrives while the model is built or loaded is answered at the end of the first step).
     `device`: where this rank computes; default the one its launcher bound (hetero/runtime/device.py)."""
-    run = RunState(cfg, run_dir, dist.get_rank(), dist.get_world_size(), device or current_device(),
+    if resolved.world != dist.get_world_size():
+        raise ValueError(f"the run was resolved for {resolved.world} ranks but the world has {dist.get_world_size()}")
+    run = RunState(cfg, resolved, run_dir, dist.get_rank(), resolved.world, device or current_device(),
                {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype])
     keep = KeepPolicy(cfg.trainer.keep_last, cfg.trainer.keep_every)  # a bad policy fails before any work
     _resolve(run)

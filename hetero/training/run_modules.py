@@ -15,10 +15,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tessera.hetero.plan.layout import LANGUAGE
+from tessera.hetero.plan.layout import ENCODER_KEYS, LANGUAGE
+from tessera.hetero.plan.resolved_run import ResolvedRun, RunModel, resolve_run
 from tessera.models import configs, encoders, released
-
-ENCODER_KEYS = ("vision", "audio")  # encoder module keys a run config can set (each = a modality)
 
 
 @dataclass(frozen=True)
@@ -90,6 +89,29 @@ def checkpoint_llm_fields(source: str | None) -> dict | None:
 
         return json.loads(dist_checkpointing.load_common_state_dict(str(ckpt))["common"]["llm_hf_config"])
     return None
+
+
+def run_model(model, llm_fields: dict | None = None) -> RunModel:
+    """What layout resolution needs to know about `model` (a ModelConfig): its module keys, heads per module
+    (from the registries, or the checkpoint's LLM fields), which encoders have TP, EVS, MoE."""
+    specs = module_specs(model)
+    llm = llm_fields or checkpoint_llm_fields(getattr(model, "checkpoint", None)) or configs.REGISTRY[model.llm]
+    cfgs = {k: encoders.encoder_config(s.name) for k, s in specs.items() if k != LANGUAGE}
+    heads = {k: c["heads"] for k, c in cfgs.items() if "heads" in c}
+    heads[LANGUAGE] = llm["num_attention_heads"]
+    return RunModel(keys=tuple(specs), heads=heads, kv_heads={LANGUAGE: llm["num_key_value_heads"]},
+                    encoder_tp={k: s.tensor_parallel for k, s in specs.items() if k != LANGUAGE},
+                    video_pruned=(getattr(model, "video_pruning", 0.0) or 0.0) > 0,
+                    moe="E" in llm.get("hybrid_override_pattern", ""))
+
+
+def resolve_config(cfg, world: int, llm_fields: dict | None = None, propose=None,
+                   layout: str | None = None) -> ResolvedRun:
+    """`cfg` (a RunConfig) resolved on `world` ranks: hetero/plan/resolved_run.resolve_run on its layout (or
+    `layout`), model and data. `propose`: the planner's layouts for layout=auto (tessera.recipes.checks.resolve
+    passes them)."""
+    return resolve_run(cfg.layout if layout is None else layout, world, run_model(cfg.model, llm_fields), cfg.data.seq_length,
+                       cfg.data.rows_per_microbatch, cfg.data.microbatches, propose)
 
 
 def encoder_names(model) -> dict[str, str]:

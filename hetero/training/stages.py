@@ -22,14 +22,13 @@ import torch
 from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
 
 from tessera.data.packing import PackedBatch
-from tessera.data.sharding import dp_rows
+from tessera.hetero.plan.resolved_run import IGNORE, dp_rows
 from tessera.hetero.parallel.cp_gather_attention import gather_rows
 from tessera.hetero.plan.encoder_cp import item_cp_index, item_owners
 from tessera.hetero.plan.zigzag import zigzag_positions
 from tessera.hetero.plan.layout import ModuleLayout, RankCoord
 from tessera.models.sdpa_attention import document_ids
 
-IGNORE = -100
 
 
 def global_token_count(batches: list[PackedBatch]) -> int:

@@ -1,0 +1,112 @@
+"""The one resolution of a run (hetero/plan/resolved_run.py): pure, over many layouts, in milliseconds.
+
+What every consumer (CLI checks, trainer, decode plan, boundary plan, planner, parity tool) reads from a
+ResolvedRun must hold for any layout: the step's rows kept and split into whole rows for every DP, each
+module's DP rows tiling each microbatch exactly once, each encoder rank decoding exactly its DP rows, the
+config never written, and layout=auto taking the first proposal that can train.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from tessera.hetero.plan.layout import LANGUAGE, LayoutError
+from tessera.hetero.plan.resolved_run import RunModel, dp_owner, dp_rows, resolve_run
+from tessera.hetero.plan.trainable import UntrainableLayout
+
+MODEL = RunModel(keys=("vision", "audio", LANGUAGE), heads={"vision": 4, "audio": 4, LANGUAGE: 8},
+                 kv_heads={LANGUAGE: 4}, encoder_tp={"vision": True, "audio": False})
+
+
+def _layouts(world: int):
+    """Every colocated / split placement of vision+audio (dp only) and an LLM with tp/cp/dp on `world` ranks."""
+    for tp, cp in itertools.product((1, 2), (1, 2)):
+        for enc_ranks in range(0, world):
+            llm_ranks = world - enc_ranks
+            if llm_ranks % (tp * cp):
+                continue
+            llm_first = enc_ranks
+            if enc_ranks == 0:  # colocated
+                enc = f"vision=dp{world}@0-{world - 1};audio=dp{world}@0-{world - 1}"
+            else:
+                enc = f"vision=dp{enc_ranks}@0-{enc_ranks - 1};audio=dp{enc_ranks}@0-{enc_ranks - 1}"
+            yield f"{enc};language=tp{tp},cp{cp}@{llm_first}-{world - 1}"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 8])
+def test_every_layout_keeps_the_step_and_gives_every_dp_whole_rows_decoded_once(world):
+    checked = 0
+    for spec in _layouts(world):
+        for rows, micro in ((4, 2), (12, 1), (6, 4)):
+            try:
+                run = resolve_run(spec, world, MODEL, seq_length=64, rows_per_microbatch=rows, microbatches=micro)
+            except LayoutError as e:
+                # refused only when no whole split of the step exists for these DP sizes
+                assert "no whole number of rows" in str(e), (spec, rows, micro, e)
+                continue
+            checked += 1
+            assert run.rows_per_step == rows * micro
+            assert run.keys == list(MODEL.keys) and run.encoders == ["vision", "audio"]
+            for key, m in run.layout.modules.items():
+                owned = [r for d in range(m.dp_size) for r in run.dp_rows(key, d)]
+                assert owned == list(range(run.rows_per_microbatch)), (spec, key)
+                assert all(dp_owner(r, run.rows_per_microbatch, m.dp_size) == d
+                           for d in range(m.dp_size) for r in run.dp_rows(key, d))
+            for key in run.encoders:
+                m = run.layout[key]
+                decoded = [r for rank in range(world) for r in run.decode_rows(rank).get(key, [])]
+                # each row decoded by exactly the tp*cp*pp peers of its DP rank
+                assert sorted(decoded) == sorted(list(range(run.rows_per_microbatch)) * (m.tp * m.cp * m.pp))
+            assert all(not run.decode_rows(r) for r in range(world) if run.layout.modules_of_rank(r) == [LANGUAGE])
+    assert checked > 0
+
+
+def test_the_step_is_re_split_and_the_inputs_are_never_written():
+    data = SimpleNamespace(rows_per_microbatch=4, microbatches=8)
+    run = resolve_run("vision=dp8@0-7;language=dp8@0-7", 8, MODEL, 64, data.rows_per_microbatch, data.microbatches)
+    assert (run.rows_per_microbatch, run.microbatches) == (8, 4)
+    assert (data.rows_per_microbatch, data.microbatches) == (4, 8)
+    # a module the layout does not name joins the first encoder's ranks; the key order is the model's
+    assert str(run.layout) == "vision=dp8@0-7;audio=dp8@0-7;language=dp8@0-7"
+    # "" is every module data-parallel on the world; a spec for fewer ranks grows by DP
+    assert str(resolve_run("", 2, MODEL, 64, 4, 1).layout) == "vision=dp2@0-1;audio=dp2@0-1;language=dp2@0-1"
+    grown = resolve_run("vision=dp1@0-0;language=dp1@1-1", 4, MODEL, 64, 4, 1).layout
+    assert str(grown) == "vision=dp2@0-1;audio=dp2@0-1;language=dp2@2-3"
+
+
+def test_auto_takes_the_first_proposal_that_trains_and_says_when_none_does():
+    seen = []
+
+    def propose():
+        for spec in ("vision=dp2@0-1;audio=tp2@0-1;language=dp2@2-3",   # audio has no TP: cannot train
+                     "vision=dp2@0-1;audio=dp2@0-1;language=tp2@2-3",   # trains
+                     "vision=dp4@0-3;audio=dp4@0-3;language=dp4@0-3"):
+            seen.append(spec)
+            yield spec
+
+    run = resolve_run("auto", 4, MODEL, 64, 4, 1, propose)
+    assert str(run.layout) == "vision=dp2@0-1;audio=dp2@0-1;language=tp2,dp1@2-3"
+    assert len(seen) == 2  # lazily: nothing after the first that trains
+    with pytest.raises(LayoutError, match=re.escape("layout=auto: no layout")):
+        resolve_run("auto", 4, MODEL, 64, 4, 1, lambda: iter(["vision=dp4@0-3;audio=tp2,dp2@0-3;language=dp4@0-3"]))
+    with pytest.raises(LayoutError, match="needs the planner's proposals"):
+        resolve_run("auto", 4, MODEL, 64, 4, 1)
+
+
+def test_what_cannot_train_is_refused_with_every_reason():
+    pruned = RunModel(**{**MODEL.__dict__, "video_pruned": True})
+    with pytest.raises(UntrainableLayout) as e:
+        resolve_run("vision=cp2@0-1;audio=tp2@0-1;language=dp2@2-3", 4, pruned, 64, 4, 1)
+    assert len(e.value.reasons) == 2 and "model.video_pruning=0" in str(e.value) and "tp1 for audio" in str(e.value)
+    with pytest.raises(LayoutError, match=r"seq_length=62 is not divisible by 2\*cp = 4"):
+        resolve_run("vision=dp4@0-3;language=cp2,dp2@0-3", 4, MODEL, 62, 4, 1)
+
+
+def test_dp_rows_is_the_only_ownership_rule():
+    assert list(dp_rows(8, 4, 3)) == [6, 7]
+    with pytest.raises(ValueError, match="cannot be split evenly over dp=3"):
+        dp_rows(8, 3, 0)
