@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from tessera.models.media_tokens import EncoderTokens  # noqa: F401  (re-exported: the encoders define it)
+from tessera.hetero.plan.layout import AUDIO, VISION
 from tessera.models.media_tokens import evs_nominal_tubelet_counts
 
 from tessera.data.templates import (DEFAULT_TEMPLATE, IM_END, IM_START, SPECIAL_TOKENS,  # noqa: F401
@@ -30,7 +31,7 @@ from tessera.data.templates import (DEFAULT_TEMPLATE, IM_END, IM_START, SPECIAL_
 #: A media item's tag in a conversation's text (Tessera's data format; the template decides what it becomes).
 MEDIA_TAGS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
 #: Which encoder module produces the embeddings of a media kind (module keys as in hetero/plan/layout.py).
-MODULE_OF_KIND = {"image": "vision", "video": "vision", "audio": "audio"}
+MODULE_OF_KIND = {"image": VISION, "video": VISION, "audio": AUDIO}
 _TAG_RE = re.compile("(" + "|".join(re.escape(t) for t in MEDIA_TAGS.values()) + ")")
 _KIND_OF_TAG = {t: k for k, t in MEDIA_TAGS.items()}
 

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -94,23 +92,6 @@ def _start_reaper() -> None:
                      close_fds=True)
 
 
-def _init_distributed(timeout_s: int) -> bool:
-    """Join torchrun's world, or make a one-rank world. Returns True if this call created the group."""
-    if dist.is_initialized():
-        return False
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    timeout = timedelta(seconds=timeout_s)
-    from tessera.hetero.runtime.device import bind_local_device
-
-    bind_local_device()  # cuda:LOCAL_RANK (checked against the GPU count) before NCCL binds a device
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        store = tempfile.NamedTemporaryFile(prefix="tessera_store_", delete=False).name
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout)
-    return True
-
-
 def _run_dir(name: str, trainer: TrainerConfig) -> Path:
     """Rank 0 chooses (the configured one, or runs/<name>-<time>); every rank gets the same path."""
     choice = [None]
@@ -146,7 +127,9 @@ def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not torch.cuda.is_available():
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    created = _init_distributed(trainer.timeout_s)
+    from tessera.hetero.runtime.world import join_world
+
+    created = join_world(trainer.timeout_s)  # torchrun's world, or one rank; the device bound first
     rank = dist.get_rank()
     run_dir = _run_dir(name, trainer)
     if rank == 0:

@@ -15,7 +15,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch.distributed as dist
 
 
 from tessera.hetero.runtime.cpu_shims import apply_cpu_shims
+from tessera.hetero.runtime.world import one_rank_world
 from tessera.hetero.parallel.kernel_choice import select_kernels
 from tessera.hetero.tools.parity import init_groups
 from tessera.models import configs
@@ -98,8 +98,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     apply_cpu_shims()
-    store = tempfile.NamedTemporaryFile(prefix="tessera_bench_", delete=False).name
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    one_rank_world(backend="gloo")
     pg = init_groups()
     kernels = select_kernels(pg)
     print(f"{kernels.line} threads={torch.get_num_threads()} batch={args.batch} seq={args.seq} "
@@ -118,7 +117,6 @@ def main() -> None:
         shape = f"{fields['mamba_num_heads']}x{fields['mamba_head_dim']}, {fields['ssm_state_size']}"
         print(f"{name:<11} {shape:>17} {ours_ms:>9.1f} {ref_ms:>9.1f} {ref_ms / ours_ms:>8.2f} {diff:>13.1e}")
     dist.destroy_process_group()
-    os.unlink(store)
 
 
 if __name__ == "__main__":

@@ -253,15 +253,12 @@ def dry(args) -> int:
 
 
 def _init(dev):
-    import torch.distributed as dist
-
-    from tessera.hetero.runtime.cpu_shims import apply_cpu_shims, default_backend
+    from tessera.hetero.runtime.cpu_shims import apply_cpu_shims
+    from tessera.hetero.runtime.world import one_rank_world
     from tessera.hetero.tools.parity import init_groups
 
     apply_cpu_shims()
-    store = tempfile.NamedTemporaryFile(prefix="tessera_gpu_check_", delete=False).name
-    os.unlink(store)
-    dist.init_process_group(default_backend(), init_method=f"file://{store}", rank=0, world_size=1)
+    one_rank_world()
     return init_groups()
 
 

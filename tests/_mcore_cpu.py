@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -47,10 +46,10 @@ def single_rank_world():
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from tessera.hetero.runtime.world import one_rank_world
+
     apply_cpu_shims()
-    if not dist.is_initialized():
-        store = tempfile.NamedTemporaryFile(prefix="tessera_pg_", delete=False).name
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    one_rank_world(backend="gloo")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     return ProcessGroupCollection.use_mpu_process_groups()

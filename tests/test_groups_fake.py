@@ -10,9 +10,9 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tessera.hetero.runtime.groups import DENSE_GROUPS, EXPERT_GROUPS, build_module_groups
+from tessera.hetero.runtime.world import fake_world
 from tessera.hetero.plan.layout import HeteroLayout
 
 SPEC = "vision=tp2,dp64@0-127;audio=cp2,dp64@128-255;language=tp4,cp2,pp4,dp8,ep4@256-511"
@@ -20,8 +20,7 @@ PROBE_RANKS = [0, 1, 127, 128, 201, 256, 300, 389, 511]
 
 
 def _groups_seen_by(rank, layout, calls):
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=512)
-    try:
+    with fake_world(rank, 512):
         real = dist.new_subgroups_by_enumeration
 
         def record(enum, *a, **k):
@@ -37,8 +36,6 @@ def _groups_seen_by(rank, layout, calls):
                       {name: dist.get_process_group_ranks(getattr(g.pgs, name))
                        for name in ("tp", "cp", "dp", "pp", "dp_cp", "ep", "expt_dp")})
                 for key, g in groups.items()}
-    finally:
-        dist.destroy_process_group()
 
 
 def expected(m, c):
@@ -89,9 +86,5 @@ def _membership_and_order():
 
 
 def _bigger_than_world():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-    try:
-        with pytest.raises(ValueError, match="tile the world of 8 ranks"):
-            build_module_groups(HeteroLayout.parse("vision=dp4@0-3;language=tp4,dp2@4-11"))
-    finally:
-        dist.destroy_process_group()
+    with fake_world(0, 8), pytest.raises(ValueError, match="tile the world of 8 ranks"):
+        build_module_groups(HeteroLayout.parse("vision=dp4@0-3;language=tp4,dp2@4-11"))

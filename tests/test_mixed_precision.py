@@ -8,8 +8,6 @@ lr = 1e-3 a weight of 1.0 never moves in pure bf16, while the fp32 master collec
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,17 +28,12 @@ MICRO_GRADS = (torch.tensor([[1.0, -1.0], [0.5, 3.0]]), torch.tensor([[2.0 ** -9
 @pytest.fixture(scope="module")
 def world1():
     """A one-rank gloo group in this process (the optimizer's all-reduces need one)."""
-    if dist.is_initialized():
-        yield dist.group.WORLD
-        return
-    fd, store = tempfile.mkstemp(prefix="tessera_mp_")
-    os.close(fd)
-    os.unlink(store)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    from tessera.hetero.runtime.world import one_rank_world
+
+    created = one_rank_world(backend="gloo")
     yield dist.group.WORLD
-    dist.destroy_process_group()
-    if os.path.exists(store):
-        os.unlink(store)
+    if created:
+        dist.destroy_process_group()
 
 
 def _groups(pg):

@@ -11,7 +11,9 @@ per-module modes from it. What each mode recomputes per layer type is in models/
 
 from __future__ import annotations
 
-RECOMPUTE_MODULES = ("language", "vision", "audio")  # layout module keys (hetero/plan/layout.py LANGUAGE, ...)
+from tessera.hetero.plan.layout import ENCODER_KEYS, LANGUAGE
+
+RECOMPUTE_MODULES = (LANGUAGE, *ENCODER_KEYS)  # layout module keys, in the order `parse_recompute` lists them
 RECOMPUTE_MODES = ("none", "selective", "full")
 FIELD = "model.recompute"
 

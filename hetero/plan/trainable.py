@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from tessera.hetero.plan.layout import HeteroLayout, LayoutError
+from tessera.hetero.plan.layout import ENCODER_KEYS, VISION, HeteroLayout, LayoutError
 
-# encoder module keys whose training splits the encoder over pipeline stages (pp > 1), never with cp > 1
-PIPELINED_ENCODERS = frozenset({"vision", "audio"})
+# encoder module keys whose training splits the encoder over pipeline stages (pp > 1), never with cp > 1: all
+PIPELINED_ENCODERS = frozenset(ENCODER_KEYS)
 
 
 def untrainable_reasons(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool],
@@ -33,7 +33,7 @@ def untrainable_reasons(layout: HeteroLayout, encoder_has_tp: Mapping[str, bool]
     video_pruned: the run prunes video tokens (EVS ranks a whole clip's tokens: no vision CP;
     models/multimodal.build_media_module refuses it too). Frames and tubelets split like images."""
     reasons = []
-    vision = layout.modules.get("vision")
+    vision = layout.modules.get(VISION)
     if vision is not None and video_pruned and vision.cp > 1:
         reasons.append(f"vision={vision.to_spec()}: video pruning (EVS) takes a whole clip on one rank; use cp1 for "
                        f"vision, or model.video_pruning=0")

@@ -93,38 +93,45 @@ def probe_ranks(layout: HeteroLayout) -> list[int]:
     return sorted(r for r in ranks if r < layout.world_size)
 
 
+def _group_problems(layout: HeteroLayout, rank: int, groups: dict) -> list[str]:
+    """Where the groups `rank` built differ from the layout's (hetero/plan/layout.py's rank order)."""
+    import torch.distributed as dist
+
+    problems = []
+    for key, g in groups.items():
+        m = layout[key]
+        if rank not in m.ranks:
+            if g.pgs is not None:
+                problems.append(f"rank {rank} got {key} groups without being in the module")
+            continue
+        got = {n: sorted(dist.get_process_group_ranks(getattr(g.pgs, n))) for n in
+               ("tp", "cp", "dp", "pp", "dp_cp", "ep", "expt_dp")}
+        want = expected_groups(m, rank)
+        problems += [f"rank {rank} {key} {n} group {got[n]} != {want[n]}" for n in want if got[n] != want[n]]
+    return problems
+
+
 def check_groups(spec: str, world: int, probes: list[int]) -> list[str]:
     """Build every module's groups as each probe rank sees them (fake backend); return the problems."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from tessera.hetero.runtime.groups import build_module_groups
+    from tessera.hetero.runtime.world import fake_world
 
     layout = HeteroLayout.parse(spec)
     problems, orders = [], []
     for rank in probes:
         calls: list[list[list[int]]] = []
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         real = dist.new_subgroups_by_enumeration
         dist.new_subgroups_by_enumeration = lambda enum, *a, **k: (calls.append([list(g) for g in enum]),
                                                                    real(enum, *a, **k))[1]
         try:
-            groups = build_module_groups(layout)
-            for key, g in groups.items():
-                m = layout[key]
-                if rank not in m.ranks:
-                    if g.pgs is not None:
-                        problems.append(f"rank {rank} got {key} groups without being in the module")
-                    continue
-                got = {n: sorted(dist.get_process_group_ranks(getattr(g.pgs, n))) for n in
-                       ("tp", "cp", "dp", "pp", "dp_cp", "ep", "expt_dp")}
-                want = expected_groups(m, rank)
-                problems += [f"rank {rank} {key} {n} group {got[n]} != {want[n]}" for n in want if got[n] != want[n]]
+            with fake_world(rank, world):
+                problems += _group_problems(layout, rank, build_module_groups(layout))
         except Exception as e:  # noqa: BLE001 - any failure of group creation is the finding
             problems.append(f"rank {rank}: building groups failed: {e}")
         finally:
             dist.new_subgroups_by_enumeration = real
-            dist.destroy_process_group()
         orders.append(calls)
     if any(o != orders[0] for o in orders):
         problems.append("probe ranks create process groups in different orders (a real job would hang)")

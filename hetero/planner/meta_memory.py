@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
+from tessera.hetero.plan.layout import ENCODER_KEYS, LANGUAGE, HeteroLayout
 from tessera.models.meta_device import meta_build, skip_init
 
 
@@ -69,7 +69,7 @@ class Batch:
     vision_tiles: int = 0
     audio_clips: int = 0
     audio_clip_seconds: float = 30.0
-    measure: tuple[str, ...] = ("language", "vision", "audio")   # modules whose activations are measured
+    measure: tuple[str, ...] = (LANGUAGE, *ENCODER_KEYS)   # modules whose activations are measured
 
 
 @contextlib.contextmanager
@@ -283,9 +283,9 @@ def measure_activations(key: str, module: nn.Module, batch: Batch, shard: Shard,
 
 def model_config(names: dict[str, str], frozen: set[str] = frozenset(), dtype: str = "bfloat16"):
     """A recipes.config.ModelConfig stand-in with what build_rank_modules reads."""
-    return SimpleNamespace(llm=names[LANGUAGE], vision=names.get("vision"), audio=names.get("audio"), dtype=dtype,
+    return SimpleNamespace(llm=names[LANGUAGE], **{k: names.get(k) for k in ENCODER_KEYS}, dtype=dtype,
                            checkpoint=None, video_pruning=0.0, lora=None, freeze_llm=LANGUAGE in frozen,
-                           **{f"freeze_{k}": k in frozen for k in ("vision", "audio")})
+                           **{f"freeze_{k}": k in frozen for k in ENCODER_KEYS})
 
 
 def representative_ranks(layout: HeteroLayout) -> list[int]:
@@ -307,11 +307,9 @@ def shards_at(spec: str, model_cfg, rank: int, batch: Batch | None = None, meta:
     """The shards of the modules `rank` hosts (but the (key, stage)s in `skip`), built as training builds them
     in torch's fake world of the layout's size (meta=False: for real, on the CPU). Run it in a process of its own:
     it creates and destroys the default process group."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from tessera.hetero.runtime.cpu_shims import apply_cpu_shims
     from tessera.hetero.runtime.groups import build_module_groups
+    from tessera.hetero.runtime.world import fake_world
     from tessera.hetero.training.model_build import build_rank_modules, llm_fields, module_configs
 
     apply_cpu_shims()
@@ -319,8 +317,7 @@ def shards_at(spec: str, model_cfg, rank: int, batch: Batch | None = None, meta:
     dtype = getattr(torch, model_cfg.dtype)
     wide = None if dtype == torch.float32 else dtype.itemsize
     out = []
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
-    try:
+    with fake_world(rank, layout.world_size):
         groups = build_module_groups(layout)
         configs = module_configs(layout, llm_fields(model_cfg, 0))
         # megatron's init_method is captured before meta_init patches torch.nn.init; with
@@ -342,8 +339,6 @@ def shards_at(spec: str, model_cfg, rank: int, batch: Batch | None = None, meta:
                 s.act_note = "not measured"
             s.seconds = build_s / len(wanted) + time.perf_counter() - t
             out.append(s)
-    finally:
-        dist.destroy_process_group()
     return out
 
 
@@ -351,19 +346,16 @@ def seeded_init_units(model_cfg) -> dict[tuple, int]:
     """Elements of every unit the initialisation from a seed builds (hetero/training/seeded_init.py), from a
     meta-device build in a one-rank fake world. Run it in a process of its own (it creates and destroys the
     default process group)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from tessera.hetero.runtime.cpu_shims import apply_cpu_shims
+    from tessera.hetero.runtime.world import fake_world
     from tessera.hetero.training import model_build
     from tessera.hetero.training.seeded_init import SeededState
 
     apply_cpu_shims()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
     try:
-        return SeededState(model_cfg, model_build.llm_fields(model_cfg, 0), 0).unit_elements()
+        with fake_world(0, 1):
+            return SeededState(model_cfg, model_build.llm_fields(model_cfg, 0), 0).unit_elements()
     finally:
-        dist.destroy_process_group()
         model_build._single_rank_pgs = None  # its groups died with the default group
 
 

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -39,8 +38,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from tessera.hetero.parallel.cp_gather_attention import gather_rows
 from tessera.hetero.plan.zigzag import zigzag_shard, zigzag_unshard
-from tessera.hetero.runtime.cpu_shims import apply_cpu_shims, default_backend
-from tessera.hetero.runtime.device import bind_local_device, current_device
+from tessera.hetero.runtime.cpu_shims import apply_cpu_shims
+from tessera.hetero.runtime.device import current_device
+from tessera.hetero.runtime.world import join_world
 from tessera.hetero.parallel.kernel_choice import select_kernels
 from tessera.models.hybrid_llm import HybridLM
 from tessera.models.nemotron_h_hf import LazyCheckpoint, hybrid_config_from_hf, load_into
@@ -139,12 +139,7 @@ def _init_from_env(tp: int, pp: int, cp: int) -> ProcessGroupCollection:
 
 def _init_world() -> None:
     apply_cpu_shims()
-    bind_local_device()  # cuda:LOCAL_RANK (checked against the GPU count) before NCCL binds a device
-    if "RANK" in os.environ:
-        dist.init_process_group(default_backend())
-    else:
-        store = tempfile.NamedTemporaryFile(prefix="tessera_parity_", delete=False).name
-        dist.init_process_group(default_backend(), init_method=f"file://{store}", rank=0, world_size=1)
+    join_world()  # torchrun's world, or one rank; the device bound first
 
 
 def _is_multimodal(hf_dir: str) -> bool:

@@ -27,9 +27,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
+
+from tessera.hetero.plan.layout import AUDIO, ENCODER_KEYS, VISION
 
 
 def _fields(model_cfg) -> dict:
@@ -37,14 +38,11 @@ def _fields(model_cfg) -> dict:
 
 
 def one_rank_world() -> None:
-    import torch.distributed as dist
-
     from tessera.hetero.runtime.cpu_shims import apply_cpu_shims
+    from tessera.hetero.runtime.world import one_rank_world as make_world
 
     apply_cpu_shims()
-    if not dist.is_initialized():
-        store = tempfile.NamedTemporaryFile(prefix="tessera_convert_", delete=False).name
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    make_world(backend="gloo")  # the export runs on the CPU whatever the machine has
 
 
 def _single_rank_model(model_cfg, hf_fields: dict):
@@ -99,8 +97,8 @@ def _write_release_config(out: Path, full: dict, model_cfg, hf_fields: dict) -> 
     from tessera.models.release_config import omni_config
 
     names = encoder_names(model_cfg)
-    cfgs = {k: encoder_config(names[k]) if k in names else None for k in ("vision", "audio")}
-    config, why = omni_config(cfgs["vision"], cfgs["audio"], hf_fields, {k: tuple(v.shape) for k, v in full.items()},
+    cfgs = {k: encoder_config(names[k]) if k in names else None for k in ENCODER_KEYS}
+    config, why = omni_config(cfgs[VISION], cfgs[AUDIO], hf_fields, {k: tuple(v.shape) for k, v in full.items()},
                               getattr(model_cfg, "video_pruning", 0.0) or 0.0)
     (out / "config.json").unlink(missing_ok=True)
     if config is None:
