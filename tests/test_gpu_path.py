@@ -205,11 +205,21 @@ def test_local_rank_is_checked_against_the_gpus(monkeypatch):
 
 
 def test_launchers_bind_the_device_before_the_process_group():
-    """recipes/train.py, spawn.py and parity.py call bind_local_device before init_process_group."""
-    for path in ("recipes/train.py", "hetero/tools/spawn.py", "hetero/tools/parity.py"):
+    """Every real world (hetero/runtime/world.py's join_world / one_rank_world, spawn.py's ranks) calls
+    bind_local_device before init_process_group; the trainer and the parity tool join through world.py."""
+    import ast
+
+    for path in ("hetero/runtime/world.py", "hetero/tools/spawn.py"):
+        tree = ast.parse((ROOT / path).read_text())
+        for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            text = ast.unparse(fn)
+            init = text.find("init_process_group(")
+            if init >= 0 and "'fake'" not in text[init:init + 40]:
+                # bound on the path that reaches init: after any early return
+                assert text.rfind("bind_local_device(", 0, init) > text.rfind("return", 0, init), (path, fn.name)
+    for path in ("recipes/train.py", "hetero/tools/parity.py"):
         text = (ROOT / path).read_text()
-        bind, init = text.find("bind_local_device("), text.find("init_process_group(")
-        assert 0 <= bind < init, path
+        assert "init_process_group(" not in text and "join_world(" in text, path
 
 
 def test_gpu_extra_pins_megatron_cores_ranges():
