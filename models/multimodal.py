@@ -26,7 +26,7 @@ from tessera.models.audio import AUDIO_FAMILIES, SoundProjector
 from tessera.models.encoders import encoder_config
 from tessera.models.tiling import TileSource
 from tessera.models.video import VideoEncoder, evs_prune, evs_tubelet_counts
-from tessera.hetero.plan.encoder_cp import plan_vision_cp
+from tessera.hetero.plan.encoder_cp import encoder_path, plan_vision_cp
 from tessera.models.vision import Projector, VisionEncoder, VisionTransformer, pixel_shuffle
 from tessera.models.vision_cp import encode_parts
 
@@ -79,9 +79,16 @@ class MediaModule(nn.Module):
         return next(self.parameters()).device
 
     @property
+    def path(self) -> str:
+        """How this module runs (hetero/plan/encoder_cp.encoder_path), from its tower's own cp and pp; an
+        item-parallel CP encoder (item_cp) is an `items` module to itself: its stage deals the items."""
+        tower = self.encoder.vit if self.cfg["modality"] == "vision" else self.encoder
+        return encoder_path(self.cfg["modality"], getattr(tower, "cp", 1), tower.pp)
+
+    @property
     def pipelined(self) -> bool:
         """A pipeline stage (the encoder split over pp > 1 stages): run through forward_stage."""
-        return (self.encoder.vit if self.cfg["modality"] == "vision" else self.encoder).pp > 1
+        return self.path == "pipeline"
 
     def stage_tokens(self, items: list) -> list[tuple[int, int]]:
         """(tiles, tokens per tile) of each item between pipeline stages: vision, prefix + patches per tile; audio,
@@ -229,11 +236,10 @@ class MediaModule(nn.Module):
         return out
 
     def forward(self, items: list) -> torch.Tensor:
-        if self.pipelined:
-            raise RuntimeError(f"this {self.cfg['modality']} module is one pipeline stage: run it through "
-                               f"forward_stage")
-        if self.cfg["modality"] == "vision" and self.encoder.vit.cp > 1:
-            raise RuntimeError("this vision module is context-parallel: run it through forward_cp")
+        entry = {"pipeline": "forward_stage", "token_cp": "forward_cp"}.get(self.path)
+        if entry is not None:
+            raise RuntimeError(f"this {self.cfg['modality']} module runs as {self.path} "
+                               f"(hetero/plan/encoder_cp.encoder_path): run it through {entry}")
         if not items:
             return next(self.projector.parameters()).new_zeros(0, self.llm_hidden)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):

@@ -110,3 +110,14 @@ def test_dp_rows_is_the_only_ownership_rule():
     assert list(dp_rows(8, 4, 3)) == [6, 7]
     with pytest.raises(ValueError, match="cannot be split evenly over dp=3"):
         dp_rows(8, 3, 0)
+
+
+def test_one_encoder_path_decision_for_every_key_and_split():
+    from tessera.hetero.plan.encoder_cp import encoder_path
+
+    got = {(key, cp, pp): encoder_path(key, cp, pp) for key in ("vision", "audio") for cp in (1, 2) for pp in (1, 2)
+           if not (cp > 1 and pp > 1)}
+    assert got == {("vision", 1, 1): "items", ("vision", 2, 1): "token_cp", ("vision", 1, 2): "pipeline",
+                   ("audio", 1, 1): "items", ("audio", 2, 1): "item_cp", ("audio", 1, 2): "pipeline"}
+    with pytest.raises(ValueError, match="cp or pp, not both"):
+        encoder_path("vision", 2, 2)

@@ -29,6 +29,26 @@ from typing import Sequence
 import numpy as np
 
 from tessera.hetero.plan.boundary_plan import contiguous_part
+from tessera.hetero.plan.layout import VISION
+
+# How an encoder module runs on a rank, decided once from its key and layout (encoder_path); the stage
+# dispatches on it and the media module refuses an entry point that is not its path's:
+#   items     cp1, pp1: each item through MediaModule.forward;
+#   pipeline  pp > 1: the tower split over stages, MediaModule.forward_stage;
+#   token_cp  vision cp > 1: each CP rank computes its part of every row's tokens, MediaModule.forward_cp;
+#   item_cp   another encoder at cp > 1: items dealt over CP ranks (item_owners), each through forward,
+#             outputs gathered (its convolution and subsampling windows cross any cut of a clip).
+ENCODER_PATHS = ("items", "pipeline", "token_cp", "item_cp")
+
+
+def encoder_path(key: str, cp: int, pp: int) -> str:
+    """The one decision of how encoder `key` runs at `cp` x `pp` (ENCODER_PATHS); cp and pp together are
+    refused by the trainability rule (hetero/plan/trainable.py) before any module exists."""
+    if cp > 1 and pp > 1:
+        raise ValueError(f"{key}: cp{cp} with pp{pp}; an encoder splits over cp or pp, not both")
+    if cp > 1:
+        return "token_cp" if key == VISION else "item_cp"
+    return "pipeline" if pp > 1 else "items"
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
 from tessera.data.packing import PackedBatch
 from tessera.hetero.plan.resolved_run import IGNORE, dp_rows
 from tessera.hetero.parallel.cp_gather_attention import gather_rows
-from tessera.hetero.plan.encoder_cp import item_cp_index, item_owners
+from tessera.hetero.plan.encoder_cp import encoder_path, item_cp_index, item_owners
 from tessera.hetero.plan.zigzag import zigzag_positions
 from tessera.hetero.plan.layout import ModuleLayout, RankCoord
 from tessera.models.sdpa_attention import document_ids
@@ -73,12 +73,13 @@ class MediaEncoderStage:
         return self.module.stage_shape(self._items(mb))
 
     def forward(self, x, mb: int) -> torch.Tensor:
-        if self.layout.cp > 1 and self.module.cfg["modality"] == "vision":
+        path = encoder_path(self.key, self.layout.cp, self.layout.pp)  # the module refuses any other entry
+        if path == "token_cp":
             return self.module.forward_cp(self._rows(mb))  # this CP rank's part of the tokens (models/vision_cp.py)
-        if self.layout.cp > 1:
+        if path == "item_cp":
             return self._forward_items_cp(self._rows(mb))
         items, kept = self._items(mb), []
-        if self.layout.pp > 1:
+        if path == "pipeline":
             out = self.module.forward_stage(items, x)
             kept = list(self.module.tubelet_kept)
         elif not items:
