@@ -30,7 +30,7 @@ from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout  # noqa: E402
 from tessera.hetero.planner import Workload, cluster, predict, search  # noqa: E402
 from tessera.recipes import full_size as defaults  # noqa: E402
 from tessera.hetero.plan.trainable import untrainable_reasons  # noqa: E402
-from tessera.hetero.planner.run_layout import video_pruned  # noqa: E402
+from tessera.hetero.training.run_modules import run_model  # noqa: E402
 from tessera.recipes import registry  # noqa: E402
 from tessera.models import encoders  # noqa: E402
 
@@ -75,7 +75,7 @@ def study(gpu_counts, seqs):
                 t = time.perf_counter()
                 preds = [p for p in search(model, w, cluster("h100", gpus), gpus) if p.feasible]
                 has_tp = {mod.key: encoders.has_tensor_parallel(mod.name) for mod in model.encoders}
-                pruned = video_pruned(fdl.build(registry.recipe(name)).model)  # EVS pruning: no vision CP
+                pruned = run_model(fdl.build(registry.recipe(name)).model).video_pruned  # EVS pruning: no vision CP
                 best, trainable = {}, {}
                 for p in preds:
                     kind = "non-colocated" if p.placement == "mixed" else p.placement
