@@ -18,13 +18,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tessera.hetero.plan.zigzag import zigzag_multiple
+
 BATCH, SEQ, SEED = 2, 37, 1234  # SEQ not a multiple of typical chunk sizes: exercises the padding
 
 
 def seq_length(cp: int = 1, sp_tp: int = 1) -> int:
     """SEQ, cut to a multiple of 2*cp so the zigzag layout gives every CP rank two equal chunks, and under
     sequence parallelism over sp_tp ranks to one where each CP rank's positions split over them."""
-    step = math.lcm(2 * cp if cp > 1 else 1, cp * sp_tp)
+    step = math.lcm(zigzag_multiple(cp) if cp > 1 else 1, cp * sp_tp)
     return SEQ - SEQ % step
 
 

@@ -177,9 +177,9 @@ def describe_llm(name: str | dict) -> ModuleDesc:
 def describe_vit(name: str, llm_hidden: int) -> ModuleDesc:
     c = encoders.encoder_config(name)
     h, L, ffn, p, s = c["hidden"], c["layers"], c["ffn"], c["patch"], c["pixel_shuffle"]
-    patches = (c["tile"] // p) ** 2
+    tokens = encoders.tokens_config(c)  # the data side's token arithmetic (models/media_tokens.EncoderTokens)
+    patches, out = tokens.patches_per_tile, tokens.tokens_per_tile
     T = patches + c["prefix_tokens"]
-    out = patches // (s * s)
     proj_in, proj_hidden = s * s * h, c["projector_hidden"] or 4 * s * s * h  # models.multimodal's default
     proj_params = proj_in + proj_in * proj_hidden + proj_hidden * llm_hidden
     scale = c["layer_scale"] is not None
