@@ -6,8 +6,8 @@
 
 Every error names what was wrong and lists what exists, so a typo on the CLI fails in a second on the
 submitting machine instead of minutes later on every rank of a cluster job. The layout is resolved by the
-one function (hetero/plan/resolved_run.resolve_run, the planner proposing layouts for layout=auto), so what passes here is
-exactly what trains: recipes/train.py resolves the run with `resolve` below and hands it to the trainer.
+one function (hetero/plan/resolved_run.resolve_run, the planner proposing layouts for layout=auto), so what passes
+here is exactly what trains: recipes/train.py resolves the run with `resolve` below and hands it to the trainer.
 Plain data only (no torch, no process groups).
 """
 

@@ -121,3 +121,14 @@ def test_one_encoder_path_decision_for_every_key_and_split():
                    ("audio", 1, 1): "items", ("audio", 2, 1): "item_cp", ("audio", 1, 2): "pipeline"}
     with pytest.raises(ValueError, match="cp or pp, not both"):
         encoder_path("vision", 2, 2)
+
+
+def test_a_misspelt_module_is_refused_not_silently_replaced():
+    # before: 'visoin' shared its ranks with the LLM, so it was dropped and vision went dp4 on ranks 0-3
+    with pytest.raises(LayoutError, match=r"unknown module 'visoin' \(did you mean 'vision'\?\)"):
+        resolve_run("visoin=tp2,dp2@0-3;language=tp2,dp2@0-3", 4, MODEL, 64, 4, 1)
+    # a real module key the model lacks is still dropped when its ranks hold another module
+    no_audio = RunModel(keys=("vision", LANGUAGE), heads=MODEL.heads, kv_heads=MODEL.kv_heads,
+                        encoder_tp=MODEL.encoder_tp)
+    run = resolve_run("vision=dp4@0-3;audio=dp4@0-3;language=dp4@0-3", 4, no_audio, 64, 4, 1)
+    assert run.keys == ["vision", LANGUAGE]

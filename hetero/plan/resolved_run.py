@@ -21,10 +21,11 @@ Pure: the caller describes the model (RunModel: built from its registries by het
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
-from tessera.hetero.plan.layout import (LANGUAGE, HeteroLayout, LayoutError, ModelShapes, ModuleLayout,
+from tessera.hetero.plan.layout import (LANGUAGE, MODULE_KEYS, HeteroLayout, LayoutError, ModelShapes, ModuleLayout,
                                         llm_sequence_parallel, rows_for_layout, scale_layout)
 from tessera.hetero.plan.trainable import check_trainable
 
@@ -121,9 +122,15 @@ def fit_modules(layout: HeteroLayout, keys: Iterable[str]) -> HeteroLayout:
     """The layout with exactly the model's module keys. An encoder the layout does not name (one added with
     `model.audio=...`) goes data-parallel on the ranks of the layout's first encoder (else the LLM's); a module
     the model does not have is dropped when another module shares its ranks (else its ranks would idle: an
-    error naming the fix)."""
+    error naming the fix). A key that names no module at all (a typo: `visoin=...`) is an error, never dropped."""
     keys = list(keys)
     modules = dict(layout.modules)
+    unknown = [k for k in modules if k not in MODULE_KEYS]
+    if unknown:
+        hints = {k: difflib.get_close_matches(k, MODULE_KEYS, n=1) for k in unknown}
+        raise LayoutError(f"layout {layout}: unknown module {', '.join(repr(k) for k in unknown)}"
+                          + "".join(f" (did you mean {h[0]!r}?)" for k, h in hints.items() if h)
+                          + f"; module keys are {', '.join(MODULE_KEYS)}")
     for key in list(modules):
         if key not in keys:
             m = modules.pop(key)

@@ -110,7 +110,8 @@ def resolve_config(cfg, world: int, llm_fields: dict | None = None, propose=None
     """`cfg` (a RunConfig) resolved on `world` ranks: hetero/plan/resolved_run.resolve_run on its layout (or
     `layout`), model and data. `propose`: the planner's layouts for layout=auto (tessera.recipes.checks.resolve
     passes them)."""
-    return resolve_run(cfg.layout if layout is None else layout, world, run_model(cfg.model, llm_fields), cfg.data.seq_length,
+    spec = cfg.layout if layout is None else layout
+    return resolve_run(spec, world, run_model(cfg.model, llm_fields), cfg.data.seq_length,
                        cfg.data.rows_per_microbatch, cfg.data.microbatches, propose)
 
 
