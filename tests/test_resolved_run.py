@@ -61,6 +61,11 @@ def test_every_layout_keeps_the_step_and_gives_every_dp_whole_rows_decoded_once(
                 decoded = [r for rank in range(world) for r in run.decode_rows(rank).get(key, [])]
                 # each row decoded by exactly the tp*cp*pp peers of its DP rank
                 assert sorted(decoded) == sorted(list(range(run.rows_per_microbatch)) * (m.tp * m.cp * m.pp))
+                # ... and by the rank whose encoder stage hands it to the boundary (the plan's source owner)
+                for rank in m.ranks:
+                    owner = m.coord(rank).dp
+                    assert all(dp_owner(r, run.rows_per_microbatch, m.dp_size) == owner
+                               for r in run.decode_rows(rank)[key]), (spec, key, rank)
             assert all(not run.decode_rows(r) for r in range(world) if run.layout.modules_of_rank(r) == [LANGUAGE])
     assert checked > 0
 
