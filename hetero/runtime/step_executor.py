@@ -4,7 +4,7 @@ The plan says what each rank runs and in which order (colocated three-phase step
 cross-module pipeline, LLM 1F1B); this module only carries tensors between the ops:
 
     result = hetero_step(layout, groups, encoders, language, comms, batches, like)
-    reduce_gradients(modules, groups)        # or hetero.training.optim.ModuleOptimizers.step()
+    ModuleOptimizers.step()                  # (hetero/training/optim.py: gradients reduced, then stepped)
 
 Module stages are supplied by the caller (models stay single-device code): an encoder stage maps its
 input (or its own microbatch data on the first stage) to activations, the LLM's first stage takes each
@@ -129,12 +129,3 @@ def hetero_step(layout: HeteroLayout, groups: dict[str, ModuleGroups], encoders:
     for work, _ in st.sends:
         work.wait()
     return result
-
-
-def reduce_gradients(modules: dict[str, torch.nn.Module], groups: dict[str, ModuleGroups]) -> None:
-    """Sum each module's parameter gradients over its own DP x CP group (losses are pre-normalised by
-    the global token count, so a sum is right for every module alike)."""
-    for key, module in modules.items():
-        for p in module.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=groups[key].pgs.dp_cp)

@@ -43,13 +43,14 @@ from tessera.hetero.plan.boundary_plan import BoundaryBatch, source_shard
 from tessera.hetero.plan.zigzag import zigzag_multiple, zigzag_positions
 from tessera.hetero.runtime.cpu_shims import apply_cpu_shims, default_backend
 from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
-from tessera.hetero.runtime.step_executor import hetero_step, reduce_gradients
+from tessera.hetero.runtime.step_executor import hetero_step
 from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, ModelShapes, rows_multiple
 from tessera.hetero.plan.resolved_run import dp_rows
 from tessera.hetero.tools.verify_chain_model import (ChainDims, ParallelEncoder, ParallelLanguage, encoder_token_meta, make_weights,
                                  reference_documents_alone, reference_forward, sharded_reference_grad,
                                  token_segments)
-from tessera.hetero.tools.verify_chain_moe import LLMS, reduce_moe_gradients
+from tessera.hetero.tools.verify_chain_moe import LLMS
+from tessera.hetero.training.optim import reduce_gradients
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 
@@ -222,8 +223,9 @@ def run_verify(spec: str, seed: int = 1234, dtype=torch.float32, dims: ChainDims
              for k in sorted(layout.encoders)}
     like = torch.empty(0, dtype=dtype, device=dev)
     result = hetero_step(layout, groups, encoders, language, comms, [m[0] for m in micro], like)
-    # dense: everything over DP x CP; MoE: experts over expert-DP, sequence-parallel weights over TP first
-    (reduce_moe_gradients if llm == "moe" else reduce_gradients)(modules, groups)
+    # the trainer's rule (hetero/training/optim.py): experts over expert-DP, sequence-parallel weights over TP first,
+    # everything else over DP x CP
+    reduce_gradients(modules, groups)
 
     # ---- compare ----
     errors = {}

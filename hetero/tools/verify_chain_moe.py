@@ -25,7 +25,6 @@ agrees with the float64 reference to ~1e-7, not to verify's float64 tolerance; v
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.activations import squared_relu
 from megatron.core.models.backends import LocalSpecProvider
@@ -133,20 +132,3 @@ class ParallelMoE(torch.nn.Module):
         y, bias = self.layer(x.unsqueeze(1))  # megatron's [s, b, h]
         assert bias is None
         return y.squeeze(1)
-
-
-def reduce_moe_gradients(modules: dict[str, torch.nn.Module], groups) -> None:
-    """hetero.runtime.step_executor.reduce_gradients for a chain with MoE layers, reduced as megatron's DDP and
-    finalize_model_grads (and hetero.training.optim) do: first, under sequence parallelism, the gradients of
-    parameters each TP rank applies to its own slice of the sequence (the router, the attention output bias:
-    megatron tags them `sequence_parallel`) summed over TP; then routed-expert parameters (tagged
-    `allreduce=False` when EP > 1: every EP rank holds other experts) over the expert-DP group, all others over
-    DP x CP. A parameter without a gradient reduces zeros, so every rank of a group makes the same calls."""
-    for key, module in modules.items():
-        pgs = groups[key].pgs
-        for p in module.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if getattr(p, "sequence_parallel", False) and pgs.tp.size() > 1:
-                dist.all_reduce(p.grad, group=pgs.tp)
-            dist.all_reduce(p.grad, group=pgs.dp_cp if getattr(p, "allreduce", True) else pgs.expt_dp)

@@ -80,6 +80,27 @@ def is_expert_param(p: torch.nn.Parameter) -> bool:
     return not getattr(p, "allreduce", True)
 
 
+def sums_over_tp(p: torch.nn.Parameter, tp_size: int) -> bool:
+    """A weight every TP rank applies to its own slice of the sequence (sequence parallelism: norms, the router;
+    megatron tags them `sequence_parallel`): its gradient is summed over TP first (finalize_model_grads)."""
+    return bool(getattr(p, "sequence_parallel", False)) and tp_size > 1
+
+
+def reduce_gradients(modules: dict[str, torch.nn.Module], groups) -> None:
+    """The gradient reduction of ModuleOptimizers.sync_gradients, one parameter at a time, for code that steps no
+    optimizer (hetero/tools/verify.py's chain): per module, sequence-parallel weights over TP first, then routed
+    experts over expert-DP and everything else over DP x CP. A parameter without a gradient reduces zeros, so every
+    rank of a group makes the same calls."""
+    for key, module in modules.items():
+        pgs = groups[key].pgs
+        for p in module.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if sums_over_tp(p, pgs.tp.size()):
+                dist.all_reduce(p.grad, group=pgs.tp)
+            dist.all_reduce(p.grad, group=pgs.expt_dp if is_expert_param(p) else pgs.dp_cp)
+
+
 def _accumulate_main_grad(p: torch.nn.Parameter) -> None:
     """Post-accumulate-grad hook (megatron DDP's backward post-hook): this microbatch's bf16 gradient into the
     fp32 main grad, then free it, so gradients accumulate across microbatches in fp32."""
@@ -190,8 +211,8 @@ class ModuleOptimizers:
         per module and part. First, under sequence parallelism, the gradients of weights every TP rank applies to
         its own slice of the sequence (norms, router) are summed over TP (megatron: finalize_model_grads)."""
         for key in sorted(self.params):
-            sp = [p for p in self.params[key] if getattr(p, "sequence_parallel", False)]
-            if sp and self.groups[key].pgs.tp.size() > 1:
+            sp = [p for p in self.params[key] if sums_over_tp(p, self.groups[key].pgs.tp.size())]
+            if sp:
                 grads = [self._grad(key, p) for p in sp]
                 if self.mixed:
                     flat = _flatten_dense_tensors(grads)
