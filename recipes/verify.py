@@ -146,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
             ok = not problems and max(err, err_loss) <= args.tolerance and math.isfinite(err)
             for line in problems[:20] + notes:
                 print(f"verify: {line}", flush=True)
+            compared = sum(k.startswith(MOMENTS) for k in ref_tensors)
             verdict[0] = (ok, f"verify: {'PASS' if ok else 'FAIL'} max_rel_err={max(err, err_loss):.3e} "
-                              f"compared={sum(k.startswith(MOMENTS) for k in ref_tensors)} loss={loss:.6f} ref_loss={ref:.6f} "
-                              f"layout={resolved.layout}")
+                              f"compared={compared} loss={loss:.6f} ref_loss={ref:.6f} layout={resolved.layout}")
             print(verdict[0][1], flush=True)
             if ok and args.out is None:
                 shutil.rmtree(out, ignore_errors=True)

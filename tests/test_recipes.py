@@ -39,7 +39,8 @@ def test_every_recipe_builds_and_validates(name, gpus):
     assert isinstance(cfg, RunConfig) and isinstance(cfg.model, ModelConfig) and isinstance(cfg.data, DataConfig)
     assert isinstance(cfg.optim, OptimConfig) and isinstance(cfg.trainer, TrainerConfig)
     world = gpus or registry.TINY_WORLD
-    layout = HeteroLayout.parse(cfg.layout).validate(run_model(cfg.model).shapes(cfg.data.seq_length, cfg.data.rows_per_microbatch), world_size=world)
+    shapes = run_model(cfg.model).shapes(cfg.data.seq_length, cfg.data.rows_per_microbatch)
+    layout = HeteroLayout.parse(cfg.layout).validate(shapes, world_size=world)
     assert layout.world_size == world
     assert set(layout.modules) == set(run_model(cfg.model).keys)
     assert checks.check_run(cfg, world).layout == layout
@@ -257,7 +258,8 @@ def test_cli_layout_auto_prints_the_layout_it_chose_before_launch():
     # the task launched carries the resolved layout, not "auto", so every rank trains exactly that one
     assert re.search(r"layout\s*│\s*'" + re.escape(chosen.group(1)) + "'", p.stdout), out
     cfg = fdl.build(registry.recipe("nemotron_vl_tiny"))
-    assert str(checks.check_run(RunConfig(layout=chosen.group(1), model=cfg.model, data=cfg.data), 4).layout) == chosen.group(1)
+    resolved = checks.check_run(RunConfig(layout=chosen.group(1), model=cfg.model, data=cfg.data), 4)
+    assert str(resolved.layout) == chosen.group(1)
 
 
 def test_cli_plan_ranks_only_trainable_layouts_first():

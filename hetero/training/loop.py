@@ -178,9 +178,9 @@ def _build_loader(run: RunState):
 
 def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, hosts_loss: bool,
                 settle: TubeletSettle | None = None, flags=lambda: [0.0, 0.0]) -> tuple[dict, list[bool]]:
-    """One optimizer step over the run's microbatches (ResolvedRun.microbatches); returns the metrics record (every rank) and
-    `flags()` (this rank's stop requests, read just before the step's one all-reduce, which carries them:
-    hetero/training/preemption.py) as the world agreed on them."""
+    """One optimizer step over the run's microbatches (ResolvedRun.microbatches); returns the metrics record
+    (every rank) and `flags()` (this rank's stop requests, read just before the step's one all-reduce, which
+    carries them: hetero/training/preemption.py) as the world agreed on them."""
     cfg, layout, groups, modules = run.cfg, run.layout, run.groups, run.modules
     t0 = time.perf_counter()
     batches = [next(it) for _ in range(run.resolved.microbatches)]
