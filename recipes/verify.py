@@ -64,7 +64,6 @@ def whole_tensors(run_dir: Path) -> dict:
 
 MOMENTS = ("optim.exp_avg.", "optim.exp_avg_sq.")  # Adam's moments after one step: (1-b1) g and (1-b2) g^2
 NOISE_FLOOR = 1e-3  # below this share of its family's largest value, a tensor is rounding noise around zero
-BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def compare(got: dict, ref: dict) -> tuple[float, list[str], list[str]]:
@@ -88,14 +87,12 @@ def compare(got: dict, ref: dict) -> tuple[float, list[str], list[str]]:
             continue
         diff = float((got[k].double() - ref[k].double()).abs().max())
         worst = max(worst, diff / max(float(ref[k].abs().max()), NOISE_FLOOR * family_max[family], 1e-30))
-    moved = sorted(k.rsplit(".", 2)[0] for k in common if k.endswith(BN_STATS[0]) and not torch_equal(got[k], ref[k]))
+    import torch
+
+    moved = sorted(k.rsplit(".", 2)[0] for k in common if k.endswith(".running_mean") and not torch.equal(got[k], ref[k]))
     notes = [f"BatchNorm running statistics differ from one device's in {len(moved)} layers (e.g. {moved[0]}): "
              f"each encoder DP rank tracks the items it encodes"] if moved else []
     return worst, problems, notes
-
-
-def torch_equal(a, b) -> bool:
-    return bool((a == b).all())
 
 
 def _reference(recipe: str, overrides: list[str], run_dir: Path, steps: int, rows: int, microbatches: int) -> None:

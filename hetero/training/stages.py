@@ -30,7 +30,6 @@ from tessera.hetero.plan.layout import ModuleLayout, RankCoord
 from tessera.models.sdpa_attention import document_ids
 
 
-
 def global_token_count(batches: list[PackedBatch]) -> int:
     """Label tokens of a whole step (all microbatches, all rows): the one loss normaliser of every module."""
     return int(sum(int((b.labels != IGNORE).sum()) for b in batches))
