@@ -89,7 +89,8 @@ def compare(got: dict, ref: dict) -> tuple[float, list[str], list[str]]:
         worst = max(worst, diff / max(float(ref[k].abs().max()), NOISE_FLOOR * family_max[family], 1e-30))
     import torch
 
-    moved = sorted(k.rsplit(".", 2)[0] for k in common if k.endswith(".running_mean") and not torch.equal(got[k], ref[k]))
+    moved = sorted(k.rsplit(".", 2)[0] for k in common
+                   if k.endswith(".running_mean") and not torch.equal(got[k], ref[k]))
     notes = [f"BatchNorm running statistics differ from one device's in {len(moved)} layers (e.g. {moved[0]}): "
              f"each encoder DP rank tracks the items it encodes"] if moved else []
     return worst, problems, notes
