@@ -141,6 +141,20 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
 
 
 @dataclass
+class MixerShard:
+    """The heads a mixer's sequence kernels run on and their parameters: a rank's whole TP shard, or under
+    head-parallel context parallelism (hetero/parallel/cp_heads.py) a CP rank's slice of it."""
+
+    heads: int
+    groups: int
+    conv_weight: torch.Tensor  # [d + 2 * groups * state, kernel]: the x, B, C channels of these heads
+    conv_bias: torch.Tensor
+    dt_bias: torch.Tensor  # [heads]
+    A_log: torch.Tensor
+    D: torch.Tensor
+
+
+@dataclass
 class Mamba2Submodules:
     """Which linear classes to use; megatron's Column/RowParallelLinear in the hybrid spec."""
 
@@ -206,38 +220,51 @@ class Mamba2Mixer(nn.Module):
                                and getattr(config, "recompute_granularity", None) == "selective"
                                and "core_attn" in (getattr(config, "recompute_modules", None) or ()))
 
+    def shard(self) -> MixerShard:
+        """This rank's heads and their parameters: the whole TP shard (head-parallel CP takes a slice)."""
+        return MixerShard(self.heads, self.groups, self.conv1d_weight, self.conv1d_bias, self.dt_bias,
+                          self.A_log, self.D)
+
     def forward(self, hidden_states: torch.Tensor, initial_state: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None):
         """doc_ids: [b, s] packed-document id of every (local) token, or None for one sequence per row."""
         zxbcdt, _ = self.in_proj(hidden_states)
-        zxbcdt = zxbcdt.transpose(0, 1)  # [b, s, .] for the scan
+        y, z = self.mix(zxbcdt.transpose(0, 1), self.shard(), initial_state, doc_ids)  # [b, s, .] for the scan
+        y = gated_rms_norm(y, z, self.norm_weight, self.norm_group, self.config.layernorm_epsilon)
+        out, bias = self.out_proj(y.to(hidden_states.dtype).transpose(0, 1))
+        return out, bias
+
+    def mix(self, zxbcdt: torch.Tensor, shard: MixerShard, initial_state=None, doc_ids=None):
+        """The sequence mixing of `shard`'s heads: zxbcdt [b, s, z | x | B | C | dt] (its heads' channels)
+        -> (y [b, s, d] float32 before the gated norm, the gate z [b, s, d])."""
         b, s, _ = zxbcdt.shape
-        z, xbc, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.heads], dim=-1)
-        xbc = F.silu(self.conv(xbc, doc_ids) if doc_ids is not None else self.conv(xbc))
-        x, B, C = xbc.split([self.d_inner, self.groups * self.state, self.groups * self.state], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.config.mamba_dt_min_clamp)
-        x = x.reshape(b, s, self.heads, self.head_dim)
+        d_inner = shard.heads * self.head_dim
+        conv_dim = d_inner + 2 * shard.groups * self.state
+        z, xbc, dt = zxbcdt.split([d_inner, conv_dim, shard.heads], dim=-1)
+        xbc = F.silu(self.conv(xbc, doc_ids, shard.conv_weight, shard.conv_bias))
+        x, B, C = xbc.split([d_inner, shard.groups * self.state, shard.groups * self.state], dim=-1)
+        dt = F.softplus(dt.float() + shard.dt_bias.float()).clamp(min=self.config.mamba_dt_min_clamp)
+        x = x.reshape(b, s, shard.heads, self.head_dim)
         doc_kwargs = {"doc_ids": doc_ids} if doc_ids is not None else {}
-        scan_args = (x, dt, -torch.exp(self.A_log.float()), B.reshape(b, s, self.groups, self.state),
-                     C.reshape(b, s, self.groups, self.state), initial_state)
+        scan_args = (x, dt, -torch.exp(shard.A_log.float()), B.reshape(b, s, shard.groups, self.state),
+                     C.reshape(b, s, shard.groups, self.state), initial_state)
         if self.recompute_scan and self.training and torch.is_grad_enabled():
             from tessera.models.recompute import checkpoint  # megatron's checkpoint; this module stays torch-only
 
             y = checkpoint(lambda *a: self.scan(*a, **doc_kwargs), *scan_args, module=self)
         else:
             y = self.scan(*scan_args, **doc_kwargs)
-        y = y + x.float() * self.D.float()[:, None]
-        y = gated_rms_norm(y.reshape(b, s, self.d_inner), z, self.norm_weight, self.norm_group,
-                           self.config.layernorm_epsilon)
-        out, bias = self.out_proj(y.to(hidden_states.dtype).transpose(0, 1))
-        return out, bias
+        y = y + x.float() * shard.D.float()[:, None]
+        return y.reshape(b, s, d_inner), z
 
     # The two sequence-mixing steps; everything else in forward is per token. Context parallelism and GPU
     # kernels (hetero/) replace exactly these two by subclassing.
     # Both take doc_ids [b, s] (packed-document ids): no tap and no state crosses a document start.
-    def conv(self, xbc: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal depthwise conv over the [b, s, conv_dim] local sequence (before SiLU)."""
-        return causal_depthwise_conv1d(xbc, self.conv1d_weight, self.conv1d_bias, doc_ids)
+    def conv(self, xbc: torch.Tensor, doc_ids: torch.Tensor | None = None, weight=None, bias=None) -> torch.Tensor:
+        """Causal depthwise conv over the [b, s, conv_dim] local sequence (before SiLU); weight/bias: a head
+        shard's conv parameters (default: this rank's)."""
+        weight, bias = (self.conv1d_weight, self.conv1d_bias) if weight is None else (weight, bias)
+        return causal_depthwise_conv1d(xbc, weight, bias, doc_ids)
 
     def scan(self, x, dt, A, B, C, initial_state=None, doc_ids=None) -> torch.Tensor:
         """SSD scan y [b, s, h, p] (float32, without the D skip); shapes as ssd_chunk_scan."""

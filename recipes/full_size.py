@@ -8,8 +8,9 @@ NAME --world N`, within a few percent) and that the trainer can run; the dry run
     nemotron_vl_12b        RADIO ViT-H + Nemotron Nano 12B V2, images: 24 tiles (6144 tokens) per 16K row
     nemotron_video_12b     same modules, video: 32 frames (8192 tokens) per 16K row
     nemotron_omni_30b_a3b  RADIO ViT-H + Parakeet FastConformer 0.6B + Nemotron 3 Nano 30B-A3B (MoE, ep8)
-(The earlier tp4,cp2 / ep2 defaults predicted 80-97 GiB per rank once the memory model counted what the CP
-attention and the MoE shards really keep.)
+(The earlier tp4,cp2 / ep2 defaults predicted 80-97 GiB per rank once the memory model counted what the zigzag
+CP attention and the MoE shards really keep; with head-parallel CP (issue 32) the LLM at CP > 1 keeps what it
+keeps at CP 1, and VL's tp4,cp2 is the planner's best again.)
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ RECIPES = {
     "nemotron_vl_12b": RecipeDefaults(
         llm="nemotron_nano_12b_v2", vision="radio_vit_h", audio=None, gpus=16,
         workload=Workload(seq_length=16384, global_batch=128, tiles=24),
-        layout="vision=cp2,dp8@0-15;language=tp2,dp8@0-15"),           # 67.6 GiB predicted
+        layout="vision=tp4,cp2,dp2@0-15;language=tp4,cp2,dp2@0-15"),   # 66.7 GiB predicted, LLM CP head-parallel
     "nemotron_video_12b": RecipeDefaults(
         llm="nemotron_nano_12b_v2", vision="radio_vit_h", audio=None, gpus=16,
         workload=Workload(seq_length=16384, global_batch=128, frames=32),

@@ -35,12 +35,12 @@ GLOBAL_BATCH = 128  # sequences per optimizer step when the planner gives none
 # Full-size layouts where the planner's choice (recipes/full_size.py, picked with its cost model at one
 # GPU count) cannot be scaled to by whole DP factors, e.g. 8 GPUs under a 16-GPU default. At 8 GPUs the 12B
 # families take the planner's best layout that trains and fits there (hetero/planner/run_layout.best_layout_for_run;
-# tests/test_recipes.py checks it): VL the ViT split like a tp2,cp4 LLM, video the ViT at tp2 beside a tp4 LLM
+# tests/test_recipes.py checks it): VL the ViT split like a tp2,cp2 LLM, video the ViT at tp2 beside a tp4 LLM
 # (EVS keeps vision at cp1). No layout of the 30B-A3B omni model fits 8 or 16 GPUs of 80 GB (its optimizer
 # states); its entries there are the shape the planner would take (LLM tp2, 128 experts over ep, the
 # FastConformer without TP), for larger GPUs or a frozen LLM.
 _FALLBACK_LAYOUTS: dict[str, dict[int, str]] = {
-    "nemotron_vl_12b": {8: "vision=tp2,cp4@0-7;language=tp2,cp4@0-7"},
+    "nemotron_vl_12b": {8: "vision=tp2,cp2,dp2@0-7;language=tp2,cp2,dp2@0-7"},
     "nemotron_video_12b": {8: "vision=tp2,dp4@0-7;language=tp4,dp2@0-7"},
     "nemotron_omni_30b_a3b": {g: f"vision=tp2,dp{g // 2}@0-{g - 1};audio=dp{g}@0-{g - 1};"
                                  f"language=tp2,dp{g // 2},ep{min(g // 2, 16)}@0-{g - 1}" for g in (8, 16)},

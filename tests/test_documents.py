@@ -128,7 +128,7 @@ def _packed_vs_alone(pg, config_fields, masked=True, seed=1, double=False):
 
     tp, pp, cp = pg.tp.size(), pg.pp.size(), pg.cp.size()
     config = hybrid_config_from_hf(config_fields, tp=tp, pp=pp, cp=cp)
-    kernels = select_kernels(pg)
+    kernels = select_kernels(pg, config=config)
     torch.manual_seed(seed)
     model = HybridLM(config, pg, core_attention=kernels.core_attention, mamba_mixer=kernels.mamba_mixer)
     if double:

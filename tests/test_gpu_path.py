@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -136,31 +137,37 @@ class _PGs:
         self.cp = _Group(cp)
 
 
+HEADS = SimpleNamespace(num_attention_heads=4, num_query_groups=2, mamba_num_heads=8, mamba_num_groups=2)
+
+
 def test_transformer_engine_only_in_half_precision():
-    from tessera.hetero.parallel.cp_attention_module import ZigzagCPCoreAttention
+    from tessera.hetero.parallel.cp_heads import HeadParallelCoreAttention
     from tessera.hetero.parallel.kernel_choice import select_kernels
     from tessera.models.sdpa_attention import SDPACoreAttention
 
     have_all = lambda m: True  # noqa: E731
-    fp32_cp = select_kernels(_PGs(2), gpu=True, have=have_all, dtype=torch.float32)
-    assert fp32_cp.core_attention is ZigzagCPCoreAttention  # TE's fp32 backend has no CP
+    fp32_cp = select_kernels(_PGs(2), gpu=True, have=have_all, dtype=torch.float32, config=HEADS)
+    # fp32 at CP > 1: head-parallel around SDPA (TE's fused backends take only half precision)
+    assert issubclass(fp32_cp.core_attention, HeadParallelCoreAttention)
+    assert fp32_cp.core_attention.inner_class is SDPACoreAttention
     assert select_kernels(_PGs(1), gpu=True, have=have_all).core_attention is SDPACoreAttention
-    assert "attention=transformer_engine" not in select_kernels(_PGs(2), gpu=True, have=have_all).line
-    # bf16 at CP = 1 picks TE whenever it imports (the class is built lazily from megatron's TE extension, so
-    # only the choice is checked here: the name in the log line); at CP > 1 packed documents need the zigzag
-    # CP attention, TE's THD CP would re-split them
-    bf16_cp = select_kernels(_PGs(2), gpu=True, have=have_all, dtype=torch.bfloat16)
-    assert bf16_cp.core_attention is ZigzagCPCoreAttention and "dtype=bfloat16" in bf16_cp.line
+    assert "transformer_engine" not in fp32_cp.line
+    # bf16 picks TE whenever it imports (the class is built lazily from megatron's TE extension, so only the
+    # choice is checked here: the name in the log line), at CP > 1 inside the head-parallel all-to-alls, so
+    # TE sees whole packed documents of its heads and never its own CP
     from tessera.hetero.parallel import kernel_choice
 
     chosen = []
     orig = kernel_choice.te_document_attention
-    kernel_choice.te_document_attention = lambda: chosen.append(1) or object
+    kernel_choice.te_document_attention = lambda: chosen.append(1) or SDPACoreAttention
     try:
         bf16 = select_kernels(_PGs(1), gpu=True, have=have_all, dtype=torch.bfloat16)
+        bf16_cp = select_kernels(_PGs(2), gpu=True, have=have_all, dtype=torch.bfloat16, config=HEADS)
     finally:
         kernel_choice.te_document_attention = orig
     assert chosen and "attention=transformer_engine" in bf16.line and "dtype=bfloat16" in bf16.line
+    assert "attention=head-parallel(cp=2)+transformer_engine" in bf16_cp.line, bf16_cp.line
+    assert "mamba=head-parallel(cp=2)+mamba_ssm" in bf16_cp.line, bf16_cp.line
 
 
 def test_a_broken_kernel_build_is_not_picked(tmp_path, monkeypatch):

@@ -132,3 +132,83 @@ def test_layer_overhead_is_a_fixed_cost_per_layer_call_and_microbatch():
         assert more.modules["language"].stages[0].compute - base.modules["language"].stages[0].compute == \
             pytest.approx(per_stage, rel=1e-9)
         assert more.step_s - base.step_s == pytest.approx((base.microbatches + pp - 1) * per_stage, rel=1e-6)
+
+
+# ---- LLM context parallelism priced on the path the trainer takes (issue 32) ---------------------------------
+
+def _llm_layout(tp, cp):
+    from tessera.hetero.plan.layout import ModuleLayout
+
+    return ModuleLayout(0, tp * cp - 1, tp=tp, cp=cp)
+
+
+def test_cp_path_rule_is_the_kernel_choices():
+    """The planner's path per layer kind is the one select_kernels builds, for every shipped LLM and many tp x cp."""
+    from types import SimpleNamespace
+
+    from tessera.hetero.parallel.kernel_choice import select_kernels
+    from tessera.hetero.planner.cp_cost import kernel_paths
+
+    class _G:
+        def __init__(self, n):
+            self.n = n
+
+        def size(self):
+            return self.n
+
+    checked = 0
+    for name in configs.REGISTRY:
+        lang = describe_llm(name)
+        q, kv, heads, groups = lang.cp_heads
+        heads_cfg = SimpleNamespace(num_attention_heads=q, num_query_groups=kv, mamba_num_heads=heads,
+                                    mamba_num_groups=groups)
+        for tp in (1, 2, 4, 8):
+            for cp in (2, 3, 4, 8, 16):
+                if any(n % tp for n in lang.tp_divides):
+                    continue
+                line = select_kernels(SimpleNamespace(tp=_G(tp), cp=_G(cp)), gpu=False, config=heads_cfg).line
+                paths = kernel_paths(lang, _llm_layout(tp, cp))
+                for kind in ("attention", "mamba"):
+                    trainer = "head-parallel" if f"{kind}=head-parallel" in line else "zigzag"
+                    assert f"{kind} {trainer}" in paths, (name, tp, cp, line, paths)
+                checked += 1
+    assert checked > 50
+
+
+def test_head_parallel_cp_keeps_what_cp1_keeps_and_zigzag_costs_more():
+    """12B at tp2: cp4 splits every head (head-parallel: activations per local token as at CP 1); 42 query heads
+    (a made-up model) do not split over cp4, so its attention takes the zigzag path: gathered scores kept, torch
+    attention priced slower, both visible in the step and the memory."""
+    from dataclasses import replace
+
+    from tessera.hetero.planner.cost import activation_bytes, module_cost
+    from tessera.hetero.planner.cp_cost import kernel_paths
+
+    lang = describe_llm("nemotron_nano_12b_v2")
+    odd = replace(lang, cp_heads=(42, 2, *lang.cp_heads[2:]))
+    assert kernel_paths(lang, _llm_layout(2, 4)) == "attention head-parallel, mamba head-parallel"
+    assert kernel_paths(odd, _llm_layout(2, 4)).startswith(
+        "attention zigzag (21 heads per TP rank do not divide by cp=4), mamba head-parallel")
+    tokens, ctx = 4096.0, 16384.0
+    assert activation_bytes(lang, _llm_layout(2, 4), tokens, ctx, False) == activation_bytes(
+        lang, _llm_layout(2, 1), tokens, ctx, False)
+    assert activation_bytes(odd, _llm_layout(2, 4), tokens, ctx, False)[0] > activation_bytes(
+        lang, _llm_layout(2, 4), tokens, ctx, False)[0] + lang.cp_ctx * ctx * tokens / 2 * 0.99
+    w, cl, k = Workload(seq_length=16384, global_batch=8), cluster("h100"), Constants()
+    fast, slow = (module_cost(m, _llm_layout(2, 4), 1, w, cl, k, False, 1) for m in (lang, odd))
+    assert 0 < fast.stages[0].cp < slow.stages[0].cp
+    # the zigzag attention's extra time is at least its core FLOPs at the torch kernels' speed minus the fused
+    core = 16384 * lang.attn_flops * 16384 / 8 * 3  # one sequence over tp2 x cp4, fwd+bwd
+    extra = core * (1 / (cl.peak_tflops * 1e12 * k.eff_torch_attention) - 1 / (cl.peak_tflops * 1e12 * k.eff_llm))
+    assert slow.stages[0].cp - fast.stages[0].cp > 0.9 * extra
+
+
+def test_plan_table_names_the_llm_cp_path():
+    from tessera.hetero.planner.search import format_table
+
+    model = describe_model("nemotron_nano_12b_v2", "radio_vit_h")
+    w = Workload(seq_length=16384, global_batch=64, tiles=24)
+    pred = predict("vision=tp2,cp4@0-7;language=tp2,cp4@0-7", model, w, cluster("h100"))
+    assert pred.feasible, pred.reason
+    assert pred.kernels == "attention head-parallel, mamba head-parallel"
+    assert " 1 LLM context parallelism: attention head-parallel, mamba head-parallel" in format_table([pred])

@@ -63,11 +63,12 @@ class ZigzagCPMamba2Mixer(Mamba2Mixer):
         first, second = self._halves(doc_ids)
         return gather_rows(torch.stack([first[:, -width:], second[:, -width:]]), self.cp_group)
 
-    def conv(self, xbc: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def conv(self, xbc: torch.Tensor, doc_ids: torch.Tensor | None = None, weight=None, bias=None) -> torch.Tensor:
         cp, rank = self._cp()
+        weight, bias = (self.conv1d_weight, self.conv1d_bias) if weight is None else (weight, bias)
         if cp == 1:
-            return super().conv(xbc, doc_ids)
-        halo = self.conv1d_weight.shape[-1] - 1
+            return super().conv(xbc, doc_ids, weight, bias)
+        halo = weight.shape[-1] - 1
         first, second = self._halves(xbc)
         if first.shape[1] < halo:
             raise ValueError(f"CP chunks of {first.shape[1]} tokens are shorter than the conv halo {halo}")
@@ -83,8 +84,7 @@ class ZigzagCPMamba2Mixer(Mamba2Mixer):
                                else part_docs[:, :1].expand(-1, halo))
                 window_docs = torch.cat([before_docs, part_docs], dim=1)
             # conv over [predecessor tail | chunk]; dropping the first k-1 outputs leaves exactly the chunk.
-            full = causal_depthwise_conv1d(torch.cat([before, part], dim=1), self.conv1d_weight, self.conv1d_bias,
-                                           window_docs)
+            full = causal_depthwise_conv1d(torch.cat([before, part], dim=1), weight, bias, window_docs)
             out.append(full[:, halo:])
         return torch.cat(out, dim=1)
 

@@ -6,15 +6,19 @@ and this rank's context-parallel group, logged in one line.
                      mamba_mixer=kernels.mamba_mixer)
 
 Rules (GPU kernels are an optional extra, never required):
-  attention: GPU + Transformer Engine + a bf16/fp16 model at CP = 1 -> megatron's TEDotProductAttention
-             (packed documents as THD); otherwise CP > 1 -> hetero ZigzagCPCoreAttention (all-gather K/V,
-             documents masked by id; TE's THD CP would re-split every document its own way), CP = 1 ->
-             models' SDPACoreAttention. fp32 never gets TE: its flash/fused backends take
-             only fp16/bf16 and its fp32 (unfused) backend has no context parallelism, so TE would fail
-             at the first CP > 1 forward.
-  mamba:     CP > 1 -> hetero ZigzagCPMamba2Mixer (torch ops on any device; mamba_ssm has no CP);
-             GPU + mamba_ssm + causal_conv1d -> MambaSSMMixer (fused Triton scan, CUDA conv);
-             otherwise the pure-torch Mamba2Mixer.
+  one-rank kernels (what runs at CP = 1, and on the whole sequence of a rank's heads at CP > 1):
+    attention: GPU + Transformer Engine + a bf16/fp16 model -> megatron's TEDotProductAttention (packed
+               documents as THD); otherwise models' SDPACoreAttention. fp32 never gets TE: its flash/fused
+               backends take only fp16/bf16.
+    mamba:     GPU + mamba_ssm + causal_conv1d -> MambaSSMMixer (fused Triton scan, CUDA conv); otherwise the
+               pure-torch Mamba2Mixer.
+  CP > 1, per layer kind, by the rule of hetero/plan/cp_path.py (the planner prices the same):
+    heads split over tp x cp -> head-parallel (hetero/parallel/cp_heads.py): all-to-all to whole sequences
+               of 1/cp of the heads, the one-rank kernel above there, all-to-all back;
+    otherwise  -> zigzag, torch ops on any device: ZigzagCPCoreAttention (all-gather K/V, unfused, documents
+               masked by id) and ZigzagCPMamba2Mixer (chunk-state passing); the logged line says why.
+  TE's own CP is never used: its THD load balancing would re-split every packed document its own way, not
+  the zigzag rows the boundary, the loss and every other layer share.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from tessera.hetero.parallel.cp_attention_module import ZigzagCPCoreAttention
+from tessera.hetero.parallel.cp_heads import HeadParallelMamba2Mixer, head_parallel_attention
 from tessera.hetero.parallel.cp_mamba import ZigzagCPMamba2Mixer
+from tessera.hetero.plan.cp_path import attention_path, mamba_path
 from tessera.models.sdpa_attention import SDPACoreAttention
 from tessera.models.mamba2 import Mamba2Mixer
 
@@ -44,13 +50,14 @@ class MambaSSMMixer(Mamba2Mixer):
 
     # Packed documents: doc_ids [b, s] become the kernels' seq_idx (int32 [b, s], a new id = a new sequence:
     # the conv zeroes taps of other ids, the scan restarts its state), as megatron's MambaMixer does for THD.
-    def conv(self, xbc: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def conv(self, xbc: torch.Tensor, doc_ids: torch.Tensor | None = None, weight=None, bias=None) -> torch.Tensor:
         from causal_conv1d import causal_conv1d_fn
 
+        weight, bias = (self.conv1d_weight, self.conv1d_bias) if weight is None else (weight, bias)
         if doc_ids is None:
-            out = causal_conv1d_fn(xbc.transpose(1, 2).contiguous(), self.conv1d_weight, self.conv1d_bias)
+            out = causal_conv1d_fn(xbc.transpose(1, 2).contiguous(), weight, bias)
         else:  # causal_conv1d takes seq_idx only in channel-last layout: [b, d, s] with stride(1) == 1
-            out = causal_conv1d_fn(xbc.contiguous().transpose(1, 2), self.conv1d_weight, self.conv1d_bias,
+            out = causal_conv1d_fn(xbc.contiguous().transpose(1, 2), weight, bias,
                                    seq_idx=doc_ids.to(torch.int32).contiguous())
         return out.transpose(1, 2)
 
@@ -63,6 +70,11 @@ class MambaSSMMixer(Mamba2Mixer):
                                       chunk_size=self.config.mamba_chunk_size, initial_states=initial_state,
                                       seq_idx=seq_idx)
         return y.float()
+
+
+class HeadParallelMambaSSMMixer(HeadParallelMamba2Mixer, MambaSSMMixer):
+    """Head-parallel CP (hetero/parallel/cp_heads.py) with mamba_ssm's scan and causal_conv1d's conv on the whole
+    sequence of this rank's heads: the fused kernels at CP > 1."""
 
 
 def thd_cu_seqlens(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -137,28 +149,45 @@ def installed(module: str) -> bool:
     return True
 
 
+def _size(group) -> int:
+    return group.size() if group is not None else 1
+
+
 def select_kernels(pg_collection=None, gpu: bool | None = None, have=installed,
-                   dtype: torch.dtype = torch.float32) -> Kernels:
+                   dtype: torch.dtype = torch.float32, config=None) -> Kernels:
     """Pick the kernels for this rank. `gpu`/`have` default to the real machine (tests override them);
-    `dtype` is the dtype the model computes in (the run's, not the fp32 of a config built before casting)."""
+    `dtype` is the dtype the model computes in (the run's, not the fp32 of a config built before casting);
+    `config` (the LLM's HybridConfig: its heads) is needed at CP > 1 to choose each layer kind's CP path."""
     gpu = torch.cuda.is_available() if gpu is None else gpu
-    cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
-    cp = cp_group.size() if cp_group is not None else 1
-    # TE at CP > 1 would split every packed document itself (THD load balancing), not our zigzag rows; the
-    # zigzag CP attention masks documents exactly, so TE is taken at CP = 1 only.
-    if gpu and cp == 1 and dtype in HALF and have("transformer_engine"):
-        attention, attention_name = te_document_attention(), "transformer_engine"
-    elif cp > 1:
-        attention, attention_name = ZigzagCPCoreAttention, f"cpu-cp-allgather(cp={cp})"
+    cp = _size(getattr(pg_collection, "cp", None))
+    tp = _size(getattr(pg_collection, "tp", None))
+    if cp > 1 and config is None:
+        raise ValueError("select_kernels at CP > 1 needs the LLM config: the CP path follows its heads")
+    fused_attention = gpu and dtype in HALF and have("transformer_engine")
+    one_rank_attention, one_rank_attention_name = ((te_document_attention(), "transformer_engine")
+                                                   if fused_attention else (SDPACoreAttention, "torch-sdpa"))
+    fused_mamba = gpu and have("mamba_ssm") and have("causal_conv1d")
+    notes = []
+    attention_cp = attention_path(config.num_attention_heads, config.num_query_groups, tp, cp) if cp > 1 else None
+    if attention_cp is None:
+        attention, attention_name = one_rank_attention, one_rank_attention_name
+    elif attention_cp.head_parallel:
+        attention = head_parallel_attention(one_rank_attention)
+        attention_name = f"head-parallel(cp={cp})+{one_rank_attention_name}"
     else:
-        attention, attention_name = SDPACoreAttention, "torch-sdpa"
-    if cp > 1:
-        mamba, mamba_name = ZigzagCPMamba2Mixer, f"torch-ssd-cp-state-passing(cp={cp})"
-    elif gpu and have("mamba_ssm") and have("causal_conv1d"):
-        mamba, mamba_name = MambaSSMMixer, "mamba_ssm"
+        attention, attention_name = ZigzagCPCoreAttention, f"zigzag-allgather(cp={cp})+torch"
+        notes.append(attention_cp.reason)
+    mamba_cp = mamba_path(config.mamba_num_heads, config.mamba_num_groups, tp, cp) if cp > 1 else None
+    if mamba_cp is None:
+        mamba, mamba_name = (MambaSSMMixer, "mamba_ssm") if fused_mamba else (Mamba2Mixer, "torch-ssd")
+    elif mamba_cp.head_parallel:
+        mamba, mamba_name = ((HeadParallelMambaSSMMixer, f"head-parallel(cp={cp})+mamba_ssm") if fused_mamba
+                             else (HeadParallelMamba2Mixer, f"head-parallel(cp={cp})+torch-ssd"))
     else:
-        mamba, mamba_name = Mamba2Mixer, "torch-ssd"
+        mamba, mamba_name = ZigzagCPMamba2Mixer, f"zigzag-state-passing(cp={cp})+torch"
+        notes.append(mamba_cp.reason)
     line = (f"kernels: attention={attention_name} mamba={mamba_name} device={'cuda' if gpu else 'cpu'}"
-            + ("" if dtype == torch.float32 else f" dtype={str(dtype).removeprefix('torch.')}"))
+            + ("" if dtype == torch.float32 else f" dtype={str(dtype).removeprefix('torch.')}")
+            + (f" (zigzag because {'; '.join(notes)})" if notes else ""))
     log.info(line)
     return Kernels(attention, mamba, line)

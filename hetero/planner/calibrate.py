@@ -28,6 +28,7 @@ from tessera.hetero.planner.cost import predict
 from tessera.hetero.planner.model import ModelDesc
 
 BOUNDS = {"eff_llm": (0.05, 1.0), "eff_vit": (0.05, 1.0), "eff_conformer": (0.05, 1.0), "bw_eff": (0.05, 1.0),
+          "eff_torch_attention": (1e-3, 1.0), "eff_torch_scan": (1e-3, 1.0),
           "msg_overhead_s": (1e-7, 1e-3), "layer_overhead_s": (1e-8, 1e-2)}
 
 

@@ -89,6 +89,11 @@ class Constants:
     eff_llm: float = 0.50
     eff_vit: float = 0.40
     eff_conformer: float = 0.35
+    # the zigzag CP path's torch-op sequence kernels on a GPU, fraction of peak (hetero/planner/cp_cost.py):
+    # unfused masked attention and the torch SSD scan, bf16, 12B heads, 16K-32K tokens, measured on an H200 by
+    # scripts/bench_cp_kernels.py at 20.5 and 4.7 TFLOP/s of the planner's FLOPs (flash: ~500, mamba_ssm: ~30)
+    eff_torch_attention: float = 0.02
+    eff_torch_scan: float = 0.005
     bw_eff: float = 0.80
     msg_overhead_s: float = 10e-6
     layer_overhead_s: float = 0.0

@@ -2,8 +2,8 @@
 
 Per module and microbatch, every pipeline stage costs compute (FLOPs / (peak * eff)) plus its exposed
 communication: TP (two all-reduce-sized collectives per block, forward and backward; sequence parallel,
-so activations are sharded by TP too), CP (ring attention's K/V passes beyond what attention compute hides;
-Mamba state passing, latency bound), EP (4 all-to-alls per MoE layer) and PP (one activation send each
+so activations are sharded by TP too), CP (per LLM layer kind as the trainer runs it: head-parallel all-to-alls, or the zigzag
+path's gathers and slower torch kernels; cp_cost.py), EP (4 all-to-alls per MoE layer) and PP (one activation send each
 way). DP is the distributed optimizer's gradient reduce-scatter + parameter all-gather, hidden behind one
 microbatch's forward+backward (Megatron's overlap) except what sticks out. How modules combine:
 
@@ -47,6 +47,7 @@ from tessera.hetero.plan.layout import (LANGUAGE, HeteroLayout, LayoutError, Mod
 from tessera.hetero.plan.schedule_plan import colocated_per_microbatch
 from tessera.hetero.planner import comm
 from tessera.hetero.planner.cluster import Cluster, Constants, Workload
+from tessera.hetero.planner.cp_cost import kernel_paths, llm_cp_activation, llm_cp_seconds
 from tessera.hetero.planner.model import BF16, ModelDesc, ModuleDesc
 from tessera.hetero.planner.step_time import (GIB, Memory, ModuleCost, Stage, StepParts, colocated_encoders,
                                               encoder_pipeline, homogeneous_step, remote_encoders)
@@ -78,6 +79,7 @@ class Prediction:
     gpus: int = 0
     modules: dict[str, ModuleCost] = field(default_factory=dict)  # each module as priced (memory per stage)
     in_flight: dict[str, int] = field(default_factory=dict)       # microbatches alive on its first stage
+    kernels: str = ""                   # the LLM's CP path per layer kind at CP > 1 (cp_cost.kernel_paths)
 
     @property
     def max_memory_gib(self) -> float:
@@ -105,7 +107,9 @@ def activation_bytes(mod: ModuleDesc, lay: ModuleLayout, tokens: float, ctx: flo
     tp, pp = lay.tp, lay.pp
     sp = tp if mod.kind == "llm" and llm_sequence_parallel(bool(mod.moe_layers), tp) else 1
     cp = lay.cp > 1 and mod.kind == "llm"
-    per_layer_cp = {"*": mod.cp_ctx * ctx / max(1, mod.attn_layers), "M": mod.cp_act / max(1, mod.mamba_layers)}
+    cp_extra = llm_cp_activation(mod, lay, ctx) if cp else {}  # the zigzag kernels' scores and scan tensors
+    layers_of = {"*": mod.attn_layers, "M": mod.mamba_layers}
+    per_layer_cp = {ch: b / max(1, layers_of[ch]) for ch, b in cp_extra.items()}
     # vision CP (models/vision_cp.py): each layer keeps the K/V it gathered from the cp ranks for its backward
     gathered = lay.cp * mod.kv_width * BF16 / tp if lay.cp > 1 and mod.kind == "vit" else 0.0
     if recompute:
@@ -114,7 +118,7 @@ def activation_bytes(mod: ModuleDesc, lay: ModuleLayout, tokens: float, ctx: flo
                             for ch, r, a, u in mod.act_peak)
         peak += tokens * (mod.act_ctx * ctx / tp / mod.layers + gathered)
     else:
-        extra = (mod.cp_ctx * ctx + mod.cp_act) if cp else 0.0
+        extra = sum(cp_extra.values())
         per_mb = tokens * (mod.act_replicated / sp + (mod.act_bytes + mod.act_ctx * ctx + extra) / tp
                            + mod.act_unsplit + gathered * mod.layers) / pp
         peak = 0.0
@@ -146,13 +150,9 @@ def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, c
     tp_s = (mod.tp_collectives / pp) * (3 if recompute else 2) * comm.all_reduce(
         msg, tp, comm.group_link(cl, tp, 1), cl, k)
     cp_s = 0.0
-    if cp > 1 and mod.kind == "llm":
-        ring_link = comm.group_link(cl, cp, tp)
-        kv = tokens * mod.kv_width * BF16 / tp
-        ring = (mod.attn_layers / pp) * 3 * (cp - 1) * comm.p2p(kv, ring_link, k)
-        attn_compute = per_dp * toks * mod.attn_flops * ctx / (tp * cp * pp) * mult / speed
-        state = (mod.mamba_layers / pp) * 2 * (cp - 1) * comm.p2p(per_dp * mod.state_bytes / tp, ring_link, k)
-        cp_s = max(0.0, ring - attn_compute) + state
+    if cp > 1 and mod.kind == "llm":  # each layer kind on the path the trainer takes (cp_cost.py)
+        seq_flops = {"*": per_dp * toks * mod.attn_flops * ctx, "M": per_dp * toks * mod.scan_flops}
+        cp_s = llm_cp_seconds(mod, lay, tokens, per_dp, lambda ch: seq_flops[ch] / (tp * cp * pp), cl, k, recompute)
     elif cp > 1 and mod.kind == "vit":
         # vision CP: every layer all-gathers its tiles' K/V over the CP group (again when recompute reruns the
         # forward) and all-reduces their gradient in backward; not overlapped with compute
@@ -282,6 +282,7 @@ def predict(layout: HeteroLayout | str, model: ModelDesc, w: Workload, cl: Clust
                      baseline=baseline and len(layout.modules) > 1)
     lang = layout[LANGUAGE]
     samples = w.micro_batch * lang.dp_size
+    out.kernels = kernel_paths(model[LANGUAGE], _sizes(lang))
     try:
         _check(layout, model, w, out.gpus, samples)
     except LayoutError as e:

@@ -13,9 +13,10 @@ the bytes of every distinct storage autograd saves (views counted once, paramete
 to the layer that saved it (and each layer's input: what a full recompute keeps). Where the CPU build differs
 from a GPU run, the GPU's saved tensors are counted (the dry run's memory header says so):
   - scaled_dot_product_attention as flash attention (its inputs and output, not the S^2 weights of the math
-    path), rms_norm as CUDA's fused kernel (its input), and Mamba's SSD scan at CP 1 as mamba_ssm's fused
-    kernel (inputs and output); at CP > 1 Tessera's CP kernels (all-gather attention with materialised
-    scores, torch SSD scan) run on GPU too, and what they keep counts;
+    path), rms_norm as CUDA's fused kernel (its input), and Mamba's SSD scan as mamba_ssm's fused kernel
+    (inputs and output), also inside the head-parallel CP layers (the same kernels on 1/cp of the heads); the
+    zigzag CP kernels (all-gather attention with materialised scores, torch SSD scan) run on GPU too, and
+    what they keep counts;
   - MoE routing is data dependent (meta tensors hold no data): balanced routing, every local expert gets
     tokens * topk / experts of the gathered tokens (megatron's permute/unpermute as index_select/scatter_add);
   - torch.compile'd megatron fusions (squared ReLU) run eagerly.
@@ -194,15 +195,15 @@ def count_params(module: nn.Module, shard: Shard, bytes_per_param: int | None) -
 
 
 @contextlib.contextmanager
-def _fused_kernels(acc: SavedBytes, cp: int):
+def _fused_kernels(acc: SavedBytes):
     from tessera.models.mamba2 import Mamba2Mixer
 
     F = torch.nn.functional
     sdpa, norm, scan = F.scaled_dot_product_attention, F.rms_norm, Mamba2Mixer.scan
     F.scaled_dot_product_attention = acc.opaque(sdpa)
     F.rms_norm = acc.opaque(norm, outputs=False)  # CUDA's fused rms_norm keeps its input (+ 1 float per row)
-    if cp == 1:
-        Mamba2Mixer.scan = lambda self, *a, **k: acc.opaque(lambda *b, **c: scan(self, *b, **c))(*a, **k)
+    # the zigzag CP mixer has its own scan (torch ops, also on GPU): what it keeps counts
+    Mamba2Mixer.scan = lambda self, *a, **k: acc.opaque(lambda *b, **c: scan(self, *b, **c))(*a, **k)
     try:
         yield
     finally:
@@ -251,8 +252,7 @@ def _forward(key: str, module: nn.Module, batch: Batch, cfg_dtype: torch.dtype):
     return module.projector(out) if enc.last_stage else out
 
 
-def measure_activations(key: str, module: nn.Module, batch: Batch, shard: Shard, cp: int,
-                        dtype: torch.dtype) -> None:
+def measure_activations(key: str, module: nn.Module, batch: Batch, shard: Shard, dtype: torch.dtype) -> None:
     """shard.act / act_full / act_peak_layer from one meta forward (module docstring); on failure act stays None
     and act_note says where it failed."""
     if key != LANGUAGE and not (batch.vision_tiles if module.cfg["modality"] == "vision" else batch.audio_clips):
@@ -263,7 +263,7 @@ def measure_activations(key: str, module: nn.Module, batch: Batch, shard: Shard,
     acc = SavedBytes(module, layers)
     module.train()
     try:
-        with meta_init(), _fused_kernels(acc, cp), torch.autograd.graph.saved_tensors_hooks(acc.pack, lambda t: t):
+        with meta_init(), _fused_kernels(acc), torch.autograd.graph.saved_tensors_hooks(acc.pack, lambda t: t):
             _forward(key, module, batch, dtype)
     except Exception as e:  # noqa: BLE001 - any failure means: use the formula, and say why
         frames = traceback.extract_tb(e.__traceback__)
@@ -334,7 +334,7 @@ def shards_at(spec: str, model_cfg, rank: int, batch: Batch | None = None, meta:
             count_params(modules[key], s, wide)
             if batch is not None and key in batch.measure and meta:
                 module = modules[key].to("meta", dtype)  # training casts every module to its dtype (optim.py)
-                measure_activations(key, module, batch, s, layout[key].cp, dtype)
+                measure_activations(key, module, batch, s, dtype)
             else:
                 s.act_note = "not measured"
             s.seconds = build_s / len(wanted) + time.perf_counter() - t

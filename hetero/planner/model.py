@@ -29,9 +29,10 @@ outputs, residual-width tensors; under sequence parallelism, the MoE LLM at TP >
 for MoE, the routed rows a rank's experts take (act_unsplit, neither). Per layer and token:
     Mamba-2    4h | 6*conv + 30*di + 12*H          (conv in/out; fp32 y, x*D, gated RMSNorm; fused scan)
     attention  4h | 2*(q + 2kv)*hd + 4*q*hd         (flash: no S^2 term)
-    at CP > 1  Tessera's CP kernels (hetero/parallel, also on GPU) keep more: the all-gather attention 8*q bytes
-               per local token and global key (bf16 scores, masked, fp32 softmax), the torch SSD scan
-               48*H*chunk bytes per token (intra-chunk decays and scores)
+    at CP > 1  head-parallel layers (hetero/plan/cp_path.py) run the same kernels on 1/cp of the heads: as at
+               CP 1; zigzag layers keep more: the all-gather attention 8*q bytes per local token and global key
+               (bf16 scores, masked, fp32 softmax), the torch SSD scan 48*H*chunk bytes per token (intra-chunk
+               decays and scores); hetero/planner/cp_cost.py picks per layer kind
     MLP        4h | 4*ffn
     MoE        4h + 4E + 12k | 4*f_s + 6*k*f_e | 2*h*k + 12k  (router fp32 scores, top-k; shared expert;
                per routed row: its h-wide copy, index and prob, and 3 expert-FFN-wide tensors)
@@ -93,6 +94,10 @@ class ModuleDesc:
     act_ctx: float = 0            # bytes per token and context token (materialised attention scores), TP-sharded
     cp_ctx: float = 0             # LLM at CP > 1: bytes per local token and global key, all attention layers, sharded
     cp_act: float = 0             # LLM at CP > 1: bytes per token, all Mamba layers (torch SSD scan), sharded
+    cp_heads: tuple[int, ...] = ()  # LLM: (query heads, KV heads, Mamba heads, Mamba groups): the CP path rule's input
+    head_dim: int = 0             # LLM: attention head width
+    mamba_dims: tuple[int, int] = (0, 0)  # LLM: Mamba head width, state size
+    scan_flops: float = 0         # LLM: forward FLOPs per token of all Mamba layers' conv + SSD scan (part of linear)
     name: str = ""                # registry name (models/configs.py, models/encoders.py); "" for raw config fields
 
 
@@ -128,7 +133,7 @@ def _llm_blocks(c: dict) -> dict[str, dict[str, float]]:
         "M": dict(params=h * in_out + conv * K + conv + 3 * nh + di + di * h + h, rep_params=h,
                   flops=2 * h * in_out + 2 * di * h + 2 * conv * K + g * n * Q + di * Q + 4 * di * n,
                   attn=0.0, rep=4 * h, act=6 * conv + 30 * di + 12 * nh,
-                  cp=48 * nh * Q),
+                  cp=48 * nh * Q, scan=2 * conv * K + g * n * Q + di * Q + 4 * di * n),
         "*": dict(params=h * (q + 2 * kv) * hd + q * hd * h + h, rep_params=h,
                   flops=2 * h * (q + 2 * kv) * hd + 2 * q * hd * h, attn=2.0 * q * hd,
                   rep=4 * h, act=2 * (q + 2 * kv) * hd + 4 * q * hd, cp_ctx=8 * q),
@@ -152,7 +157,7 @@ def _peaks(blocks: dict, kinds: str) -> tuple[tuple[str, float, float, float], .
 def describe_llm(name: str | dict) -> ModuleDesc:
     """A registered LLM by name, or any NemotronH config fields (a checkpoint's)."""
     c = configs.hf_fields(name) if isinstance(name, str) else name
-    h, V, pattern = c["hidden_size"], c["vocab_size"], c["hybrid_override_pattern"]
+    h, V, pattern, hd = c["hidden_size"], c["vocab_size"], c["hybrid_override_pattern"], c["head_dim"]
     blocks = _llm_blocks(c)
     total = lambda field: sum(blocks[ch].get(field, 0) for ch in pattern)  # noqa: E731
     edge = 2 * V * h  # untied embedding + lm_head
@@ -171,6 +176,8 @@ def describe_llm(name: str | dict) -> ModuleDesc:
         state_bytes=4 * c["mamba_num_heads"] * c["mamba_head_dim"] * c["ssm_state_size"],
         moe_layers=pattern.count("E"), topk=c.get("num_experts_per_tok", 0),
         kv_width=2 * c["num_key_value_heads"] * c["head_dim"], tp_divides=tp_divides,
+        cp_heads=(c["num_attention_heads"], c["num_key_value_heads"], c["mamba_num_heads"], c["n_groups"]),
+        head_dim=hd, mamba_dims=(c["mamba_head_dim"], c["ssm_state_size"]), scan_flops=total("scan"),
         name=name if isinstance(name, str) else "")
 
 

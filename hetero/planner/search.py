@@ -205,6 +205,8 @@ def format_table(preds: list[Prediction], top: int | None = None) -> str:
                     f"{p.step_s:>7.2f} {b['compute']:>7.2f} {comm_s:>6.2f} {b['bubble']:>6.2f} "
                     f"{b['boundary']:>6.3f} {idle:>6.2f} {p.max_memory_gib:>5.1f} {p.micro_batch:>2} "
                     f"{','.join(p.recompute) or '-':<10} {p.layout}")
+    shown = preds[:top] if top else preds
+    rows += [f"{i:>2} LLM context parallelism: {p.kernels}" for i, p in enumerate(shown, 1) if p.kernels]
     if any(p.baseline for p in (preds[:top] if top else preds)):
         rows.append("* Megatron's baseline, the gains' reference: encoders unsplit on the LLM's first pipeline stage, "
                     "replicated over its CP ranks. Tessera trains this string as colocated (encoders split like the LLM).")

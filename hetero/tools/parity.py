@@ -56,7 +56,7 @@ def build_model(hf_dir: str, pg_collection: ProcessGroupCollection, kernels=None
     (`kernels`: a hetero.parallel.kernel_choice.Kernels, chosen here when None)."""
     tp, pp, cp = _size(pg_collection.tp), _size(pg_collection.pp), _size(pg_collection.cp)
     config = hybrid_config_from_hf(hf_dir, tp=tp, pp=pp, cp=cp)
-    kernels = kernels or select_kernels(pg_collection, dtype=config.params_dtype)
+    kernels = kernels or select_kernels(pg_collection, dtype=config.params_dtype, config=config)
     model = HybridLM(config, pg_collection, core_attention=kernels.core_attention,
                      mamba_mixer=kernels.mamba_mixer)
     load_into(model, LazyCheckpoint(hf_dir), pg_collection.tp.rank(), pg_collection.pp.rank(), pg_collection.ep.rank())
