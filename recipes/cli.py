@@ -59,6 +59,8 @@ class TesseraRunContext(RunContext):
             print(f"layout: {layout} ({world} ranks{', chosen by the planner' if spec == 'auto' else ''})",
                   flush=True)
             task.layout = str(layout)
+        if resolved.cp_line():  # which LLM layers run head-parallel (fused kernels) and which stay on torch kernels
+            print(resolved.cp_line(), flush=True)
         prelaunch.check_inputs(task, getattr(self, "executor", None), dryrun=self.dryrun)
         return task
 

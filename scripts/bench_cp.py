@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from tessera.hetero.plan.cp_path import attention_path, mamba_path
 from tessera.hetero.tools.spawn import run_on_ranks
 
 SHAPES = dict(hidden_size=256, mamba_num_heads=32, mamba_head_dim=80, n_groups=2, ssm_state_size=128,
@@ -100,6 +101,12 @@ def main(argv=None) -> None:
     for cp in map(int, args.cps.split(",")):
         for seq in map(int, args.seqs.split(",")):
             for kind in ("mamba", "attention"):
+                heads = ((SHAPES["mamba_num_heads"], SHAPES["n_groups"]) if kind == "mamba"
+                         else (SHAPES["num_attention_heads"], SHAPES["num_key_value_heads"]))
+                rule = (mamba_path if kind == "mamba" else attention_path)(*heads, 1, cp)
+                if not rule.head_parallel:  # the trainer keeps this layer on the zigzag path: nothing to compare
+                    print(f"| {seq} | {cp} | {kind} | - | - | - | - | - | zigzag only: {rule.reason} |", flush=True)
+                    continue
                 zz, hp = (run_on_ranks(cp, _bench_rank, seq, args.repeat, path, kind, timeout=3600)
                           for path in PATHS)
                 t_zz, t_hp = (max(r[0] for r in ranks) for ranks in (zz, hp))

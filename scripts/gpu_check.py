@@ -11,6 +11,9 @@ Checks, each printed as one row of a table (name, result, error or time, verdict
                      block-diagonal causal fp32 reference on the CPU
   causal_conv1d      MambaSSMMixer.conv (causal_conv1d_fn) vs Mamba2Mixer.conv on the CPU, same weights (fp32)
   mamba_ssm_scan     MambaSSMMixer.scan (mamba_chunk_scan_combined) vs the torch SSD scan on the CPU (fp32)
+  mamba_ssm_scan_docs  the same with packed documents (doc ids as seq_idx): what each head-parallel CP rank runs
+                     on the whole rows of its heads (hetero/parallel/cp_heads.py; the CP all-to-alls themselves
+                     need 2+ GPUs and are checked exactly on CPU ranks by tests/test_models_cp.py)
   mamba_mixer        a whole Mamba-2 mixer forward: GPU kernels vs the CPU mixer, same weights (fp32)
   kernel_choice      select_kernels on this machine in bf16 picks transformer_engine and mamba_ssm
   train_step_bf16    `python -m tessera.recipes.train --recipe nemotron_vl_tiny model.dtype=bfloat16` on one rank,
@@ -33,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-CHECKS = ["te_attention", "te_attention_thd", "causal_conv1d", "mamba_ssm_scan", "mamba_mixer", "kernel_choice",
-          "train_step_bf16"]
+CHECKS = ["te_attention", "te_attention_thd", "causal_conv1d", "mamba_ssm_scan", "mamba_ssm_scan_docs", "mamba_mixer",
+          "kernel_choice", "train_step_bf16"]
 MODELS = ["nemotron_nano_12b_v2", "nemotron_3_nano_30b_a3b"]
 TOL = {"bf16": 2e-2, "fp32": 1e-3}  # max |gpu - cpu| / max |cpu|
 
@@ -169,6 +172,18 @@ def check_mamba_ssm_scan(pgs, dev) -> str:
     A = -torch.exp(cpu.A_log.detach().float())
     out = gpu.scan(*(t.to(dev) for t in (x, dt, A, B, C)))
     return _verdict(rel_err(out, cpu.scan(x, dt, A, B, C)), TOL["fp32"])
+
+
+def check_mamba_ssm_scan_docs(pgs, dev) -> str:
+    """Packed documents (doc ids -> seq_idx), as every head-parallel CP rank scans whole rows of its heads."""
+    cfg, cpu, gpu = _mixers(pgs, dev)
+    b, s, h, p, g, n = 2, 512, cpu.heads, cpu.head_dim, cpu.groups, cpu.state
+    x, B, C = torch.randn(b, s, h, p), torch.randn(b, s, g, n), torch.randn(b, s, g, n)
+    dt = torch.nn.functional.softplus(torch.randn(b, s, h) - 3)
+    A = -torch.exp(cpu.A_log.detach().float())
+    docs = torch.stack([torch.bucketize(torch.arange(s), torch.tensor(c), right=True) for c in ([37, 300], [200])])
+    out = gpu.scan(*(t.to(dev) for t in (x, dt, A, B, C)), doc_ids=docs.to(dev))
+    return _verdict(rel_err(out, cpu.scan(x, dt, A, B, C, doc_ids=docs)), TOL["fp32"])
 
 
 def check_mamba_mixer(pgs, dev) -> str:

@@ -137,3 +137,22 @@ def test_a_misspelt_module_is_refused_not_silently_replaced():
                         encoder_tp=MODEL.encoder_tp)
     run = resolve_run("vision=dp4@0-3;audio=dp4@0-3;language=dp4@0-3", 4, no_audio, 64, 4, 1)
     assert run.keys == ["vision", LANGUAGE]
+
+
+def test_the_llm_cp_path_is_said_before_launch():
+    """Issue 32: the resolved run names each LLM layer kind's CP path (the rule the kernel choice builds), and why a
+    kind stays on the zigzag torch kernels; nothing at CP 1."""
+    model = RunModel(**{**MODEL.__dict__, "mamba_heads": 8, "mamba_groups": 2})
+    run = lambda spec: resolve_run(spec, 8, model, 256, 8, 1)  # noqa: E731
+    assert run("vision=dp8@0-7;audio=dp8@0-7;language=tp2,dp4@0-7").cp_line() == ""
+    assert run("vision=dp8@0-7;audio=dp8@0-7;language=tp2,cp2,dp2@0-7").cp_line() == (
+        "context parallelism: language cp=2: attention head-parallel, mamba head-parallel")
+    # 8 heads / 4 KV heads over tp1 x cp8: the heads split; 8 Mamba heads, 2 groups: split with each group on 4 ranks
+    assert run("vision=dp8@0-7;audio=dp8@0-7;language=cp8@0-7").cp_line().endswith(
+        "attention head-parallel, mamba head-parallel")
+    odd = RunModel(**{**model.__dict__, "heads": {**MODEL.heads, LANGUAGE: 12}, "kv_heads": {LANGUAGE: 4}})
+    assert resolve_run("vision=dp8@0-7;audio=dp8@0-7;language=tp2,cp2,dp2@0-7", 8, odd, 256, 8, 1).cp_line() == (
+        "context parallelism: language cp=2: attention head-parallel, mamba head-parallel")
+    assert resolve_run("vision=dp8@0-7;audio=dp8@0-7;language=cp8@0-7", 8, odd, 256, 8, 1).cp_line() == (
+        "context parallelism: language cp=8: attention zigzag (torch kernels: 12 heads per TP rank do not divide by "
+        "cp=8), mamba head-parallel")

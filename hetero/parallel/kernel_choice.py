@@ -176,7 +176,7 @@ def select_kernels(pg_collection=None, gpu: bool | None = None, have=installed,
         attention_name = f"head-parallel(cp={cp})+{one_rank_attention_name}"
     else:
         attention, attention_name = ZigzagCPCoreAttention, f"zigzag-allgather(cp={cp})+torch"
-        notes.append(attention_cp.reason)
+        notes.append(f"attention {attention_cp.reason}")
     mamba_cp = mamba_path(config.mamba_num_heads, config.mamba_num_groups, tp, cp) if cp > 1 else None
     if mamba_cp is None:
         mamba, mamba_name = (MambaSSMMixer, "mamba_ssm") if fused_mamba else (Mamba2Mixer, "torch-ssd")
@@ -185,7 +185,7 @@ def select_kernels(pg_collection=None, gpu: bool | None = None, have=installed,
                              else (HeadParallelMamba2Mixer, f"head-parallel(cp={cp})+torch-ssd"))
     else:
         mamba, mamba_name = ZigzagCPMamba2Mixer, f"zigzag-state-passing(cp={cp})+torch"
-        notes.append(mamba_cp.reason)
+        notes.append(f"mamba {mamba_cp.reason}")
     line = (f"kernels: attention={attention_name} mamba={mamba_name} device={'cuda' if gpu else 'cpu'}"
             + ("" if dtype == torch.float32 else f" dtype={str(dtype).removeprefix('torch.')}")
             + (f" (zigzag because {'; '.join(notes)})" if notes else ""))

@@ -53,11 +53,11 @@ def attention_path(heads: int, kv_heads: int, tp: int, cp: int) -> CPPath:
     if cp == 1:
         return CPPath(NO_CP)
     why = split_reason(heads, kv_heads, tp, cp, "KV heads")
-    return CPPath(ZIGZAG, f"attention {why}") if why else CPPath(HEAD_PARALLEL)
+    return CPPath(ZIGZAG, why) if why else CPPath(HEAD_PARALLEL)
 
 
 def mamba_path(heads: int, groups: int, tp: int, cp: int) -> CPPath:
     if cp == 1:
         return CPPath(NO_CP)
     why = split_reason(heads, groups, tp, cp, "B/C groups")
-    return CPPath(ZIGZAG, f"mamba {why}") if why else CPPath(HEAD_PARALLEL)
+    return CPPath(ZIGZAG, why) if why else CPPath(HEAD_PARALLEL)

@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Mapping
 
 from tessera.hetero.plan.layout import (LANGUAGE, MODULE_KEYS, HeteroLayout, LayoutError, ModelShapes, ModuleLayout,
                                         llm_sequence_parallel, rows_for_layout, scale_layout)
+from tessera.hetero.plan.cp_path import CPPath, attention_path, mamba_path
 from tessera.hetero.plan.trainable import check_trainable
 
 IGNORE = -100  # the label that losses skip (torch's cross_entropy ignore_index default)
@@ -71,6 +72,8 @@ class RunModel:
     encoder_tp: Mapping[str, bool] = field(default_factory=dict)
     video_pruned: bool = False
     moe: bool = False
+    mamba_heads: int = 0  # the LLM's Mamba heads and B/C groups: with heads / kv_heads, its CP path (cp_path.py)
+    mamba_groups: int = 0
 
     def shapes(self, seq_length: int | None = None, rows_per_microbatch: int | None = None) -> ModelShapes:
         """What HeteroLayout.validate checks against: heads, and the row length and rows when given."""
@@ -116,6 +119,21 @@ class ResolvedRun:
 
     def shapes(self) -> ModelShapes:
         return self.model.shapes(self.seq_length, self.rows_per_microbatch)
+
+    def llm_cp_paths(self) -> tuple[CPPath, CPPath]:
+        """(attention, Mamba) context-parallel path of the LLM's layers (cp_path.py; the kernel choice builds them)."""
+        lang, m = self.layout[LANGUAGE], self.model
+        return (attention_path(m.heads[LANGUAGE], m.kv_heads[LANGUAGE], lang.tp, lang.cp),
+                mamba_path(m.mamba_heads, m.mamba_groups, lang.tp, lang.cp))
+
+    def cp_line(self) -> str:
+        """What the launch prints for an LLM at CP > 1 ("" otherwise): each layer kind's path, and why zigzag."""
+        lang = self.layout[LANGUAGE]
+        if lang.cp == 1:
+            return ""
+        parts = [f"{name} {p.path}" + (f" (torch kernels: {p.reason})" if p.reason else "")
+                 for name, p in zip(("attention", "mamba"), self.llm_cp_paths())]
+        return f"context parallelism: language cp={lang.cp}: " + ", ".join(parts)
 
 
 def fit_modules(layout: HeteroLayout, keys: Iterable[str]) -> HeteroLayout:

@@ -30,7 +30,7 @@ def kernel_paths(mod: ModuleDesc, lay: ModuleLayout) -> str:
     """What the plan table shows per LLM at CP > 1, e.g. 'attention head-parallel, mamba zigzag (...)'."""
     if mod.kind != "llm" or lay.cp == 1:
         return ""
-    return ", ".join(f"{name} {p.path}" + (f" ({p.reason.split(' ', 1)[1]})" if p.reason else "")
+    return ", ".join(f"{name} {p.path}" + (f" ({p.reason})" if p.reason else "")
                      for name, p in zip(("attention", "mamba"), llm_cp_paths(mod, lay)))
 
 

@@ -102,7 +102,8 @@ def run_model(model, llm_fields: dict | None = None) -> RunModel:
     return RunModel(keys=tuple(specs), heads=heads, kv_heads={LANGUAGE: llm["num_key_value_heads"]},
                     encoder_tp={k: s.tensor_parallel for k, s in specs.items() if k != LANGUAGE},
                     video_pruned=(getattr(model, "video_pruning", 0.0) or 0.0) > 0,
-                    moe="E" in llm.get("hybrid_override_pattern", ""))
+                    moe="E" in llm.get("hybrid_override_pattern", ""),
+                    mamba_heads=llm["mamba_num_heads"], mamba_groups=llm["n_groups"])
 
 
 def resolve_config(cfg, world: int, llm_fields: dict | None = None, propose=None,
