@@ -56,6 +56,12 @@ class MediaModule(nn.Module):
         super().train(mode)
         if self.frozen:
             self.encoder.eval()
+        # frozen means no tensor changes (NeMo's freeze() puts the module in eval): a norm layer with running
+        # statistics whose own weights are frozen (a LoRA run's base conformer) keeps its statistics too
+        for m in self.modules():
+            own = list(m.parameters(recurse=False))
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and own and not any(p.requires_grad for p in own):
+                m.eval()
         return self
 
     def num_tokens(self, kind: str, item) -> int:

@@ -277,19 +277,22 @@ class ModuleOptimizers:
     def update_router_expert_bias(self) -> None:
         """Aux-loss-free load balancing, as megatron's finalize_model_grads does once per global batch
         (moe_utils.get_updated_expert_bias): every router's token counts summed over the module's TP x DP x CP
-        ranks, bias += rate * sign(mean count - count), counts reset. Frozen modules are left as they are.
+        ranks, bias += rate * sign(mean count - count), counts reset. A router whose weight is frozen (a frozen
+        LLM, LoRA's base) keeps its bias: frozen means no tensor changes, and the adapters are exported alone.
         (megatron's function is not called: it all-reduces over parallel_state's global TP x DP x CP group, which
         a heterogeneous layout never sets; each module here has its own.)"""
         for key in sorted(self.params):
-            routers = _routers(self.modules[key]) if self.params[key] else []
-            if not routers:
-                continue
-            counts = torch.stack([r.local_tokens_per_expert.float() for r in routers])
-            dist.all_reduce(counts, group=self.groups[key].pgs.tp_dp_cp)
-            offset = counts.mean(dim=-1, keepdim=True) - counts
-            with torch.no_grad():
-                for r, off in zip(routers, offset):
-                    r.expert_bias.add_(torch.sign(off) * r.config.moe_router_bias_update_rate)
+            every = _routers(self.modules[key])
+            routers = [r for r in every if r.weight.requires_grad]
+            if routers:
+                counts = torch.stack([r.local_tokens_per_expert.float() for r in routers])
+                dist.all_reduce(counts, group=self.groups[key].pgs.tp_dp_cp)
+                offset = counts.mean(dim=-1, keepdim=True) - counts
+                with torch.no_grad():
+                    for r, off in zip(routers, offset):
+                        r.expert_bias.add_(torch.sign(off) * r.config.moe_router_bias_update_rate)
+            with torch.no_grad():  # every router's counts restart each step, a frozen one's too
+                for r in every:
                     r.local_tokens_per_expert.zero_()
 
     def step(self, lr_scale: float = 1.0) -> dict:
