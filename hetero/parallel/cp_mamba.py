@@ -33,12 +33,14 @@ import torch
 import torch.distributed as dist
 
 from tessera.hetero.parallel.cp_gather_attention import gather_rows
+from tessera.hetero.plan.zigzag import zigzag_chunks, zigzag_owner
 from tessera.models.mamba2 import Mamba2Mixer, causal_depthwise_conv1d, document_starts, ssd_chunk_scan
 
 
 def _entry(chunk: int, cp: int) -> int:
     """Row of global chunk `chunk` in a rank-major gather of (first chunk, second chunk) per rank."""
-    return 2 * chunk if chunk < cp else 2 * (2 * cp - 1 - chunk) + 1
+    owner = int(zigzag_owner(chunk, cp))  # the zigzag split of hetero/plan/zigzag.py, not a copy of it
+    return 2 * owner + zigzag_chunks(cp, owner).index(chunk)
 
 
 class ZigzagCPMamba2Mixer(Mamba2Mixer):
@@ -76,7 +78,7 @@ class ZigzagCPMamba2Mixer(Mamba2Mixer):
         docs = (None, None) if doc_ids is None else self._halves(doc_ids)
         doc_tails = None if doc_ids is None else self._doc_tails(doc_ids, halo)  # [2cp, b, k-1]
         out = []
-        for chunk, part, part_docs in ((rank, first, docs[0]), (2 * cp - 1 - rank, second, docs[1])):
+        for chunk, part, part_docs in zip(zigzag_chunks(cp, rank), (first, second), docs):
             before = tails[_entry(chunk - 1, cp)] if chunk > 0 else torch.zeros_like(part[:, :halo])
             window_docs = None
             if part_docs is not None:  # the halo keeps its tokens' documents (zeros before chunk 0: any id)
@@ -97,7 +99,7 @@ class ZigzagCPMamba2Mixer(Mamba2Mixer):
         if doc_ids is not None:
             # a chunk's first token starts a document when its id differs from the predecessor chunk's last
             last = self._doc_tails(doc_ids, 1)[..., 0]  # [2cp, b]
-            for i, (chunk, part_docs) in enumerate(zip((rank, 2 * cp - 1 - rank), self._halves(doc_ids))):
+            for i, (chunk, part_docs) in enumerate(zip(zigzag_chunks(cp, rank), self._halves(doc_ids))):
                 resets[i] = document_starts(part_docs, last[_entry(chunk - 1, cp)] if chunk > 0 else None)
         y0, finals, log_decay, cum_decay = [], [], [], []
         for (xc, dtc, Bc, Cc), reset in zip(parts, resets):
@@ -117,7 +119,7 @@ class ZigzagCPMamba2Mixer(Mamba2Mixer):
             entering.append(torch.exp(decays[e])[..., None, None] * entering[-1] + states[e])
         heads_per_group = x.shape[2] // B.shape[2]
         out = []
-        for (xc, _, _, Cc), y, decay, chunk in zip(parts, y0, cum_decay, (rank, 2 * cp - 1 - rank)):
+        for (xc, _, _, Cc), y, decay, chunk in zip(parts, y0, cum_decay, zigzag_chunks(cp, rank)):
             c_heads = Cc.float().repeat_interleave(heads_per_group, dim=2)  # [b, l, h, n]
             out.append(y + torch.einsum("blhn,bhpn,blh->blhp", c_heads, entering[chunk], decay))
         return torch.cat(out, dim=1)
