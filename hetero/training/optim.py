@@ -57,7 +57,9 @@ from tessera.hetero.training.zero import ShardedPart
 
 
 def lr_at(step: int, max_steps: int, warmup: int, min_ratio: float) -> float:
-    """Multiplier of the peak LR at `step` (0-based): linear warm-up, then cosine to min_ratio."""
+    """Multiplier of the peak LR at `step` (0-based): linear warm-up, then cosine to min_ratio. After warm-up,
+    megatron-core's OptimizerParamScheduler (cosine) at num_steps = step; during it, megatron's at step + 1, so the
+    first step trains at 1/warmup of the peak, not at 0 (tests/test_lr_schedule.py)."""
     if warmup and step < warmup:
         return (step + 1) / warmup
     span = max(max_steps - warmup, 1)
