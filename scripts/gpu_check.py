@@ -164,26 +164,25 @@ def check_causal_conv1d(pgs, dev) -> str:
     return _verdict(rel_err(gpu.conv(xbc.to(dev)), cpu.conv(xbc)), TOL["fp32"])
 
 
-def check_mamba_ssm_scan(pgs, dev) -> str:
-    cfg, cpu, gpu = _mixers(pgs, dev)
+def _scan_check(pgs, dev, docs: torch.Tensor | None) -> str:
+    _, cpu, gpu = _mixers(pgs, dev)
     b, s, h, p, g, n = 2, 512, cpu.heads, cpu.head_dim, cpu.groups, cpu.state
     x, B, C = torch.randn(b, s, h, p), torch.randn(b, s, g, n), torch.randn(b, s, g, n)
     dt = torch.nn.functional.softplus(torch.randn(b, s, h) - 3)
     A = -torch.exp(cpu.A_log.detach().float())
-    out = gpu.scan(*(t.to(dev) for t in (x, dt, A, B, C)))
-    return _verdict(rel_err(out, cpu.scan(x, dt, A, B, C)), TOL["fp32"])
+    on_gpu = {} if docs is None else {"doc_ids": docs.to(dev)}
+    out = gpu.scan(*(t.to(dev) for t in (x, dt, A, B, C)), **on_gpu)
+    return _verdict(rel_err(out, cpu.scan(x, dt, A, B, C, doc_ids=docs)), TOL["fp32"])
+
+
+def check_mamba_ssm_scan(pgs, dev) -> str:
+    return _scan_check(pgs, dev, None)
 
 
 def check_mamba_ssm_scan_docs(pgs, dev) -> str:
     """Packed documents (doc ids -> seq_idx), as every head-parallel CP rank scans whole rows of its heads."""
-    cfg, cpu, gpu = _mixers(pgs, dev)
-    b, s, h, p, g, n = 2, 512, cpu.heads, cpu.head_dim, cpu.groups, cpu.state
-    x, B, C = torch.randn(b, s, h, p), torch.randn(b, s, g, n), torch.randn(b, s, g, n)
-    dt = torch.nn.functional.softplus(torch.randn(b, s, h) - 3)
-    A = -torch.exp(cpu.A_log.detach().float())
-    docs = torch.stack([torch.bucketize(torch.arange(s), torch.tensor(c), right=True) for c in ([37, 300], [200])])
-    out = gpu.scan(*(t.to(dev) for t in (x, dt, A, B, C)), doc_ids=docs.to(dev))
-    return _verdict(rel_err(out, cpu.scan(x, dt, A, B, C, doc_ids=docs)), TOL["fp32"])
+    rows = [torch.bucketize(torch.arange(512), torch.tensor(c), right=True) for c in ([37, 300], [200])]
+    return _scan_check(pgs, dev, torch.stack(rows))
 
 
 def check_mamba_mixer(pgs, dev) -> str:
