@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
