@@ -7,7 +7,8 @@ positions and sample ids), and masks by those: a query attends to keys of the sa
 2cp-1-r of the 2cp chunks) every rank does the same amount of causal work.
 
 Gathered K/V cost O(seq) memory per rank instead of ring attention's O(seq/cp) blocks: simple and exact,
-right for CPU-sized tests and modest sequences; a ring schedule is the GPU path (Transformer Engine).
+right for CPU-sized tests and modest sequences. The LLM uses it only for layers whose heads do not split over
+tp x cp (hetero/plan/cp_path.py); the others run head-parallel (cp_heads.py), with fused kernels on a GPU.
 """
 
 from __future__ import annotations
