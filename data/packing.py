@@ -10,7 +10,8 @@ only to itself). For every encoder module ("vision", "audio") a row also carries
   - `media[module]`: the decoded items in the same order — only on ranks that encode this row for this
     module (data/loader.py decodes per rank; an LLM-only rank holds no decoded media at all).
 Consuming items in order and scattering embeddings to `positions` is therefore the whole alignment
-contract; `PackedBatch.check()` asserts it (one position per produced embedding).
+contract; `PackedBatch.check()` enforces it (one position per produced embedding; collate runs it on every
+batch, with the encoders' counts where they run).
 
 EVS-pruned clips in tubelet chunks: only the clip's total of kept tokens is known before encoding, so the row is
 written with nominal per-tubelet counts (models/media_tokens.evs_nominal_tubelet_counts); once the vision encoder
@@ -214,23 +215,32 @@ class PackedBatch(Batch):
             self.positions[r][module] = pos
             meta[j] = (kind, units, total, row)
 
-    def check(self, count_tokens) -> None:
-        """Assert the alignment contract: per row and module, embeddings produced == positions to fill.
+    def check(self, count_tokens=None) -> None:
+        """Raise unless the alignment contract holds: per row and module, positions strictly increasing, the
+        metadata's planned tokens == positions to fill, no loss on the token before a media slot, and (with
+        count_tokens) embeddings produced == positions. collate() runs it without count_tokens on every batch
+        (metadata and positions only: a few array ops per row); the encoders' counts are known where they run.
 
         count_tokens(kind, item) is the encoder's output count for one decoded item; rows/modules this rank
         did not decode are checked against their metadata (what the decoding rank will produce)."""
         for r, (media, meta, pos) in enumerate(zip(self.media, self.media_meta, self.positions)):
             for module in set(media) | set(meta) | set(pos):
                 p = pos.get(module, np.zeros(0, dtype=np.int64))
+                where = f"packed row {r} ({', '.join(self.keys[r]) if self.keys else self.__key__[r]}) {module}"
                 planned = sum(m[2] for m in meta.get(module, []))
-                assert planned == len(p), f"row {r} {module}: metadata plans {planned} tokens for {len(p)} positions"
-                if module in media:
+                if planned != len(p):
+                    raise ValueError(f"{where}: metadata plans {planned} tokens for {len(p)} positions")
+                if count_tokens is not None and module in media:
                     produced = sum(count_tokens(k, a) for k, a in media[module])
-                    assert produced == len(p), f"row {r} {module}: {produced} embeddings for {len(p)} positions"
-                assert np.all(np.diff(p) > 0), f"row {r} {module}: positions not strictly increasing"
+                    if produced != len(p):
+                        raise ValueError(f"{where}: {produced} embeddings for {len(p)} positions")
+                if np.any(np.diff(p) <= 0):
+                    raise ValueError(f"{where}: media positions not strictly increasing (two items' tokens overlap "
+                                     f"or are out of order)")
                 # A media token is an embedding slot, never a prediction target.
                 prev = p[p > 0] - 1
-                assert bool((self.labels[r, prev.tolist()] == IGNORE).all()), f"row {r} {module}: loss on media"
+                if not bool((self.labels[r, prev.tolist()] == IGNORE).all()):
+                    raise ValueError(f"{where}: a loss on the token before a media slot")
 
 
 def settle_chunks(tokens: np.ndarray, chunks: tuple, counts: list[int]) -> tuple[np.ndarray, tuple]:
@@ -283,7 +293,7 @@ def share_large_arrays() -> None:
 
 def collate(rows: list[PackedSample], skipped: dict) -> PackedBatch:
     share_large_arrays()
-    return PackedBatch(
+    batch = PackedBatch(
         __key__=[r.__key__ for r in rows], __restore_key__=(), __subflavors__=None, __sources__=None,
         tokens=torch.from_numpy(np.stack([r.tokens for r in rows])),
         labels=torch.from_numpy(np.stack([r.labels for r in rows])),
@@ -291,3 +301,5 @@ def collate(rows: list[PackedSample], skipped: dict) -> PackedBatch:
         cu_seqlens=[torch.from_numpy(r.cu_seqlens) for r in rows], keys=[r.keys for r in rows],
         media=[r.media for r in rows], positions=[r.positions for r in rows],
         media_meta=[r.media_meta for r in rows], seq_length=len(rows[0].tokens), skipped=skipped)
+    batch.check()  # every batch the loader builds keeps the alignment contract (metadata and positions)
+    return batch

@@ -182,6 +182,8 @@ def test_bad_metadata_is_rejected_with_a_fix():
         plan_boundary(lay["vision"], lay["language"], BoundaryBatch.from_lists(8, [[1], [9]]))
     with pytest.raises(BoundaryError, match="strictly increasing"):
         plan_boundary(lay["vision"], lay["language"], BoundaryBatch.from_lists(8, [[3, 1], [2]]))
+    with pytest.raises(BoundaryError, match="sample 0: media positions must be strictly increasing"):
+        plan_boundary(lay["vision"], lay["language"], BoundaryBatch.from_lists(8, [[1, 1], [2]]))  # a duplicate
 
 
 # ------------------------------------------------------------------------------- TP replicas share sending

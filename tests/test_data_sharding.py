@@ -34,7 +34,7 @@ def _global_batch(rows: int, seq: int = 64):
     for r in range(rows):
         samples, used = [], 0
         for j in range(3):
-            n = int(rng.integers(8, 20))
+            n = int(rng.integers(12, 20))  # the 3 target tokens come after every media span (the contract)
             a = int(rng.integers(1, 4))
             samples.append(_sample(f"r{r}s{j}", [("vision", 2, a + 1), ("audio", a + 4, 2)] if j != 1 else [], n))
             used += n
@@ -91,3 +91,21 @@ def test_uneven_split_is_a_clear_error():
     with pytest.raises(ValueError, match="cannot be split evenly over dp=3"):
         dp_rows(8, 3, 0)
     assert list(dp_rows(8, 4, 3)) == [6, 7]
+
+
+def test_every_collated_batch_is_checked_and_a_broken_one_names_its_row():
+    """Issue 34: collate runs PackedBatch.check on every batch. Two media items whose tokens overlap (a wrong
+    offset between items of one row) or a loss on the token before a media slot are refused, naming the row,
+    its samples and the module; assert statements would vanish under python -O."""
+    batch = _global_batch(2)  # collate checked it: a good batch passes
+    vision = batch.positions[1]["vision"]
+    assert len(vision) >= 2
+    dup = vision.copy()
+    dup[1] = dup[0]
+    batch.positions[1]["vision"] = dup
+    with pytest.raises(ValueError, match=r"packed row 1 \(r1s0, r1s1, r1s2\) vision: media positions not strictly"):
+        batch.check()
+    batch.positions[1]["vision"] = vision
+    batch.labels[1, int(vision[0]) - 1] = 7
+    with pytest.raises(ValueError, match="packed row 1 .* vision: a loss on the token before a media slot"):
+        batch.check()
