@@ -17,9 +17,9 @@ sharded by the caller); only the sequence-mixing kernels see other ranks' tokens
 the injected `core_attention` / `mamba_mixer` classes (hetero/parallel/cp_attention_module.py, hetero/parallel/cp_mamba.py,
 picked by hetero/parallel/kernel_choice.py). Everything else here is per token and CP-unaware.
 
-Usage (one process, groups from megatron's parallel_state):
+Usage (groups injected; one rank: hetero.training.model_build.single_rank_pgs()):
     cfg = models.configs.tiny_hybrid()
-    model = HybridLM(cfg, ProcessGroupCollection.use_mpu_process_groups())
+    model = HybridLM(cfg, pgs, cross_entropy=vocab_parallel_cross_entropy_for(pgs.tp))  # the default at TP=1
     logits = model(input_ids)            # [b, s, padded_vocab / tp] (vocab-parallel)
     full = model.full_vocab_logits(logits)  # [b, s, vocab]: gathered over TP, padding stripped
     loss = model(input_ids, labels)      # [b, s] per-token loss
@@ -58,6 +58,7 @@ from megatron.core.transformer.transformer_layer import (
 from tessera.hetero.plan.resolved_run import IGNORE
 from tessera.models.sdpa_attention import DocumentSeqParams, SDPACoreAttention
 from tessera.models.mamba2 import Mamba2Mixer, Mamba2Submodules
+from tessera.models.vocab_ce import vocab_cross_entropy
 from tessera.models.recompute import run_layers, with_recompute
 
 MAMBA, ATTENTION, MLP_SYMBOL, MOE = "M", "*", "-", "E"
@@ -231,9 +232,12 @@ class HybridLM(MegatronModule):
                  mamba_mixer=Mamba2Mixer, cross_entropy=None, recompute: str = "none"):
         config = with_recompute(config, recompute)
         super().__init__(config=config)
-        # (logits [.., V/tp], target) -> per-token loss; megatron's default reduces over parallel_state's
-        # global TP group, heterogeneous runs inject one bound to this module's TP group
-        self.cross_entropy = cross_entropy or tensor_parallel.vocab_parallel_cross_entropy
+        # (logits [.., V/tp], target) -> per-token loss. It must reduce over *this* module's TP group
+        # (hetero/parallel/vocab_parallel_ce.py); with the whole vocabulary on one rank nothing is reduced
+        if cross_entropy is None and pg_collection.tp.size() > 1:
+            raise ValueError(f"HybridLM at TP={pg_collection.tp.size()} needs cross_entropy= bound to its TP group: "
+                             "pass hetero.parallel.vocab_parallel_ce.vocab_parallel_cross_entropy_for(pgs.tp)")
+        self.cross_entropy = cross_entropy or vocab_cross_entropy
         self.pg_collection = pg_collection
         pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
         if pp_size != config.pipeline_model_parallel_size:

@@ -127,17 +127,15 @@ def _single(name: str, rows: list, seed: int = 0):
 
 def _cp_forward_backward(name: str, hf: dict, rows: list, configs: list[tuple[int, int]]):
     """Per (tp, cp): this rank's forward_cp output per row and its (TP-shard) parameter gradients."""
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
     from tessera.hetero.parallel.cp_tile_attention import TileCPCoreAttention
     from tessera.models.multimodal import build_media_module
     from tessera.models.multimodal_hf import PROJECTOR_ROOT, _load_params, vision_from_hf
 
+    from tests._mcore_cpu import module_pgs
+
     out = {}
     for tp, cp in configs:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
-        pg = ProcessGroupCollection.use_mpu_process_groups()
+        pg = module_pgs(f"tp{tp},cp{cp}", "vision")
         module = build_media_module(name, 24, pg, core_attention=TileCPCoreAttention, tubelets=TUBELETS[name])
         root = PROJECTOR_ROOT["vision"]
         module.projector.load_state_dict({k[len(root):]: v for k, v in hf.items() if k.startswith(root)})
@@ -148,7 +146,6 @@ def _cp_forward_backward(name: str, hf: dict, rows: list, configs: list[tuple[in
         grads = {k: p.grad.numpy().copy() for k, p in module.named_parameters() if p.grad is not None}
         out[(tp, cp)] = dict(rank=pg.cp.rank(), tp_rank=pg.tp.rank(), rows=[o.detach().numpy() for o in per_row],
                              together=together.detach().numpy(), grads=grads)
-        parallel_state.destroy_model_parallel()
     return out
 
 

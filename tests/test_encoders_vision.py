@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _hf_oracles import radio_model
-from _mcore_cpu import single_rank_world
+from _mcore_cpu import module_pgs, single_rank_world
 
 from tessera.hetero.tools.spawn import run_on_ranks
 from tessera.models.encoders import encoder_config, tokens_config
@@ -160,11 +160,7 @@ def test_radio_packed_images_match_transformers(radio_pair):
 
 
 def _tp2_forward_backward(cases):
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    pg = ProcessGroupCollection.use_mpu_process_groups()
+    pg = module_pgs("tp2", "vision")
     out = {}
     for name, (cfg, hf, pixels) in cases.items():
         vit = VisionTransformer(cfg, pg)
@@ -175,7 +171,6 @@ def _tp2_forward_backward(cases):
         grads = {k: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for k, p in vit.named_parameters()}
         params = {k: v for k, v in vit.state_dict().items() if "_extra" not in k}
         out[name] = (y.detach().numpy(), {k: v.numpy() for k, v in params.items()}, {k: v.numpy() for k, v in grads.items()})
-    parallel_state.destroy_model_parallel()
     return out  # numpy: torch tensors would travel as shared memory that dies with the worker
 
 

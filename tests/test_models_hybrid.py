@@ -6,12 +6,9 @@ real gloo ranks), exact HF export, published parameter counts.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-import torch.multiprocessing as mp
-from _mcore_cpu import close_world, free_port, init_world, single_rank_world
+from _mcore_cpu import module_pgs, single_rank_world
 
 from tessera.models import configs
 from tessera.models.hybrid_llm import HybridLM
@@ -26,6 +23,7 @@ from tessera.models.nemotron_h_hf import (
     save_hf,
 )
 from tessera.hetero.tools.parity import compare
+from tessera.hetero.tools.spawn import run_on_ranks
 from tessera.models.hf_reference import fixed_batch, reference_logits
 
 TOL = 1e-4
@@ -163,19 +161,15 @@ def test_published_parameter_counts(pg, name):
     assert abs(count / configs.REGISTRY[name]["published_params"] - 1) < 0.01, count
 
 
-def _parity_rank(rank, world, port, tp, pp, dirs, out):
-    pg_collection = init_world(rank, world, port, tp=tp, pp=pp)
-    errors = {kind: compare(d, pg_collection) for kind, d in dirs.items()}
-    if rank == 0:
-        out.write_text(json.dumps(errors))
-    close_world()
+def _parity_rank(tp, pp, dirs):
+    pg_collection = module_pgs(f"tp{tp},pp{pp}")
+    return {kind: compare(d, pg_collection) for kind, d in dirs.items()}
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_parity_two_gloo_ranks(ckpts, tmp_path, tp, pp):
-    out = tmp_path / "errors.json"
-    mp.spawn(_parity_rank, args=(2, free_port(), tp, pp, ckpts, out), nprocs=2, join=True)
-    errors = json.loads(out.read_text())
+def test_parity_two_gloo_ranks(ckpts, tp, pp):
+    errors, other = run_on_ranks(2, _parity_rank, tp, pp, ckpts)
+    assert errors == other  # compare() all-reduces: every rank knows the verdict
     assert errors.keys() == ckpts.keys()
     assert all(0 < e <= TOL for e in errors.values()), errors  # compare() also raises if nothing compared

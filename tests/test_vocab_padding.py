@@ -17,7 +17,7 @@ import io
 import pytest
 import torch
 from _hf_tiny import make_tiny_checkpoint
-from _mcore_cpu import single_rank_world
+from _mcore_cpu import module_pgs, single_rank_world
 
 from tessera.hetero.tools.spawn import run_on_ranks
 from tessera.models import configs
@@ -122,16 +122,15 @@ def test_label_outside_vocab_is_refused(odd_ckpt):
 
 
 def _tp2_rank(hf_dir: str) -> bytes:
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
+    from tessera.hetero.parallel.vocab_parallel_ce import vocab_parallel_cross_entropy_for
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    pg = ProcessGroupCollection.use_mpu_process_groups()
-    model = HybridLM(hybrid_config_from_hf(hf_dir, tp=2), pg)
+    pg = module_pgs("tp2")
+    with pytest.raises(ValueError, match="needs cross_entropy= bound to its TP group"):  # never a global group's
+        HybridLM(hybrid_config_from_hf(hf_dir, tp=2), pg)
+    model = HybridLM(hybrid_config_from_hf(hf_dir, tp=2), pg, cross_entropy=vocab_parallel_cross_entropy_for(pg.tp))
     load_into(model, load_hf_state_dict(hf_dir), pg.tp.rank(), 0)
     state = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     out = dict(_ours(model), state=state, rank=pg.tp.rank())
-    parallel_state.destroy_model_parallel()
     buf = io.BytesIO()  # plain bytes through the result queue: no shared-memory tensors of an exiting worker
     torch.save(out, buf)
     return buf.getvalue()

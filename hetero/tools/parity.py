@@ -33,13 +33,15 @@ import sys
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from tessera.hetero.parallel.cp_gather_attention import gather_rows
+from tessera.hetero.parallel.vocab_parallel_ce import vocab_parallel_cross_entropy_for
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
 from tessera.hetero.plan.zigzag import zigzag_shard, zigzag_unshard
 from tessera.hetero.runtime.cpu_shims import apply_cpu_shims
 from tessera.hetero.runtime.device import current_device
+from tessera.hetero.runtime.groups import build_module_groups
 from tessera.hetero.runtime.world import join_world
 from tessera.hetero.parallel.kernel_choice import select_kernels
 from tessera.models.hybrid_llm import HybridLM
@@ -57,8 +59,8 @@ def build_model(hf_dir: str, pg_collection: ProcessGroupCollection, kernels=None
     tp, pp, cp = _size(pg_collection.tp), _size(pg_collection.pp), _size(pg_collection.cp)
     config = hybrid_config_from_hf(hf_dir, tp=tp, pp=pp, cp=cp)
     kernels = kernels or select_kernels(pg_collection, dtype=config.params_dtype, config=config)
-    model = HybridLM(config, pg_collection, core_attention=kernels.core_attention,
-                     mamba_mixer=kernels.mamba_mixer)
+    model = HybridLM(config, pg_collection, core_attention=kernels.core_attention, mamba_mixer=kernels.mamba_mixer,
+                     cross_entropy=vocab_parallel_cross_entropy_for(pg_collection.tp))
     load_into(model, LazyCheckpoint(hf_dir), pg_collection.tp.rank(), pg_collection.pp.rank(), pg_collection.ep.rank())
     return model.to(current_device())
 
@@ -123,12 +125,10 @@ def compare(hf_dir: str, pg_collection: ProcessGroupCollection, kernels=None) ->
 
 
 def init_groups(tp: int = 1, pp: int = 1, cp: int = 1) -> ProcessGroupCollection:
-    """megatron's groups on an initialised default group of exactly tp*cp*pp ranks."""
+    """The LLM's groups, built as the trainer builds them (`language=tp..,cp..,pp..` on every rank)."""
     if dist.get_world_size() != tp * pp * cp:
         raise SystemExit(f"world size {dist.get_world_size()} != tp*cp*pp = {tp * cp * pp}: launch that many ranks")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             context_parallel_size=cp)
-    return ProcessGroupCollection.use_mpu_process_groups()
+    return build_module_groups(HeteroLayout.parse(f"{LANGUAGE}=tp{tp},cp{cp},pp{pp}@0-{tp * cp * pp - 1}"))[LANGUAGE].pgs
 
 
 def _init_from_env(tp: int, pp: int, cp: int) -> ProcessGroupCollection:
@@ -168,7 +168,6 @@ def run(args) -> int:
         print(f"tp={args.tp} cp={args.cp} pp={args.pp} batch={BATCH}x{seq_length(args.cp)}", flush=True)
         verdict = "PASS" if ok else "FAIL"
         print(f"parity: {verdict} max_rel_err={err:.3e}" + ("" if ok else f" > {args.tol}"), flush=True)
-    parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return 0 if ok else 1
 
