@@ -114,6 +114,9 @@ def check_plan(src, dst, batch, fmt):
 
     got, writes = simulate(plan.forward, src_rows, plan.forward.out_rows)
     assert got == dst_rows
+    if fmt == "dense":  # where the LLM puts the media: exactly the rows of the batch's positions on that rank
+        for r, rows in dst_rows.items():
+            assert set(np.flatnonzero(plan.written(r))) == set(rows)
     for r in dst_rows:
         assert np.all(writes[r][list(dst_rows[r])] == 1), "an element delivered twice"
         assert writes[r].sum() == len(dst_rows[r])

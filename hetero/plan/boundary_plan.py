@@ -117,6 +117,15 @@ class BoundaryPlan:
     dst_format: str
     dst_shape: dict[int, tuple[int, ...]]  # destination rank -> output shape without the hidden dim
 
+    def written(self, rank: int) -> np.ndarray:
+        """Which of `rank`'s output rows (bool, dst_shape[rank]) the forward writes: where the media go. The one
+        place media positions become destination rows; the LLM reads this instead of placing them again."""
+        mask = np.zeros(self.dst_shape.get(rank, (0,)), dtype=bool)
+        for t in self.forward.transfers:
+            if t.dst_rank == rank:
+                mask.reshape(-1)[t.dst_index] = True
+        return mask
+
 
 @dataclass(frozen=True)
 class _Elements:

@@ -152,13 +152,14 @@ class BoundaryCommunicator:
         self.bytes_sent = 0  # running total on this rank, forward and backward
         self._cache: tuple[tuple, BoundaryPlan] | None = None
         self._programs: dict[tuple[int, str], RankProgram] = {}
+        self._written: torch.Tensor | None = None  # of the cached plan
 
     def plan(self, batch: BoundaryBatch) -> BoundaryPlan:
         # consecutive microbatches often share metadata (fixed media tokens): reuse the plan
         key = (batch.seq_length, tuple(p.tobytes() for p in batch.positions))
         if self._cache is None or self._cache[0] != key:
             self._cache = (key, plan_boundary(self.src, self.dst, batch, self.dst_format))
-            self._programs = {}
+            self._programs, self._written = {}, None
         return self._cache[1]
 
     def program(self, plan: BoundaryPlan, direction: str) -> RankProgram:
@@ -166,6 +167,13 @@ class BoundaryCommunicator:
         if key not in self._programs:
             self._programs[key] = RankProgram.build(getattr(plan, direction), self.rank)
         return self._programs[key]
+
+    def written(self, batch: BoundaryBatch) -> torch.Tensor:
+        """This rank's output rows the forward writes (bool, the output's shape without hidden), on the device."""
+        plan = self.plan(batch)
+        if self._written is None:
+            self._written = torch.from_numpy(plan.written(self.rank)).to(self.device)
+        return self._written
 
     def minimum_bytes(self, batch: BoundaryBatch) -> int:
         fwd, bwd = minimum_rows(self.src, self.dst, batch)

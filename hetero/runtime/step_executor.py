@@ -17,7 +17,7 @@ proves deadlock-free.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,9 +37,16 @@ class EncoderStage(Protocol):
         """Shape of the activation a non-first stage receives for microbatch mb."""
 
 
+class PlacedMedia(NamedTuple):
+    """An encoder's boundary output on an LLM first-stage rank: values [samples, seq/cp, hidden] and where they
+    go (bool [samples, seq/cp]: the rows the boundary plan wrote; elsewhere the text embedding stays)."""
+    values: torch.Tensor
+    mask: torch.Tensor
+
+
 class LanguageStage(Protocol):
-    def forward(self, x: torch.Tensor | None, media: dict[str, torch.Tensor] | None, mb: int) -> torch.Tensor:
-        """First stage: x is None and media holds each encoder's boundary output; later stages get x."""
+    def forward(self, x: torch.Tensor | None, media: dict[str, PlacedMedia] | None, mb: int) -> torch.Tensor:
+        """First stage: x is None and media holds each encoder's placed boundary output; later stages get x."""
 
     def input_shape(self, mb: int) -> tuple[int, ...]:
         ...
@@ -59,7 +66,7 @@ class _StepState:
 
     def __init__(self):
         self.inputs, self.outputs, self.grads = {}, {}, {}
-        self.boundary, self.detached = {}, {}
+        self.boundary, self.detached, self.written = {}, {}, {}
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
 
 
@@ -95,7 +102,7 @@ def hetero_step(layout: HeteroLayout, groups: dict[str, ModuleGroups], encoders:
             if lg.first_stage:  # the LLM runs on detached boundary outputs: their grads meet the encoder later
                 media = {k: st.boundary[(k, mb)].detach().requires_grad_() for k in sorted(layout.encoders)}
                 st.detached.update({(k, mb): t for k, t in media.items()})
-                y = language.forward(None, media, mb)
+                y = language.forward(None, {k: PlacedMedia(t, st.written.pop((k, mb))) for k, t in media.items()}, mb)
             else:
                 y = language.forward(st.inputs[slot], None, mb)
             if lg.last_stage:
@@ -117,6 +124,8 @@ def hetero_step(layout: HeteroLayout, groups: dict[str, ModuleGroups], encoders:
             if callable(batch):  # a layout settled at the boundary (EVS tubelet chunks: runtime/tubelet_settle.py)
                 batch = batch(encoders.get(key))
             st.boundary[slot] = comms[key](x, batch)
+            if lg.is_member and lg.first_stage:
+                st.written[slot] = comms[key].written(batch)
         elif op.kind == "boundary_bwd":
             out = st.boundary.pop(slot)
             if lg.is_member and lg.first_stage:

@@ -164,7 +164,10 @@ class _LanguageStage:
                 mask = torch.zeros(text.shape[:2], dtype=torch.bool)
                 for i, p in enumerate(batches[key].positions):
                     mask[i, torch.as_tensor(p)] = True
-                x = torch.where(mask[self.sl][..., None].to(self.dev), media[key], x)
+                mask = mask[self.sl].to(self.dev)
+                if not torch.equal(mask, media[key].mask):  # the plan's placement, checked against the positions
+                    raise AssertionError(f"{key}: the boundary wrote other rows than the batch's media positions")
+                x = torch.where(mask[..., None], media[key].values, x)
             x = x.reshape(-1, self.dims.llm_hidden)
         seg = self.seg if docs is None else token_segments(*text.shape[:2], docs)[self.sl].reshape(-1).to(self.dev)
         return self.module(x, self.pos, seg)

@@ -17,7 +17,6 @@ moves only its slice (`_local`); media items are moved by the media module itsel
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
 
@@ -27,6 +26,7 @@ from tessera.hetero.parallel.cp_gather_attention import gather_rows
 from tessera.hetero.plan.encoder_cp import encoder_path, item_cp_index, item_owners
 from tessera.hetero.plan.zigzag import zigzag_positions
 from tessera.hetero.plan.layout import ModuleLayout, RankCoord
+from tessera.hetero.runtime.step_executor import PlacedMedia
 from tessera.models.sdpa_attention import document_ids
 
 
@@ -142,22 +142,15 @@ class LanguageStage:
         seq = len(self.pos) // (self.layout.tp if self.llm.config.sequence_parallel else 1)
         return (seq, len(self.rows), self.llm.config.hidden_size)
 
-    def _media_mask(self, batch: PackedBatch, key: str) -> torch.Tensor:
-        mask = np.zeros(batch.tokens.shape, dtype=bool)
-        for r, row in enumerate(batch.positions):
-            mask[r, row.get(key, np.zeros(0, np.int64))] = True
-        return self._local(torch.from_numpy(mask))
-
-    def forward(self, x, media: dict[str, torch.Tensor] | None, mb: int) -> torch.Tensor:
+    def forward(self, x, media: dict[str, PlacedMedia] | None, mb: int) -> torch.Tensor:
         batch = self.batches[mb]
         labels = self._local(batch.labels) if self.llm.post_process else None
         # packed documents of this rank's rows and zigzag positions: no attention, conv or SSM state crosses them
         docs = self._local(document_ids(batch.cu_seqlens, batch.tokens.shape[1]))
         if x is None:  # first stage: text embeddings with each encoder's boundary output at its positions
             hidden = self.llm.embedding(self._local(batch.tokens))
-            for key in sorted(media or {}):
-                mask = self._media_mask(batch, key)[..., None]
-                hidden = torch.where(mask, media[key].to(hidden.dtype), hidden)
+            for key in sorted(media or {}):  # the boundary plan placed each encoder's rows: keep its placement
+                hidden = torch.where(media[key].mask[..., None], media[key].values.to(hidden.dtype), hidden)
             return self.llm(decoder_input=hidden.transpose(0, 1).contiguous(), labels=labels, doc_ids=docs)
         self.llm.set_input_tensor(x)
         return self.llm(labels=labels, doc_ids=docs)
