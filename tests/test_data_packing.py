@@ -196,3 +196,24 @@ def test_settling_a_pruned_clips_chunks_moves_them_and_the_text_between(tok):
     assert batch.media_meta == want.media_meta
     with pytest.raises(ValueError, match=r"row 0 vision item 0: counts \[4, 1, 0\] do not settle 3 chunks of 6"):
         batch.settle_tubelet_chunks("vision", {(0, 0): [4, 1, 0]})
+
+
+def test_the_llm_reads_tokens_only_after_the_boundary_settled_them():
+    """The EVS order (hetero/runtime/tubelet_settle.py): a microbatch handed to the boundary is pending until its
+    chunks settle; the LLM's first stage asks first and is refused before, allowed after."""
+    from types import SimpleNamespace
+
+    from _mcore_cpu import single_rank_world
+
+    from tessera.hetero.plan.layout import HeteroLayout
+    from tessera.hetero.runtime.tubelet_settle import TubeletSettle
+
+    single_rank_world()
+    settle = TubeletSettle(HeteroLayout.parse("vision=dp1@0-0;language=tp1@0-0"), "vision", "cpu")
+    batch = SimpleNamespace(chunked_items=lambda key: [], boundary_batches=lambda keys: {k: f"{k} batch" for k in keys})
+    boundary = settle.lazy(batch, 0)
+    with pytest.raises(RuntimeError, match="microbatch 0: the LLM reads its tokens before the vision boundary"):
+        settle.require_settled(0)
+    assert boundary(None) == "vision batch"
+    settle.require_settled(0)
+    settle.close()

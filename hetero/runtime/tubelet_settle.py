@@ -16,6 +16,14 @@ each clip has exactly one), then every participant moves its copy of the chunks
 Ranks outside the boundary read no token or media position of the rows (later LLM stages read labels and
 document ids, which settling leaves unchanged).
 
+The order, per microbatch, is the one correctness rests on:
+  1. the vision encoder's last stage encodes the clips and records what each tubelet kept (its forward);
+  2. `settle` (inside the vision boundary op): the counts are summed over the participants, every participant's
+     copy of the batch moves its chunks (tokens, positions, metadata), and the boundary batch is built from the
+     settled positions, so the plan places the embeddings where the settled tokens expect them;
+  3. the LLM's first stage embeds the settled tokens. It calls `require_settled(mb)` first: a schedule that ran it
+     before step 2 fails there, instead of training on the nominal layout.
+
     settle = TubeletSettle(layout, "vision", device)        # every rank, at set-up (it creates a group)
     batches[mb]["vision"] = settle.lazy(batch, mb)          # hetero_step calls it with the rank's stage
 """
@@ -37,10 +45,12 @@ class TubeletSettle:
         self.key, self.device = key, device
         self.ranks = sorted(boundary_participants(layout, key))
         self.group = dist.new_group(self.ranks)  # collective over the world: every rank builds it, in order
+        self.pending: set[int] = set()  # microbatches handed out by `lazy` and not settled yet
 
     def lazy(self, batch, mb: int):
         """What hetero_step takes in place of microbatch mb's boundary batch: called with this rank's encoder
         stage of the key (None where the rank holds none), it settles `batch` and returns its boundary batch."""
+        self.pending.add(mb)
         return functools.partial(self.settle, batch, mb)
 
     def settle(self, batch, mb: int, stage) -> object:
@@ -59,7 +69,14 @@ class TubeletSettle:
             counts = counts.cpu().tolist()
             batch.settle_tubelet_chunks(self.key, {(r, j): counts[a:a + n]
                                                    for (r, j, _), a, n in zip(items, starts, sizes)})
+        self.pending.discard(mb)
         return batch.boundary_batches([self.key])[self.key]
+
+    def require_settled(self, mb: int) -> None:
+        """Step 3's guard: microbatch mb's tokens are read only after its chunks settled (step 2)."""
+        if mb in self.pending:
+            raise RuntimeError(f"microbatch {mb}: the LLM reads its tokens before the {self.key} boundary settled its "
+                               f"EVS tubelet chunks; the schedule must run the boundary forward first")
 
     def close(self) -> None:
         """Destroy the participants' group (with the module groups, before another layout in the same processes)."""

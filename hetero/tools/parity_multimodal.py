@@ -231,7 +231,7 @@ def compare_multimodal(hf_dir: str, layout: str = "", perturb: dict[str, float] 
                                  run.groups[k].pgs.cp)
            for k in run.modules if k != LANGUAGE}
     lang = (_LogitsStage(_LogitsOnly(run.modules[LANGUAGE]), hetero[LANGUAGE], run.groups[LANGUAGE].coord, [batch],
-                         1, device) if LANGUAGE in run.modules else None)
+                         1, device, settle) if LANGUAGE in run.modules else None)
     result = hetero_step(hetero, run.groups, enc, lang, comms, boundary_batches([batch], hetero, settle), like)
 
     payload = None

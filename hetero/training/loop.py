@@ -187,8 +187,8 @@ def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, h
     total = global_token_count(batches)
     enc = {k: MediaEncoderStage(modules[k], k, layout[k], groups[k].coord, batches, run.device, groups[k].pgs.cp)
            for k in modules if k != LANGUAGE}
-    lang = (LanguageStage(modules[LANGUAGE], layout[LANGUAGE], groups[LANGUAGE].coord, batches, total, run.device)
-            if LANGUAGE in modules else None)
+    lang = (LanguageStage(modules[LANGUAGE], layout[LANGUAGE], groups[LANGUAGE].coord, batches, total, run.device,
+                          settle) if LANGUAGE in modules else None)
     sent0 = sum(c.bytes_sent for c in comms.values())
     result = hetero_step(layout, groups, enc, lang, comms, boundary_batches(batches, layout, settle), like)
     stats = run.opt.step(lr_at(step, cfg.trainer.max_steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio))

@@ -121,9 +121,9 @@ class LanguageStage:
     """This rank's piece of the LLM over its DP rows and zigzag CP positions of each microbatch."""
 
     def __init__(self, llm, layout: ModuleLayout, coord: RankCoord, batches: list[PackedBatch], total_tokens: int,
-                 device: torch.device):
+                 device: torch.device, settle=None):
         self.llm, self.layout, self.coord, self.batches, self.total = llm, layout, coord, batches, total_tokens
-        self.device = device
+        self.device, self.settle = device, settle  # settle: the run's TubeletSettle (EVS chunks), or None
         n, seq = batches[0].tokens.shape
         self.rows = torch.as_tensor(list(dp_rows(n, layout.dp_size, coord.dp)))
         self.pos = torch.as_tensor(zigzag_positions(seq, layout.cp, coord.cp))
@@ -148,6 +148,8 @@ class LanguageStage:
         # packed documents of this rank's rows and zigzag positions: no attention, conv or SSM state crosses them
         docs = self._local(document_ids(batch.cu_seqlens, batch.tokens.shape[1]))
         if x is None:  # first stage: text embeddings with each encoder's boundary output at its positions
+            if self.settle is not None:
+                self.settle.require_settled(mb)  # the tokens as settled at the boundary (runtime/tubelet_settle.py)
             hidden = self.llm.embedding(self._local(batch.tokens))
             for key in sorted(media or {}):  # the boundary plan placed each encoder's rows: keep its placement
                 hidden = torch.where(media[key].mask[..., None], media[key].values.to(hidden.dtype), hidden)
