@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron.energon import (Cooker, Sample, SkipSample, TaskEncoder, WorkerConfig,
@@ -40,8 +41,9 @@ from megatron.energon.edataclass import edataclass
 from megatron.energon.errors import FatalSampleError
 from megatron.energon.state import FlexState
 
-from tessera.data.media import (MediaError, blank_item, choose_grid, decode_audio, decode_image, decode_native_image,
-                                decode_video, native_grid, probe_audio, probe_image, probe_video, sample_indices)
+from tessera.data.media import (MediaError, audio_samples, blank_item, choose_grid, decode_audio, decode_image,
+                                decode_native_image, decode_video, native_grid, sample_indices)
+from tessera.data.media_meta import INDEX_COMMAND, check_bytes, facts_of, has_facts, probe_facts
 from tessera.data.packing import EncodedSample, PackedSample, collate, first_fit_decreasing, pack_row
 from tessera.data.templates import release_frame_time
 from tessera.data.tokens import (DEFAULT_TEMPLATE, MODULE_OF_KIND, MEDIA_TAGS, EncoderTokens, PromptError, Tokenizer,
@@ -68,6 +70,29 @@ def _shard_of(sample: Sample) -> str:
     return src[0].shard_name if src else "?"
 
 
+def _dataset_of(sample: Sample) -> str:
+    src = sample.__sources__
+    return str(src[0].dataset_path) if src else "?"
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    """A media member not read yet: its dataset, tar entry name and prepared entry (data/media_meta.py)."""
+    dataset: str
+    name: str
+    entry: dict
+
+
+_LEGACY_WARNED: set[str] = set()
+
+
+def _warn_legacy(dataset: str) -> None:
+    if dataset not in _LEGACY_WARNED:
+        _LEGACY_WARNED.add(dataset)
+        log.warning(f"dataset {dataset} has no media metadata: every rank reads and probes every media member of the "
+                    f"global batch; add it with `{INDEX_COMMAND.replace('DIR', dataset)}`")
+
+
 class ChatTaskEncoder(TaskEncoder):
     """Chat/caption samples with images, videos and audio → packed rows (see module docstring)."""
 
@@ -92,8 +117,15 @@ class ChatTaskEncoder(TaskEncoder):
         self.enc = encoder
         self.strict = strict
         self.decode = None if decode is None else {m: range(r.start, r.stop) for m, r in decode.items()}
-        # Skips seen by this process since its last batch; each batch carries them to the training loop.
+        # Skips seen and bytes read by this process since its last batch; each batch carries them to the loop.
         self._pending: Counter = Counter()
+        self._read = 0
+        self._stores: dict = {}  # dataset path -> energon WebdatasetFileStore, opened in the process that reads
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_stores"] = {}  # sqlite handles stay in the process that opened them
+        return state
 
     def _skip(self, sample: Sample, category: str, reason: str):
         msg = f"skipped sample: shard={_shard_of(sample)} key={sample.__key__} reason={category}: {reason}"
@@ -103,26 +135,27 @@ class ChatTaskEncoder(TaskEncoder):
         log.warning(msg)
         raise SkipSample(msg)
 
-    def _units(self, kind: str, data: bytes) -> tuple[int | tuple, list[float] | None]:
+    def _units(self, kind: str, facts: dict) -> tuple[int | tuple, list[float] | None]:
         """Predicted tiles (or, at native resolution, the (rows, cols) patch grid) / frames (at native resolution
-        (frames, rows, cols)) / 16 kHz samples of one item, from headers only; with a video, the times of its
-        sampled frames as the release's processor labels them (None without a frame rate)."""
+        (frames, rows, cols)) / 16 kHz samples of one item, from its header facts (data/media_meta.probe_facts:
+        stored at prepare, or probed here for a dataset without them); with a video, the times of its sampled
+        frames as the release's processor labels them (None without a frame rate)."""
         if kind == "image":
-            w, h = probe_image(data)
+            w, h = facts["width"], facts["height"]
             if self.enc.native_resolution:
                 return native_grid(w, h, self.enc), None
             return choose_grid(w, h, self.enc.max_tiles, self.enc.thumbnail, self.enc.tile).num_tiles, None
         if kind == "video":
-            head = probe_video(data)
-            picked = sample_indices(head.frames, self.enc.video_frames)
-            times = [release_frame_time(i, head.fps) for i in picked] if head.fps else None
+            fps = facts["fps"]
+            picked = sample_indices(facts["frames"], self.enc.video_frames)
+            times = [release_frame_time(i, fps) for i in picked] if fps else None
             if not self.enc.native_resolution:
                 return len(picked), times
-            if not (head.width > 0 and head.height > 0):
-                raise MediaError(f"video stream header has no frame size ({head.width}x{head.height})")
+            if not (facts["width"] > 0 and facts["height"] > 0):
+                raise MediaError(f"video stream header has no frame size ({facts['width']}x{facts['height']})")
             # (frames, rows, cols): every frame the clip's native grid
-            return (len(picked), *self.enc.video_grid(head.width, head.height)), times
-        samples = self.enc.audio_padded_samples(probe_audio(data, self.enc.audio_rate))
+            return (len(picked), *self.enc.video_grid(facts["width"], facts["height"])), times
+        samples = self.enc.audio_padded_samples(audio_samples(facts["frames"], facts["rate"], self.enc.audio_rate))
         if self.enc.audio_tokens(samples) < self.enc.audio_min_tokens:
             raise MediaError(f"{samples} samples give {self.enc.audio_tokens(samples)} encoder frame(s) after "
                              f"{self.enc.audio_subsampling}x subsampling; the encoder needs at least "
@@ -137,20 +170,27 @@ class ChatTaskEncoder(TaskEncoder):
             turns, items = meta["conversation"], meta.get("media", [])
         except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
             self._skip(sample, "corrupt_member", f"json member unreadable ({type(e).__name__}: {e})")
+        self._read += len(m["json"])
         raw = []
         for it in items:
             if it.get("kind") not in MEDIA_TAGS:
                 self._skip(sample, "corrupt_member", f"unknown media kind {it.get('kind')!r}")
-            if m.get(it.get("field")) is None:
+            stored = has_facts(it)  # prepared with media metadata: the bytes are read where they are decoded
+            if not stored and m.get(it.get("field")) is None:
                 self._skip(sample, "missing_modality", f"{it['kind']} member '{it.get('field')}' not in shard")
             if self.modules is not None and MODULE_OF_KIND[it["kind"]] not in self.modules:
                 self._skip(sample, "no_encoder", f"{it['kind']} item but the model has no "
                                                  f"{MODULE_OF_KIND[it['kind']]} encoder")
-            raw.append((it["kind"], m[it["field"]]))
+            if stored:
+                raw.append((it["kind"], MediaRef(_dataset_of(sample), f"{sample.__key__}.{it['field']}", it)))
+            else:
+                _warn_legacy(_dataset_of(sample))
+                raw.append((it["kind"], m[it["field"]]))
+                self._read += len(m[it["field"]])
         units, times = [], []
         for kind, data in raw:
             try:
-                u, t = self._units(kind, data)
+                u, t = self._units(kind, facts_of(data.entry) if isinstance(data, MediaRef) else probe_facts(kind, data))
             except MediaError as e:
                 self._skip(sample, e.reason or f"undecodable_{kind}", str(e))
             units.append(u)
@@ -178,10 +218,25 @@ class ChatTaskEncoder(TaskEncoder):
     def _wants(self, module: str, row: int) -> bool:
         return self.decode is None or row in self.decode.get(module, ())
 
-    def _decode_item(self, kind: str, data: bytes, units: int, key: str, shard: str):
+    def _fetch(self, ref: MediaRef) -> bytes:
+        """One member's bytes, read from its shard through energon's tar index (only on a rank that decodes it)."""
+        from megatron.energon.cache.file_store import WebdatasetFileStore
+        from megatron.energon.epathlib import EPath
+
+        store = self._stores.get(ref.dataset)
+        if store is None:
+            store = self._stores[ref.dataset] = WebdatasetFileStore(EPath(ref.dataset))
+        data, _ = store[ref.name]
+        self._read += len(data)
+        check_bytes(ref.entry, data)
+        return data
+
+    def _decode_item(self, kind: str, data: bytes | MediaRef, units: int, key: str, shard: str):
         """Decode one packed item; on failure a blank of the predicted shape (see module docstring)."""
         enc = self.enc
         try:
+            if isinstance(data, MediaRef):
+                data = self._fetch(data)
             if kind == "image" and enc.native_resolution:
                 arr = decode_native_image(data, enc, self.defer_upscale)
                 n = (arr.shape[2] // enc.patch, arr.shape[3] // enc.patch)  # one image: its patch grid
@@ -202,10 +257,11 @@ class ChatTaskEncoder(TaskEncoder):
                 raise MediaError(f"decoded {n} units but the header predicted {units}")
             return arr
         except MediaError as e:
-            msg = f"undecodable media: shard={shard} key={key} reason=undecodable_{kind}: {e}"
+            reason = e.reason if e.reason == "metadata_mismatch" else f"undecodable_{kind}"
+            msg = f"undecodable media: shard={shard} key={key} reason={reason}: {e}"
             if self.strict:
                 raise FatalSampleError(msg + " (strict mode)") from None
-            self._pending[f"undecodable_{kind}_blanked"] += 1
+            self._pending[f"{reason}_blanked"] += 1
             log.warning(msg + "; blank-filled to keep the packed alignment")
             return blank_item(kind, units, enc)
 
@@ -216,8 +272,8 @@ class ChatTaskEncoder(TaskEncoder):
                     row.media[module] = [(kind, self._decode_item(kind, data, units, key, shard))
                                          for kind, data, units, key, shard in items]
             row.raw = {}
-        skipped, self._pending = dict(self._pending), Counter()
-        return collate(rows, skipped)
+        skipped, self._pending, read, self._read = dict(self._pending), Counter(), self._read, 0
+        return collate(rows, skipped, read)
 
 
 def build_loader(path: str | Path, task_encoder: ChatTaskEncoder, rows_per_microbatch: int, *,

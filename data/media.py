@@ -31,7 +31,6 @@ TileSource (decoded pixels + grid) and are resized on the GPU after the (smaller
 from __future__ import annotations
 
 import io
-import math
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -361,8 +360,8 @@ def audio_header(data: bytes) -> tuple[int, int] | None:
     return None
 
 
-def probe_audio(data: bytes, target_rate: int = AUDIO_RATE) -> int:
-    """Number of samples the decoded waveform will have at `target_rate`, from the header only."""
+def probe_audio_header(data: bytes) -> tuple[int, int]:
+    """(frames, sample rate) of an audio member from its header only (libsndfile where the plain parse cannot)."""
     head = audio_header(data)
     if head is None:
         try:
@@ -370,9 +369,19 @@ def probe_audio(data: bytes, target_rate: int = AUDIO_RATE) -> int:
         except Exception as e:
             raise MediaError(f"undecodable audio header: {type(e).__name__}: {e}") from None
         head = info.frames, info.samplerate
-    if head[0] <= 0:
+    return head
+
+
+def audio_samples(frames: int, rate: int, target_rate: int = AUDIO_RATE) -> int:
+    """Samples the decoded waveform will have at `target_rate`; a clip without samples is refused."""
+    if frames <= 0:
         raise MediaError("audio has no samples", reason="too_short")
-    return resampled_length(head[0], head[1], target_rate)
+    return resampled_length(frames, rate, target_rate)
+
+
+def probe_audio(data: bytes, target_rate: int = AUDIO_RATE) -> int:
+    """Number of samples the decoded waveform will have at `target_rate`, from the header only."""
+    return audio_samples(*probe_audio_header(data), target_rate)
 
 
 def decode_audio(data: bytes, target_rate: int = AUDIO_RATE, min_samples: int = 0) -> np.ndarray:

@@ -39,7 +39,7 @@ class EncodedSample(Sample):
     """One sample after tokenization. `media` is filled by the post-encode step (decode), in span order."""
 
     prompt: EncodedPrompt
-    raw_media: list  # [(kind, bytes)] per stored media item; decoded (or dropped) when the batch is formed
+    raw_media: list  # [(kind, bytes | MediaRef)] per stored media item; decoded (or dropped) when the batch is formed
     media: list  # already decoded items [(module, kind, units, array | (frames, timestamps))] in span order,
     # or [] when the items are still raw (the loader's case)
     units: list  # predicted tiles/frames/samples per raw media item (checked against the decode)
@@ -167,6 +167,7 @@ class PackedBatch(Batch):
     media_meta: list  # N dicts module -> [(kind, units, tokens[, chunks])] (every rank, every row)
     seq_length: int
     skipped: dict  # reason -> count, skips observed by the producing worker since its previous batch
+    read_bytes: int = 0  # bytes the producing worker read from the shards since its previous batch
 
     @property
     def modules(self) -> list[str]:
@@ -187,7 +188,8 @@ class PackedBatch(Batch):
         return PackedBatch.derive_from(
             self, tokens=self.tokens[lo:hi], labels=self.labels[lo:hi], position_ids=self.position_ids[lo:hi],
             cu_seqlens=self.cu_seqlens[lo:hi], keys=self.keys[lo:hi], media=self.media[lo:hi],
-            positions=self.positions[lo:hi], media_meta=self.media_meta[lo:hi], seq_length=self.seq_length, skipped=dict(self.skipped))
+            positions=self.positions[lo:hi], media_meta=self.media_meta[lo:hi], seq_length=self.seq_length,
+            skipped=dict(self.skipped), read_bytes=self.read_bytes)
 
     def chunked_items(self, module: str) -> list[tuple[int, int, tuple]]:
         """(row, item index, chunks) of every item of `module` written in several chunks, in row and item order:
@@ -291,7 +293,7 @@ def share_large_arrays() -> None:
         ForkingPickler.register(np.ndarray, _reduce_ndarray)
 
 
-def collate(rows: list[PackedSample], skipped: dict) -> PackedBatch:
+def collate(rows: list[PackedSample], skipped: dict, read_bytes: int = 0) -> PackedBatch:
     share_large_arrays()
     batch = PackedBatch(
         __key__=[r.__key__ for r in rows], __restore_key__=(), __subflavors__=None, __sources__=None,
@@ -300,6 +302,7 @@ def collate(rows: list[PackedSample], skipped: dict) -> PackedBatch:
         position_ids=torch.from_numpy(np.stack([r.position_ids for r in rows])),
         cu_seqlens=[torch.from_numpy(r.cu_seqlens) for r in rows], keys=[r.keys for r in rows],
         media=[r.media for r in rows], positions=[r.positions for r in rows],
-        media_meta=[r.media_meta for r in rows], seq_length=len(rows[0].tokens), skipped=skipped)
+        media_meta=[r.media_meta for r in rows], seq_length=len(rows[0].tokens), skipped=skipped,
+        read_bytes=read_bytes)
     batch.check()  # every batch the loader builds keeps the alignment contract (metadata and positions)
     return batch

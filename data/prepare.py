@@ -2,9 +2,11 @@
 webdataset shards + energon's index out. scripts/prepare_data.py is its command line; the training loop's
 synthetic data set (data/pipeline.py) calls make_synthetic directly.
 
-Each sample becomes KEY.json ({"conversation", "media": [{"kind", "field"}]}) plus one member per media
-item (KEY.img0.jpg, KEY.vid0.mp4, KEY.aud0.flac). `energon prepare` (run in-process) then writes
-DIR/.nv-meta (tar indexes for random access, split.yaml, dataset.yaml with CrudeWebdataset).
+Each sample becomes KEY.json ({"conversation", "media": [{"kind", "field", "bytes", "crc32", "probe"}]}: each
+item's header facts, data/media_meta.py) plus one member per media item (KEY.img0.jpg, KEY.vid0.mp4,
+KEY.aud0.flac). `energon prepare` (run in-process) then writes DIR/.nv-meta (tar indexes for random access,
+split.yaml, dataset.yaml with CrudeWebdataset reading only the JSON member: the loader fetches an item's bytes by
+its name through the index, on the ranks that decode it).
 Items that cannot be read are skipped and counted with their reason; preparation never stops on one.
 """
 
@@ -26,6 +28,8 @@ import numpy as np
 import soundfile as sf
 import webdataset as wds
 from PIL import Image, ImageDraw
+
+from tessera.data.media_meta import PART_FILTER, has_facts, item_entry
 
 KIND_OF_EXT = {".jpg": "image", ".jpeg": "image", ".png": "image", ".webp": "image", ".mp4": "video",
                ".mkv": "video", ".webm": "video", ".wav": "audio", ".flac": "audio", ".ogg": "audio"}
@@ -78,8 +82,9 @@ def caption_chat(kind: str, caption: str) -> list[dict]:
     return [{"role": "user", "content": PROMPTS[kind]}, {"role": "assistant", "content": caption}]
 
 
-def write_shards(records, out: Path, shard_size: int) -> Counter:
-    """Write samples with webdataset's ShardWriter; returns counts by media kind."""
+def write_shards(records, out: Path, shard_size: int, media_meta: bool = True) -> Counter:
+    """Write samples with webdataset's ShardWriter; returns counts by media kind. media_meta: each item's probe
+    facts, byte length and CRC in the JSON member (data/media_meta.py; False: a dataset as written before them)."""
     out.mkdir(parents=True, exist_ok=True)
     counts: Counter = Counter()
     written: set[str] = set()
@@ -93,7 +98,7 @@ def write_shards(records, out: Path, shard_size: int) -> Counter:
             for i, (kind, ext, data) in enumerate(media):
                 field = f"{FIELD_PREFIX[kind]}{i}.{ext}"
                 sample[field] = data
-                fields.append({"kind": kind, "field": field})
+                fields.append(item_entry(kind, field, data) if media_meta else {"kind": kind, "field": field})
                 counts[kind] += 1
             sample["json"] = json.dumps({"conversation": conversation, "media": fields}).encode()
             sink.write(sample)
@@ -151,7 +156,44 @@ def remove_stale_shards(out: Path, written: set[str]) -> list[Path]:
     return stale
 
 
-def energon_prepare(out: Path) -> None:
+def add_media_metadata(out: Path) -> int:
+    """Write each media item's metadata (data/media_meta.py) into the JSON members of the shards in `out` that lack
+    it: a dataset prepared before it. Each shard is rewritten beside itself and renamed over it (never half
+    written); members keep their order and bytes. Returns the number of shards rewritten."""
+    import os
+    import tarfile
+
+    rewritten = 0
+    for shard in sorted(out.glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            members = [(m, tar.extractfile(m).read()) for m in tar.getmembers() if m.isfile()]
+        data = {m.name: b for m, b in members}
+        changed = False
+        for i, (m, body) in enumerate(members):
+            if not m.name.endswith(".json"):
+                continue
+            key, sample = m.name[:-len(".json")], json.loads(body)
+            media = sample.get("media", [])
+            if all(has_facts(it) for it in media):
+                continue
+            sample["media"] = [it if has_facts(it) or f"{key}.{it.get('field')}" not in data
+                               else item_entry(it["kind"], it["field"], data[f"{key}.{it['field']}"]) for it in media]
+            members[i] = (m, json.dumps(sample).encode())
+            changed = True
+        if not changed:
+            continue
+        tmp = shard.with_name(shard.name + ".tmp")
+        with tarfile.open(tmp, "w") as tar:
+            for m, body in members:
+                info = tarfile.TarInfo(m.name)
+                info.size, info.mtime, info.mode = len(body), m.mtime, m.mode
+                tar.addfile(info, io.BytesIO(body))
+        os.replace(tmp, shard)
+        rewritten += 1
+    return rewritten
+
+
+def energon_prepare(out: Path, media_meta: bool = True) -> None:
     """`energon prepare` via its click command: one split (train), CrudeWebdataset samples.
 
     Every tar in `out` is checked first (check_shards): a bad one raises ShardError naming it, instead of
@@ -169,6 +211,9 @@ def energon_prepare(out: Path) -> None:
         with contextlib.redirect_stdout(chatter):
             command.main([str(out), "--non-interactive", "--split-ratio", "1,0,0", "--sample-type", "CrudeWebdataset",
                           "--force-overwrite", "--no-progress", "--num-workers", "1"], standalone_mode=False)
+        if media_meta:  # the global stream then reads each sample's JSON member only (data/media_meta.py)
+            with open(out / ".nv-meta" / "dataset.yaml", "a") as f:
+                f.write(PART_FILTER + "\n")
     except BaseException as e:
         print(chatter.getvalue(), file=sys.stderr)
         if isinstance(e, AssertionError):  # energon's checks are bare asserts: say where and what to do
@@ -271,11 +316,12 @@ def synthetic_records(n: int, seed: int, prefix: str = "syn", kinds=("image", "v
 
 
 def make_synthetic(out: Path, samples: int = 96, seed: int = 0, shard_size: int = 16, prefix: str = "syn",
-                   tokenizer: bool = True) -> Counter:
-    """Synthetic shards + index (+ tokenizer.model trained on the texts); used by tests and the benchmark."""
+                   tokenizer: bool = True, media_meta: bool = True) -> Counter:
+    """Synthetic shards + index (+ tokenizer.model trained on the texts); used by tests and the benchmark.
+    media_meta=False: a dataset as prepared before the media metadata (data/media_meta.py)."""
     records = list(synthetic_records(samples, seed, prefix))
-    counts = write_shards(iter(records), out, shard_size)
-    energon_prepare(out)
+    counts = write_shards(iter(records), out, shard_size, media_meta)
+    energon_prepare(out, media_meta)
     if tokenizer:
         from tessera.data.tokens import train_sentencepiece
 

@@ -104,15 +104,21 @@ def make_sets(out: Path, media: str, samples: int) -> None:
 
     for name, kinds in KINDS.items():
         path = out / media / name
-        if (path / ".nv-meta" / "index.sqlite").exists():
+        if (path / ".nv-meta" / "index.sqlite").exists() and (_nometa(path) / ".nv-meta" / "index.sqlite").exists():
             continue
         print(f"  building {media}/{name} ({samples} samples)", file=sys.stderr)
         records = list(_camera_records(samples, kinds) if media == "camera" else
                        synthetic_records(samples, seed=11, prefix=name, kinds=kinds))
-        write_shards(iter(records), path, shard_size=8)
-        energon_prepare(path)
+        for where, meta in ((path, True), (_nometa(path), False)):  # the same samples as prepared before issue 31
+            write_shards(iter(records), where, shard_size=8, media_meta=meta)
+            energon_prepare(where, media_meta=meta)
         texts = [t["content"] for _, conv, _ in records for t in conv] * 4
         train_sentencepiece(texts + ["user\n", "assistant\n", "system\n"], path / "tokenizer", vocab_size=400)
+
+
+def _nometa(path: Path) -> Path:
+    """The set prepared without media metadata (every rank's stream reads and probes the media bytes)."""
+    return path.with_name(path.name + "_nometa")
 
 
 # ---- the two loaders ----------------------------------------------------------------------------------------
@@ -123,12 +129,13 @@ def encoder_tokens():
     return EncoderTokens(max_tiles=MAX_TILES, video_frames=VIDEO_FRAMES)
 
 
-def tessera_stream(path: Path, workers: int, defer_upscale: bool = True):
+def tessera_stream(path: Path, workers: int, defer_upscale: bool = True, tokenizer: Path | None = None):
     """Yields (samples, media units by kind) per packed batch, forever. defer_upscale as the trainer sets it
-    on GPUs (media smaller than their tiles are resized on the GPU); `tessera_cpu` runs it off (CPU runs)."""
+    on GPUs (media smaller than their tiles are resized on the GPU); `tessera_cpu` runs it off (CPU runs);
+    `tessera_nometa` reads the set prepared without media metadata (the global stream reads the media bytes)."""
     from tessera.data.loader import ChatTaskEncoder, build_loader
 
-    te = ChatTaskEncoder(path / "tokenizer.model", seq_length=65536, encoder=encoder_tokens(),
+    te = ChatTaskEncoder(tokenizer or path / "tokenizer.model", seq_length=65536, encoder=encoder_tokens(),
                          defer_upscale=defer_upscale)
     for batch in build_loader(path, te, rows_per_microbatch=1, num_workers=workers, repeat=True,
                               shuffle_buffer=None, packing_buffer=8):
@@ -176,6 +183,7 @@ def plain_stream(path: Path, workers: int):
 def one(path: Path, impl: str, workers: int, warmup: int, window: float) -> dict:
     """One configuration in this process: samples/s over at least `window` seconds after `warmup` samples."""
     stream = (plain_stream(path, workers) if impl == "plain" else
+              tessera_stream(_nometa(path), workers, tokenizer=path / "tokenizer.model") if impl == "tessera_nometa" else
               tessera_stream(path, workers, defer_upscale=impl == "tessera"))
     t0, n = time.perf_counter(), 0
     for k, _ in stream:
@@ -230,7 +238,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=8, help="samples consumed before the clock starts")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved plain/Tessera pairs per configuration")
     ap.add_argument("--samples", type=int, default=48, help="samples per data set")
-    ap.add_argument("--impls", nargs="+", default=["tessera"], choices=["tessera", "tessera_cpu"],
+    ap.add_argument("--impls", nargs="+", default=["tessera"], choices=["tessera", "tessera_cpu", "tessera_nometa"],
                     help="tessera: upscales deferred to the GPU (the trainer on GPUs); tessera_cpu: all on the CPU")
     ap.add_argument("--out", type=Path, default=Path("/tmp/tessera_bench_loader"))
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: "path,impl,workers" in a subprocess

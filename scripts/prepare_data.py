@@ -9,7 +9,8 @@ Turn a JSONL manifest, a folder, or a synthetic generator into webdataset shards
 Manifest lines are either a caption record {"image"|"video"|"audio": path, "caption": text} or a chat
 record {"conversation": [{"role", "content"}...], "media": [{"kind": "image", "path": p}, ...]} whose
 content holds <image>/<video>/<audio> tags; relative paths resolve against the manifest's folder.
-Each sample becomes KEY.json ({"conversation", "media": [{"kind", "field"}]}) plus one member per media
+Each sample becomes KEY.json ({"conversation", "media": [{"kind", "field", "bytes", "crc32", "probe"}]}: each
+item's header facts, so the global stream reads no media bytes, data/media_meta.py) plus one member per media
 item (KEY.img0.jpg, KEY.vid0.mp4, KEY.aud0.flac). Then `energon prepare` (run in-process) writes
 DIR/.nv-meta (tar indexes for random access, split.yaml, dataset.yaml with CrudeWebdataset).
 Every dataset gets DIR/tokenizer.model, which training uses when data.tokenizer is not set: --tokenizer
@@ -17,6 +18,7 @@ PATH copies a SentencePiece .model (the model's own: use it to fine-tune a relea
 a small SentencePiece model (the template and media tokens as single pieces) is trained on the dataset's
 texts, which suits the tiny recipes and training from scratch.
     python scripts/prepare_data.py --index --out DIR [--tokenizer PATH]   # tars already in DIR: index only
+(--index also writes the media metadata into a dataset prepared without it: data/media_meta.py.)
 Items that cannot be read are skipped and reported with their reason; the process never stops on one. A
 shard that is cut off or unreadable (interrupted write, full disk, partial copy) is reported by name with
 what to do, and the exit status is 2 (1: no usable samples).
@@ -29,8 +31,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from tessera.data.prepare import (ShardError, energon_prepare, make_synthetic, records_from_folder,
-                                  records_from_manifest, write_shards)
+from tessera.data.prepare import (ShardError, add_media_metadata, energon_prepare, make_synthetic,
+                                  records_from_folder, records_from_manifest, write_shards)
 
 
 def _texts(records, into: list):
@@ -89,6 +91,9 @@ def main(argv=None) -> int:
             if not args.out.is_dir() or not any(args.out.glob("*.tar")):
                 print(f"[prepare] --index: no .tar shards in {args.out}", file=sys.stderr)
                 return 1
+            rewritten = add_media_metadata(args.out)
+            if rewritten:
+                print(f"[prepare] added media metadata to {rewritten} shard(s) in {args.out}", file=sys.stderr)
             energon_prepare(args.out)
             counts = Counter()
         else:

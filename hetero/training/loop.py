@@ -189,19 +189,22 @@ def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, h
            for k in modules if k != LANGUAGE}
     lang = (LanguageStage(modules[LANGUAGE], layout[LANGUAGE], groups[LANGUAGE].coord, batches, total, run.device,
                           settle) if LANGUAGE in modules else None)
+    read = sum(b.read_bytes for b in batches)  # data/loader.py counts them per batch
     sent0 = sum(c.bytes_sent for c in comms.values())
     result = hetero_step(layout, groups, enc, lang, comms, boundary_batches(batches, layout, settle), like)
     stats = run.opt.step(lr_at(step, cfg.trainer.max_steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio))
     sums = torch.tensor([float(result.loss) if hosts_loss else 0.0,
-                         sum(c.bytes_sent for c in comms.values()) - sent0, *flags()], dtype=torch.float64,
+                         sum(c.bytes_sent for c in comms.values()) - sent0, read, *flags()], dtype=torch.float64,
                         device=run.device)  # NCCL reduces device tensors only
     dist.all_reduce(sums)
-    agreed = [bool(f > 0) for f in sums[2:].tolist()]  # any rank's request holds for all
+    agreed = [bool(f > 0) for f in sums[3:].tolist()]  # any rank's request holds for all
     dt = time.perf_counter() - t0
     rows = run.resolved.rows_per_step
     return {"step": step + 1, "loss": float(sums[0]), "lr": stats["lr"], "grad_norm": stats["grad_norm"],
             "tokens_per_s": rows * cfg.data.seq_length / dt, "samples_per_s": rows / dt,
             "target_tokens": total, "boundary_bytes": int(sums[1]), "step_time_s": dt,
+            # bytes this rank's loader read from the shards (JSON, and the media it decodes), and all ranks'
+            "data_read_bytes": read, "data_read_bytes_all_ranks": int(sums[2]),
             "skipped": sum(sum(b.skipped.values()) for b in batches),
             "skipped_by_reason": dict(sum((Counter(b.skipped) for b in batches), Counter()))}, agreed
 
