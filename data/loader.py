@@ -175,37 +175,40 @@ class ChatTaskEncoder(TaskEncoder):
         for it in items:
             if it.get("kind") not in MEDIA_TAGS:
                 self._skip(sample, "corrupt_member", f"unknown media kind {it.get('kind')!r}")
-            stored = has_facts(it)  # prepared with media metadata: the bytes are read where they are decoded
-            if not stored and m.get(it.get("field")) is None:
+            # prepared with media metadata: the stream carries the JSON member only (dataset.yaml's part_filter)
+            # and the bytes are read where they are decoded; without it, they came with the sample
+            stored, data = has_facts(it), m.get(it.get("field"))
+            if not stored and data is None:
                 self._skip(sample, "missing_modality", f"{it['kind']} member '{it.get('field')}' not in shard")
             if self.modules is not None and MODULE_OF_KIND[it["kind"]] not in self.modules:
                 self._skip(sample, "no_encoder", f"{it['kind']} item but the model has no "
                                                  f"{MODULE_OF_KIND[it['kind']]} encoder")
-            if stored:
-                raw.append((it["kind"], MediaRef(_dataset_of(sample), f"{sample.__key__}.{it['field']}", it)))
-            else:
+            if not stored:
                 _warn_legacy(_dataset_of(sample))
-                raw.append((it["kind"], m[it["field"]]))
-                self._read += len(m[it["field"]])
+            if data is not None:
+                self._read += len(data)
+            raw.append((it["kind"], data if data is not None else
+                        MediaRef(_dataset_of(sample), f"{sample.__key__}.{it['field']}", it), it if stored else None))
         units, times = [], []
-        for kind, data in raw:
+        for kind, data, entry in raw:
             try:
-                u, t = self._units(kind, facts_of(data.entry) if isinstance(data, MediaRef) else probe_facts(kind, data))
+                u, t = self._units(kind, facts_of(entry) if entry is not None else probe_facts(kind, data))
             except MediaError as e:
                 self._skip(sample, e.reason or f"undecodable_{kind}", str(e))
             units.append(u)
             times.append(t)
         try:
-            prompt = encode_conversation(self.tok, turns, [k for k, _ in raw],
+            prompt = encode_conversation(self.tok, turns, [k for k, _, _ in raw],
                                          [media_placeholders(self.enc, self.template, k, u, t)
-                                          for (k, _), u, t in zip(raw, units, times)], self.template)
+                                          for (k, _, _), u, t in zip(raw, units, times)], self.template)
         except PromptError as e:
             self._skip(sample, "missing_modality" if "missing modality" in str(e) else "extra_media", str(e))
         if len(prompt) > self.seq_length:
             self._skip(sample, "too_long", f"{len(prompt)} tokens > seq_length {self.seq_length}")
         return EncodedSample(__key__=sample.__key__, __restore_key__=sample.__restore_key__,
                              __subflavors__=sample.__subflavors__, __sources__=sample.__sources__,
-                             prompt=prompt, raw_media=raw, media=[], units=units, shard=_shard_of(sample))
+                             prompt=prompt, raw_media=[(k, data) for k, data, _ in raw], media=[], units=units,
+                             shard=_shard_of(sample))
 
     def select_samples_to_pack(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
         groups = first_fit_decreasing([len(s) for s in samples], self.seq_length)

@@ -165,6 +165,8 @@ def add_media_metadata(out: Path) -> int:
 
     rewritten = 0
     for shard in sorted(out.glob("*.tar")):
+        if check_shard(shard) is not None:
+            continue  # a shard that cannot be read: energon_prepare reports it by name with the fix
         with tarfile.open(shard) as tar:
             members = [(m, tar.extractfile(m).read()) for m in tar.getmembers() if m.isfile()]
         data = {m.name: b for m, b in members}
@@ -193,8 +195,9 @@ def add_media_metadata(out: Path) -> int:
     return rewritten
 
 
-def energon_prepare(out: Path, media_meta: bool = True) -> None:
-    """`energon prepare` via its click command: one split (train), CrudeWebdataset samples.
+def energon_prepare(out: Path, media_meta: bool = False) -> None:
+    """`energon prepare` via its click command: one split (train), CrudeWebdataset samples. media_meta: the shards'
+    JSON members carry the media metadata (write_shards, add_media_metadata), so energon's reader takes only them.
 
     Every tar in `out` is checked first (check_shards): a bad one raises ShardError naming it, instead of
     energon's bare assertion."""

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
             rewritten = add_media_metadata(args.out)
             if rewritten:
                 print(f"[prepare] added media metadata to {rewritten} shard(s) in {args.out}", file=sys.stderr)
-            energon_prepare(args.out)
+            energon_prepare(args.out, media_meta=True)
             counts = Counter()
         else:
             records = (records_from_manifest(args.manifest, skipped) if args.manifest
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
             if counts["samples"] == 0:
                 print(f"[prepare] no usable samples; skipped {dict(skipped)}", file=sys.stderr)
                 return 1
-            energon_prepare(args.out)
+            energon_prepare(args.out, media_meta=True)
     except ShardError as e:
         print(f"[prepare] {e}", file=sys.stderr)
         return 2

@@ -78,6 +78,7 @@ def test_loss_and_grad_norm_match_homogeneous_at_every_step(runs, name):
     assert _rel(norm, norm_h) <= AUDIO_NORM_DRIFT, f"{name}: grad norms differ by {_rel(norm, norm_h):.2e}"
     rows = read_metrics(runs / name)
     assert all(r["boundary_bytes"] > 0 for r in rows), "the boundary moved no data"
+    assert all(0 < r["data_read_bytes"] < r["data_read_bytes_all_ranks"] for r in rows), "shard reads not counted"
     assert (runs / name / "loss.png").stat().st_size > 1000
 
 
