@@ -98,11 +98,11 @@ def _camera_records(n: int, kinds, seed: int = 11):
         yield f"cam_{i:06d}", caption_chat(kind, text), [(kind, ext, data)]
 
 
-def make_sets(out: Path, media: str, samples: int) -> None:
+def make_sets(out: Path, media: str, samples: int, kinds: tuple[str, ...] = tuple(KINDS)) -> None:
     from tessera.data.prepare import energon_prepare, synthetic_records, write_shards
     from tessera.data.tokens import train_sentencepiece
 
-    for name, kinds in KINDS.items():
+    for name, kinds in ((k, KINDS[k]) for k in kinds):
         path = out / media / name
         if (path / ".nv-meta" / "index.sqlite").exists() and (_nometa(path) / ".nv-meta" / "index.sqlite").exists():
             continue
@@ -251,7 +251,7 @@ def main(argv=None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     runs: dict[tuple, list[dict]] = {}
     for media in args.media:
-        make_sets(args.out, media, args.samples)
+        make_sets(args.out, media, args.samples, kinds=tuple(args.kinds))
     for rep in range(args.repeat):
         for media in args.media:
             for kind in args.kinds:

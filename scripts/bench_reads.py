@@ -9,7 +9,8 @@ Every rank of each layout is simulated in turn in this process: its loader (no w
 Two measures: `counted`, the member bytes the loader reports (data/loader.py, what metrics.jsonl logs), and
 `os`, the process's read bytes from /proc/self/io (rchar: also tar headers, energon's index and read-ahead).
 "before" is the same samples prepared without the metadata (scripts/bench_loader.py builds both sets).
-The table gives, per layout and dataset, the worst and the mean rank's ratio to its minimum.
+The table gives, per layout and dataset, the mean minimum per rank, the worst and the mean rank's ratio to its
+minimum, and the OS bytes per step of the worst rank and of all ranks together.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from tessera.scripts.bench_loader import _nometa, encoder_tokens, make_sets
 
-LAYOUTS = ["vision=dp8;language=tp2,dp4", "vision=dp2@0-1;audio=dp2@2-3;language=tp4@4-7"]
+LAYOUTS = ["vision=dp8@0-7;audio=dp8@0-7;language=tp2,dp4@0-7", "vision=dp2@0-1;audio=dp2@2-3;language=tp4@4-7"]
 
 
 def _rchar() -> int:
@@ -80,10 +81,10 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=48)
     ap.add_argument("--out", type=Path, default=Path("/tmp/tessera_bench_loader"))
     args = ap.parse_args(argv)
-    print(f"{'media':7s} {'layout':48s} {'data':7s} {'ranks':>5s} {'MB/step min':>11s} {'counted/min':>18s} "
-          f"{'os/min':>18s}")
+    print(f"{'media':7s} {'layout':48s} {'data':7s} {'ranks':>5s} {'min MB':>7s} {'counted/min':>18s} "
+          f"{'os/min':>18s} {'os MB max':>9s} {'os MB sum':>9s}")
     for media in args.media:
-        make_sets(args.out, media, args.samples)
+        make_sets(args.out, media, args.samples, kinds=("mixed",))
         path = args.out / media / "mixed"
         json_per_step = None
         for spec in args.layouts:
@@ -96,9 +97,10 @@ def main(argv=None) -> int:
                 mins = [r["decoded"] + json_per_step for r in per_rank]
                 counted = [r["counted"] / m for r, m in zip(per_rank, mins)]
                 osr = [r["os"] / m for r, m in zip(per_rank, mins)]
-                print(f"{media:7s} {spec:48s} {data:7s} {layout.world_size:5d} {statistics.mean(mins) / 1e6:11.2f} "
+                print(f"{media:7s} {spec:48s} {data:7s} {layout.world_size:5d} {statistics.mean(mins) / 1e6:7.2f} "
                       f"{'max ' + format(max(counted), '.2f'):>9s} {'mean ' + format(statistics.mean(counted), '.2f'):>8s} "
-                      f"{'max ' + format(max(osr), '.2f'):>9s} {'mean ' + format(statistics.mean(osr), '.2f'):>8s}",
+                      f"{'max ' + format(max(osr), '.2f'):>9s} {'mean ' + format(statistics.mean(osr), '.2f'):>8s} "
+                      f"{max(r['os'] for r in per_rank) / 1e6:9.2f} {sum(r['os'] for r in per_rank) / 1e6:9.2f}",
                       flush=True)
     return 0
 
