@@ -307,3 +307,25 @@ def test_full_recipe_defaults_are_the_planners_best_trainable_layout(name, gpus)
     cfg = fdl.build(registry.recipe(name, gpus=gpus))
     best = best_layout_for_run(fdl.build(registry.recipe(name, gpus=gpus)), gpus)
     assert str(HeteroLayout.parse(cfg.layout)) == str(HeteroLayout.parse(best))
+
+
+@pytest.mark.parametrize("name,gpus", [("nemotron_vl_12b", 16), ("nemotron_omni_30b_a3b", 32)])
+def test_the_planner_prices_the_microbatches_the_trainer_runs(name, gpus):
+    """For a run, every layout the planner ranks and the trainer can run is priced at the trainer's own split of
+    the step (ResolvedRun: rows per microbatch and microbatches), not at a split of the planner's own."""
+    from tessera.hetero.planner.run_layout import ranked_for_run
+    from tessera.hetero.plan.layout import LayoutError
+    from tessera.hetero.training.run_modules import resolve_config
+
+    cfg = fdl.build(registry.recipe(name))
+    compared = 0
+    for pred in ranked_for_run(cfg, gpus)[:40]:
+        try:
+            resolved = resolve_config(cfg, gpus, layout=pred.layout)
+        except LayoutError:
+            continue  # the trainer refuses it (the plan table marks it)
+        lang_dp = resolved.layout["language"].dp_size
+        assert (pred.micro_batch * lang_dp, pred.microbatches) == (resolved.rows_per_microbatch,
+                                                                   resolved.microbatches), pred.layout
+        compared += 1
+    assert compared >= 10, compared

@@ -67,6 +67,9 @@ class Workload:
     seq_length: int = 8192
     global_batch: int = 256            # sequences per step
     micro_batch: int = 1               # sequences per LLM data-parallel replica per microbatch
+    # a run's configured rows per (global) microbatch: the search then prices the split the trainer runs
+    # (hetero/plan/layout.rows_for_layout); None (a study's hypothetical step): the smallest one every DP divides
+    rows_per_microbatch: int | None = None
     tiles: float = 0.0                 # image tiles per sequence (each 256 LLM tokens for RADIO at 512 px)
     frames: float = 0.0                # video frames per sequence (one tile each)
     tubelets: bool = False             # fuse temporal_patch frames into one ViT pass

@@ -29,7 +29,8 @@ def workload_for_run(cfg) -> Workload:
         value = getattr(d, field, None)
         if value is not None:
             media[f] = float(value)
-    return Workload(seq_length=d.seq_length, global_batch=d.rows_per_microbatch * d.microbatches, **media)
+    return Workload(seq_length=d.seq_length, global_batch=d.rows_per_microbatch * d.microbatches,
+                    rows_per_microbatch=d.rows_per_microbatch, **media)
 
 
 def ranked_for_run(cfg, gpus: int, cluster_name: str = "h100"):

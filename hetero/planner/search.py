@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from itertools import product
 
-from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, ModuleLayout, rows_multiple
+from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, ModuleLayout, rows_for_layout, rows_multiple
 from tessera.hetero.plan.zigzag import zigzag_multiple
 from tessera.hetero.planner.cluster import Cluster, Constants, Workload
 from tessera.hetero.planner.cost import GIB, HEADROOM, Prediction, module_cost, predict
@@ -85,10 +85,18 @@ def _module(first: int, size: int, sizes: dict) -> ModuleLayout:
 
 
 def _micro_batch(layout: HeteroLayout, w: Workload) -> Workload:
-    """The smallest micro batch >= w's that lets every encoder's DP take an equal share (fan-in/out), and
-    the global batch rounded to the nearest multiple of one microbatch's samples (DP sizes that are not
-    powers of two, as disjoint rank blocks give, would otherwise never divide it)."""
+    """A run's workload (rows_per_microbatch set): the rows per microbatch the trainer runs in this layout
+    (rows_for_layout, the one rule), the step unchanged. Otherwise, or where the trainer refuses the run's step in
+    this layout (the plan table marks it untrainable): the smallest micro batch >= w's that lets every encoder's DP
+    take an equal share (fan-in/out), and the global batch rounded to the nearest multiple of one microbatch's
+    samples (DP sizes that are not powers of two, as disjoint rank blocks give, would otherwise never divide it)."""
     dp = layout[LANGUAGE].dp_size
+    if w.rows_per_microbatch:
+        try:
+            rows, _ = rows_for_layout(layout, w.rows_per_microbatch, w.global_batch // w.rows_per_microbatch)
+            return dataclasses.replace(w, micro_batch=rows // dp)
+        except LayoutError:
+            pass
     need = rows_multiple(layout)
     mb = w.micro_batch
     while (mb * dp) % need and mb < w.global_batch:
