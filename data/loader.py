@@ -51,6 +51,9 @@ from tessera.data.tokens import (DEFAULT_TEMPLATE, MODULE_OF_KIND, MEDIA_TAGS, E
 
 log = logging.getLogger("tessera.data")
 
+#: examples logged per skip reason and process; the rest are counted (PackedBatch.skipped -> metrics.jsonl)
+SKIP_EXAMPLES = 3
+
 
 @edataclass
 class RawSample(Sample):
@@ -101,14 +104,18 @@ class ChatTaskEncoder(TaskEncoder):
 
     def __init__(self, tokenizer: str | Path | Tokenizer, seq_length: int, encoder: EncoderTokens = EncoderTokens(),
                  strict: bool = False, decode: dict[str, range] | None = None, modules=None,
-                 defer_upscale: bool = False, template: str = DEFAULT_TEMPLATE):
+                 defer_upscale: bool = False, template: str = DEFAULT_TEMPLATE, log_skips: bool = True):
         """decode: encoder module -> rows of the microbatch to decode on this rank (decode_plan); modules
         not named are not decoded; None decodes every row of every module (single-rank use).
         modules: the encoder modules the model has; a sample with media for another one is skipped
         (its placeholders would otherwise be trained on as text). None accepts every modality.
         defer_upscale: images/videos smaller than their tiles (native images: than their grid) are delivered as
         models.tiling.TileSource and resized on the encoding device (a GPU run: less loader CPU, less to copy).
-        template: the prompt template's name (data/templates.py): how media tags are wrapped."""
+        template: the prompt template's name (data/templates.py): how media tags are wrapped.
+        log_skips: log examples of the samples the stream skips. Every rank reads the same stream and skips the
+        same samples, so a run logs them on one rank; a decode failure is logged where it happens (its rank)."""
+        self.log_skips = log_skips
+        self._logged: Counter = Counter()  # examples logged per reason by this process
         self.template = template
         self.defer_upscale = defer_upscale
         self.modules = None if modules is None else frozenset(modules)
@@ -132,8 +139,17 @@ class ChatTaskEncoder(TaskEncoder):
         if self.strict:
             raise FatalSampleError(msg + " (strict mode)")
         self._pending[category] += 1
-        log.warning(msg)
+        if self.log_skips:
+            self._example(category, msg)
         raise SkipSample(msg)
+
+    def _example(self, reason: str, msg: str) -> None:
+        """Log the first SKIP_EXAMPLES skips of each reason, then say that the rest are only counted."""
+        self._logged[reason] += 1
+        if self._logged[reason] <= SKIP_EXAMPLES:
+            log.warning(msg)
+        if self._logged[reason] == SKIP_EXAMPLES:
+            log.warning(f"further '{reason}' skips are counted (skipped_by_reason in metrics.jsonl), not logged")
 
     def _units(self, kind: str, facts: dict) -> tuple[int | tuple, list[float] | None]:
         """Predicted tiles (or, at native resolution, the (rows, cols) patch grid) / frames (at native resolution
@@ -265,7 +281,7 @@ class ChatTaskEncoder(TaskEncoder):
             if self.strict:
                 raise FatalSampleError(msg + " (strict mode)") from None
             self._pending[f"{reason}_blanked"] += 1
-            log.warning(msg + "; blank-filled to keep the packed alignment")
+            self._example(f"{reason}_blanked", msg + "; blank-filled to keep the packed alignment")
             return blank_item(kind, units, enc)
 
     def batch(self, rows: list[PackedSample]):

@@ -173,6 +173,10 @@ class PackedBatch(Batch):
     def modules(self) -> list[str]:
         return sorted({m for row in self.positions for m in row})
 
+    def real_tokens(self) -> int:
+        """Tokens of the packed samples, the padding after a row's last sample left out (cu_seqlens[len(keys)])."""
+        return int(sum(int(cu[len(keys)]) for cu, keys in zip(self.cu_seqlens, self.keys)))
+
     def module_positions(self, module: str) -> tuple[np.ndarray, ...]:
         empty = np.zeros(0, dtype=np.int64)
         return tuple(row.get(module, empty) for row in self.positions)

@@ -37,7 +37,7 @@ from tessera.hetero.training.checkpoint import (KeepPolicy, finish_async_saves, 
                                                 save_checkpoint)
 from tessera.hetero.training.loader_state import decode_loader_state, encode_loader_state
 from tessera.hetero.training.lora import apply_lora
-from tessera.hetero.training.metrics import RunMetrics
+from tessera.hetero.training.metrics import RunMetrics, peak_memory_gib
 from tessera.hetero.training.run_modules import checkpoint_llm_fields, encoder_names, module_specs
 from tessera.hetero.training.model_build import (build_rank_modules, check_checkpoint_tensors,
                                                  llm_fields, load_full_state, module_configs)
@@ -171,7 +171,7 @@ def _build_loader(run: RunState):
                               run.resolved.rows_per_microbatch, decode=run.resolved.decode_rows(run.rank),
                               num_workers=d.num_workers, seed=d.seed, max_tiles=d.max_tiles,
                               video_frames=d.video_frames, video_pruning=run.cfg.model.video_pruning,
-                              state=run.loader_state,
+                              state=run.loader_state, log_skips=run.rank == 0,
                               # on GPUs, upscaling small media is left to the GPU (models/tiling.py)
                               defer_upscale=run.device.type != "cpu")
 
@@ -202,6 +202,7 @@ def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, h
     rows = run.resolved.rows_per_step
     return {"step": step + 1, "loss": float(sums[0]), "lr": stats["lr"], "grad_norm": stats["grad_norm"],
             "tokens_per_s": rows * cfg.data.seq_length / dt, "samples_per_s": rows / dt,
+            "real_tokens_per_s": sum(b.real_tokens() for b in batches) / dt, "peak_memory_gib": peak_memory_gib(run.device),
             "target_tokens": total, "boundary_bytes": int(sums[1]), "step_time_s": dt,
             # bytes this rank's loader read from the shards (JSON, and the media it decodes), and all ranks'
             "data_read_bytes": read, "data_read_bytes_all_ranks": int(sums[2]),
@@ -275,7 +276,7 @@ def run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals,
     comms, like, hosts_loss = step_context(run)
     settle = tubelet_settle(run)
     metrics = RunMetrics(run_dir, cfg.trainer.max_steps, run.start, cfg.trainer.progress,
-                         cfg.trainer.tensorboard) if run.rank == 0 else None
+                         cfg.trainer.tensorboard, cfg.trainer.log_every) if run.rank == 0 else None
 
     queue = AsyncCallsQueue() if cfg.trainer.async_save else None  # async saves write while the next steps train
     it, record, first_loss, last_save, stopped = iter(loader), {}, None, time.monotonic(), None

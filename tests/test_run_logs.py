@@ -1,0 +1,66 @@
+"""What a run prints (issue 33, item 4 and part of 2): a few examples per skip reason, logged on one rank, the rest
+counted; one summary line every trainer.log_every steps; real (non-padding) tokens and peak memory per step.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_run_logs.py -q
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tessera.data.loader import SKIP_EXAMPLES, ChatTaskEncoder, build_loader
+from tessera.data.prepare import make_synthetic
+from tessera.data.tokens import EncoderTokens, Tokenizer
+from tessera.hetero.training.metrics import RunMetrics, peak_memory_gib, read_metrics
+
+ENC = EncoderTokens(patch=64)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("logs")
+    make_synthetic(root, samples=32, seed=5)
+    return root
+
+
+def _batches(root, caplog, **kw):
+    te = ChatTaskEncoder(Tokenizer(root / "tokenizer.model"), 512, ENC, modules={"vision"}, **kw)
+    with caplog.at_level(logging.WARNING, logger="tessera.data"):
+        return list(build_loader(root, te, 2, repeat=False))
+
+
+def test_skips_are_counted_and_only_a_few_examples_logged_on_the_rank_that_logs(data, caplog):
+    batches = _batches(data, caplog)  # no audio encoder: every sample with audio is skipped as no_encoder
+    skipped = sum(b.skipped.get("no_encoder", 0) for b in batches)
+    assert skipped > SKIP_EXAMPLES + 2, skipped
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("reason=no_encoder" in m for m in lines) == SKIP_EXAMPLES
+    assert sum("further 'no_encoder' skips are counted" in m for m in lines) == 1
+    caplog.clear()
+    quiet = _batches(data, caplog, log_skips=False)  # every other rank: the same skips, counted, not logged
+    assert sum(b.skipped.get("no_encoder", 0) for b in quiet) == skipped
+    assert not caplog.records
+
+
+def test_real_tokens_leave_the_row_padding_out(data, caplog):
+    tok = Tokenizer(data / "tokenizer.model")
+    for b in _batches(data, caplog):
+        assert b.real_tokens() == int((b.tokens != tok.pad_id).sum()) < b.tokens.numel()
+
+
+def test_one_summary_line_every_log_every_steps_and_at_the_end(tmp_path, capsys):
+    m = RunMetrics(tmp_path, 5, progress=False, tensorboard=False, log_every=2)
+    for step in range(1, 6):
+        m.log({"step": step, "loss": 1.0 / step, "lr": {"language": 1e-3, "vision": 2e-4}, "grad_norm": 0.5,
+               "tokens_per_s": 100.0, "real_tokens_per_s": 60.0, "step_time_s": 0.1, "peak_memory_gib": 1.5,
+               "skipped_by_reason": {"no_encoder": step}})
+    m.close()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["2/5", "4/5", "5/5"]
+    assert lines[0] == ("step 2/5 loss 0.5000 lr 1.00e-03 grad_norm 0.500 tokens/s 100 (real 60) step 0.10s "
+                        "memory 1.50 GiB skipped no_encoder=2")
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
+    assert 0 < peak_memory_gib(torch.device("cpu")) < 64
