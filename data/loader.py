@@ -151,7 +151,11 @@ class ChatTaskEncoder(TaskEncoder):
         if self._logged[reason] == SKIP_EXAMPLES:
             log.warning(f"further '{reason}' skips are counted (skipped_by_reason in metrics.jsonl), not logged")
 
-    def _units(self, kind: str, facts: dict) -> tuple[int | tuple, list[float] | None]:
+    def _units(self, kind: str, data: bytes) -> tuple[int | tuple, list[float] | None]:
+        """_units_of the item's header facts, probed from its bytes."""
+        return self._units_of(kind, probe_facts(kind, data))
+
+    def _units_of(self, kind: str, facts: dict) -> tuple[int | tuple, list[float] | None]:
         """Predicted tiles (or, at native resolution, the (rows, cols) patch grid) / frames (at native resolution
         (frames, rows, cols)) / 16 kHz samples of one item, from its header facts (data/media_meta.probe_facts:
         stored at prepare, or probed here for a dataset without them); with a video, the times of its sampled
@@ -208,7 +212,7 @@ class ChatTaskEncoder(TaskEncoder):
         units, times = [], []
         for kind, data, entry in raw:
             try:
-                u, t = self._units(kind, facts_of(entry) if entry is not None else probe_facts(kind, data))
+                u, t = self._units_of(kind, facts_of(entry) if entry is not None else probe_facts(kind, data))
             except MediaError as e:
                 self._skip(sample, e.reason or f"undecodable_{kind}", str(e))
             units.append(u)
