@@ -195,6 +195,23 @@ def add_media_metadata(out: Path) -> int:
     return rewritten
 
 
+def shard_media(out: Path) -> dict[str, list[tuple[str, str, int]]]:
+    """sample key -> [(media kind, tar entry name, bytes)] of the shards in `out`, read with python's tarfile (the
+    format write_shards writes; what benchmarks and tests count the loader's reads against)."""
+    import tarfile
+
+    found = {}
+    for shard in sorted(out.glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            members = tar.getmembers()
+            sizes = {m.name: m.size for m in members}
+            for m in (m for m in members if m.name.endswith(".json")):
+                key = m.name[:-len(".json")]
+                media = json.loads(tar.extractfile(m).read()).get("media", [])
+                found[key] = [(it["kind"], f"{key}.{it['field']}", sizes[f"{key}.{it['field']}"]) for it in media]
+    return found
+
+
 def energon_prepare(out: Path, media_meta: bool = False) -> None:
     """`energon prepare` via its click command: one split (train), CrudeWebdataset samples. media_meta: the shards'
     JSON members carry the media metadata (write_shards, add_media_metadata), so energon's reader takes only them.

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tarfile
 from pathlib import Path
 
 from tessera.scripts.bench_loader import _nometa, encoder_tokens, make_sets
@@ -31,23 +30,16 @@ def _rchar() -> int:
         return int(next(line for line in f if line.startswith("rchar")).split()[1])
 
 
-def _sizes(path: Path) -> dict[str, tuple[int, dict[str, int]]]:
-    """sample key -> (its JSON member's bytes, {module: bytes of its media for that module}), from the tars."""
-    import json
-
+def _sizes(path: Path) -> dict[str, dict[str, int]]:
+    """sample key -> {module: bytes of its media for that module}, from the tars."""
+    from tessera.data.prepare import shard_media
     from tessera.data.tokens import MODULE_OF_KIND
 
     out = {}
-    for shard in sorted(path.glob("*.tar")):
-        with tarfile.open(shard) as tar:
-            size = {m.name: m.size for m in tar.getmembers()}
-            for m in tar.getmembers():
-                if m.name.endswith(".json"):
-                    key, media = m.name[:-5], {}
-                    for it in json.loads(tar.extractfile(m).read())["media"]:
-                        module = MODULE_OF_KIND[it["kind"]]
-                        media[module] = media.get(module, 0) + size[f"{key}.{it['field']}"]
-                    out[key] = (m.size, media)
+    for key, items in shard_media(path).items():
+        out[key] = {}
+        for kind, _, size in items:
+            out[key][MODULE_OF_KIND[kind]] = out[key].get(MODULE_OF_KIND[kind], 0) + size
     return out
 
 
@@ -64,7 +56,7 @@ def rank_reads(path: Path, tokenizer: Path, plan: dict, rows: int, steps: int) -
     os_bytes = _rchar() - r0
     close_loader(loader)
     sizes = _sizes(path)
-    decoded = sum(sizes[k][1].get(m, 0) for b in batches for r, keys in enumerate(b.keys) for k in keys
+    decoded = sum(sizes[k].get(m, 0) for b in batches for r, keys in enumerate(b.keys) for k in keys
                   for m in plan if r in plan[m])
     return {"counted": sum(b.read_bytes for b in batches) / steps, "os": os_bytes / steps, "decoded": decoded / steps}
 

@@ -11,7 +11,6 @@ reads come from the shards themselves (python's tarfile), not from the loader.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import tarfile
 from collections import Counter
@@ -21,7 +20,7 @@ import pytest
 import torch
 
 from tessera.data.loader import ChatTaskEncoder, build_loader, close_loader
-from tessera.data.prepare import make_synthetic
+from tessera.data.prepare import make_synthetic, shard_media
 from tessera.data.tokens import MODULE_OF_KIND, EncoderTokens, Tokenizer
 from tessera.hetero.plan.layout import HeteroLayout
 from tessera.hetero.plan.resolved_run import decode_rows
@@ -41,17 +40,8 @@ def data(tmp_path_factory):
 
 def _items(path: Path) -> dict[str, list[tuple[str, str, int]]]:
     """sample key -> [(module, tar entry name, bytes)] of its media, read from the shards with tarfile."""
-    out = {}
-    for shard in sorted(path.glob("*.tar")):
-        with tarfile.open(shard) as tar:
-            sizes = {m.name: m.size for m in tar.getmembers()}
-            for m in tar.getmembers():
-                if m.name.endswith(".json"):
-                    key = m.name[:-len(".json")]
-                    media = json.loads(tar.extractfile(m).read())["media"]
-                    out[key] = [(MODULE_OF_KIND[it["kind"]], f"{key}.{it['field']}", sizes[f"{key}.{it['field']}"])
-                                for it in media]
-    return out
+    return {key: [(MODULE_OF_KIND[kind], name, size) for kind, name, size in items]
+            for key, items in shard_media(path).items()}
 
 
 def _run_rank(path: Path, tokenizer: Path, decode, monkeypatch) -> tuple[list, Counter, set]:
