@@ -1,22 +1,26 @@
 """Energon task encoder and loader: webdataset shards → packed global microbatches, resumable.
 
 Pipeline (energon runs every stage inside its worker processes and checkpoints all of them):
-  cook          raw tar members, untouched (decoder=None: we decode ourselves to count and name failures)
-  preencode     parse the JSON, probe media headers (+ cheap integrity checks) → predicted tiles (native
+  cook          raw tar members, untouched (decoder=None: we decode ourselves to count and name failures); for a
+                dataset prepared with media metadata only the JSON member (data/media_meta.py)
+  preencode     parse the JSON, take each item's header facts from it (or, without them, probe the media
+                headers + cheap integrity checks) → predicted tiles (native
                 resolution: patch grid)/frames/samples → placeholder sizes, tokenize; too-long, misaligned or
                 unreadable samples and media no encoder can take (too_short audio, too_large images,
                 no_patch_grid native images) are skipped here, before they take buffer space
   pack          first-fit-decreasing over a buffer of `packing_buffer` samples into rows of seq_length;
-                a row records positions and (kind, units, tokens) of every media item, raw bytes kept
+                a row records positions and (kind, units, tokens) of every media item, and where its bytes are
   batch         N rows → PackedBatch (the global microbatch); only now, knowing each row's index in the
-                microbatch, the rank decodes the media of the rows in its decode plan and drops the rest
+                microbatch, the rank reads (energon's tar index) and decodes the media of the rows in its decode
+                plan, and nothing of the rest
 
 Why energon: it gives deterministic shuffling, blending (metadataset YAML with weights) and exact
 save/restore of every buffer (including the packing buffer) for free. Why rank 0 of world 1 on every rank:
 a heterogeneous layout gives each module its own DP size, so energon's per-rank sample split (one DP size)
-cannot serve all modules; instead every rank reads, probes, tokenizes and packs the same global stream
-(cheap: header probes, no pixels), so every rank has the full per-sample metadata the boundary plan needs
-and the same batch order without any communication. Decoding — the expensive part — is per rank:
+cannot serve all modules; instead every rank reads, tokenizes and packs the same global stream (cheap: the
+JSON members and the header facts in them, no media bytes, no pixels), so every rank has the full per-sample metadata the boundary plan needs
+and the same batch order without any communication. Reading media bytes and decoding them — the expensive part,
+and what would otherwise load the file system with ranks x global batch — is per rank:
 `decode` (data.sharding.decode_plan) names the rows each of the rank's encoder modules consumes, so across
 all ranks every media item of a module is decoded by exactly one DP rank (and its TP/CP/PP peers).
 
@@ -24,7 +28,8 @@ Decode failures after packing: a sample is already placed in a row on every rank
 one rank that decodes it would desynchronise the ranks. The preencode checks (header probe + truncation
 check) catch what they can globally; an item that still fails to decode is replaced by a blank item of
 the predicted shape (black tiles / silence), so alignment stays exact, and counted and logged as
-`undecodable_<kind>_blanked` (strict mode raises instead).
+`undecodable_<kind>_blanked` (strict mode raises instead); bytes that are not the ones prepared (a member
+replaced after prepare: length or CRC-32 differ) the same way, as `metadata_mismatch_blanked`.
 """
 
 from __future__ import annotations
