@@ -29,6 +29,9 @@ def _complete(path: Path) -> bool:
     return (path / _DONE).exists()
 
 
+SHARD_FORMAT = "meta1"  # media metadata in each sample's JSON (data/media_meta.py)
+
+
 def synthetic_dataset(root: Path, samples: int = 96, seed: int = 0) -> tuple[Path, Path]:
     """(dataset path, tokenizer path) of the synthetic data set under `root`, generating it on first use.
 
@@ -37,12 +40,13 @@ def synthetic_dataset(root: Path, samples: int = 96, seed: int = 0) -> tuple[Pat
     folder fails, so exactly one copy wins and the others delete theirs. Nobody ever sees a partial set,
     and a crash leaves only a temporary folder behind (named `.synthetic-*.tmp*`), never a broken target.
     The folder's name carries a digest of the template's special tokens: a set cached with another token set
-    has a tokenizer that Tokenizer refuses, so it is never reused (a new one is built beside it)."""
+    has a tokenizer that Tokenizer refuses, so it is never reused (a new one is built beside it); and the shards'
+    format (SHARD_FORMAT), so a set cached before the media metadata is built again with it."""
     from tessera.data.prepare import make_synthetic  # lazily: media encoders load only when generating
 
     root = Path(root)
     tokens_digest = hashlib.sha1("\0".join(SPECIAL_TOKENS).encode()).hexdigest()[:8]
-    path = root / f"synthetic-{samples}-{seed}-{tokens_digest}"
+    path = root / f"synthetic-{samples}-{seed}-{tokens_digest}-{SHARD_FORMAT}"
     if not _complete(path):
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp", dir=root))

@@ -22,9 +22,15 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
-import torch
+# megatron-core's import-time notices (no Transformer Engine / Apex, deprecations) are the same on every rank of a
+# job: rank 0 prints them, the others would only repeat them (issue 33: quiet logs)
+if os.environ.get("RANK", "0") != "0":
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+
+import torch  # noqa: E402
 import torch.distributed as dist
 
 from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
