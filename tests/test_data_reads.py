@@ -95,8 +95,14 @@ def test_every_item_is_read_once_per_decoding_replica_and_nowhere_else(data, spe
 
 def test_a_dataset_prepared_without_metadata_loads_the_same_batches(data, caplog):
     tok = data / "meta" / "tokenizer.model"
-    with caplog.at_level(logging.WARNING, logger="tessera.data"):
-        old = list(build_loader(data / "legacy", ChatTaskEncoder(Tokenizer(tok), SEQ, ENC), ROWS, repeat=False))
+    from tessera.data import loader
+
+    loader.log.addHandler(caplog.handler)  # on the loader's own logger: the root may have been replaced by a library
+    try:
+        with caplog.at_level(logging.WARNING, logger="tessera.data"):
+            old = list(build_loader(data / "legacy", ChatTaskEncoder(Tokenizer(tok), SEQ, ENC), ROWS, repeat=False))
+    finally:
+        loader.log.removeHandler(caplog.handler)
     new = list(build_loader(data / "meta", ChatTaskEncoder(Tokenizer(tok), SEQ, ENC), ROWS, repeat=False))
     assert "prepare_data --index" in caplog.text and "has no media metadata" in caplog.text
     assert len(old) == len(new) > 0
