@@ -78,7 +78,7 @@ def test_boundary_rows_equal_plan_boundary():
 
 def test_media_tokens_per_unit():
     vl = describe_model("nemotron_nano_12b_v2", "radio_vit_h", "fastconformer_parakeet_0_6b")
-    assert items_of(vl["vision"], Workload(tiles=3, frames=4)) == (7, 1034, 7 * 256, 0.0)  # 32x32 patches + 10
+    assert items_of(vl["vision"], Workload(tiles=3, frames=4))[:3] == (7, 1034, 7 * 256)  # 32x32 patches + 10
     assert items_of(vl["vision"], Workload(frames=5, tubelets=True))[0] == 3                # ceil(5 / 2) tubelets
     clips, per_clip, tokens, _ = items_of(vl["audio"], Workload(audio_seconds=60, audio_clip_seconds=30))
     assert (clips, per_clip, tokens) == (2, 375, 750)                                      # 12.5 frames/s

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from tessera.hetero.planner.flops import peak_tflops
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -42,10 +44,12 @@ class Cluster:
 PEAK_CPU_TFLOPS, MEM_CPU_TBPS, GLOO_GBPS, GLOO_LATENCY_S = 0.0925, 0.0385, 2.45, 61e-6
 
 PRESETS = {
-    "h100": Cluster("h100", gpus_per_node=8, nodes=128, peak_tflops=989.4, hbm_gib=79.6, hbm_tbps=3.35,
-                    intra_gbps=450.0, inter_gbps=50.0, intra_latency_s=3e-6, inter_latency_s=8e-6),
-    "h200": Cluster("h200", gpus_per_node=8, nodes=128, peak_tflops=989.4, hbm_gib=131.3, hbm_tbps=4.8,
-                    intra_gbps=450.0, inter_gbps=50.0, intra_latency_s=3e-6, inter_latency_s=8e-6),
+    "h100": Cluster("h100", gpus_per_node=8, nodes=128, peak_tflops=peak_tflops("H100 SXM", "bfloat16"),
+                    hbm_gib=79.6, hbm_tbps=3.35, intra_gbps=450.0, inter_gbps=50.0,
+                    intra_latency_s=3e-6, inter_latency_s=8e-6),
+    "h200": Cluster("h200", gpus_per_node=8, nodes=128, peak_tflops=peak_tflops("H200", "bfloat16"),
+                    hbm_gib=131.3, hbm_tbps=4.8, intra_gbps=450.0, inter_gbps=50.0,
+                    intra_latency_s=3e-6, inter_latency_s=8e-6),
     "cpu_gloo4": Cluster("cpu_gloo4", gpus_per_node=4, nodes=1, peak_tflops=PEAK_CPU_TFLOPS, hbm_gib=5.0,
                          hbm_tbps=MEM_CPU_TBPS, intra_gbps=GLOO_GBPS, inter_gbps=GLOO_GBPS,
                          intra_latency_s=GLOO_LATENCY_S, inter_latency_s=GLOO_LATENCY_S),

@@ -48,6 +48,7 @@ from tessera.hetero.plan.schedule_plan import colocated_per_microbatch
 from tessera.hetero.planner import comm
 from tessera.hetero.planner.cluster import Cluster, Constants, Workload
 from tessera.hetero.planner.cp_cost import kernel_paths, llm_cp_activation, llm_cp_seconds
+from tessera.hetero.planner.flops import llm_row_flops, sequence_flops, vit_sequence_flops
 from tessera.hetero.planner.model import BF16, ModelDesc, ModuleDesc
 from tessera.hetero.planner.step_time import (GIB, Memory, ModuleCost, Stage, StepParts, colocated_encoders,
                                               encoder_pipeline, homogeneous_step, remote_encoders)
@@ -87,16 +88,21 @@ class Prediction:
 
 
 def items_of(mod: ModuleDesc, w: Workload) -> tuple[float, float, float, float]:
-    """(items per sequence, tokens per item, LLM tokens per sequence, extra forward FLOPs per item)."""
+    """(items per sequence, tokens per item, LLM tokens per sequence, forward FLOPs per item: the mean of the
+    sequence's items, hetero/planner/flops.py; the LLM's lm_head left to the last stage)."""
     if mod.kind == "llm":
-        return 1.0, float(w.seq_length), float(w.seq_length), 0.0
+        return 1.0, float(w.seq_length), float(w.seq_length), sequence_flops(mod, w.seq_length)
     if mod.kind == "vit":
         fused = mod.temporal_patch if (w.tubelets and mod.temporal_patch) else 1
-        items = w.tiles + math.ceil(w.frames / fused)
-        return items, float(mod.tokens_per_tile), items * mod.out_per_tile, 0.0
+        tubelets = math.ceil(w.frames / fused)
+        items = w.tiles + tubelets
+        patches = mod.tokens_per_tile - mod.prefix_tokens
+        fwd = (w.tiles * vit_sequence_flops(mod, patches) + tubelets * vit_sequence_flops(mod, patches, fused))
+        return items, float(mod.tokens_per_tile), items * mod.out_per_tile, fwd / items if items else 0.0
     clips = w.audio_seconds / w.audio_clip_seconds
     per_clip = mod.frames_per_second * w.audio_clip_seconds
-    return clips, per_clip, clips * per_clip, mod.pre_flops_per_second * w.audio_clip_seconds
+    fwd = sequence_flops(mod, per_clip, mod.pre_flops_per_second * w.audio_clip_seconds)
+    return clips, per_clip, clips * per_clip, fwd
 
 
 def activation_bytes(mod: ModuleDesc, lay: ModuleLayout, tokens: float, ctx: float,
@@ -132,17 +138,15 @@ def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, c
     """One module in layout `lay`, fed `samples` sequences per microbatch (global); `in_flight`
     microbatches' activations are alive at once on its first stage."""
     tp, cp, pp, dp = lay.tp, lay.cp, lay.pp, lay.dp_size
-    items, toks, out_toks, extra = items_of(mod, w)
+    items, toks, out_toks, fwd_item = items_of(mod, w)
     per_dp = samples / dp
     if mod.kind == "llm":       # one sequence per item, the sequence split over CP (zigzag)
         rank_items, ctx = per_dp, toks
         tokens = per_dp * toks / cp
-        fwd_item = toks * (mod.linear_flops + mod.attn_flops * ctx)
         fwd_body = per_dp * fwd_item / (tp * cp * pp)
     else:                        # encoder CP splits a sequence's media tokens (hetero/plan/encoder_cp.py)
         rank_items = per_dp * items / cp
         tokens, ctx = rank_items * toks, toks
-        fwd_item = toks * (mod.linear_flops + mod.attn_flops * ctx) + extra
         fwd_body = rank_items * fwd_item / (tp * pp)
     mult = 4 if recompute else 3
     speed = cl.peak_tflops * 1e12 * k.eff(mod.kind)
@@ -200,7 +204,7 @@ def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, c
     if experts:
         dp_s += 2 * comm.reduce_scatter(experts * BF16, expert_dp, dp_link, cl, k)
     optim_s = OPTIM_BYTES * ((dense + edge_first) / dp_ranks + experts / expert_dp) / (cl.hbm_tbps * 1e12)
-    flops = 3 * samples * (items * fwd_item + (toks * mod.head_flops if mod.head_flops else 0.0))
+    flops = 3 * samples * (llm_row_flops(mod, toks) if mod.kind == "llm" else items * fwd_item)
     return ModuleCost(mod.key, stages, dp_s, optim_s, mem_first, mem_last, flops)
 
 

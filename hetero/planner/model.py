@@ -16,12 +16,14 @@ Formulas (forward, per token; h = hidden, V = vocab; training = 3x forward, 4x w
     Mamba-2    2*h*(2*di + 2*g*n + H) + 2*di*h + 2*(di + 2*g*n)*K          (in_proj, out_proj, conv)
                + g*n*Q + di*Q + 4*di*n   (SSD, chunk Q: C.B^T and (L o CB).X inside chunks, states in/out)
     lm_head    2*h*V  (the embedding lookup does no FLOPs)
-    ViT layer  2*(4*h^2 + 2*h*ffn) + 4*h*T  per token, T = patches + prefix tokens of one tile
-               patch embed 2*3*p^2*h per patch; pixel shuffle is a reshape (0 FLOPs) that folds s^2
-               tokens into one of width s^2*h; projector 2*(s^2*h*f + f*h_llm) per output token
-    Conformer  2*(2*2*h*4h + 4*h^2 + h^2 + 2*h*2h + h*h + K*h) + 6*h*T  per 80 ms frame (two half FFNs,
-               MHSA with relative-position projection and score term, conv module); dw-striding
-               subsampling counted per 10 ms mel frame; projector 2*(h*f + f*h_llm) per output token.
+    ViT layer  2*(4*h^2 + 2*h*ffn) + 4*h*T  per token, T = patches + prefix tokens of one sequence (a tile,
+               a native grid, a tubelet); patch embed 2*3*p^2*h per patch and frame; pixel shuffle is a
+               reshape (0 FLOPs) that folds s^2 tokens into one of width s^2*h; projector 2*(s^2*h*f + f*h_llm)
+               per output token (hetero/planner/flops.py adds them up per sequence)
+    Conformer  2*(2*2*h*4h + 4*h^2 + 2*h^2 + 2*h*2h + h*h + K*h) + 8*h*T  per 80 ms frame (two half FFNs,
+               MHSA with relative-position projection and score term over 2T-1 positions, conv module);
+               mel filterbank and dw-striding subsampling counted per 10 ms mel frame; projector
+               2*(h*f + f*h_llm) per output token.
 Activation bytes per token are what autograd keeps for backward in Tessera's modules as built (fitted to and
 checked against a meta-device forward, hetero/planner/meta_memory.py; bf16 unless noted), in three parts: the
 TP-sharded part (act_bytes, at tp=1), the part every TP rank holds in full (act_replicated: norm inputs and
@@ -90,7 +92,11 @@ class ModuleDesc:
     out_per_tile: int = 0         # ViT: LLM tokens per tile after pixel shuffle
     temporal_patch: int = 0       # ViT: frames fused per video tubelet (0: none)
     frames_per_second: float = 0  # conformer: encoder frames (after subsampling) per audio second
-    pre_flops_per_second: float = 0  # conformer: subsampling FLOPs per audio second
+    pre_flops_per_second: float = 0  # conformer: mel filterbank and subsampling FLOPs per audio second
+    prefix_tokens: int = 0        # ViT: class / register tokens of every sequence
+    pixel_shuffle: int = 1        # ViT: patches per output token along each side
+    embed_flops: float = 0        # ViT: patch embedding FLOPs per patch and frame (a tubelet embeds several)
+    out_flops: float = 0          # ViT: projector FLOPs per output token
     act_ctx: float = 0            # bytes per token and context token (materialised attention scores), TP-sharded
     cp_ctx: float = 0             # LLM at CP > 1: bytes per local token and global key, all attention layers, sharded
     cp_act: float = 0             # LLM at CP > 1: bytes per token, all Mamba layers (torch SSD scan), sharded
@@ -197,12 +203,15 @@ def describe_vit(name: str, llm_hidden: int) -> ModuleDesc:
                     + c["temporal_patch"] * 3 * p * p * h + 2 * h * c["final_norm"])
     params = L * layer_params + embed_params + proj_params
     # everything per *internal* token: patch embed and projector are rescaled from per-patch / per-output
-    per_token = (L * 2 * (4 * h * h + 2 * h * ffn) + 2 * 3 * p * p * h * patches / T
-                 + 2 * (proj_in * proj_hidden + proj_hidden * llm_hidden) * out / T)
+    # per internal token the layers; the patch embed per patch and frame, the projector per output token
+    # (flops.vit_sequence_flops puts them together for any grid)
+    per_token = L * 2 * (4 * h * h + 2 * h * ffn)
     rep, act = (12 if scale else 8) * h, 10 * h + 4 * ffn  # LN in/out (and layer-scale inputs) | qkv, out x2, fc1/fc2
     return ModuleDesc(
         key="vision", kind="vit", params=int(params), replicated_params=int(params - L * sharded),
         expert_params=0, edge_params=0, layers=L, hidden=h, out_hidden=llm_hidden, linear_flops=per_token,
+        embed_flops=2.0 * 3 * p * p * h, out_flops=2.0 * (proj_in * proj_hidden + proj_hidden * llm_hidden),
+        prefix_tokens=c["prefix_tokens"], pixel_shuffle=s,
         attn_flops=4.0 * h * L, head_flops=0.0, act_bytes=L * act, act_replicated=L * rep, act_unsplit=0.0,
         act_bytes_recompute=BF16 * h * L, act_peak=(("L", rep, act, 0.0),),
         act_edge=BF16 * (3 * p * p * patches + 2 * (proj_in + proj_hidden) * out) / T,
@@ -223,7 +232,7 @@ def describe_conformer(name: str, llm_hidden: int) -> ModuleDesc:
     for i in range(stages):
         area /= 4
         pre += 2 * area * C * 9 if i == 0 else 2 * area * C * (9 + C)
-    pre += 2 * fps * (C * F // sub) * h
+    pre += 2 * fps * (C * F // sub) * h + 2 * mel_fps * F * (c["n_fft"] // 2 + 1)  # + the mel filterbank
     # two half FFNs, 5 LayerNorms, conv module (pointwise 2h, depthwise, BatchNorm, pointwise), rel-pos MHSA
     # (q, k, v, out with biases, bias-free pos projection, pos_bias_u/v)
     layer_params = 2 * (2 * h * f + f + h) + 10 * h + (2 * h * h + 2 * h + K * h + h + 2 * h + h * h + h) \
@@ -231,7 +240,7 @@ def describe_conformer(name: str, llm_hidden: int) -> ModuleDesc:
     proj_hidden = c["projector_hidden"] or 4 * h  # models.multimodal: sound projector hidden = 4x the width
     proj_params = h + h * proj_hidden + proj_hidden * llm_hidden
     sub_params = 9 * C + C + (stages - 1) * (9 * C + C + C * C + C) + C * F // sub * h + h
-    per_frame = (L * 2 * (2 * h * f + 4 * h * h + h * h + 2 * h * h + K * h + h * h)
+    per_frame = (L * 2 * (2 * 2 * h * f + 4 * h * h + 2 * h * h + 2 * h * h + K * h + h * h)
                  + 2 * (h * proj_hidden + proj_hidden * llm_hidden))
     # subsampling activations per mel frame: 2 tensors at the first stage's resolution, 3 at each later one
     pre_act = sum(BF16 * C * F * (2 if i == 0 else 3) / 4 ** (i + 1) for i in range(stages)) + BF16 * F
@@ -239,7 +248,7 @@ def describe_conformer(name: str, llm_hidden: int) -> ModuleDesc:
     params = L * layer_params + proj_params + sub_params
     return ModuleDesc(
         key="audio", kind="conformer", params=int(params), replicated_params=int(params), expert_params=0,
-        edge_params=0, layers=L, hidden=h, out_hidden=llm_hidden, linear_flops=per_frame, attn_flops=6.0 * h * L,
+        edge_params=0, layers=L, hidden=h, out_hidden=llm_hidden, linear_flops=per_frame, attn_flops=8.0 * h * L,
         head_flops=0.0, act_bytes=0.0, act_replicated=L * layer, act_unsplit=0.0, act_bytes_recompute=BF16 * h * L,
         act_peak=(("L", layer, 0.0, 0.0),), act_edge=pre_act * sub + 4 * (h + proj_hidden),
         act_ctx=L * (4 * c["heads"] + 1.0), logits_bytes=0.0, tp_collectives=4 * L, attn_layers=0, mamba_layers=0,

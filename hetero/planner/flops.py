@@ -1,0 +1,82 @@
+"""Model FLOPs, one function per module kind: what the planner prices and what the trainer reports.
+
+    sequence_flops(mod, tokens)            forward FLOPs of one sequence through a module (model.py's formulas)
+    vit_sequence_flops(mod, patches)       one ViT sequence with its patch embedding and projector
+    llm_row_flops(mod, seq_length)         one packed LLM row, lm_head included
+    media_item_flops(mod, tok, kind, units) one media item (an image's tiles or native grid, a clip's tubelets,
+                                           an audio clip) as the encoder runs it
+    peak_tflops(device_name, dtype)        the device's dense peak, for MFU (None where unknown: CPU)
+
+A training step is 3x the forward (model FLOPs: the extra forward of activation recompute is not counted, as
+MFU is defined by PaLM and reported by Megatron). The LLM's attention is counted causal (half the S x S
+scores: what a causal flash kernel computes), an encoder's bidirectional; a packed row is priced over its
+whole length, as the kernels run it. tests/test_flops.py checks every function against torch's
+FlopCounterMode on the tiny models (within 5%), the outside count of what the ops execute.
+Pure: no torch, so the planner prices a thousand layouts in milliseconds with the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tessera.hetero.planner.model import ModuleDesc
+
+# Dense peak TFLOPS per GPU by the name torch.cuda.get_device_name() reports (first match wins, so the PCIe
+# and NVL variants come before the SXM part). bf16: tensor cores, dense; float32: the non-tensor FP32 rate
+# (torch's default matmul precision "highest" keeps fp32 matmuls off TF32). NVIDIA datasheets.
+DEVICE_PEAK_TFLOPS = (
+    ("H100 PCIe", {"bfloat16": 756.0, "float32": 51.2}),
+    ("H100 NVL", {"bfloat16": 835.5, "float32": 60.0}),
+    ("H100", {"bfloat16": 989.4, "float32": 66.9}),
+    ("H200", {"bfloat16": 989.4, "float32": 66.9}),
+    ("GH200", {"bfloat16": 989.4, "float32": 66.9}),
+    ("B200", {"bfloat16": 2250.0, "float32": 80.0}),
+    ("A100", {"bfloat16": 312.0, "float32": 19.5}),
+    ("L40S", {"bfloat16": 362.1, "float32": 91.6}),
+)
+
+
+def peak_tflops(device_name: str, dtype: str) -> float | None:
+    """Dense peak TFLOPS of a device for `dtype` ("bfloat16" | "float32"); None for a device not in the table."""
+    for name, peaks in DEVICE_PEAK_TFLOPS:
+        if name in device_name:
+            return peaks.get(dtype)
+    return None
+
+
+def sequence_flops(mod: ModuleDesc, tokens: float, extra: float = 0.0) -> float:
+    """Forward FLOPs of one sequence of `tokens` tokens: every weight per token, attention over the sequence, and
+    `extra` (an audio clip's subsampling). The LLM's lm_head is llm_row_flops' part."""
+    return tokens * (mod.linear_flops + mod.attn_flops * tokens) + extra
+
+
+def llm_row_flops(mod: ModuleDesc, seq_length: int) -> float:
+    """Forward FLOPs of one packed LLM row of seq_length tokens, its lm_head included."""
+    return sequence_flops(mod, seq_length) + seq_length * mod.head_flops
+
+
+def vit_sequence_flops(mod: ModuleDesc, patches: int, frames: int = 1) -> float:
+    """Forward FLOPs of one ViT sequence of `patches` patches (a tile, a native grid, a tubelet of `frames`
+    frames embedded together): the layers over patches + prefix tokens, the patch embedding per patch and
+    frame, the projector per output token after pixel shuffle."""
+    return (sequence_flops(mod, patches + mod.prefix_tokens) + patches * frames * mod.embed_flops
+            + patches / mod.pixel_shuffle ** 2 * mod.out_flops)
+
+
+def media_item_flops(mod: ModuleDesc, tok, kind: str, units: int | tuple) -> float:
+    """Forward FLOPs of one media item as the encoder runs it. `tok`: the run's EncoderTokens (models/media_tokens.py:
+    patches per tile, frames per tubelet, the audio front end); `units` as the data side records them
+    (PackedBatch.media_meta): image tiles, each one sequence of a tile's patches, or a native (rows, cols) patch
+    grid, one sequence of all its patches (its cost grows with their square); video frames, or (frames, rows,
+    cols), in tubelets of tok.video_temporal frames, one sequence each; audio 16 kHz samples, one clip one
+    sequence."""
+    if mod.kind == "vit":
+        grid = units if kind == "image" else (units[1:] if isinstance(units, tuple) else None)
+        patches = grid[0] * grid[1] if isinstance(grid, tuple) else tok.patches_per_tile
+        if kind == "image":
+            return vit_sequence_flops(mod, patches) * (1 if isinstance(units, tuple) else units)
+        frames = units[0] if isinstance(units, tuple) else units
+        return vit_sequence_flops(mod, patches, tok.video_temporal) * math.ceil(frames / tok.video_temporal)
+    if mod.kind == "conformer":
+        return sequence_flops(mod, tok.audio_encoder_rows(units), mod.pre_flops_per_second * units / tok.audio_rate)
+    raise ValueError(f"{mod.key} ({mod.kind}) encodes no media items")
