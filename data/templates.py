@@ -101,6 +101,25 @@ DEFAULT_TEMPLATE = "omni"
 SPECIAL_TOKENS: tuple[str, ...] = (IM_START, IM_END,
                                    *dict.fromkeys(t for tpl in TEMPLATES.values() for t in tpl.special_tokens))
 
+#: The released processor's text tag of each media kind (processing_nemotron_h_omni: image_token, video_token,
+#: audio_token), which it expands as the templates above say; config.json's {kind}_token_id is its id.
+PROCESSOR_TAGS = {"image": "<image>", "video": "<video>", "audio": "<so_embedding>"}
+
+#: The turn format data/tokens.encode_conversation trains, as a transformers chat template (Jinja): what an
+#: export of a run that did not start from a release ships, so `apply_chat_template` renders the prompts the
+#: model learnt. Media parts ({"type": "image"}, ...) become the processor's tags.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '" + IM_START + "' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    + "".join(f"{{%- {'if' if i == 0 else 'elif'} part['type'] == '{kind}' -%}}{tag}"
+              for i, (kind, tag) in enumerate(PROCESSOR_TAGS.items()))
+    + "{%- else -%}{{ part['text'] }}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{ '" + IM_END + "\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '" + IM_START + "assistant\\n' }}{%- endif -%}")
+
 
 def release_frame_time(index: int, fps: float) -> float:
     """The time the release's processor writes for source frame `index` of a clip at `fps`: the index times one

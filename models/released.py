@@ -90,6 +90,16 @@ def modalities_of(config: dict) -> list[str]:
     return ["vision"] + (["audio"] if _omni(config).audio_config is not None else [])
 
 
+def media_token_ids(config: dict) -> dict[str, int]:
+    """{image|video|audio: id} of the media tags the checkpoint's config.json sets (its legacy names such as
+    img_context_token_id mean there what transformers reads them as); none for an LLM-only checkpoint."""
+    if config.get("model_type") != OMNI:
+        return {}
+    omni = _omni(config)
+    ids = {k: getattr(omni, f"{k}_token_id", None) for k in ("image", "video", "audio")}
+    return {k: int(v) for k, v in ids.items() if v is not None}
+
+
 def encoder_name(directory: str | Path, modality: str) -> str:
     return f"{PREFIX}{Path(directory).expanduser().resolve()}#{modality}"
 

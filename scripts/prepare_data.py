@@ -13,10 +13,11 @@ Each sample becomes KEY.json ({"conversation", "media": [{"kind", "field", "byte
 item's header facts, so the global stream reads no media bytes, data/media_meta.py) plus one member per media
 item (KEY.img0.jpg, KEY.vid0.mp4, KEY.aud0.flac). Then `energon prepare` (run in-process) writes
 DIR/.nv-meta (tar indexes for random access, split.yaml, dataset.yaml with CrudeWebdataset).
-Every dataset gets DIR/tokenizer.model, which training uses when data.tokenizer is not set: --tokenizer
-PATH copies a SentencePiece .model (the model's own: use it to fine-tune a released checkpoint); without it
-a small SentencePiece model (the template and media tokens as single pieces) is trained on the dataset's
-texts, which suits the tiny recipes and training from scratch.
+Every dataset gets a tokenizer, which training uses when neither data.tokenizer nor the checkpoint's own is
+there (data/run_tokenizer.py): --tokenizer PATH copies a SentencePiece .model to DIR/tokenizer.model or a
+tokenizer.json to DIR/tokenizer.json (the model's own); without it a small SentencePiece model (the template
+and media tokens as single pieces) is trained on the dataset's texts, which suits the tiny recipes and
+training from scratch.
     python scripts/prepare_data.py --index --out DIR [--tokenizer PATH]   # tars already in DIR: index only
 (--index also writes the media metadata into a dataset prepared without it: data/media_meta.py.)
 Items that cannot be read are skipped and reported with their reason; the process never stops on one. A
@@ -45,21 +46,26 @@ def _texts(records, into: list):
 def _tokenizer(out: Path, given: Path | None, texts: list[str]) -> str:
     import shutil
 
-    dest = out / "tokenizer.model"
+    from tessera.data.run_tokenizer import TOKENIZER_FILES, own_tokenizer
+
+    if given is None and not texts:
+        have = own_tokenizer(out)
+        return (f"tokenizer {have} (already there)" if have else "no tokenizer written (nothing to train one on): "
+                "pass --tokenizer PATH, or set data.tokenizer=PATH when training")
+    name = "tokenizer.json" if given is not None and given.suffix == ".json" else "tokenizer.model"
+    dest = out / name
+    for other in TOKENIZER_FILES:  # a directory's tokenizer.json is chosen before its .model: keep only this one
+        if other != name:
+            (out / other).unlink(missing_ok=True)
     if given is not None:
         if given.resolve() != dest.resolve():
             shutil.copyfile(given, dest)
         return f"tokenizer {dest} (copied from {given})"
-    if not texts and dest.exists():
-        return f"tokenizer {dest} (already there)"
-    if not texts:
-        return (f"no tokenizer written (nothing to train one on): pass --tokenizer PATH, or set "
-                f"data.tokenizer=PATH when training")
     from tessera.data.tokens import train_sentencepiece
 
     train_sentencepiece(texts * 4 + ["user\n", "assistant\n", "system\n"], out / "tokenizer", vocab_size=400)
     return (f"tokenizer {dest} (trained on this dataset's texts; to fine-tune a released model pass "
-            f"--tokenizer ITS.model, or data.tokenizer=PATH when training)")
+            f"--tokenizer ITS tokenizer.json or .model, or train with model.checkpoint=DIR holding it)")
 
 
 def main(argv=None) -> int:
@@ -69,18 +75,27 @@ def main(argv=None) -> int:
     src.add_argument("--folder", type=Path, help="folder of media files with same-name .txt captions")
     src.add_argument("--synthetic", action="store_true", help="generate a small realistic dataset")
     src.add_argument("--index", action="store_true", help="only index the webdataset tars already in --out")
-    ap.add_argument("--tokenizer", type=Path, help="SentencePiece .model to copy to OUT/tokenizer.model "
-                    "(default: train one on the dataset's texts)")
+    ap.add_argument("--tokenizer", type=Path, help="SentencePiece .model or tokenizer.json to copy to "
+                    "OUT/tokenizer.model or OUT/tokenizer.json (default: train one on the dataset's texts)")
     ap.add_argument("--out", type=Path, required=True, help="output folder for shard-*.tar and .nv-meta")
     ap.add_argument("--shard-size", type=int, default=16, help="samples per tar shard")
     ap.add_argument("--samples", type=int, default=96, help="--synthetic: number of samples")
     ap.add_argument("--seed", type=int, default=0, help="--synthetic: generator seed")
     args = ap.parse_args(argv)
 
-    if args.tokenizer is not None and (not args.tokenizer.is_file() or args.tokenizer.suffix != ".model"):
-        print(f"[prepare] --tokenizer {args.tokenizer}: not a SentencePiece .model file (for a tokenizer.json, "
-              f"set data.tokenizer=PATH when training instead)", file=sys.stderr)
+    if args.tokenizer is not None and (not args.tokenizer.is_file() or args.tokenizer.suffix not in (".model",
+                                                                                                  ".json")):
+        print(f"[prepare] --tokenizer {args.tokenizer}: not a SentencePiece .model or a tokenizer.json file",
+              file=sys.stderr)
         return 2
+    if args.tokenizer is not None:
+        from tessera.data.tokens import Tokenizer
+
+        try:  # before any shard is written: a tokenizer without Tessera's special tokens is no use
+            Tokenizer(args.tokenizer)
+        except Exception as e:
+            print(f"[prepare] --tokenizer {args.tokenizer} does not load ({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
     skipped: Counter = Counter()
     texts: list[str] = []
     try:

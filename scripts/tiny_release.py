@@ -6,8 +6,12 @@
 transformers' NemotronH_Omni_Reasoning_V3 with random weights and shapes unlike any Tessera registry entry
 (RADIO 48 wide on 8-px patches with a 10x10 position table and 3 prefix tokens; a Parakeet of 24 without
 attention biases; a hybrid LLM, MoE unless --dense), saved with save_pretrained: config.json +
-model.safetensors in the released key layout. What `model.checkpoint=OUT` fine-tunes in the README and the
-tests; transformers loads it back (and Tessera's export of it) with from_pretrained.
+model.safetensors in the released key layout, and, as a release ships them, its tokenizer: a byte-level BPE
+tokenizer.json with the prompt templates' special tokens, tokenizer_config.json, chat_template.jinja (the turns
+Tessera trains, data/templates.CHAT_TEMPLATE) and generation_config.json; config.json's media token ids,
+eos and pad are that tokenizer's. What `model.checkpoint=OUT` fine-tunes in the README and the tests (with
+OUT's tokenizer, data/run_tokenizer.py); transformers loads it back (and Tessera's export of it) with
+from_pretrained.
 """
 
 from __future__ import annotations
@@ -24,14 +28,47 @@ AUDIO = dict(hidden_size=24, num_hidden_layers=1, num_attention_heads=2, interme
              projection_bias=False)
 TEXT = dict(configs.TINY_MOE, hybrid_override_pattern="M*-E", vocab_size=512)
 DENSE_TEXT = dict(configs.TINY_DENSE, vocab_size=512)
+# what the tokenizer is trained on: the roles and the synthetic data set's kind of captions (data/prepare.py)
+TOKENIZER_TEXTS = (["system\n", "user\n", "assistant\n", "You are a helpful multimodal assistant.",
+                    "Describe the image.", "What is in this picture?", "Look at this: ", "How do they differ?"]
+                   + [f"A {c} {s} on a {b} background, 640 by 480 pixels." for c in ("red", "green", "blue")
+                      for s in ("circle", "square", "stripe") for b in ("white", "black", "yellow")]
+                   + ["A steady 440 hertz tone lasting 1.5 seconds.", "A red square moves from left to right."])
+TOKENIZER_VOCAB = 400
 
 
-def omni_checkpoint(directory, audio: bool = True, seed: int = 0, text: dict = TEXT, **config):
+def release_tokenizer(directory) -> dict[str, int]:
+    """Write a release's tokenizer files to `directory` (module docstring); returns the ids config.json takes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tessera.data.templates import CHAT_TEMPLATE, IM_END, PROCESSOR_TAGS, SPECIAL_TOKENS
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(TOKENIZER_TEXTS * 8, trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB, special_tokens=["<pad>", *SPECIAL_TOKENS], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=IM_END, pad_token="<pad>",
+                                  chat_template=CHAT_TEMPLATE)
+    tok.save_pretrained(str(directory))
+    ids = {f"{kind}_token_id": bpe.token_to_id(tag) for kind, tag in PROCESSOR_TAGS.items()}
+    return {**ids, "eos_token_id": bpe.token_to_id(IM_END), "pad_token_id": bpe.token_to_id("<pad>")}
+
+
+def omni_checkpoint(directory, audio: bool = True, seed: int = 0, text: dict = TEXT, tokenizer: bool = False,
+                    **config):
     """Write a random tiny NemotronH_Omni_Reasoning_V3 to `directory`; returns the model. `config`: more
-    top-level fields (e.g. image_token_id)."""
+    top-level fields (e.g. image_token_id). tokenizer: also write a tokenizer (release_tokenizer) whose media,
+    eos and pad ids config.json takes."""
     import torch
     from transformers import NemotronH_Omni_Reasoning_V3, NemotronH_Omni_Reasoning_V3_Config
 
+    if tokenizer:
+        ids = release_tokenizer(directory)
+        text = dict(text, eos_token_id=ids.pop("eos_token_id"), pad_token_id=ids.pop("pad_token_id"))
+        config = {**{k: v for k, v in ids.items() if audio or not k.startswith("audio")}, **config}
     cfg = NemotronH_Omni_Reasoning_V3_Config(
         vision_config=dict(VISION), text_config=dict(text), audio_config=dict(AUDIO) if audio else None,
         vision_hidden_size=VISION["hidden_size"], downsample_ratio=0.5, projector_hidden_size=72, **config)
@@ -48,8 +85,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dense", action="store_true", help="a dense hybrid LLM instead of the MoE one")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    omni_checkpoint(args.out, audio=not args.no_audio, seed=args.seed, text=DENSE_TEXT if args.dense else TEXT)
-    print(f"wrote a tiny NemotronH_Omni_Reasoning_V3 checkpoint to {args.out}")
+    omni_checkpoint(args.out, audio=not args.no_audio, seed=args.seed, text=DENSE_TEXT if args.dense else TEXT,
+                    tokenizer=True)
+    print(f"wrote a tiny NemotronH_Omni_Reasoning_V3 checkpoint (and its tokenizer) to {args.out}")
     return 0
 
 

@@ -61,6 +61,18 @@ def test_manifest_dataset_gets_a_tokenizer(tmp_path):
                    "--tokenizer", tmp_path / "ds" / "tokenizer.model")
     assert res.returncode == 0 and "copied from" in res.stdout, res.stdout + res.stderr
     assert (tmp_path / "ds2" / "tokenizer.model").read_bytes() == (tmp_path / "ds" / "tokenizer.model").read_bytes()
+    # or a tokenizer.json (what a release ships), which replaces the dataset's .model and is what training picks
+    from tessera.data.run_tokenizer import run_tokenizer
+    from tessera.scripts.tiny_release import release_tokenizer
+
+    release_tokenizer(tmp_path / "release")
+    res = _prepare("--index", "--out", tmp_path / "ds2", "--tokenizer", tmp_path / "release" / "tokenizer.json")
+    assert res.returncode == 0 and "copied from" in res.stdout, res.stdout + res.stderr
+    ds2 = tmp_path / "ds2"
+    assert (ds2 / "tokenizer.json").read_bytes() == (tmp_path / "release" / "tokenizer.json").read_bytes()
+    assert not (ds2 / "tokenizer.model").exists()
+    assert run_tokenizer(None, None, str(ds2)).path == str(ds2 / "tokenizer.json")
+    prelaunch.check_data(DataConfig(path=str(ds2)))
 
 
 def test_truncated_shard_is_named_with_the_fix(tmp_path):

@@ -9,6 +9,8 @@ The oracle is transformers itself (its config classes and from_pretrained).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -24,7 +26,7 @@ AUDIO_FIELDS = ("family", "n_mels", "hidden", "layers", "heads", "ff_expansion",
                 "subsampling_channels", "attention_bias", "convolution_bias", "scale_input")
 
 
-def _export(tmp_path, llm: str, vision: str | None, audio: str | None):
+def _export(tmp_path, llm: str, vision: str | None, audio: str | None, tokenizer: str | None = None):
     single_rank_world()
     from tessera.hetero.training.hf_export import write_hf
     from tessera.hetero.training.model_build import llm_fields
@@ -34,7 +36,7 @@ def _export(tmp_path, llm: str, vision: str | None, audio: str | None):
     cfg = ModelConfig(llm=llm, vision=vision, audio=audio)
     fields = llm_fields(cfg, 0)
     out = tmp_path / f"{vision}_{audio}"
-    write_hf(out, full_hf_state(cfg, fields, seed=5), cfg, fields)
+    write_hf(out, full_hf_state(cfg, fields, seed=5), cfg, fields, tokenizer)
     return out
 
 
@@ -69,3 +71,45 @@ def test_encoders_the_release_computes_differently_get_no_config(tmp_path, capsy
     assert not (out / "config.json").exists()
     assert (out / "tessera.json").exists() and (out / "language_model" / "config.json").exists()
     assert why in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["tokenizer.json", "tokenizer.model"])
+def test_export_ships_the_runs_tokenizer_chat_template_and_generation_config(tmp_path, kind):
+    """A run not started from a release: its own tokenizer (either kind), the chat template of the turns Tessera
+    trains and generation_config.json from config.json's bos/eos/pad, ending turns at <|im_end|>; transformers'
+    AutoTokenizer loads them with Tessera's special token ids, and the template renders Tessera's turns. The ids of
+    a whole prompt agree for a tokenizer.json (byte-level BPE, as releases ship); a SentencePiece model prefixes
+    every piece Tessera tokenizes apart with its dummy "▁", which one string tokenized at once cannot reproduce."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from tessera.data.templates import CHAT_TEMPLATE, IM_END, IM_START
+    from tessera.data.tokens import Tokenizer, encode_conversation, train_sentencepiece
+    from tessera.scripts.tiny_release import TOKENIZER_TEXTS, release_tokenizer
+
+    if kind == "tokenizer.json":
+        release_tokenizer(tmp_path / "tok")  # the files a release ships; only tokenizer.json is the run's
+        path = tmp_path / "tok" / "tokenizer.json"
+    else:
+        path = train_sentencepiece(TOKENIZER_TEXTS * 4, tmp_path / "tokenizer", vocab_size=120)
+    out = _export(tmp_path, "nemotron_h_tiny_dense", "radio_vit_tiny", None, str(path))
+    assert (out / kind).read_bytes() == path.read_bytes() and (out / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    tok, config = Tokenizer(path), json.loads((out / "config.json").read_text())["text_config"]
+    generation = GenerationConfig.from_pretrained(str(out))
+    assert (generation.bos_token_id, generation.pad_token_id) == (config["bos_token_id"], config["pad_token_id"])
+    ends = list(dict.fromkeys([config["eos_token_id"], tok.special[IM_END]]))  # one id when they coincide
+    assert generation.eos_token_id == (ends if len(ends) > 1 else ends[0])
+    hf = AutoTokenizer.from_pretrained(str(out))
+    assert {t: hf.convert_tokens_to_ids(t) for t in tok.special} == tok.special
+    assert (hf.eos_token, hf.pad_token_id) == (IM_END, tok.pad_id)  # a turn's end and Tessera's padding
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Describe the image."}]
+    text = hf.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    assert text == "".join(f"{IM_START}{t['role']}\n{t['content']}{IM_END}\n" for t in turns) + f"{IM_START}assistant\n"
+    if kind == "tokenizer.json":
+        ours = encode_conversation(tok, turns, [], []).tokens.tolist() + tok.template(IM_START, "assistant\n").tolist()
+        assert hf(text, add_special_tokens=False).input_ids == ours
+        # exported again into OUT with OUT's tokenizer: kept; with another: the previous export's files go
+        _export(tmp_path, "nemotron_h_tiny_dense", "radio_vit_tiny", None, str(out / kind))
+        assert (out / kind).read_bytes() == path.read_bytes()
+        spm = train_sentencepiece(TOKENIZER_TEXTS * 4, tmp_path / "tokenizer", vocab_size=120)
+        _export(tmp_path, "nemotron_h_tiny_dense", "radio_vit_tiny", None, str(spm))
+        assert not (out / kind).exists() and (out / "tokenizer.model").read_bytes() == spm.read_bytes()

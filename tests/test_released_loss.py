@@ -34,7 +34,9 @@ against Tessera's labels, which settling never moves (the chunks are never targe
 from __future__ import annotations
 
 import random
+import shutil
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -145,7 +147,8 @@ def _dataset(root, records=None):
 
 
 def _checkpoint(directory, tok, **config) -> None:
-    """A random tiny Omni model whose media token ids and vocabulary are the tokenizer's; every parameter
+    """A random tiny Omni model whose media token ids and vocabulary are the tokenizer's, shipped with it as a
+    release ships its tokenizer (so the run takes it by default: data/run_tokenizer.py); every parameter
     that starts constant (norm weights, biases, layer scales, BatchNorm affine) is perturbed, so none is an
     identity that would hide a mistake."""
     from transformers import NemotronH_Omni_Reasoning_V3, NemotronH_Omni_Reasoning_V3_Config
@@ -166,6 +169,7 @@ def _checkpoint(directory, tok, **config) -> None:
                 p.add_(0.2 * torch.randn_like(p))
         model.language_model.lm_head.weight.mul_(4.0)  # confident predictions: the loss moves with the logits
     model.save_pretrained(str(directory))
+    shutil.copyfile(tok.path, Path(directory) / "tokenizer.model")
 
 
 def _configs(ckpt: str, data_path: str, video_pruning: float = 0.0):
@@ -191,9 +195,10 @@ def _first_batch(model, data):
     media of every row decoded (decode=None) instead of this rank's share."""
     from tessera.data.loader import close_loader
     from tessera.data.pipeline import build_train_loader
+    from tessera.data.run_tokenizer import run_tokenizer
     from tessera.hetero.training.run_modules import encoder_names
 
-    tok = data.tokenizer or f"{data.path}/tokenizer.model"
+    tok = run_tokenizer(data.tokenizer, model.checkpoint, data.path).path  # the release's, as the trainer takes
     loader = build_train_loader(data.path, tok, encoder_names(model), data.seq_length, data.rows_per_microbatch,
                                 decode=None, num_workers=data.num_workers, seed=data.seed, max_tiles=data.max_tiles,
                                 video_frames=data.video_frames, video_pruning=model.video_pruning, state=None,
@@ -301,9 +306,13 @@ def test_first_step_loss_equals_transformers_omni(tmp_path):
     assert err <= TOL
 
     # the export of the trained model is what transformers loads as it loads the release (the release's
-    # config.json, the vocabulary padding stripped), every tensor as written
+    # config.json, the vocabulary padding stripped), every tensor as written, with the release's tokenizer the run
+    # trained with (its saved config names it) and its generation defaults
     from safetensors.torch import load_file
     from transformers import NemotronH_Omni_Reasoning_V3
+
+    for name in ("tokenizer.model", "generation_config.json"):
+        assert (out / name).read_bytes() == (ckpt / name).read_bytes(), name
 
     before, after = load_file(str(ckpt / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert sorted(before) == sorted(after) and any(not torch.equal(before[k], after[k]) for k in before)

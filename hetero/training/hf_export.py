@@ -1,10 +1,19 @@
 """A Tessera checkpoint saved in any layout -> the Hugging Face layout, in one process on CPU.
 
-    .venv/bin/python -m tessera.hetero.training.hf_export CHECKPOINT OUT
+    .venv/bin/python -m tessera.hetero.training.hf_export CHECKPOINT OUT [--max-shard-size 5GB]
 
 The model is rebuilt with every module on one rank and dist_checkpointing reshards into it. Writes
   OUT/model.safetensors      the whole model in the NemotronH_Nano_VL_V2 / Omni key layout
-                             (language_model.*, vision_model.*, mlp1.*, sound_encoder.*, sound_projection.*)
+                             (language_model.*, vision_model.*, mlp1.*, sound_encoder.*, sound_projection.*);
+                             above --max-shard-size sharded as the releases are: model-0000i-of-0000n.safetensors
+                             + model.safetensors.index.json (huggingface_hub's sharding, what save_pretrained uses)
+  OUT/tokenizer.json|.model  the tokenizer the run trained with (its saved config names it, loop._resolve); when
+                             that is the release's own (model.checkpoint=DIR), DIR's tokenizer files, chat template,
+                             processor configs and generation_config.json as they are (data/run_tokenizer.py);
+                             else tokenizer_config.json + chat_template.jinja of the turns Tessera trains
+                             (data/templates.CHAT_TEMPLATE)
+  OUT/generation_config.json the release's, or made from config.json's bos/eos/pad with the tokenizer's
+                             <|im_end|> as an end of turn (what Tessera trains every assistant turn to end with)
   OUT/tessera.json           the run's model config (which encoders, which LLM), or, for a model fine-tuned
                              from a released checkpoint, OUT/config.json: the release's own (transformers
                              loads OUT like the release)
@@ -31,6 +40,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from tessera.hetero.plan.layout import AUDIO, ENCODER_KEYS, VISION
+
+MAX_SHARD_SIZE = "5GB"  # huggingface_hub's default shard size (save_pretrained's), as the releases are cut
 
 
 def _fields(model_cfg) -> dict:
@@ -59,14 +70,23 @@ def _single_rank_model(model_cfg, hf_fields: dict):
     return build_rank_modules(model_cfg, layout, groups, configs), groups, configs
 
 
-def write_hf(out: Path, full: dict, model_cfg, hf_fields: dict) -> Path:
-    """OUT/model.safetensors (+ tessera.json, + language_model/ loadable by transformers)."""
-    from safetensors.torch import save_file
+def save_weights(tensors: dict, directory: Path, max_shard_size: int | str = MAX_SHARD_SIZE) -> None:
+    """directory/model.safetensors, or its shards + model.safetensors.index.json above max_shard_size (a previous
+    export's weight files are removed first: huggingface_hub's save_torch_state_dict)."""
+    from huggingface_hub import save_torch_state_dict
 
+    save_torch_state_dict(tensors, directory, max_shard_size=max_shard_size)
+
+
+def write_hf(out: Path, full: dict, model_cfg, hf_fields: dict, tokenizer: str | None = None,
+             max_shard_size: int | str = MAX_SHARD_SIZE) -> Path:
+    """OUT/model.safetensors (or its shards) + config.json or tessera.json, the tokenizer files and
+    generation_config.json (`tokenizer`: the run's, None = none written), + language_model/ loadable by
+    transformers."""
     from tessera.models import released
 
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in full.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_weights(full, out, max_shard_size)
     source = getattr(model_cfg, "checkpoint", None)
     if source and released.is_released_checkpoint(source):
         # the same architecture as the released checkpoint it was fine-tuned from: its config.json describes
@@ -77,14 +97,74 @@ def write_hf(out: Path, full: dict, model_cfg, hf_fields: dict) -> Path:
         (out / "tessera.json").write_text(json.dumps({"model": _fields(model_cfg), "llm_hf_config": hf_fields},
                                                      indent=2))
         _write_release_config(out, full, model_cfg, hf_fields)
+    write_serving_files(out, tokenizer, source, hf_fields)
     lm = out / "language_model"
     lm.mkdir(exist_ok=True)
-    save_file({k[len("language_model."):]: v.contiguous() for k, v in full.items() if k.startswith("language_model.")},
-              str(lm / "model.safetensors"), metadata={"format": "pt"})
+    save_weights({k[len("language_model."):]: v for k, v in full.items() if k.startswith("language_model.")}, lm,
+                 max_shard_size)
     from transformers import NemotronHConfig
 
     NemotronHConfig(**hf_fields).save_pretrained(str(lm))
     return out
+
+
+def write_serving_files(out: Path, tokenizer: str | None, source: str | None, hf_fields: dict) -> None:
+    """What transformers / vLLM serve OUT with, next to config.json (module docstring). `source`: the run's
+    model.checkpoint."""
+    import shutil
+
+    from tessera.data.run_tokenizer import RELEASE_FILES
+
+    src = Path(source).expanduser() if source else None
+    if src is not None and src.resolve() == out.resolve():
+        return  # exported over the checkpoint it started from: its own files stay
+    for name in RELEASE_FILES:  # a previous export's, which may be another tokenizer's (not the run's own)
+        if tokenizer is None or (out / name).resolve() != Path(tokenizer).resolve():
+            (out / name).unlink(missing_ok=True)
+    own = tokenizer is not None and src is not None and Path(tokenizer).parent.resolve() == src.resolve()
+    for name in RELEASE_FILES if own else ():
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    if tokenizer is not None and not own:
+        _write_run_tokenizer(out, Path(tokenizer))
+    elif tokenizer is None:
+        print("export: the run's tokenizer is unknown or gone; no tokenizer files written", flush=True)
+    if src is not None and not own and (src / "generation_config.json").is_file():  # the release's defaults
+        shutil.copyfile(src / "generation_config.json", out / "generation_config.json")
+    if not (out / "generation_config.json").exists():
+        _write_generation_config(out, hf_fields, tokenizer)
+
+
+def _write_run_tokenizer(out: Path, path: Path) -> None:
+    """A tokenizer that is not a release's: the file, a tokenizer_config.json transformers loads it with (a
+    SentencePiece .model is converted on load) and the chat template of the turns Tessera trains."""
+    import shutil
+
+    from tessera.data.templates import CHAT_TEMPLATE, IM_END
+    from tessera.data.tokens import Tokenizer
+
+    dest = out / ("tokenizer.json" if path.suffix == ".json" else "tokenizer.model")
+    if dest.resolve() != path.resolve():
+        shutil.copyfile(path, dest)
+    tok = Tokenizer(path)
+    pad = "<pad>" if tok.pad_id != tok.special[IM_END] else IM_END  # data/tokens.Tokenizer's pad rule
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": IM_END, "pad_token": pad}, indent=2))
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+
+
+def _write_generation_config(out: Path, hf_fields: dict, tokenizer: str | None) -> None:
+    """From the LLM config's bos/eos/pad (config.json's text_config: its defaults where the run set none)."""
+    from transformers import GenerationConfig, NemotronHConfig
+
+    from tessera.data.templates import IM_END
+    from tessera.data.tokens import Tokenizer
+
+    llm = NemotronHConfig(**hf_fields)
+    eos = [llm.eos_token_id]
+    if tokenizer is not None and Tokenizer(tokenizer).special[IM_END] not in eos:
+        eos.append(Tokenizer(tokenizer).special[IM_END])
+    GenerationConfig(bos_token_id=llm.bos_token_id, eos_token_id=eos if len(eos) > 1 else eos[0],
+                     pad_token_id=llm.pad_token_id).save_pretrained(str(out))
 
 
 def _write_release_config(out: Path, full: dict, model_cfg, hf_fields: dict) -> None:
@@ -165,7 +245,20 @@ def write_adapters(out: Path, tensors: dict, lora) -> Path:
     return path
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
+def trained_tokenizer(saved: dict) -> str | None:
+    """The tokenizer a run trained with, from its saved config: named there (loop._resolve), or for a checkpoint
+    saved before it was, chosen by the rule (data/run_tokenizer.run_tokenizer); None when it is gone."""
+    from tessera.data.run_tokenizer import TokenizerMismatch, run_tokenizer
+
+    data, model = saved.get("data") or {}, saved.get("model") or {}
+    try:
+        path = run_tokenizer(data.get("tokenizer"), model.get("checkpoint"), data.get("path")).path
+    except TokenizerMismatch:
+        return None
+    return path if Path(path).is_file() else None
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_size: int | str = MAX_SHARD_SIZE) -> Path:
     """A Tessera checkpoint (any layout) -> HF layout files in `out`."""
     from megatron.core import dist_checkpointing
 
@@ -177,17 +270,19 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     path = latest_checkpoint(path) or path
     common = dist_checkpointing.load_common_state_dict(str(path))["common"]
     # the run's model config as saved (plain fields; model_build reads them by name)
-    model_cfg = SimpleNamespace(**json.loads(common["config"])["model"])
+    saved = json.loads(common["config"])
+    model_cfg = SimpleNamespace(**saved["model"])
     hf_fields = json.loads(common["llm_hf_config"])
     modules, groups, configs = _single_rank_model(model_cfg, hf_fields)
     lora = lora_settings(model_cfg)
     if lora is not None:  # the adapters must exist to be loaded (their initial values do not matter)
         apply_lora(modules, groups, model_cfg, seed=0)
     load_checkpoint(path, modules, None, groups, configs)
-    return export_modules(modules, Path(out), model_cfg, hf_fields)
+    return export_modules(modules, Path(out), model_cfg, hf_fields, trained_tokenizer(saved), max_shard_size)
 
 
-def export_modules(modules, out: Path, model_cfg, hf_fields: dict) -> Path:
+def export_modules(modules, out: Path, model_cfg, hf_fields: dict, tokenizer: str | None = None,
+                   max_shard_size: int | str = MAX_SHARD_SIZE) -> Path:
     """Write the one-rank model's modules in HF layout (LoRA: adapters and/or merged, model.lora.export)."""
     from tessera.hetero.training.lora import lora_settings, merge_lora
     from tessera.models.multimodal import MultimodalModel
@@ -201,9 +296,17 @@ def export_modules(modules, out: Path, model_cfg, hf_fields: dict) -> Path:
     if lora is not None:
         merge_lora(modules)
     media = {k: m for k, m in modules.items() if k != "language"}
-    return write_hf(out, export_hf(MultimodalModel(modules["language"], media)), model_cfg, hf_fields)
+    return write_hf(out, export_hf(MultimodalModel(modules["language"], media)), model_cfg, hf_fields, tokenizer,
+                    max_shard_size)
 
 
 if __name__ == "__main__":
-    export_checkpoint(sys.argv[1], sys.argv[2])
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("checkpoint")
+    ap.add_argument("out")
+    ap.add_argument("--max-shard-size", default=MAX_SHARD_SIZE, help="largest weight file, e.g. 5GB or 500MB")
+    args = ap.parse_args()
+    export_checkpoint(args.checkpoint, args.out, args.max_shard_size)
     sys.exit(0)
