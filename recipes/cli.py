@@ -9,16 +9,20 @@
 
 Registered with nemo-run through pyproject's `[project.entry-points."nemo_run.cli"] tessera = "tessera.recipes.cli"`.
 Conventions are nemo-run's: `key=value` overrides, `run.executor=NAME` (+ `run.executor.field=v`), `--yes`
-skips the prompt. Before anything launches, TesseraRunContext checks the recipe name, every override key,
+skips the prompt (`plan` launches nothing and never asks); `--to-yaml FILE` writes the task, `--yaml FILE` runs it
+again. Before anything launches, TesseraRunContext checks the recipe name, every override key,
 the encoder/LLM names against the registries and the layout against the model and the executor's ranks,
 and prints one line naming what is wrong and what exists (nemo-run's own errors are far from the cause).
 """
 
 
 import functools
+import importlib
 import inspect
 import re
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import fiddle as fdl
 import nemo_run as run
@@ -41,7 +45,7 @@ class TesseraRunContext(RunContext):
     def parse_fn(self, fn, args, **default_kwargs):
         _check_factory(fn, self.factory)
         checks.check_overrides(fn, args)
-        task = super().parse_fn(fn, args, **default_kwargs)
+        task = _exported_task(fn, self.yaml, self.factory, args) or super().parse_fn(fn, args, **default_kwargs)
         checks.check_names(task.model)
         if fn.__name__ == "plan":  # nothing is launched: no executor to size
             return task
@@ -62,6 +66,8 @@ class TesseraRunContext(RunContext):
         if resolved.cp_line():  # which LLM layers run head-parallel (fused kernels) and which stay on torch kernels
             print(resolved.cp_line(), flush=True)
         prelaunch.check_inputs(task, getattr(self, "executor", None), dryrun=self.dryrun)
+        for mount in executors.mount_run_paths(getattr(self, "executor", None), task):  # container_image only
+            print(f"slurm: container mount {mount}", file=sys.stderr, flush=True)
         return task
 
     def _execute_task(self, fn, task_args):
@@ -71,6 +77,8 @@ class TesseraRunContext(RunContext):
         did. Here the same Experiment is run, and a job that did not end SUCCEEDED (local torchrun's exit
         code, Slurm's sacct state) prints the failing rank's last lines and exits 1. Direct runs (no
         executor: an exception already exits 1), --detach, --repl and --to-yaml/... stay nemo-run's."""
+        if fn.__name__ == "plan" and not (self.repl or any([self.to_yaml, self.to_toml, self.to_json])):
+            return self._print_plan(fn, task_args)
         if self.direct or self.detach or self.repl or any([self.to_yaml, self.to_toml, self.to_json]) \
                 or getattr(self, "executor", None) is None:
             return super()._execute_task(fn, task_args)
@@ -97,6 +105,17 @@ class TesseraRunContext(RunContext):
         if failure:
             raise RunContextError(failure)
 
+    def _print_plan(self, fn, task_args):
+        """`plan` prints a table here and launches nothing, so it runs as nemo-run runs a task without an
+        executor (run.run(direct=True): the function, in this process), minus the `Continue? [y/N]` and
+        "Launching" that nemo-run's task path puts before every run (with stdin closed that prompt failed)."""
+        task = self.parse_fn(fn, task_args)
+        if self.dryrun:
+            run.dryrun_fn(task)
+            print(f"Dry run for {self.name}: nothing planned", flush=True)
+            return
+        run.run(task, direct=True)
+
     def parse_executor(self, name, *args):
         """`run.executor=NAME run.executor.k=v ...`: k that are the factory's arguments go to the factory
         (the tunnel and packager follow from ssh_host, so they must be known when it runs), the rest are
@@ -108,6 +127,48 @@ class TesseraRunContext(RunContext):
         mine = [a for a in args if re.split(r"[-+*/|&]?=", a, maxsplit=1)[0] in params]
         cfg = fdl.build(cli_parser.parse_cli_args(factory, mine, output_type=run.Partial))()
         return cli_parser.parse_cli_args(cfg, [a for a in args if a not in mine])
+
+
+def _exported_task(fn, yaml, factory, args) -> run.Partial | None:
+    """The task in a file that --to-yaml / --to-toml / --to-json wrote, with `args` applied; None for any other
+    --yaml (nemo-run's overrides-by-key files). Such a file is the whole serialized run.Partial (top-level
+    `_target_`, `_partial_`), which nemo-run's --yaml loader reads as arguments of `fn` (it fails on `_partial_`),
+    and nemo-run's ConfigSerializer.load turns back into CLI strings (`name: nemotron_vl_tiny_pretrain` became
+    the factory of that name); _buildable inverts the YAML representers that wrote it instead."""
+    if not yaml or not Path(yaml).is_file():
+        return None  # nemo-run's loader names the missing file
+    from nemo_run.cli.config import ConfigSerializer
+
+    raw = ConfigSerializer().load_dict(yaml)  # yaml, json or toml, by extension, as --to-* wrote it
+    if not isinstance(raw, dict) or "_target_" not in raw:
+        return None
+    task = _buildable(raw)
+    if getattr(task, "__fn_or_cls__", None) is not fn:
+        raise ValueError(f"--yaml {yaml} is a task of {raw['_target_']}, not of `{NAMESPACE} {fn.__name__}`; "
+                         f"export it with `{NAMESPACE} {fn.__name__} ... --to-yaml FILE`")
+    if factory:
+        raise ValueError(f"--yaml {yaml} is a whole task (written by --to-yaml): drop --factory {factory}, "
+                         f"or override its fields with key=value")
+    return cli_parser.parse_cli_args(task, list(args))
+
+
+def _buildable(node):
+    """The inverse of nemo-run's YAML representers (nemo_run/core/serialization/yaml.py): a mapping with
+    `_target_` is a run.Config of it (run.Partial with `_partial_: true`; the object itself with `_call_: false`);
+    values keep the types the file holds, as the serializer wrote them."""
+    if isinstance(node, list):
+        return [_buildable(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if "_target_" not in node:
+        return {k: _buildable(v) for k, v in node.items()}
+    node = dict(node)
+    module, _, attr = node.pop("_target_").rpartition(".")
+    target = getattr(importlib.import_module(module), attr)
+    if node.pop("_call_", True) is False:
+        return target
+    kind = run.Partial if node.pop("_partial_", False) else run.Config
+    return kind(target, **{k: _buildable(v) for k, v in node.items()})
 
 
 def _check_factory(fn, factory) -> None:
@@ -149,7 +210,7 @@ def finetune(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: 
 
 @run.cli.entrypoint(namespace=NAMESPACE, run_ctx_cls=TesseraRunContext,
                     help="Rank heterogeneous layouts of a recipe with the planner's cost model (hetero/planner): "
-                         "nemo tessera plan --factory nemotron_vl_12b gpus=64 cluster=h100 --yes")
+                         "nemo tessera plan --factory nemotron_vl_12b gpus=64 cluster=h100")
 def plan(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: TrainerConfig, layout: str = "",
          name: str = "tessera", gpus: int = 0, cluster: str = "h100", top: int = 10) -> str:
     """Print the top layouts for `gpus` GPUs of `cluster` (0: the recipe's own layout size) with the

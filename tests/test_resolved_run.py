@@ -130,11 +130,15 @@ def test_one_encoder_path_decision_for_every_key_and_split():
 
 def test_a_misspelt_module_is_refused_not_silently_replaced():
     # before: 'visoin' shared its ranks with the LLM, so it was dropped and vision went dp4 on ranks 0-3
-    with pytest.raises(LayoutError, match=r"unknown module 'visoin' \(did you mean 'vision'\?\)"):
-        resolve_run("visoin=tp2,dp2@0-3;language=tp2,dp2@0-3", 4, MODEL, 64, 4, 1)
-    # a real module key the model lacks is still dropped when its ranks hold another module
+    # the message names the key and lists this model's module keys (not every key a model could have)
     no_audio = RunModel(keys=("vision", LANGUAGE), heads=MODEL.heads, kv_heads=MODEL.kv_heads,
                         encoder_tp=MODEL.encoder_tp)
+    with pytest.raises(LayoutError, match=r"layout module 'visoin' is not a module of this model \(did you mean "
+                                          r"'vision'\?\); its modules are: language, vision \("):
+        resolve_run("visoin=dp4@0-3;language=dp4@0-3", 4, no_audio, 64, 4, 1)
+    with pytest.raises(LayoutError, match=r"'visoin' .*its modules are: audio, language, vision \("):
+        resolve_run("visoin=tp2,dp2@0-3;language=tp2,dp2@0-3", 4, MODEL, 64, 4, 1)
+    # a real module key the model lacks is still dropped when its ranks hold another module
     run = resolve_run("vision=dp4@0-3;audio=dp4@0-3;language=dp4@0-3", 4, no_audio, 64, 4, 1)
     assert run.keys == ["vision", LANGUAGE]
 

@@ -154,6 +154,44 @@ def test_sbatch_script_of_a_full_size_recipe(tmp_path):
         assert line in out, f"{line!r} not in:\n{out[-5000:]}"
 
 
+def test_sbatch_script_with_a_container_runs_the_images_python(tmp_path, nemorun_home, monkeypatch):
+    """No cluster needed: with container_image the srun line starts the image (the image's torchrun and Python),
+    mounts the job directory (the code, shipped by TesseraPackager to /nemo_run/code, the workdir) and the run's
+    data and run directories at their own paths (a relative data.path made absolute), and no host path of this
+    venv reaches the script (its PATH was exported into the container)."""
+    from tessera.recipes.cli import TesseraRunContext, finetune
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ds").mkdir()  # no dataset in it: a dry run only notes that (the mounts are what is checked)
+    run_dir = tmp_path / "out" / "run"
+    # the CLI's own parse, as `nemo tessera finetune ... run.executor=slurm run.executor.container_image=...`
+    ctx = TesseraRunContext(name="t", factory="nemotron_vl_tiny", dryrun=True)
+    ctx.parse_args(["executor=slurm", "executor.container_image=nvcr.io/nvidia/pytorch:25.01-py3"])
+    task = ctx.parse_fn(finetune, ["data.path=ds", f"trainer.run_dir={run_dir}"])
+    ex = ctx.executor
+    with run.Experiment("container", executor=ex, log_level="WARN") as exp:
+        exp.add(task, name="job")
+        exp.dryrun(log=False, delete_exp_dir=False)
+    [script] = list(Path(nemorun_home).rglob("*_sbatch.sh"))
+    text = script.read_text()
+    job_dir = script.parent / "job"
+    [srun] = [line for line in text.splitlines() if line.startswith("srun ")]
+    assert "--container-image nvcr.io/nvidia/pytorch:25.01-py3" in srun and "--container-workdir /nemo_run/code" in srun
+    mounts = srun.split("--container-mounts ")[1].split()[0].split(",")
+    data = tmp_path / "ds"
+    assert {f"{job_dir}:/nemo_run", f"{data}:{data}", f"{run_dir}:{run_dir}"} <= set(mounts), srun
+    assert f"mkdir -p {run_dir}" in text.split("srun ")[-2], text  # a mount's source exists before srun
+    assert task.data.path == str(data)
+    for host in (os.path.dirname(sys.executable), str(ROOT)):
+        assert host not in text, f"host path {host} in the sbatch script:\n{text}"
+    # the shipped code is what the ranks import from their workdir (first on sys.path), not this checkout
+    # (the container's environment, not a test harness's PYTHONPATH)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    where = subprocess.run([sys.executable, "-c", "import tessera.hetero.plan.layout as m; print(m.__file__)"],
+                           cwd=job_dir / "code", env=env, capture_output=True, text=True, timeout=60)
+    assert where.stdout.strip() == str(job_dir / "code" / "tessera" / "hetero" / "plan" / "layout.py"), where
+
+
 def test_slurm_failed_job_is_reported(slurm_cluster, nemorun_home):
     """A Slurm job whose rank fails (hetero.tools.verify given an unknown flag: argparse exits 2 on the rank;
     a returned exit code would be dropped by nemo-run's function runner, an exception or SystemExit is not)

@@ -144,11 +144,12 @@ def fit_modules(layout: HeteroLayout, keys: Iterable[str]) -> HeteroLayout:
     keys = list(keys)
     modules = dict(layout.modules)
     unknown = [k for k in modules if k not in MODULE_KEYS]
-    if unknown:
-        hints = {k: difflib.get_close_matches(k, MODULE_KEYS, n=1) for k in unknown}
-        raise LayoutError(f"layout {layout}: unknown module {', '.join(repr(k) for k in unknown)}"
-                          + "".join(f" (did you mean {h[0]!r}?)" for k, h in hints.items() if h)
-                          + f"; module keys are {', '.join(MODULE_KEYS)}")
+    if unknown:  # the message lists this model's keys: those are the ones the layout may name
+        k = unknown[0]
+        hint = difflib.get_close_matches(k, keys, n=1) or difflib.get_close_matches(k, MODULE_KEYS, n=1)
+        raise LayoutError(f"layout module {k!r} is not a module of this model"
+                          + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                          + f"; its modules are: {', '.join(sorted(keys))} (layout {layout})")
     for key in list(modules):
         if key not in keys:
             m = modules.pop(key)
