@@ -30,6 +30,32 @@ def _complete(path: Path) -> bool:
 
 
 SHARD_FORMAT = "meta1"  # media metadata in each sample's JSON (data/media_meta.py)
+# data.val_path=synthetic: a held-out synthetic set (another seed: other media and texts than the training set's)
+SYNTHETIC_VAL, SYNTHETIC_VAL_SET = "synthetic", {"samples": 32, "seed": 1}
+
+
+def synthetic_root() -> Path:
+    """Where synthetic sets are cached: $TESSERA_CACHE/synthetic (default ~/.cache/tessera)."""
+    return Path(os.environ.get("TESSERA_CACHE", "~/.cache/tessera")).expanduser() / "synthetic"
+
+
+def val_sets(spec: str | None) -> dict[str, str]:
+    """data.val_path as {name: path}: None or "" -> {}; "synthetic"; one dataset directory or blend YAML (named
+    after it); or several named ones, "NAME=PATH;NAME=PATH". Paths must exist (checked before launch)."""
+    parts = [p.strip() for p in (spec or "").split(";") if p.strip()]
+    out: dict[str, str] = {}
+    for part in parts:
+        name, eq, path = part.partition("=")
+        name, path = (name.strip(), path.strip()) if eq else (Path(part).stem or part, part)
+        if not name or not path or "/" in name:
+            raise ValueError(f"data.val_path: {part!r} is not PATH or NAME=PATH (NAME without '/')")
+        if name in out:
+            raise ValueError(f"data.val_path: the set name {name!r} is given twice; name them: a=PATH;b=PATH")
+        if path != SYNTHETIC_VAL and not Path(path).exists():
+            raise ValueError(f"data.val_path: {path} does not exist; prepare it with scripts/prepare_data.py "
+                             f"or use data.val_path={SYNTHETIC_VAL}")
+        out[name] = path
+    return out
 
 
 def synthetic_dataset(root: Path, samples: int = 96, seed: int = 0) -> tuple[Path, Path]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from tessera.hetero.plan.lora import DEFAULT_LORA_TARGETS, lora_targets, validate_lora
 from tessera.hetero.plan.recompute import parse_recompute
+from tessera.hetero.training.lr_schedule import check_lr_schedule
 
 
 @dataclass
@@ -56,7 +57,12 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str | None = None                 # prepared dataset / blend YAML; None = synthetic data in run_dir
-    tokenizer: str | None = None            # SentencePiece .model or tokenizer.json; None = the dataset's own
+    # validation sets: a dataset / blend YAML, "synthetic" (a held-out synthetic set) or "NAME=PATH;NAME=PATH";
+    # None = no validation (hetero/training/validation.py)
+    val_path: str | None = None
+    # SentencePiece .model or tokenizer.json; None = model.checkpoint's own, else the dataset's (and either must
+    # agree with the checkpoint's config.json: data/run_tokenizer.py)
+    tokenizer: str | None = None
     seq_length: int = 256                   # packed row length (divisible by 2 x the LLM's CP)
     rows_per_microbatch: int = 4            # global rows per microbatch (divisible by every module's DP)
     microbatches: int = 2                   # microbatches per optimizer step
@@ -86,7 +92,15 @@ class OptimConfig:
     # module's DP group (routed experts: expert-DP); bf16 runs (hetero/training/zero.py)
     use_distributed_optimizer: bool = False
     warmup_steps: int = 0
-    min_lr_ratio: float = 0.1               # cosine decay to lr * min_lr_ratio at max_steps
+    min_lr_ratio: float = 0.1               # decay to lr * min_lr_ratio at max_steps
+    # megatron-core's schedules (hetero/training/lr_schedule.py): cosine | linear | constant |
+    # inverse-square-root | WSD (the peak until the last lr_wsd_decay_steps, None = the last 10% of max_steps)
+    lr_schedule: str = "cosine"
+    lr_wsd_decay_steps: int | None = None
+    lr_wsd_decay_style: str = "linear"      # WSD's decay: linear | cosine | exponential | minus_sqrt
+
+    def __post_init__(self):
+        check_lr_schedule(self.lr_schedule, self.lr_wsd_decay_style)
 
 
 @dataclass
@@ -105,6 +119,11 @@ class TrainerConfig:
     tensorboard: bool = True
     timeout_s: int = 300                    # collective timeout: a dead rank ends the job within this
     export_hf: str | None = None            # after the last step, write the model in HF layout here
+    val_every: int = 0                      # with data.val_path: validate every N steps (0 = after the last only)
+    val_steps: int = 2                      # global batches (rows_per_microbatch x microbatches) per set and pass
+    wandb_project: str | None = None        # also log to Weights & Biases (hetero/training/tracking.py)
+    wandb_mode: str | None = None           # "offline" (no network: `wandb sync` later) | "online"; None = WANDB_MODE
+    wandb_entity: str | None = None
 
 
 @dataclass

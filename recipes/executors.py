@@ -10,6 +10,9 @@ local: run.LocalExecutor with torchrun; ntasks_per_node=0 (the default) means "t
        (layout "" -> GPU count, or 4 on CPU). OMP_NUM_THREADS=1 on CPU: N ranks x all cores oversubscribes.
 slurm: run.SlurmExecutor with torchrun; LocalTunnel + run.Packager() (shared filesystem: the installed tree
        runs in place, PATH passed so torchrun resolves) unless ssh_host is set (SSHTunnel + GitArchivePackager).
+       With container_image the container's Python runs the job and nothing of the host's: TesseraPackager
+       ships the code into the job directory (nemo-run mounts it at /nemo_run, the workdir /nemo_run/code
+       holds tessera/...), and mount_run_paths mounts the run's data, checkpoint and run directories.
        World size nodes x tasks per node (tasks = ntasks_per_node, else gpus_per_node, else layout/nodes) must
        equal the layout's, checked here with a message naming the fields to change.
 `run.executor.x=v` sets a factory argument when x is one (recipes/cli.py routes them, since the tunnel and
@@ -19,7 +22,12 @@ e.g. run.executor.mem=0 or run.executor.exclusive=true), as nemo-run does.
 
 import os
 import re
+import shlex
 import sys
+import tarfile
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import nemo_run as run
@@ -53,11 +61,18 @@ def default_world() -> int:
     return gpu_count() or CPU_DEFAULT_WORLD
 
 
+# Quiet logs (issue 33): torchrun's agent logs its launch configuration and rendezvous at INFO (40 lines a job;
+# its warnings and errors stay), and libraries draw progress bars of their own on every rank (energon's "Filling
+# reading buffer"; tqdm reads TQDM_DISABLE when imported, so it is set for the job's processes: the run's own bar,
+# hetero/training/metrics.py, is enabled explicitly).
+QUIET = {"LOGLEVEL": "WARNING", "TQDM_DISABLE": "1"}
+
+
 @run.cli.factory(name="local")
 def local(ntasks_per_node: int = 0) -> run.Config[run.LocalExecutor]:
     """torchrun on this machine; ntasks_per_node 0 = the layout's world size."""
     env = {} if gpu_count() else {"OMP_NUM_THREADS": "1"}
-    env.update(TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(LOCAL_GRACE_S), PET_SIGNALS_TO_HANDLE=TORCHRUN_SIGNALS)
+    env.update(TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(LOCAL_GRACE_S), PET_SIGNALS_TO_HANDLE=TORCHRUN_SIGNALS, **QUIET)
     # `.venv/bin/nemo` runs without an activated venv: torchrun (the launcher) must still resolve
     env["PATH"] = f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"
     return run.Config(run.LocalExecutor, ntasks_per_node=ntasks_per_node, launcher="torchrun", env_vars=env)
@@ -73,7 +88,8 @@ def slurm(account: str = "", partition: Optional[str] = None, nodes: int = 1, gp
     signal: sent to the ranks ahead of the limit: they save the step they are in and exit non-zero, and the job
     is requeued (torchrun is given the time in between to wait for them: shutdown_grace_s)."""
     env = {} if gpus_per_node else {"OMP_NUM_THREADS": "1"}
-    env.update(TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(shutdown_grace_s(signal)), PET_SIGNALS_TO_HANDLE=TORCHRUN_SIGNALS)
+    env.update(TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(shutdown_grace_s(signal)), PET_SIGNALS_TO_HANDLE=TORCHRUN_SIGNALS,
+               **QUIET)
     if ssh_host:
         if not remote_job_dir:
             raise ValueError("run.executor.ssh_host is set: also set run.executor.remote_job_dir (a folder on the "
@@ -86,8 +102,10 @@ def slurm(account: str = "", partition: Optional[str] = None, nodes: int = 1, gp
         # step finds the script it wrote (another job_dir: "Unable to open file ..._sbatch.sh")
         tunnel = run.Config(run.LocalTunnel, job_dir="")
         packager = run.Config(run.Packager)  # same filesystem: the installed tree runs in place
-        # the batch step's shell does not see this venv: torchrun (the launcher) must be on its PATH
-        env["PATH"] = f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"
+        if not container_image:  # the batch step's shell does not see this venv: torchrun must be on its PATH
+            env["PATH"] = f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"
+    if container_image:  # the image's torchrun and Python run the code shipped with the job (module docstring)
+        packager = run.Config(TesseraPackager)
     # ntasks_per_node=0: filled in from the layout (or gpus_per_node) by fit_executor before submission
     return run.Config(run.SlurmExecutor, account=account, partition=partition, nodes=nodes,
                       gpus_per_node=gpus_per_node, ntasks_per_node=0, time=time, retries=retries, signal=signal,
@@ -96,6 +114,74 @@ def slurm(account: str = "", partition: Optional[str] = None, nodes: int = 1, gp
 
 
 EXECUTORS = {"local": local, "slurm": slurm}
+
+
+# ---- Slurm with a container: the code and the run's paths go in, no host path ------------------------------
+
+def code_dirs() -> dict[str, str]:
+    """{path in the package: folder here} of the code the ranks import. pyproject's package-dir maps the repo's
+    folders to `tessera.*` (hetero -> tessera/hetero), so the repo itself is not importable as `tessera`; an
+    installed (non-editable) tessera is one folder already."""
+    root = Path(__file__).resolve().parents[1]
+    pyproject = root / "pyproject.toml"
+    if not pyproject.is_file():
+        return {"tessera": str(root)}
+    dirs = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-dir"]
+    return {name.replace(".", "/"): str(root / folder) for name, folder in dirs.items()}
+
+
+def _no_cache(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+    return None if "__pycache__" in info.name.split("/") or info.name.endswith(".pyc") else info
+
+
+@dataclass(kw_only=True)
+class TesseraPackager(run.Packager):
+    """nemo-run's packager interface: the archive it returns is extracted into JOB_DIR/code, which a container
+    sees as its workdir /nemo_run/code; holding tessera/<package>/..., it is first on the ranks' sys.path
+    (torchrun runs `python -m`), so the job imports the code as it was at submission, with the image's Python."""
+
+    def package(self, path, job_dir: str, name: str) -> str:
+        out = os.path.join(job_dir, f"{name}.tar.gz")
+        with tarfile.open(out, "w:gz") as tar:
+            for arcname, folder in code_dirs().items():
+                tar.add(folder, arcname=arcname, filter=_no_cache)
+        return out
+
+
+# (config, field, what the container must see): a file's folder (a blend YAML's datasets are relative to it,
+# a tokenizer sits with its dataset), a folder itself; outputs are created by the batch script before srun
+_RUN_PATHS = (("data", "path", "input"), ("data", "tokenizer", "file"), ("model", "checkpoint", "input"),
+              ("trainer", "run_dir", "output"), ("trainer", "export_hf", "output"))
+
+
+def mount_run_paths(executor, task) -> list[str]:
+    """With run.executor.container_image: every path of the run (_RUN_PATHS) mounted at the same path in the
+    container, so the task's paths mean there what they mean here; relative ones made absolute first (the job's
+    workdir is /nemo_run/code). Returns the mounts added. Paths of an SSH-tunnelled executor are the cluster's:
+    taken as given."""
+    if not isinstance(executor, run.SlurmExecutor) or not executor.container_image:
+        return []
+    remote = type(executor.tunnel).__name__ == "SSHTunnel"
+    added, outputs = [], []
+    for section, name, kind in _RUN_PATHS:
+        cfg = getattr(task, section)
+        value = getattr(cfg, name, None)
+        if not value:
+            continue
+        path = Path(value) if remote else Path(value).expanduser().resolve()
+        setattr(cfg, name, str(path))
+        blend = kind == "input" and path.suffix in (".yaml", ".yml")
+        folder = str(path.parent if kind == "file" or blend else path)
+        if kind == "output":
+            outputs.append(folder)
+        mount = f"{folder}:{folder}"
+        if mount not in executor.container_mounts:
+            executor.container_mounts.append(mount)
+            added.append(mount)
+    if outputs:  # a mount's source must exist before srun starts the container
+        mkdir = "mkdir -p " + " ".join(shlex.quote(o) for o in outputs)
+        executor.setup_lines = f"{executor.setup_lines}\n{mkdir}" if executor.setup_lines else mkdir
+    return added
 
 
 def fit_executor(executor, layout_world: int | None) -> int:

@@ -9,9 +9,11 @@ every rank minutes later (sentencepiece's `NOT_FOUND ".../tokenizer.model"`). Wh
 
   data.path        None = synthetic data. A directory must be a prepared dataset (DIR/.nv-meta, as
                    scripts/prepare_data.py or `energon prepare` write); a file must be an energon metadataset
-                   YAML (a blend). The tokenizer is data.tokenizer, else DIR/tokenizer.model (a blend YAML
-                   has no DIR: it needs data.tokenizer).
-  data.tokenizer   exists and loads, with Tessera's template and media tokens.
+                   YAML (a blend).
+  data.tokenizer   the run's tokenizer (data/run_tokenizer.run_tokenizer: data.tokenizer, else the checkpoint's
+                   own, else the dataset's; a blend YAML has none of its own) exists and loads, with Tessera's
+                   template and media tokens, and agrees with the checkpoint's config.json (media token ids,
+                   vocabulary): a released model is never fine-tuned with another tokenizer's ids.
   model.checkpoint an HF-layout directory with *.safetensors, or a Tessera `checkpoints/` directory whose
                    `latest` names a complete step.
 
@@ -64,46 +66,48 @@ def _check_tokenizer(path: Path, source: str) -> None:
                          f"(scripts/prepare_data.py trains one)") from None
 
 
-def check_data(data) -> None:
+def check_data(data, checkpoint: str | None = None) -> None:
+    """data.path and the run's tokenizer (`checkpoint`: model.checkpoint, whose own tokenizer comes before the
+    dataset's)."""
+    from tessera.data.pipeline import SYNTHETIC_VAL, val_sets
+    from tessera.data.run_tokenizer import run_tokenizer
+
+    for name, val in val_sets(data.val_path).items():  # the held-out sets: named, existing, prepared
+        if val != SYNTHETIC_VAL:
+            _check_dataset(f"data.val_path ({name})", val)
     if data.path is None:
         if data.tokenizer:
             _tokenizer_given(data.tokenizer)
         return
-    path = Path(data.path).expanduser()
+    _check_dataset("data.path", data.path)
+    if data.tokenizer:
+        _tokenizer_given(data.tokenizer)
+        return
+    choice = run_tokenizer(None, checkpoint, data.path)
+    _check_tokenizer(Path(choice.path), choice.source)
+
+
+def _check_dataset(field: str, value: str) -> None:
+    """A prepared dataset directory or an energon blend YAML, named by the field that gave it."""
+    path = Path(value).expanduser()
+    other = "drop data.path for synthetic data" if field == "data.path" else "data.val_path=synthetic"
     if not path.exists():
-        raise ValueError(f"data.path={data.path} does not exist; prepare a dataset there with "
-                         f"`python scripts/prepare_data.py --manifest data.jsonl --out {data.path}` (or drop "
-                         f"data.path for synthetic data)")
+        raise ValueError(f"{field}={value} does not exist; prepare a dataset there with "
+                         f"`python scripts/prepare_data.py --manifest data.jsonl --out {value}` (or {other})")
     if path.is_dir():
         if not (path / ".nv-meta").is_dir():
-            raise ValueError(f"data.path={data.path} is not a prepared dataset (no {path / '.nv-meta'}); run "
-                             f"`python scripts/prepare_data.py ... --out {data.path}` or `energon prepare "
-                             f"{data.path}`")
-        if data.tokenizer:
-            _tokenizer_given(data.tokenizer)
-            return
-        tok = path / "tokenizer.model"
-        if not tok.exists():
-            raise ValueError(f"data.path={data.path} has no tokenizer ({tok} is missing): set "
-                             f"data.tokenizer=PATH (the model's SentencePiece .model or tokenizer.json), or "
-                             f"re-run scripts/prepare_data.py for this dataset (it writes DIR/tokenizer.model; "
-                             f"--tokenizer PATH copies yours)")
-        _check_tokenizer(tok, f"data.path={data.path}")
-        return
-    if path.suffix not in (".yaml", ".yml"):
-        raise ValueError(f"data.path={data.path} is a file but not an energon metadataset YAML (a blend); give a "
+            raise ValueError(f"{field}={value} is not a prepared dataset (no {path / '.nv-meta'}); run "
+                             f"`python scripts/prepare_data.py ... --out {value}` or `energon prepare {value}`")
+    elif path.suffix not in (".yaml", ".yml"):
+        raise ValueError(f"{field}={value} is a file but not an energon metadataset YAML (a blend); give a "
                          f"prepared dataset directory or a .yaml blend")
-    if not data.tokenizer:
-        raise ValueError(f"data.path={data.path} is a blend (metadataset YAML), which has no tokenizer of its "
-                         f"own: set data.tokenizer=PATH (e.g. one of its datasets' tokenizer.model)")
-    _tokenizer_given(data.tokenizer)
 
 
 def _tokenizer_given(tokenizer: str) -> None:
     path = Path(tokenizer).expanduser()
     if not path.is_file():
         raise ValueError(f"data.tokenizer={tokenizer} is not a file; give a SentencePiece .model or a "
-                         f"tokenizer.json (or drop data.tokenizer to use DATA_DIR/tokenizer.model)")
+                         f"tokenizer.json (or drop data.tokenizer to use the checkpoint's or the dataset's own)")
     _check_tokenizer(path, f"data.tokenizer={tokenizer}")
 
 
@@ -139,6 +143,24 @@ def check_checkpoint(model) -> None:
                      f"nor a `latest` file (a Tessera checkpoints/ directory){hint or '; give one of those'}")
 
 
+def check_tokenizer_agreement(data, model) -> None:
+    """The run's tokenizer against model.checkpoint's config.json (data/run_tokenizer.check_agreement), and a
+    note when the checkpoint's chat template renders turns otherwise than training does. Synthetic data with no
+    tokenizer given or in the checkpoint: its tokenizer is made at launch, and the ranks check it there."""
+    from tessera.data.run_tokenizer import chat_template_note, check_agreement, own_tokenizer, run_tokenizer
+    from tessera.data.tokens import Tokenizer
+
+    if not model.checkpoint:
+        return
+    if data.path is None and not data.tokenizer and own_tokenizer(model.checkpoint) is None:
+        return
+    choice = run_tokenizer(data.tokenizer, model.checkpoint, data.path)
+    check_agreement(Tokenizer(choice.path), model.checkpoint, source=choice.source)
+    note = chat_template_note(model.checkpoint) if choice.source.startswith("model.checkpoint") else None
+    if note:
+        print(note, file=sys.stderr, flush=True)
+
+
 def _remote(executor) -> bool:
     tunnel = getattr(executor, "tunnel", None)
     return tunnel is not None and type(tunnel).__name__ == "SSHTunnel"
@@ -155,8 +177,9 @@ def check_inputs(task, executor=None, dryrun: bool = False) -> None:
               file=sys.stderr, flush=True)
         return
     try:
-        check_data(task.data)
+        check_data(task.data, task.model.checkpoint)
         check_checkpoint(task.model)
+        check_tokenizer_agreement(task.data, task.model)
     except ValueError as e:
         if not dryrun:
             raise

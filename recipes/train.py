@@ -25,13 +25,16 @@ import time
 import warnings
 from pathlib import Path
 
-# megatron-core's import-time notices (no Transformer Engine / Apex, deprecations) are the same on every rank of a
-# job: rank 0 prints them, the others would only repeat them (issue 33: quiet logs)
-if os.environ.get("RANK", "0") != "0":
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-
-import torch  # noqa: E402
+import torch
 import torch.distributed as dist
+
+# megatron-core's import-time notices (no Transformer Engine / Apex, deprecations) are the same on every rank of a
+# job: rank 0 prints them, the others would only repeat them; on a CPU box they only say it has no GPU libraries,
+# and so does torch's pin_memory notice of every loader (issue 33: quiet logs)
+if os.environ.get("RANK", "0") != "0" or not torch.cuda.is_available():
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+if not torch.cuda.is_available():
+    warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true but no accelerator")
 
 from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
@@ -129,6 +132,17 @@ def train(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: Tra
         stop.close()
 
 
+def _step_flops(cfg):
+    """hf_fields -> the run's model FLOPs per step (hetero/planner/flops.StepFlops: the planner's count), with the
+    peak of the device this rank computes on for MFU (none on CPU: FLOPs/s only)."""
+    from tessera.hetero.planner.flops import StepFlops
+    from tessera.hetero.runtime.device import current_device
+
+    device = current_device()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return lambda hf_fields: StepFlops(cfg.model, hf_fields, name, cfg.model.dtype)
+
+
 def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not torch.cuda.is_available():
@@ -153,7 +167,8 @@ def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
     cfg = RunConfig(name, layout, model, data, optim, trainer)
     try:
         # the run resolved once on this world (every rank alike: pure and deterministic; layout=auto asks the planner)
-        summary = run_training(cfg, resolve(cfg, dist.get_world_size()), run_dir, stop)
+        summary = run_training(cfg, resolve(cfg, dist.get_world_size()), run_dir, stop,
+                               step_flops=_step_flops(cfg))
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()

@@ -33,7 +33,6 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -141,12 +140,9 @@ def cpu_cluster(m: dict):
 
 def media_per_row(batches: int = 20) -> dict[str, float]:
     """Vision and audio LLM tokens per row in the synthetic data the runs train on (one process, no decode)."""
-    import os
+    from tessera.data.pipeline import build_train_loader, synthetic_dataset, synthetic_root
 
-    from tessera.data.pipeline import build_train_loader, synthetic_dataset
-
-    root = Path(os.environ.get("TESSERA_CACHE", "~/.cache/tessera")).expanduser() / "synthetic"
-    path, tok = synthetic_dataset(root)
+    path, tok = synthetic_dataset(synthetic_root())
     loader = build_train_loader(path, tok, MODEL, SEQ, ROWS, decode={}, seed=1234)
     it, tot, rows = iter(loader), {k: 0 for k in MODEL}, 0
     for _ in range(batches):

@@ -55,27 +55,15 @@ def llm_config(name: str, pattern: str, dtype=torch.bfloat16):
     return hybrid_config_from_hf(fields, dtype=dtype)
 
 
-def layer_flops(cfg, symbol: str, seq: int, batch: int) -> float:
-    """Forward model FLOPs of one layer (x3 for forward+backward): matmuls 2*m*n*k; causal attention scores
-    and values at half the square; the Mamba-2 SSD scan as 6 * tokens * d_inner * state (state update, output
-    and the chunk-local quadratic part at chunk << state * heads is ignored); norms and activations ignored."""
-    t, h = seq * batch, cfg.hidden_size
-    if symbol == "*":
-        d, q, kv = cfg.kv_channels, cfg.num_attention_heads, cfg.num_query_groups
-        proj = 2 * t * h * d * (q + 2 * kv) + 2 * t * q * d * h
-        core = 2 * 2 * batch * seq * seq * q * d / 2
-        return proj + core
-    if symbol == "-":
-        return 2 * 2 * t * h * cfg.ffn_hidden_size
-    if symbol == "M":
-        inner = cfg.mamba_num_heads * cfg.mamba_head_dim
-        in_f = 2 * inner + 2 * cfg.mamba_num_groups * cfg.mamba_state_dim + cfg.mamba_num_heads
-        return 2 * t * h * in_f + 2 * t * inner * h + 6 * t * inner * cfg.mamba_state_dim
-    if symbol == "E":
-        shared = cfg.moe_shared_expert_intermediate_size or 0
-        return (2 * t * h * cfg.num_moe_experts + 2 * 2 * t * h * cfg.moe_ffn_hidden_size * cfg.moe_router_topk
-                + 2 * 2 * t * h * shared)
-    raise ValueError(symbol)
+def layer_flops(name: str, symbol: str, seq: int, batch: int) -> float:
+    """Forward model FLOPs of one `symbol` layer of model `name` over batch rows of seq tokens: the planner's
+    count (hetero/planner/model._llm_blocks per token, causal attention at half the square; what the trainer
+    logs as TFLOPS/GPU and MFU, checked against FlopCounterMode by tests/test_flops.py)."""
+    from tessera.hetero.planner.model import _llm_blocks
+    from tessera.models.configs import hf_fields
+
+    block = _llm_blocks(hf_fields(name))[symbol]
+    return batch * seq * (block["flops"] + block["attn"] * seq)
 
 
 def symbols(name: str) -> list[str]:
@@ -242,7 +230,7 @@ def layer_tflops(pgs, dev, name: str, symbol: str, seq: int, batch: int, iters: 
         once()
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / iters
-    return 1e3 * dt, 3 * layer_flops(cfg, symbol, seq, batch) / dt / 1e12
+    return 1e3 * dt, 3 * layer_flops(name, symbol, seq, batch) / dt / 1e12
 
 
 # ---- driver -------------------------------------------------------------------------------------------
@@ -259,8 +247,7 @@ def dry(args) -> int:
     rows = [("model", "layer", "GFLOP fwd", "ms", "TFLOPS")]
     for name in MODELS:
         for sym in symbols(name):
-            cfg = llm_config(name, sym)
-            rows.append((name, sym, f"{layer_flops(cfg, sym, args.seq, args.batch) / 1e9:.1f}", "-", "-"))
+            rows.append((name, sym, f"{layer_flops(name, sym, args.seq, args.batch) / 1e9:.1f}", "-", "-"))
     print(_table(rows))
     return 0
 
@@ -304,16 +291,18 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((name, result, verdict))
         print(f"{name}: {verdict} {result}", flush=True)
     print("\n" + _table(rows) + "\n", flush=True)
-    trows = [("model", "layer", "GFLOP fwd", "ms fwd+bwd", "TFLOPS")]
+    from tessera.hetero.planner.flops import peak_tflops
+
+    peak = peak_tflops(torch.cuda.get_device_name(dev), "bfloat16")  # the trainer's MFU denominator
+    trows = [("model", "layer", "GFLOP fwd", "ms fwd+bwd", "TFLOPS", f"MFU (peak {peak})")]
     for model in MODELS:
         for sym in symbols(model):
             try:
                 ms, tf = layer_tflops(pgs, dev, model, sym, args.seq, args.batch, args.iters)
-                cfg = llm_config(model, sym)
-                trows.append((model, sym, f"{layer_flops(cfg, sym, args.seq, args.batch) / 1e9:.1f}",
-                              f"{ms:.2f}", f"{tf:.1f}"))
+                trows.append((model, sym, f"{layer_flops(model, sym, args.seq, args.batch) / 1e9:.1f}",
+                              f"{ms:.2f}", f"{tf:.1f}", f"{100 * tf / peak:.1f}%" if peak else "-"))
             except Exception as e:
-                trows.append((model, sym, "-", "-", f"{type(e).__name__}: {str(e)[:120]}"))
+                trows.append((model, sym, "-", "-", f"{type(e).__name__}: {str(e)[:120]}", "-"))
             torch.cuda.empty_cache()
     print(f"per-layer forward+backward TFLOPS, bf16, seq={args.seq} batch={args.batch}:")
     print(_table(trows), flush=True)

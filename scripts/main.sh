@@ -21,9 +21,11 @@ fi
 import json, sys
 from pathlib import Path
 run = Path(sys.argv[1])
-rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l]
-ok = len(rows) == 20 and rows[-1]["loss"] < rows[0]["loss"] and (run / "loss.png").exists()
+records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l]
+rows, val = [r for r in records if "val" not in r], [r["val"]["synthetic"]["loss"] for r in records if "val" in r]
+ok = (len(rows) == 20 and rows[-1]["loss"] < rows[0]["loss"] and (run / "loss.png").exists()
+      and len(val) == 2 and val[1] < val[0])
 print(f"main: {'PASS' if ok else 'FAIL'} steps={len(rows)} loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} "
-      f"run_dir={run}")
+      f"val loss {' -> '.join(f'{v:.4f}' for v in val)} run_dir={run}")
 sys.exit(0 if ok else 1)
 PY

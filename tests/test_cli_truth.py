@@ -109,6 +109,15 @@ def test_data_path_problems_name_the_fix(dataset, tmp_path):
     prelaunch.check_inputs(_task(path=str(tmp_path / "nope")), dryrun=True)
 
 
+def test_validation_sets_are_checked_before_launch(dataset, tmp_path):
+    (tmp_path / "raw").mkdir()
+    with pytest.raises(ValueError, match=r"data\.val_path \(held\)=.*raw is not a prepared dataset"):
+        prelaunch.check_inputs(_task(path=str(dataset), val_path=f"ok={dataset};held={tmp_path / 'raw'}"))
+    with pytest.raises(ValueError, match=r"data\.val_path: .*nope does not exist"):
+        prelaunch.check_inputs(_task(path=str(dataset), val_path=str(tmp_path / "nope")))
+    prelaunch.check_inputs(_task(path=str(dataset), val_path=f"synthetic;mine={dataset}"))
+
+
 def test_checkpoint_must_be_hf_or_tessera(tmp_path):
     def check(path):
         t = _task()
@@ -157,6 +166,55 @@ def test_cli_refuses_a_dataset_without_tokenizer_before_launch(dataset, tmp_path
     out = res.stdout + res.stderr
     assert res.returncode != 0 and "tokenizer.model is missing" in out and "data.tokenizer=PATH" in out, out[-3000:]
     assert "Launching" not in out, out[-3000:]
+
+
+def test_a_misspelt_layout_module_is_refused_before_launch():
+    """The CLI's pre-launch check (checks.check_run, what TesseraRunContext.parse_fn calls) refuses `visoin=...`
+    naming it and this model's modules; it was dropped and replaced by vision=dp4@0-3 (issue 33)."""
+    from tessera.recipes import checks
+    from tessera.recipes.registry import recipe
+
+    cfg = fdl.build(recipe("nemotron_vl_tiny"))
+    cfg.layout = "visoin=dp4@0-3;language=dp4@0-3"
+    with pytest.raises(ValueError, match=r"layout module 'visoin' is not a module of this model .*; its modules "
+                                         r"are: language, vision "):
+        checks.check_run(cfg, 4)
+
+
+# ---- `plan` and --to-yaml ---------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not NEMO.exists(), reason="nemo CLI not installed in .venv")
+def test_plan_neither_prompts_nor_launches(tmp_path):
+    """`plan` launches nothing: no `Continue? [y/N]` (with stdin closed it ended in an empty `Unexpected
+    error:`), no "Launching plan...", exit 0 and the table."""
+    res = _nemo(["plan", "--factory", "nemotron_vl_tiny"], tmp_path, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert "nemotron_vl_tiny_finetune: top layouts on 4 x h100" in out and "homogeneous*" in out, out[-3000:]
+    assert "Launching" not in out and "Continue?" not in out and "Unexpected error" not in out, out[-3000:]
+
+
+def test_to_yaml_round_trips_through_yaml(tmp_path, monkeypatch):
+    """What --to-yaml writes loads back with --yaml into the factory's own task (it failed on `_partial_`; nemo-run's
+    ConfigSerializer.load made `name: nemotron_vl_tiny_pretrain` the factory of that name), overrides on top."""
+    from tessera.recipes.cli import TesseraRunContext, pretrain
+
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "task.yaml"
+    TesseraRunContext(name="t", factory="nemotron_vl_tiny", to_yaml=str(path)).cli_execute(
+        pretrain, ["run.executor=local", "model.vision=siglip_tiny"])
+    assert "_partial_: true" in path.read_text()
+
+    def task(args, **ctx):
+        rc = TesseraRunContext(name="t", **ctx)
+        rc.parse_args(["executor=local"])
+        return rc.parse_fn(pretrain, args)
+
+    factory = task(["model.vision=siglip_tiny"], factory="nemotron_vl_tiny")
+    loaded = task([], yaml=str(path))
+    assert loaded == factory and fdl.build(loaded).keywords == fdl.build(factory).keywords
+    assert loaded.name == "nemotron_vl_tiny_pretrain" and loaded.model.vision == "siglip_tiny"
+    assert task(["trainer.max_steps=3"], yaml=str(path)).trainer.max_steps == 3
 
 
 # ---- Slurm: GPUs, time limit, requeue --------------------------------------------------------------------------

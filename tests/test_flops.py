@@ -20,9 +20,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tessera.data.loader import close_loader
 from tessera.data.pipeline import build_train_loader, encoder_tokens, synthetic_dataset, video_temporal
-from tessera.hetero.planner.flops import media_item_flops, peak_tflops
+from tessera.hetero.planner.flops import StepFlops, media_item_flops, peak_tflops
 from tessera.hetero.planner.model import _llm_blocks, describe_model
-from tessera.hetero.training.throughput import StepFlops
 from tessera.models import configs
 
 SEQ, ROWS = 256, 4
@@ -82,7 +81,7 @@ def test_step_flops_match_flop_counter(dataset, llm, encoders):
     want = _oracle(_model(fields, encoders), b)
 
     model_cfg = type("M", (), {"vision": encoders.get("vision"), "audio": encoders.get("audio")})
-    flops = StepFlops(model_cfg, fields, torch.device("cpu"), "float32")
+    flops = StepFlops(model_cfg, fields)
     got = {k: v / 3 for k, v in flops.step_flops([b]).items()}  # the step's forward
     c = fields
     di, n, g, Q = c["mamba_num_heads"] * c["mamba_head_dim"], c["ssm_state_size"], c["n_groups"], c["chunk_size"]

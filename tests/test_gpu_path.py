@@ -33,6 +33,7 @@ def _audited_steps(run_dir: str) -> dict:
     from _device_audit import RUN, DeviceAudit
     from tessera.data.loader import close_loader
     from tessera.hetero.training import loop, stages
+    from tessera.hetero.training.step_parts import step_context
     from tessera.models import multimodal
     from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
@@ -49,7 +50,7 @@ def _audited_steps(run_dir: str) -> dict:
     with DeviceAudit(RUN) as audit:
         loop._build_model(run)
         loader = loop._build_loader(run)
-        comms, like, hosts_loss = loop.step_context(run)
+        comms, like, hosts_loss = step_context(run)
         it = audit.host_batches(iter(loader))
         record, _ = loop._train_step(run, 0, it, comms, like, hosts_loss)
         out["clean"] = list(audit.violations)

@@ -19,7 +19,6 @@ off each moves some step's loss by more than 1e-4 relative.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 
@@ -84,11 +83,9 @@ def _plain_ce(logits, target):
 
 def _reference_losses() -> list[dict]:
     """The plain loop on this (one-rank) process: per step {loss, grad_norm, lr, clipped, target_tokens}."""
-    import os
-
     import torch
 
-    from tessera.data.pipeline import build_train_loader, synthetic_dataset
+    from tessera.data.pipeline import build_train_loader, synthetic_dataset, synthetic_root
     from tessera.data.tokens import Tokenizer
     from tessera.hetero.training.model_build import llm_fields, single_rank_pgs
     from tessera.hetero.training.seeded_init import full_hf_state
@@ -98,8 +95,7 @@ def _reference_losses() -> list[dict]:
     from tessera.models.nemotron_h_hf import hybrid_config_from_hf
 
     cfg = _configs("")
-    root = Path(os.environ.get("TESSERA_CACHE", "~/.cache/tessera")).expanduser() / "synthetic"
-    data_path, tok_path = synthetic_dataset(root)  # what the trainer uses when data.path is None
+    data_path, tok_path = synthetic_dataset(synthetic_root())  # what the trainer uses when data.path is None
     fields = llm_fields(cfg["model"], Tokenizer(tok_path).vocab_size)
 
     # the whole model on one device with the run's initial weights (the seed's state, HF layout)

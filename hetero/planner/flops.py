@@ -6,13 +6,14 @@
     media_item_flops(mod, tok, kind, units) one media item (an image's tiles or native grid, a clip's tubelets,
                                            an audio clip) as the encoder runs it
     peak_tflops(device_name, dtype)        the device's dense peak, for MFU (None where unknown: CPU)
+    StepFlops(model_cfg, hf_fields, ..)    a run's step: FLOPs per module of its batches, TFLOPS/GPU, MFU
 
 A training step is 3x the forward (model FLOPs: the extra forward of activation recompute is not counted, as
 MFU is defined by PaLM and reported by Megatron). The LLM's attention is counted causal (half the S x S
 scores: what a causal flash kernel computes), an encoder's bidirectional; a packed row is priced over its
 whole length, as the kernels run it. tests/test_flops.py checks every function against torch's
 FlopCounterMode on the tiny models (within 5%), the outside count of what the ops execute.
-Pure: no torch, so the planner prices a thousand layouts in milliseconds with the same arithmetic.
+No torch, so the planner prices a thousand layouts in milliseconds with the same arithmetic.
 """
 
 from __future__ import annotations
@@ -80,3 +81,40 @@ def media_item_flops(mod: ModuleDesc, tok, kind: str, units: int | tuple) -> flo
     if mod.kind == "conformer":
         return sequence_flops(mod, tok.audio_encoder_rows(units), mod.pre_flops_per_second * units / tok.audio_rate)
     raise ValueError(f"{mod.key} ({mod.kind}) encodes no media items")
+
+
+class StepFlops:
+    """A run's model FLOPs per step, from the batches it trained on (recipes/train.py builds it and hands it to the
+    trainer, which logs `record`'s fields: training code never imports the cost model).
+
+    Every LLM row of the step's global microbatches and every media item its encoders run (the metadata every rank
+    holds for every row, so all ranks agree without communicating), times 3 (forward and backward; recompute's
+    extra forward is not model FLOPs). TFLOPS per GPU divide by the world, not by a module's ranks: a
+    non-colocated layout's idle encoder ranks lower it, as they should."""
+
+    def __init__(self, model_cfg, hf_fields: dict, device_name: str = "cpu", dtype: str = "float32"):
+        from tessera.data.pipeline import encoder_tokens
+        from tessera.hetero.planner.model import describe_model
+
+        encoders = {k: getattr(model_cfg, k) for k in ("vision", "audio") if getattr(model_cfg, k)}
+        self.desc = describe_model(hf_fields, encoders.get("vision"), encoders.get("audio"))
+        self.tok = encoder_tokens(encoders) if encoders else None
+        self.peak = peak_tflops(device_name, dtype)
+
+    def step_flops(self, batches: list) -> dict[str, float]:
+        """Training FLOPs (3 x forward) per module of a step over these global microbatches (PackedBatch)."""
+        out = {}
+        for mod in self.desc.modules:
+            if mod.kind == "llm":
+                fwd = sum(len(b.keys) * llm_row_flops(mod, b.seq_length) for b in batches)
+            else:
+                fwd = sum(media_item_flops(mod, self.tok, m[0], m[1]) for b in batches for row in b.media_meta
+                          for m in row.get(mod.key, []))
+            out[mod.key] = 3.0 * fwd
+        return out
+
+    def record(self, batches: list, step_time_s: float, world: int) -> dict:
+        """A metrics record's throughput fields: model FLOPs per module, TFLOPS per GPU, MFU (None without a peak)."""
+        flops = self.step_flops(batches)
+        tflops = sum(flops.values()) / step_time_s / world / 1e12
+        return {"model_flops": flops, "model_tflops_per_gpu": tflops, "mfu": tflops / self.peak if self.peak else None}

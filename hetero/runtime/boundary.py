@@ -15,6 +15,7 @@ Every rank of the two modules calls it with the same metadata, in the same order
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -122,16 +123,17 @@ class _BoundaryFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm: "BoundaryCommunicator", plan: BoundaryPlan):
         ctx.comm, ctx.plan, ctx.in_shape = comm, plan, x.shape
+        t0 = time.perf_counter()
         out, sent = run_program(comm.program(plan, "forward"), x.reshape(-1, comm.hidden))
-        comm.bytes_sent += sent
+        comm.bytes_sent, comm.seconds = comm.bytes_sent + sent, comm.seconds + time.perf_counter() - t0
         shape = plan.dst_shape.get(comm.rank, (0,))
         return out.view(*shape, comm.hidden)
 
     @staticmethod
     def backward(ctx, grad_out):
-        comm = ctx.comm
+        comm, t0 = ctx.comm, time.perf_counter()
         grad_in, sent = run_program(comm.program(ctx.plan, "backward"), grad_out.reshape(-1, comm.hidden).contiguous())
-        comm.bytes_sent += sent
+        comm.bytes_sent, comm.seconds = comm.bytes_sent + sent, comm.seconds + time.perf_counter() - t0
         return grad_in.view(ctx.in_shape), None, None
 
 
@@ -150,6 +152,8 @@ class BoundaryCommunicator:
         self.device, self.dst_format = torch.device(device), dst_format
         self.rank = dist.get_rank() if rank is None else rank
         self.bytes_sent = 0  # running total on this rank, forward and backward
+        # host seconds in the exchanges, waiting for peers included (a GPU's NCCL waits return at once)
+        self.seconds = 0.0
         self._cache: tuple[tuple, BoundaryPlan] | None = None
         self._programs: dict[tuple[int, str], RankProgram] = {}
         self._written: torch.Tensor | None = None  # of the cached plan

@@ -72,10 +72,13 @@ class _StepState:
 
 def hetero_step(layout: HeteroLayout, groups: dict[str, ModuleGroups], encoders: dict[str, EncoderStage],
                 language: LanguageStage | None, comms: dict[str, BoundaryCommunicator],
-                batches: list[dict[str, BoundaryBatch]], like: torch.Tensor) -> StepResult:
+                batches: list[dict[str, BoundaryBatch]], like: torch.Tensor, forward_only: bool = False) -> StepResult:
     """Forward and backward of every microbatch on this rank. `batches[mb][key]` is encoder key's
     boundary metadata for microbatch mb (known on every rank), or a function of this rank's stage of the key
-    (None where it has none) that returns it, called inside the boundary op; `like` gives dtype and device."""
+    (None where it has none) that returns it, called inside the boundary op; `like` gives dtype and device.
+    forward_only (validation; call it under torch.no_grad()): the same schedule without its backward ops
+    (backward, gradient sends and receives, the boundary's backward). Every rank drops the same ops, so what
+    remains is each rank's forward ops in the same order, and dropping ops only removes waits: no new deadlock."""
     rank = dist.get_rank()
     lg = groups[LANGUAGE]
     st, result = _StepState(), StepResult(torch.zeros((), dtype=torch.float64, device=like.device))
@@ -85,6 +88,8 @@ def hetero_step(layout: HeteroLayout, groups: dict[str, ModuleGroups], encoders:
 
     for op in rank_schedule(layout, rank, len(batches)):
         key, mb, slot = op.module, op.mb, (op.module, op.mb)
+        if forward_only and (op.kind in ("bwd", "boundary_bwd") or op.kind in ("send", "recv") and op.what != "act"):
+            continue
         if op.kind == "recv" and op.what == "act":
             buf = torch.empty(stage(key).input_shape(mb), dtype=like.dtype, device=like.device)
             dist.recv(buf, op.peer)
@@ -94,17 +99,20 @@ def hetero_step(layout: HeteroLayout, groups: dict[str, ModuleGroups], encoders:
             dist.recv(buf, op.peer)
             st.grads[slot] = buf
         elif op.kind == "send":
-            t = (st.outputs[slot] if op.what == "act" else st.inputs.pop(slot).grad).detach().contiguous()
+            t = ((st.outputs.pop(slot) if forward_only else st.outputs[slot]) if op.what == "act"
+                 else st.inputs.pop(slot).grad).detach().contiguous()
             st.sends.append((dist.isend(t, op.peer), t))
         elif op.kind == "fwd" and key != LANGUAGE:
-            st.outputs[slot] = encoders[key].forward(st.inputs.get(slot), mb)
+            x = st.inputs.pop(slot, None) if forward_only else st.inputs.get(slot)  # kept for backward only
+            st.outputs[slot] = encoders[key].forward(x, mb)
         elif op.kind == "fwd":
             if lg.first_stage:  # the LLM runs on detached boundary outputs: their grads meet the encoder later
-                media = {k: st.boundary[(k, mb)].detach().requires_grad_() for k in sorted(layout.encoders)}
+                take = st.boundary.pop if forward_only else st.boundary.__getitem__
+                media = {k: take((k, mb)).detach().requires_grad_() for k in sorted(layout.encoders)}
                 st.detached.update({(k, mb): t for k, t in media.items()})
                 y = language.forward(None, {k: PlacedMedia(t, st.written.pop((k, mb))) for k, t in media.items()}, mb)
             else:
-                y = language.forward(st.inputs[slot], None, mb)
+                y = language.forward(st.inputs.pop(slot) if forward_only else st.inputs[slot], None, mb)
             if lg.last_stage:
                 result.outputs.append(y.detach())
                 y = language.loss(y, mb)

@@ -62,7 +62,8 @@ from tessera.hetero.plan.layout import LANGUAGE
 from tessera.hetero.runtime.device import current_device
 from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
 from tessera.hetero.runtime.step_executor import hetero_step
-from tessera.hetero.training.loop import RunState, boundary_batches, step_context, tubelet_settle
+from tessera.hetero.training.loop import RunState
+from tessera.hetero.training.step_parts import boundary_batches, step_context, tubelet_settle
 from tessera.hetero.training.model_build import (build_rank_modules, check_checkpoint_tensors, load_full_state,
                                                  module_configs)
 from tessera.hetero.training.run_modules import checkpoint_llm_fields, resolve_config

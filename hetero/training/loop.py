@@ -25,11 +25,8 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
 from tessera.data.loader import close_loader
-from tessera.data.pipeline import settles_tubelet_chunks
-from tessera.hetero.runtime.boundary import BoundaryCommunicator
 from tessera.hetero.runtime.device import current_device
 from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
-from tessera.hetero.plan.layout import LANGUAGE, VISION
 from tessera.hetero.plan.resolved_run import ResolvedRun
 from tessera.hetero.runtime.step_executor import hetero_step
 from tessera.hetero.runtime.tubelet_settle import TubeletSettle
@@ -41,25 +38,29 @@ from tessera.hetero.training.metrics import RunMetrics, peak_memory_gib
 from tessera.hetero.training.run_modules import checkpoint_llm_fields, encoder_names, module_specs
 from tessera.hetero.training.model_build import (build_rank_modules, check_checkpoint_tensors,
                                                  llm_fields, load_full_state, module_configs)
-from tessera.hetero.training.optim import ModuleOptimizers, lr_at
+from tessera.hetero.training.lr_schedule import LRSchedule
+from tessera.hetero.training.optim import ModuleOptimizers
 from tessera.hetero.training.preemption import StopSignals, signal_name
 from tessera.hetero.training.seeded_init import SeededState
-from tessera.hetero.training.stages import LanguageStage, MediaEncoderStage, global_token_count
+from tessera.hetero.training.tracking import make_tracker
+from tessera.hetero.training.step_parts import boundary_batches, rank_stages, step_context, tubelet_settle
+from tessera.hetero.training.validation import resolve_val_sets, validate
 
 
 def _dataset(cfg, rank: int):
-    """(dataset path, tokenizer path): the configured dataset, or the synthetic one (made by rank 0)."""
-    from tessera.data.pipeline import synthetic_dataset
+    """(dataset path, TokenizerChoice): the configured dataset, or the synthetic one (made by rank 0), and the
+    tokenizer data/run_tokenizer.run_tokenizer picks (data.tokenizer, else the checkpoint's, else the dataset's)."""
+    from tessera.data.pipeline import synthetic_dataset, synthetic_root
+    from tessera.data.run_tokenizer import run_tokenizer
 
-    if cfg.data.path is not None:
-        tok = cfg.data.tokenizer or str(Path(cfg.data.path) / "tokenizer.model")
-        return cfg.data.path, tok
-    root = Path(os.environ.get("TESSERA_CACHE", "~/.cache/tessera")).expanduser() / "synthetic"
-    if rank == 0:
-        synthetic_dataset(root)
-    dist.barrier()
-    path, tok = synthetic_dataset(root)
-    return str(path), cfg.data.tokenizer or str(tok)
+    path = cfg.data.path
+    if path is None:
+        root = synthetic_root()
+        if rank == 0:
+            synthetic_dataset(root)
+        dist.barrier()
+        path = str(synthetic_dataset(root)[0])
+    return path, run_tokenizer(cfg.data.tokenizer, cfg.model.checkpoint, path)
 
 
 def _export_hf(ckpt_root: Path, out: str) -> None:
@@ -99,6 +100,8 @@ class RunState:
     opt: object = None
     start: int = 0
     loader_state: object = None
+    step_flops: object = None  # hetero/planner/flops.StepFlops of the run, or None (no FLOPs in the metrics)
+    lr_schedule: object = None  # hetero/training/lr_schedule.LRSchedule: step -> multiplier of the peak LRs
 
     @property
     def layout(self):
@@ -110,16 +113,20 @@ class RunState:
 
 
 def _resolve(run: RunState) -> None:
-    """Data set, tokenizer and the LLM's shape (from the checkpoint when fine-tuning)."""
+    """Data set, tokenizer (refused when it disagrees with the checkpoint's ids or vocabulary) and the LLM's
+    shape (from the checkpoint when fine-tuning)."""
+    from dataclasses import replace
+
+    from tessera.data.run_tokenizer import check_agreement
     from tessera.data.tokens import Tokenizer
 
     cfg = run.cfg
-    run.data_path, run.tok_path = _dataset(cfg, run.rank)
-    vocab = Tokenizer(run.tok_path).vocab_size
-    run.hf_fields = checkpoint_llm_fields(cfg.model.checkpoint) or llm_fields(cfg.model, vocab)
-    if run.hf_fields["vocab_size"] < vocab:
-        raise ValueError(f"tokenizer {run.tok_path} has {vocab} tokens but the model "
-                         f"{cfg.model.checkpoint or cfg.model.llm} only {run.hf_fields['vocab_size']}: use its tokenizer")
+    run.data_path, choice = _dataset(cfg, run.rank)
+    run.tok_path, tok = choice.path, Tokenizer(choice.path)
+    run.hf_fields = checkpoint_llm_fields(cfg.model.checkpoint) or llm_fields(cfg.model, tok.vocab_size)
+    check_agreement(tok, cfg.model.checkpoint, run.hf_fields["vocab_size"], choice.source)
+    # the saved config names the tokenizer the run trained with, so its export ships that one (hf_export.py)
+    run.cfg = replace(cfg, data=replace(cfg.data, tokenizer=choice.path))
 
 
 def _build_model(run: RunState) -> None:
@@ -181,18 +188,15 @@ def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, h
     """One optimizer step over the run's microbatches (ResolvedRun.microbatches); returns the metrics record
     (every rank) and `flags()` (this rank's stop requests, read just before the step's one all-reduce, which
     carries them: hetero/training/preemption.py) as the world agreed on them."""
-    cfg, layout, groups, modules = run.cfg, run.layout, run.groups, run.modules
+    cfg, layout, groups = run.cfg, run.layout, run.groups
     t0 = time.perf_counter()
     batches = [next(it) for _ in range(run.resolved.microbatches)]
-    total = global_token_count(batches)
-    enc = {k: MediaEncoderStage(modules[k], k, layout[k], groups[k].coord, batches, run.device, groups[k].pgs.cp)
-           for k in modules if k != LANGUAGE}
-    lang = (LanguageStage(modules[LANGUAGE], layout[LANGUAGE], groups[LANGUAGE].coord, batches, total, run.device,
-                          settle) if LANGUAGE in modules else None)
+    data_wait = time.perf_counter() - t0  # the loader's workers not keeping up (plus decoding at num_workers=0)
+    enc, lang, total = rank_stages(run, batches, settle)
     read = sum(b.read_bytes for b in batches)  # data/loader.py counts them per batch
-    sent0 = sum(c.bytes_sent for c in comms.values())
+    sent0, boundary0 = sum(c.bytes_sent for c in comms.values()), sum(c.seconds for c in comms.values())
     result = hetero_step(layout, groups, enc, lang, comms, boundary_batches(batches, layout, settle), like)
-    stats = run.opt.step(lr_at(step, cfg.trainer.max_steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio))
+    stats = run.opt.step(run.lr_schedule(step))
     sums = torch.tensor([float(result.loss) if hosts_loss else 0.0,
                          sum(c.bytes_sent for c in comms.values()) - sent0, read, *flags()], dtype=torch.float64,
                         device=run.device)  # NCCL reduces device tensors only
@@ -200,10 +204,15 @@ def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, h
     agreed = [bool(f > 0) for f in sums[3:].tolist()]  # any rank's request holds for all
     dt = time.perf_counter() - t0
     rows = run.resolved.rows_per_step
+    # model FLOPs of these batches (hetero/planner/flops.StepFlops, handed in by recipes/train.py)
+    flops = run.step_flops.record(batches, dt, run.world) if run.step_flops is not None else {}
     return {"step": step + 1, "loss": float(sums[0]), "lr": stats["lr"], "grad_norm": stats["grad_norm"],
             "tokens_per_s": rows * cfg.data.seq_length / dt, "samples_per_s": rows / dt,
-            "real_tokens_per_s": sum(b.real_tokens() for b in batches) / dt, "peak_memory_gib": peak_memory_gib(run.device),
-            "target_tokens": total, "boundary_bytes": int(sums[1]), "step_time_s": dt,
+            "real_tokens_per_s": sum(b.real_tokens() for b in batches) / dt, **flops,
+            "peak_memory_gib": peak_memory_gib(run.device), "target_tokens": total, "step_time_s": dt,
+            # this rank's seconds waiting for the loader and in boundary exchanges (their peers' waits included)
+            "data_wait_s": data_wait, "boundary_s": sum(c.seconds for c in comms.values()) - boundary0,
+            "boundary_bytes": int(sums[1]),
             # bytes this rank's loader read from the shards (JSON, and the media it decodes), and all ranks'
             "data_read_bytes": read, "data_read_bytes_all_ranks": int(sums[2]),
             "skipped": sum(sum(b.skipped.values()) for b in batches),
@@ -221,65 +230,48 @@ def _save(run: RunState, step: int, loader, keep: KeepPolicy, queue) -> None:
                     keep=keep, queue=queue)
 
 
+def _val_due(trainer, step: int) -> bool:
+    """After `step` optimizer steps: every val_every steps, and after the last."""
+    return step == trainer.max_steps or bool(trainer.val_every and step % trainer.val_every == 0)
+
+
 def _save_due(trainer, step: int, agreed: list[bool]) -> bool:
     """After `step` optimizer steps: the last step, every save_every steps, the wall-time interval, or a stop."""
     return (step == trainer.max_steps or (trainer.save_every and step % trainer.save_every == 0)
             or any(agreed))
 
 
-def step_context(run: RunState) -> tuple[dict, torch.Tensor, bool]:
-    """What every step shares: the boundary communicators, the dtype/device exemplar, whether this rank
-    holds the loss (last LLM stage, TP rank 0)."""
-    comms = {k: BoundaryCommunicator(run.layout[k], run.layout[LANGUAGE], run.configs[LANGUAGE].hidden_size,
-                                     run.dtype, run.device, dst_format="dense") for k in sorted(run.layout.encoders)}
-    like = torch.empty(0, dtype=run.dtype, device=run.device)
-    hosts_loss = (LANGUAGE in run.modules and run.groups[LANGUAGE].last_stage
-                  and run.groups[LANGUAGE].coord.tp == 0)
-    return comms, like, hosts_loss
-
-
-def tubelet_settle(run: RunState) -> TubeletSettle | None:
-    """The exchange that settles EVS-pruned clips' tubelet chunks at the vision boundary, when the run writes
-    them (data/pipeline.settles_tubelet_chunks); built on every rank alike (it creates a process group)."""
-    if not settles_tubelet_chunks(encoder_names(run.cfg.model), getattr(run.cfg.model, "video_pruning", 0.0)):
-        return None
-    return TubeletSettle(run.layout, VISION, run.device)
-
-
-def boundary_batches(batches: list, layout, settle: TubeletSettle | None) -> list[dict]:
-    """Each microbatch's boundary batch per encoder, for hetero_step; the vision one settled inside its boundary
-    op when the run prunes clips written in tubelet chunks."""
-    settled = settle.key if settle is not None else None  # built inside its boundary op instead
-    out = [b.boundary_batches([k for k in sorted(layout.encoders) if k != settled]) for b in batches]
-    if settle is not None:
-        for mb, (b, per_key) in enumerate(zip(batches, out)):
-            per_key[settle.key] = settle.lazy(b, mb)
-    return out
-
-
 def run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals,
-                 device: torch.device | None = None) -> dict:
+                 device: torch.device | None = None, step_flops=None) -> dict:
     """Train `cfg`, resolved on this world as `resolved` (recipes/checks.resolve), on this rank: data and
     tokenizer, build, resume, then steps with metrics and checkpoints.
     `stop`: the rank's StopSignals, installed by recipes/train.py first thing: SIGTERM / SIGUSR1 end the run after
     a saved step (one that arrives while the model is built or loaded is answered at the end of the first step).
-    `device`: where this rank computes; default the one its launcher bound (hetero/runtime/device.py)."""
+    `device`: where this rank computes; default the one its launcher bound (hetero/runtime/device.py).
+    `step_flops`: hf_fields -> the run's hetero/planner/flops.StepFlops (model TFLOPS/GPU and MFU in the metrics),
+    handed in by recipes/train.py: training code never imports the cost model."""
     if resolved.world != dist.get_world_size():
         raise ValueError(f"the run was resolved for {resolved.world} ranks but the world has {dist.get_world_size()}")
     run = RunState(cfg, resolved, run_dir, dist.get_rank(), resolved.world, device or current_device(),
                {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype])
     keep = KeepPolicy(cfg.trainer.keep_last, cfg.trainer.keep_every)  # a bad policy fails before any work
     _resolve(run)
+    run.step_flops = step_flops(run.hf_fields) if step_flops is not None else None
+    o = cfg.optim
+    run.lr_schedule = LRSchedule(o.lr_schedule, cfg.trainer.max_steps, o.warmup_steps, o.min_lr_ratio,
+                                 o.lr_wsd_decay_steps, o.lr_wsd_decay_style)
+    val_sets = resolve_val_sets(cfg.data.val_path, run.rank)  # {} without data.val_path
     _build_model(run)
     _resume(run)
     loader = _build_loader(run)
     comms, like, hosts_loss = step_context(run)
     settle = tubelet_settle(run)
-    metrics = RunMetrics(run_dir, cfg.trainer.max_steps, run.start, cfg.trainer.progress,
-                         cfg.trainer.tensorboard, cfg.trainer.log_every) if run.rank == 0 else None
+    metrics = RunMetrics(run_dir, cfg.trainer.max_steps, run.start, cfg.trainer.progress, cfg.trainer.tensorboard,
+                         cfg.trainer.log_every, make_tracker(cfg.trainer, run_dir, cfg.name, asdict(cfg))
+                         ) if run.rank == 0 else None
 
     queue = AsyncCallsQueue() if cfg.trainer.async_save else None  # async saves write while the next steps train
-    it, record, first_loss, last_save, stopped = iter(loader), {}, None, time.monotonic(), None
+    it, record, first_loss, last_save, stopped, last_val = iter(loader), {}, None, time.monotonic(), None, {}
     loop_start, blocked, saves = time.perf_counter(), 0.0, 0  # what saves cost the steps (scripts/bench_train.py)
     for step in range(run.start, cfg.trainer.max_steps):
         _maybe_fail(step, run.rank)
@@ -288,6 +280,10 @@ def run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals,
         first_loss = record["loss"] if first_loss is None else first_loss
         if metrics is not None:
             metrics.log(record)
+        if val_sets and _val_due(cfg.trainer, step + 1) and not stop_now:  # a stop saves first, at once
+            last_val = validate(run, val_sets, cfg.trainer.val_steps, comms, like, hosts_loss, settle)
+            if metrics is not None:
+                metrics.log_val(step + 1, last_val)
         t = time.perf_counter()
         if _save_due(cfg.trainer, step + 1, [stop_now, time_due]):
             _save(run, step + 1, loader, keep, queue)
@@ -313,4 +309,4 @@ def run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals,
     return {"run_dir": str(run_dir), "layout": str(run.layout),
             "steps": stopped[1] if stopped else cfg.trainer.max_steps, "stopped_by": stopped[0] if stopped else None,
             "first_loss": first_loss, "last_loss": record.get("loss"), "loss_png": str(plot) if plot else None,
-            "loop_s": loop_s, "saves": saves, "save_blocked_s": blocked}
+            "loop_s": loop_s, "saves": saves, "save_blocked_s": blocked, "val_loss": last_val}

@@ -1,8 +1,9 @@
 """What a run leaves in its directory (rank 0 only): metrics.jsonl, TensorBoard scalars, a progress bar,
-and loss.png at the end.
+loss.png at the end, and the same to W&B with trainer.wandb_project (hetero/training/tracking.py).
 
     m = RunMetrics(run_dir, max_steps, progress=True, tensorboard=True, log_every=10)
     m.log({"step": 1, "loss": 4.1, "lr": {"language": 1e-3}, "grad_norm": 2.0, "tokens_per_s": ...})
+    m.log_val(10, {"synthetic": 3.9})   # a validation pass: its own line, val/<name>/loss in TensorBoard
     # every log_every steps one line: step, loss, lr, grad norm, tokens/s (real ones too), memory, skips
     m.close()    # writes loss.png
 
@@ -42,23 +43,33 @@ def summary_line(record: dict, max_steps: int) -> str:
     lr = record["lr"]
     lr = max(lr.values()) if isinstance(lr, dict) else lr
     skips = ", ".join(f"{k}={v}" for k, v in sorted(record.get("skipped_by_reason", {}).items()))
+    tflops, mfu = record.get("model_tflops_per_gpu"), record.get("mfu")
+    speed = ""  # model FLOPs (hetero/planner/flops.py): MFU where the device's peak is known, else FLOP/s only
+    if tflops is not None:
+        speed = (f" {tflops:.1f} TFLOPS/GPU MFU {100 * mfu:.1f}%" if mfu is not None
+                 else f" {tflops * 1e3:.2f} GFLOPS/rank")
     return (f"step {record['step']}/{max_steps} loss {record['loss']:.4f} lr {lr:.2e} grad_norm "
             f"{record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} (real "
-            f"{record.get('real_tokens_per_s', 0):.0f}) step {record['step_time_s']:.2f}s memory "
+            f"{record.get('real_tokens_per_s', 0):.0f}){speed} step {record['step_time_s']:.2f}s (data "
+            f"{record.get('data_wait_s', 0):.2f}s, boundary {record.get('boundary_s', 0):.2f}s) memory "
             f"{record.get('peak_memory_gib', 0):.2f} GiB" + (f" skipped {skips}" if skips else ""))
 
 
-def read_metrics(run_dir: str | Path) -> list[dict]:
+def read_metrics(run_dir: str | Path, kind: str = "train") -> list[dict]:
+    """metrics.jsonl's records of one kind: "train" (one per step), "val" (one per validation pass:
+    {"step", "val": {set name: {"loss": ..}}}) or "all", in file order."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return rows if kind == "all" else [r for r in rows if ("val" in r) == (kind == "val")]
 
 
 class RunMetrics:
     def __init__(self, run_dir: str | Path, max_steps: int, first_step: int = 0, progress: bool = True,
-                 tensorboard: bool = True, log_every: int = 0):
+                 tensorboard: bool = True, log_every: int = 0, tracker=None):
         self.run_dir, self.max_steps, self.log_every = Path(run_dir), max_steps, log_every
+        self.tracker = tracker  # hetero/training/tracking.py (W&B), or None
         self.path = self.run_dir / "metrics.jsonl"
-        kept = [r for r in read_metrics(self.run_dir) if r["step"] <= first_step]
+        kept = [r for r in read_metrics(self.run_dir, "all") if r["step"] <= first_step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.file = self.path.open("a")
         self.tb = None
@@ -70,14 +81,15 @@ class RunMetrics:
         if progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=max_steps, initial=first_step, unit="step", dynamic_ncols=True, mininterval=0.5)
+            # disable=False: TQDM_DISABLE (recipes/train.py) silences the libraries' bars, not this one; a log
+            # file (not a terminal) gets a bar line every 10 s instead of every refresh
+            self.bar = tqdm(total=max_steps, initial=first_step, unit="step", dynamic_ncols=True, disable=False,
+                            mininterval=0.5 if sys.stderr.isatty() else 10.0)
 
     def log(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if self.tb is not None:
-            for k, v in _flat(record).items():
-                self.tb.add_scalar(k, v, record["step"])
+        self._scalars(record)
         if self.bar is not None:
             self.bar.update(1)
             left = (self.max_steps - record["step"]) * record["step_time_s"]
@@ -90,13 +102,37 @@ class RunMetrics:
             else:
                 print(line, file=sys.stderr, flush=True)
 
+    def log_val(self, step: int, losses: dict[str, float]) -> None:
+        """A validation pass after `step`: {set name: loss} (hetero/training/validation.py)."""
+        record = {"step": step, "val": {name: {"loss": loss} for name, loss in losses.items()}}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        self._scalars(record)
+        line = f"validation after step {step}: " + ", ".join(f"{n} loss {v:.4f}" for n, v in losses.items())
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def _scalars(self, record: dict) -> None:
+        """TensorBoard and the tracker: every number of the record, nested keys joined by '/'."""
+        flat = _flat(record)
+        if self.tb is not None:
+            for k, v in flat.items():
+                self.tb.add_scalar(k, v, record["step"])
+        if self.tracker is not None:
+            self.tracker.log(flat, record["step"])
+
     def close(self) -> Path | None:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
         if self.bar is not None:
             self.bar.close()
-        return plot_loss(self.run_dir)
+        plot = plot_loss(self.run_dir)
+        if self.tracker is not None:
+            self.tracker.finish(plot)
+        return plot
 
 
 def plot_loss(run_dir: str | Path) -> Path | None:
@@ -110,7 +146,13 @@ def plot_loss(run_dir: str | Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker="o", markersize=2)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker="o", markersize=2, label="train")
+    val = read_metrics(run_dir, "val")
+    for name in sorted({n for r in val for n in r["val"]}):
+        points = [(r["step"], r["val"][name]["loss"]) for r in val if name in r["val"]]
+        ax.plot(*zip(*points), marker="s", markersize=4, label=f"val/{name}")
+    if val:
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(Path(run_dir).name)

@@ -46,7 +46,6 @@ module, whatever its DP size. Averaging instead (DDP's default) would scale each
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.distributed as dist
@@ -54,17 +53,6 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from tessera.hetero.runtime.groups import ModuleGroups
 from tessera.hetero.training.zero import ShardedPart
-
-
-def lr_at(step: int, max_steps: int, warmup: int, min_ratio: float) -> float:
-    """Multiplier of the peak LR at `step` (0-based): linear warm-up, then cosine to min_ratio. After warm-up,
-    megatron-core's OptimizerParamScheduler (cosine) at num_steps = step; during it, megatron's at step + 1, so the
-    first step trains at 1/warmup of the peak, not at 0 (tests/test_lr_schedule.py)."""
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    span = max(max_steps - warmup, 1)
-    progress = min(max(step - warmup, 0) / span, 1.0)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _counts_once(p: torch.nn.Parameter, tp_rank: int) -> bool:

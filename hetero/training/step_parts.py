@@ -1,0 +1,56 @@
+"""What a step runs with on this rank, shared by training steps (loop.py), validation (validation.py) and the
+parity tools: the boundary communicators, the rank's stages over a step's microbatches, the EVS tubelet settle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.data.pipeline import settles_tubelet_chunks
+from tessera.hetero.plan.layout import LANGUAGE, VISION
+from tessera.hetero.runtime.boundary import BoundaryCommunicator
+from tessera.hetero.runtime.tubelet_settle import TubeletSettle
+from tessera.hetero.training.run_modules import encoder_names
+from tessera.hetero.training.stages import LanguageStage, MediaEncoderStage, global_token_count
+
+
+def rank_stages(run, batches: list, settle: TubeletSettle | None = None) -> tuple[dict, object, int]:
+    """(encoder stages, LLM stage or None, global target tokens) of this rank over a step's global microbatches;
+    the LLM's loss is divided by the target tokens of all of them."""
+    layout, groups, modules = run.layout, run.groups, run.modules
+    total = global_token_count(batches)
+    enc = {k: MediaEncoderStage(modules[k], k, layout[k], groups[k].coord, batches, run.device, groups[k].pgs.cp)
+           for k in modules if k != LANGUAGE}
+    lang = (LanguageStage(modules[LANGUAGE], layout[LANGUAGE], groups[LANGUAGE].coord, batches, total, run.device,
+                          settle) if LANGUAGE in modules else None)
+    return enc, lang, total
+
+
+def step_context(run) -> tuple[dict, torch.Tensor, bool]:
+    """What every step shares: the boundary communicators, the dtype/device exemplar, whether this rank
+    holds the loss (last LLM stage, TP rank 0)."""
+    comms = {k: BoundaryCommunicator(run.layout[k], run.layout[LANGUAGE], run.configs[LANGUAGE].hidden_size,
+                                     run.dtype, run.device, dst_format="dense") for k in sorted(run.layout.encoders)}
+    like = torch.empty(0, dtype=run.dtype, device=run.device)
+    hosts_loss = (LANGUAGE in run.modules and run.groups[LANGUAGE].last_stage
+                  and run.groups[LANGUAGE].coord.tp == 0)
+    return comms, like, hosts_loss
+
+
+def tubelet_settle(run) -> TubeletSettle | None:
+    """The exchange that settles EVS-pruned clips' tubelet chunks at the vision boundary, when the run writes
+    them (data/pipeline.settles_tubelet_chunks); built on every rank alike (it creates a process group)."""
+    if not settles_tubelet_chunks(encoder_names(run.cfg.model), getattr(run.cfg.model, "video_pruning", 0.0)):
+        return None
+    return TubeletSettle(run.layout, VISION, run.device)
+
+
+def boundary_batches(batches: list, layout, settle: TubeletSettle | None) -> list[dict]:
+    """Each microbatch's boundary batch per encoder, for hetero_step; the vision one settled inside its boundary
+    op when the run prunes clips written in tubelet chunks."""
+    settled = settle.key if settle is not None else None  # built inside its boundary op instead
+    out = [b.boundary_batches([k for k in sorted(layout.encoders) if k != settled]) for b in batches]
+    if settle is not None:
+        for mb, (b, per_key) in enumerate(zip(batches, out)):
+            per_key[settle.key] = settle.lazy(b, mb)
+    return out

@@ -1,0 +1,84 @@
+"""Validation: the loss on held-out data, forward only through the run's layout, the same in every layout.
+
+    data.val_path=synthetic | DIR | BLEND.yaml | "NAME=DIR;NAME=BLEND.yaml"    (data/pipeline.val_sets)
+    trainer.val_every=N (0: only after the last step)   trainer.val_steps=K (global batches per set and pass)
+
+A pass reads each set's first K x microbatches global microbatches from its start with the data seed, in the
+run's tokenizer and row split: the same batches at every pass and after a resume, so there is no loader state
+to save and passes compare. It runs them as one forward-only step (hetero_step(forward_only=True) under
+no_grad, every module in eval mode for the pass: BatchNorm uses its running statistics, the MoE router counts no
+tokens) and reports the token-weighted mean loss over all of them, `val/<name>/loss` in metrics.jsonl and
+TensorBoard. The loss is summed over the ranks that hold it, as the training loss is, so every layout of one
+run reports the same number (tests/test_validation.py: two layouts within 1e-6).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tessera.data.loader import close_loader
+from tessera.data.pipeline import SYNTHETIC_VAL_SET, synthetic_root
+from tessera.hetero.runtime.step_executor import hetero_step
+from tessera.hetero.training.step_parts import boundary_batches, rank_stages
+
+
+def resolve_val_sets(spec: str | None, rank: int) -> dict[str, str]:
+    """{name: dataset path} of data.val_path (data/pipeline.val_sets); the held-out synthetic set made by rank 0."""
+    from tessera.data.pipeline import SYNTHETIC_VAL, synthetic_dataset, val_sets
+
+
+    sets = val_sets(spec)
+    if SYNTHETIC_VAL in sets.values():
+        root = synthetic_root() / "val"
+        if rank == 0:
+            synthetic_dataset(root, **SYNTHETIC_VAL_SET)
+        dist.barrier()
+        path = str(synthetic_dataset(root, **SYNTHETIC_VAL_SET)[0])
+        sets = {name: path if p == SYNTHETIC_VAL else p for name, p in sets.items()}
+    return sets
+
+
+def _batches(run, path: str, count: int) -> list:
+    """The set's first `count` global microbatches, from its start (a fresh loader with the data seed)."""
+    from tessera.data.pipeline import build_train_loader
+    from tessera.hetero.training.run_modules import encoder_names
+
+    d = run.cfg.data
+    loader = build_train_loader(path, run.tok_path, encoder_names(run.cfg.model), d.seq_length,
+                                run.resolved.rows_per_microbatch, decode=run.resolved.decode_rows(run.rank),
+                                num_workers=0, seed=d.seed, max_tiles=d.max_tiles, video_frames=d.video_frames,
+                                # the training stream's loader logs skip examples already
+                                video_pruning=run.cfg.model.video_pruning, log_skips=False,
+                                defer_upscale=run.device.type != "cpu")
+    try:
+        it = iter(loader)
+        return [next(it) for _ in range(count)]
+    finally:
+        close_loader(loader)
+
+
+def validation_loss(run, path: str, steps: int, comms: dict, like: torch.Tensor, hosts_loss: bool,
+                    settle=None) -> float:
+    """The mean loss per target token over `steps` global batches of the set at `path` (every rank calls it)."""
+    batches = _batches(run, path, steps * run.resolved.microbatches)
+    enc, lang, _ = rank_stages(run, batches, settle)
+    modes = {m: m.training for module in run.modules.values() for m in module.modules()}
+    try:
+        for module in run.modules.values():
+            module.eval()
+        with torch.no_grad():
+            result = hetero_step(run.layout, run.groups, enc, lang, comms,
+                                 boundary_batches(batches, run.layout, settle), like, forward_only=True)
+    finally:
+        for m, training in modes.items():  # frozen modules stay in eval mode, the others train again
+            m.train(training)
+    loss = torch.tensor([float(result.loss) if hosts_loss else 0.0], dtype=torch.float64, device=run.device)
+    dist.all_reduce(loss)
+    return float(loss)
+
+
+def validate(run, sets: dict[str, str], steps: int, comms: dict, like: torch.Tensor, hosts_loss: bool,
+             settle=None) -> dict[str, float]:
+    """{set name: loss} of every set (data/pipeline.val_sets), in order (RunMetrics.log_val logs val/<name>/loss)."""
+    return {name: validation_loss(run, path, steps, comms, like, hosts_loss, settle) for name, path in sets.items()}
