@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -127,7 +126,8 @@ def test_readme_prepare_data_example_runs(tmp_path):
                              timeout=600, stdin=subprocess.DEVNULL)
         assert res.returncode == 0, (cmd, (res.stdout + res.stderr)[-4000:])
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if l]
-    assert [r["step"] for r in rows] == [1, 2], rows
+    # two steps, then the tiny recipe's validation pass after the last
+    assert [(r["step"], "val" in r) for r in rows] == [(1, False), (2, False), (2, True)], rows
 
 
 def test_shards_carry_no_pax_headers(tmp_path):

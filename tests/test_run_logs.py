@@ -74,11 +74,13 @@ def test_one_summary_line_every_log_every_steps_and_at_the_end(tmp_path, capsys)
     for step in range(1, 6):
         m.log({"step": step, "loss": 1.0 / step, "lr": {"language": 1e-3, "vision": 2e-4}, "grad_norm": 0.5,
                "tokens_per_s": 100.0, "real_tokens_per_s": 60.0, "step_time_s": 0.1, "peak_memory_gib": 1.5,
-               "skipped_by_reason": {"no_encoder": step}})
+               "model_tflops_per_gpu": 400.0, "mfu": 0.4044, "skipped_by_reason": {"no_encoder": step},
+               "max_over_ranks": {"peak_memory_gib": 2.0, "data_wait_s": 0.02, "boundary_s": 0.03}})
     m.close()
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["2/5", "4/5", "5/5"]
-    assert lines[0] == ("step 2/5 loss 0.5000 lr 1.00e-03 grad_norm 0.500 tokens/s 100 (real 60) step 0.10s "
-                        "memory 1.50 GiB skipped no_encoder=2")
+    # the fullest / slowest rank's memory, data wait and boundary time: the ones that set the pace
+    assert lines[0] == ("step 2/5 loss 0.5000 lr 1.00e-03 grad_norm 0.500 tokens/s 100 (real 60) 400.0 TFLOPS/GPU "
+                        "MFU 40.4% step 0.10s (data wait 0.02s, boundary 0.03s) memory 2.00 GiB skipped no_encoder=2")
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
     assert 0 < peak_memory_gib(torch.device("cpu")) < 64

@@ -12,7 +12,6 @@ SUCCEEDED (status comes from sacct, hence accounting), and reads the job's outpu
 
 import concurrent.futures
 import io
-import json
 import os
 import shutil
 import subprocess
@@ -28,6 +27,7 @@ import nemo_run as run
 from nemo_run.config import get_nemorun_home, set_nemorun_home
 from nemo_run.run.logs import get_logs
 
+from tessera.hetero.training.metrics import read_metrics
 from tessera.recipes import executors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,7 +114,7 @@ def test_slurm_trains_tiny_recipe(slurm_cluster, nemorun_home, tmp_path):
     state, logs = _submit(as_task(cfg, finetune), _slurm_executor(4, "00:15:00"), "tessera-tiny")
     assert state.endswith("SUCCEEDED"), f"job state {state}; logs:\n{logs}"
     assert f"run_dir: {cfg.trainer.run_dir}" in logs, logs
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line]
+    rows = read_metrics(tmp_path / "run")  # the step records (the validation passes have their own)
     assert rows[-1]["step"] == 6, rows
     losses = [r["loss"] for r in rows]
     assert losses[-1] < losses[0], losses
@@ -236,8 +236,7 @@ def _signal_each_allocation(run_dir: Path, allocations: int, steps: int, stop: t
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    return read_metrics(run_dir)  # the step records (a validation pass has its own)
 
 
 def test_slurm_job_saves_on_its_signal_is_requeued_and_resumes_bitwise(slurm_cluster, nemorun_home, tmp_path):

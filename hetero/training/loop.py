@@ -77,6 +77,7 @@ def _maybe_fail(step: int, rank: int) -> None:
     if spec:
         at, _, who = spec.partition(":")
         if step == int(at) and rank == int(who or 0):
+            print(f"TESSERA_FAIL_AT_STEP={spec}: rank {rank} exits with 17 at step {step}", file=sys.stderr, flush=True)
             os._exit(17)  # an abrupt death: no cleanup, no collective goodbye
 
 
@@ -158,6 +159,9 @@ def _build_model(run: RunState) -> None:
                                cfg.optim.weight_decay, cfg.optim.betas, cfg.optim.eps,
                                all_keys=list(run.layout.modules), param_dtype=run.dtype,
                                distributed=cfg.optim.use_distributed_optimizer)
+    o = cfg.optim
+    run.lr_schedule = LRSchedule(o.lr_schedule, cfg.trainer.max_steps, o.warmup_steps, o.min_lr_ratio,
+                                 o.lr_wsd_decay_steps, o.lr_wsd_decay_style)
 
 
 def _resume(run: RunState) -> None:
@@ -202,16 +206,20 @@ def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, h
                         device=run.device)  # NCCL reduces device tensors only
     dist.all_reduce(sums)
     agreed = [bool(f > 0) for f in sums[3:].tolist()]  # any rank's request holds for all
+    # this rank's peak memory and seconds waiting for the loader and in boundary exchanges (its peers' waits
+    # included), and the largest of each over the ranks: the rank that sets the pace or runs out of memory first
+    mine = {"peak_memory_gib": peak_memory_gib(run.device), "data_wait_s": data_wait,
+            "boundary_s": sum(c.seconds for c in comms.values()) - boundary0}
+    worst = torch.tensor(list(mine.values()), dtype=torch.float64, device=run.device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     dt = time.perf_counter() - t0
     rows = run.resolved.rows_per_step
     # model FLOPs of these batches (hetero/planner/flops.StepFlops, handed in by recipes/train.py)
     flops = run.step_flops.record(batches, dt, run.world) if run.step_flops is not None else {}
     return {"step": step + 1, "loss": float(sums[0]), "lr": stats["lr"], "grad_norm": stats["grad_norm"],
             "tokens_per_s": rows * cfg.data.seq_length / dt, "samples_per_s": rows / dt,
-            "real_tokens_per_s": sum(b.real_tokens() for b in batches) / dt, **flops,
-            "peak_memory_gib": peak_memory_gib(run.device), "target_tokens": total, "step_time_s": dt,
-            # this rank's seconds waiting for the loader and in boundary exchanges (their peers' waits included)
-            "data_wait_s": data_wait, "boundary_s": sum(c.seconds for c in comms.values()) - boundary0,
+            "real_tokens_per_s": sum(b.real_tokens() for b in batches) / dt, **flops, **mine,
+            "max_over_ranks": dict(zip(mine, worst.tolist())), "target_tokens": total, "step_time_s": dt,
             "boundary_bytes": int(sums[1]),
             # bytes this rank's loader read from the shards (JSON, and the media it decodes), and all ranks'
             "data_read_bytes": read, "data_read_bytes_all_ranks": int(sums[2]),
@@ -257,9 +265,6 @@ def run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals,
     keep = KeepPolicy(cfg.trainer.keep_last, cfg.trainer.keep_every)  # a bad policy fails before any work
     _resolve(run)
     run.step_flops = step_flops(run.hf_fields) if step_flops is not None else None
-    o = cfg.optim
-    run.lr_schedule = LRSchedule(o.lr_schedule, cfg.trainer.max_steps, o.warmup_steps, o.min_lr_ratio,
-                                 o.lr_wsd_decay_steps, o.lr_wsd_decay_style)
     val_sets = resolve_val_sets(cfg.data.val_path, run.rank)  # {} without data.val_path
     _build_model(run)
     _resume(run)

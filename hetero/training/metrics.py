@@ -44,15 +44,16 @@ def summary_line(record: dict, max_steps: int) -> str:
     lr = max(lr.values()) if isinstance(lr, dict) else lr
     skips = ", ".join(f"{k}={v}" for k, v in sorted(record.get("skipped_by_reason", {}).items()))
     tflops, mfu = record.get("model_tflops_per_gpu"), record.get("mfu")
+    worst = record.get("max_over_ranks", record)  # the slowest / fullest rank's (rank 0's alone in old records)
     speed = ""  # model FLOPs (hetero/planner/flops.py): MFU where the device's peak is known, else FLOP/s only
     if tflops is not None:
         speed = (f" {tflops:.1f} TFLOPS/GPU MFU {100 * mfu:.1f}%" if mfu is not None
                  else f" {tflops * 1e3:.2f} GFLOPS/rank")
     return (f"step {record['step']}/{max_steps} loss {record['loss']:.4f} lr {lr:.2e} grad_norm "
             f"{record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} (real "
-            f"{record.get('real_tokens_per_s', 0):.0f}){speed} step {record['step_time_s']:.2f}s (data "
-            f"{record.get('data_wait_s', 0):.2f}s, boundary {record.get('boundary_s', 0):.2f}s) memory "
-            f"{record.get('peak_memory_gib', 0):.2f} GiB" + (f" skipped {skips}" if skips else ""))
+            f"{record.get('real_tokens_per_s', 0):.0f}){speed} step {record['step_time_s']:.2f}s (data wait "
+            f"{worst.get('data_wait_s', 0):.2f}s, boundary {worst.get('boundary_s', 0):.2f}s) memory "
+            f"{worst.get('peak_memory_gib', 0):.2f} GiB" + (f" skipped {skips}" if skips else ""))
 
 
 def read_metrics(run_dir: str | Path, kind: str = "train") -> list[dict]:
