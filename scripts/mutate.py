@@ -3,13 +3,17 @@ that should catch it, and print which caught it.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/mutate.py                 # every mutation in scripts/mutations.toml
     OMP_NUM_THREADS=1 .venv/bin/python scripts/mutate.py --only ffd_strict_fit --keep
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/mutate.py --fast --jobs 2 # the `fast = true` ones: CI, ~3 min
 
 The list is plain data (scripts/mutations.toml: name, file, find, replace, tests, why); grow it whenever a bug
 escapes the suite. Each `find` must occur exactly once in its file. The scratch copy holds the working tree's
 tracked and untracked-not-ignored files (and a link to .venv); a `tessera` package of links in front of it on PYTHONPATH makes
 `import tessera.*` load the scratch copy, not this checkout (checked before anything runs). First the selected
 tests run unmutated (they must pass, or a "caught" would mean nothing); then, per mutation, its tests run with
-`pytest -x`: exit 1 = caught, 0 = escaped. CI does not run this (minutes per mutation); the table goes in notes.
+`pytest -x`: exit 1 = caught, 0 = escaped. The whole list takes minutes per mutation; its table goes in notes.
+`--fast` takes the entries marked `fast = true` (their tests take seconds, import included): scripts/test.sh runs
+them after a full suite, so a rule whose test stops catching its bug fails CI. `--jobs N` runs N mutations at once,
+each in its own scratch copy.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import sys
 import tempfile
 import time
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from queue import Queue
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("hetero", "models", "data", "recipes", "scripts")
@@ -71,44 +77,64 @@ def pytest(dst: Path, env: dict, tests: list[str], timeout: int) -> tuple[int, f
     return rc, time.perf_counter() - t0, out
 
 
+def mutate_one(dst: Path, env: dict, e: dict, timeout: int) -> tuple[str, str, str, float]:
+    """(name, verdict, first failing test, seconds) of one mutation applied to the scratch copy dst."""
+    path = dst / e["file"]
+    original = path.read_text()
+    if original.count(e["find"]) != 1:
+        return e["name"], "find text not found once", "-", 0.0
+    path.write_text(original.replace(e["find"], e["replace"]))
+    try:
+        rc, dt, out = pytest(dst, env, e["tests"], timeout)
+    finally:
+        path.write_text(original)
+    failed = [line.split(" ")[1] for line in out.splitlines() if line.startswith("FAILED ")]
+    verdict = {0: "ESCAPED", 1: "caught"}.get(rc, f"exit {rc}")
+    if rc == 0 and " passed" not in out.strip().splitlines()[-1]:
+        verdict = "not run (all skipped)"
+    print(f"{e['name']}: {verdict} {failed[:1]} ({dt:.0f} s)", flush=True)
+    return e["name"], verdict, failed[0] if failed else "-", dt
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--list", type=Path, default=ROOT / "scripts" / "mutations.toml")
     ap.add_argument("--only", nargs="*", help="mutation names")
+    ap.add_argument("--fast", action="store_true", help="only the entries marked fast = true")
+    ap.add_argument("--jobs", type=int, default=1, help="mutations at once, one scratch copy each")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per pytest run")
-    ap.add_argument("--keep", action="store_true", help="keep the scratch copy")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch copies")
     a = ap.parse_args(argv)
-    entries = [e for e in load(a.list) if not a.only or e["name"] in a.only]
-    dst = Path(tempfile.mkdtemp(prefix="tessera_mutate_"))
-    rows = []
+    entries = [e for e in load(a.list) if (not a.only or e["name"] in a.only) and (not a.fast or e.get("fast"))]
+    t0 = time.perf_counter()
+    dsts = [Path(tempfile.mkdtemp(prefix="tessera_mutate_")) for _ in range(max(1, min(a.jobs, len(entries))))]
     try:
-        env = scratch_copy(dst)
+        envs = [scratch_copy(dst) for dst in dsts]
         tests = sorted({t for e in entries for t in e["tests"]})
-        rc, dt, out = pytest(dst, env, tests, a.timeout)
+        rc, dt, out = pytest(dsts[0], envs[0], tests, a.timeout)
         if rc != 0:
             print(out[-4000:])
             raise SystemExit(f"the selected tests fail unmutated (exit {rc}); fix that first")
         print(f"baseline: {len(tests)} test selections pass unmutated ({dt:.0f} s)", flush=True)
-        for e in entries:
-            path = dst / e["file"]
-            original = path.read_text()
-            if original.count(e["find"]) != 1:
-                rows.append((e["name"], "find text not found once", "-", 0.0))
-                continue
-            path.write_text(original.replace(e["find"], e["replace"]))
-            try:
-                rc, dt, out = pytest(dst, env, e["tests"], a.timeout)
-            finally:
-                path.write_text(original)
-            failed = [line.split(" ")[1] for line in out.splitlines() if line.startswith("FAILED ")]
-            verdict = {0: "ESCAPED", 1: "caught"}.get(rc, f"exit {rc}")
-            if rc == 0 and " passed" not in out.strip().splitlines()[-1]:
-                verdict = "not run (all skipped)"
-            rows.append((e["name"], verdict, failed[0] if failed else "-", dt))
-            print(f"{e['name']}: {verdict} {failed[:1]} ({dt:.0f} s)", flush=True)
+        # each worker takes the next mutation for its own copy: a copy holds one mutation at a time
+        with ThreadPoolExecutor(len(dsts)) as pool:
+            free = Queue()
+            for i in range(len(dsts)):
+                free.put(i)
+
+            def job(e):
+                i = free.get()
+                try:
+                    return mutate_one(dsts[i], envs[i], e, a.timeout)
+                finally:
+                    free.put(i)
+
+            rows = list(pool.map(job, entries))
     finally:
         if not a.keep:
-            shutil.rmtree(dst, ignore_errors=True)
+            for dst in dsts:
+                shutil.rmtree(dst, ignore_errors=True)
+    print(f"\n{len(rows)} mutations in {time.perf_counter() - t0:.0f} s")
     print("\n| mutation | verdict | caught by | s |\n|---|---|---|---:|")
     for name, verdict, by, dt in rows:
         print(f"| {name} | {verdict} | {by} | {dt:.0f} |")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Tessera's test suite on a fresh machine (sets up .venv first). Extra arguments go to pytest.
-#   bash scripts/test.sh            # everything: ~18 min on a 2-core box (2 pytest workers; + ~6 min to build .venv the first time)
+#   bash scripts/test.sh            # everything, then the fast mutation check: ~21 min on a 2-core box (2 pytest
+#                                   # workers; + ~6 min to build .venv the first time)
 #   bash scripts/test.sh -k plan    # a subset
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -9,4 +10,9 @@ cd "$root"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # Two workers (this box's 2 cores); a file's tests stay on one worker, so module fixtures are built once and
 # the Slurm tests share one cluster. Multi-rank tests spawn their own processes either way.
-exec .venv/bin/python -m pytest -q -n "${TESSERA_TEST_WORKERS:-2}" --dist loadfile "$@"
+.venv/bin/python -m pytest -q -n "${TESSERA_TEST_WORKERS:-2}" --dist loadfile "$@"
+# After a full suite, the mutations whose tests take seconds (scripts/mutations.toml, fast = true): each breaks a
+# rule on purpose and its test must fail; one that passes means the rule is no longer tested, and CI fails.
+if [ "$#" -eq 0 ]; then
+  .venv/bin/python scripts/mutate.py --fast --jobs "${TESSERA_TEST_WORKERS:-2}" --timeout 300
+fi

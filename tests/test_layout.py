@@ -84,22 +84,75 @@ def test_sequence_parallel_length_rule_binds_only_moe_with_tp():
     HeteroLayout.parse("language=cp4@0-3").validate(ModelShapes(seq_length=72, moe=True))  # tp1: no SP
 
 
+def _dps(*sizes: int) -> HeteroLayout:
+    """A layout whose modules have these DP sizes (rows_for_layout reads nothing else)."""
+    keys, first, parts = ["vision", "audio", "language"][-len(sizes):], 0, []
+    for key, dp in zip(keys, sizes):
+        parts.append(f"{key}=dp{dp}@{first}-{first + dp - 1}")
+        first += dp
+    return HeteroLayout.parse(";".join(parts))
+
+
 @pytest.mark.parametrize("spec,rows,micro,want", [
     ("vision=tp2,dp8@0-15;language=tp2,dp8@0-15", 8, 16, (8, 16)),        # fits: unchanged
     ("vision=tp2,dp32@0-63;language=tp2,dp32@0-63", 8, 16, (32, 4)),      # a 16-GPU recipe on 64 GPUs
     ("vision=dp2@0-1;language=dp6@2-7", 4, 6, (6, 4)),                     # lcm(2, 6) = 6 divides 24
-    ("vision=dp4@0-3;language=dp4@4-7", 2, 3, (4, 0)),                     # no multiple of 4 divides 6 rows
     ("vision=dp3@0-2;language=dp4@3-6", 8, 6, (12, 4)),                    # lcm 12: the smallest >= 8 dividing 48
+    ("language=dp1@0-0", 1, 1, (1, 1)),                                    # the smallest run
+    ("vision=dp2@0-1;language=dp3@2-4", 6, 1, (6, 1)),                     # neither DP divides the other; lcm does
+    ("vision=dp2@0-1;language=dp3@2-4", 12, 5, (12, 5)),                   # a multiple of the lcm: unchanged
+    ("vision=dp4@0-3;language=dp4@4-7", 2, 8, (4, 4)),                     # the next multiple divides 16
+    ("vision=dp4@0-3;language=dp4@4-7", 6, 4, (8, 3)),                     # 8 divides 24
+    ("vision=dp4@0-3;language=dp4@4-7", 5, 4, (20, 1)),                    # 8, 12, 16 do not divide 20: the step
+    ("vision=tp2,dp512@0-1023;language=tp2,dp512@0-1023", 8, 64, (512, 1)),  # 16-GPU recipe on 1024: one microbatch
 ])
 def test_rows_per_microbatch_follow_the_layout_and_keep_the_step(spec, rows, micro, want):
     from tessera.hetero.plan.layout import rows_for_layout
 
     layout = HeteroLayout.parse(spec)
-    if want[1] == 0:
-        with pytest.raises(LayoutError, match="multiple of 4 rows"):
-            rows_for_layout(layout, rows, micro)
-        return
     got = rows_for_layout(layout, rows, micro)
     assert got[0] * got[1] == rows * micro
     assert all(got[0] % m.dp_size == 0 for m in layout.modules.values())
     assert got == want
+
+
+@pytest.mark.parametrize("spec,rows,micro,need", [
+    ("vision=dp4@0-3;language=dp4@4-7", 2, 3, 4),                          # no multiple of 4 divides 6 rows
+    ("language=dp2@0-1", 1, 1, 2),                                         # one row for two DP ranks
+    ("vision=dp2@0-1;language=dp3@2-4", 4, 1, 6),                          # lcm 6 > the step's 4 rows
+    ("vision=tp2,dp1024@0-2047;language=tp2,dp1024@0-2047", 8, 64, 1024),  # 512 rows for 1024 DP ranks
+])
+def test_rows_for_layout_refuses_a_step_no_split_fits_and_names_the_fix(spec, rows, micro, need):
+    from tessera.hetero.plan.layout import rows_for_layout
+
+    layout = HeteroLayout.parse(spec)
+    with pytest.raises(LayoutError) as e:
+        rows_for_layout(layout, rows, micro)
+    dps = ", ".join(f"{k} dp={m.dp_size}" for k, m in layout.modules.items())
+    for words in (str(layout), dps, f"a multiple of {need}", f"the step's {rows * micro} rows",
+                  f"data.rows_per_microbatch={rows} x data.microbatches={micro}",
+                  f"use a step of a multiple of {need} rows or change dp"):
+        assert words in str(e.value), (words, str(e.value))
+
+
+def test_rows_for_layout_against_a_brute_force_search():
+    """Every small case: unchanged when every DP divides the rows; else the fewest rows >= the configured ones
+    that every DP divides and that divide the step (found by trying every row count); else an error."""
+    from tessera.hetero.plan.layout import rows_for_layout
+
+    for sizes in [(1,), (2,), (3,), (2, 3), (4, 4), (2, 6), (4, 6), (2, 3, 4), (8, 1)]:
+        layout = _dps(*sizes)
+        for rows in range(1, 13):
+            for micro in range(1, 9):
+                step = rows * micro
+                ok = [r for r in range(1, step + 1) if step % r == 0 and all(r % d == 0 for d in sizes)]
+                if all(rows % d == 0 for d in sizes):
+                    want = (rows, micro)
+                elif ok:
+                    r = min(r for r in ok if r >= rows)
+                    want = (r, step // r)
+                else:
+                    with pytest.raises(LayoutError):
+                        rows_for_layout(layout, rows, micro)
+                    continue
+                assert rows_for_layout(layout, rows, micro) == want, (sizes, rows, micro)

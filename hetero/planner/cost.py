@@ -26,11 +26,12 @@ microbatch's forward+backward (Megatron's overlap) except what sticks out. How m
 
 Memory per GPU: bf16 weights (2 B/param; replicated parameters whole on every TP rank), fp32 main grads
 (4 B), fp32 Adam master + moments (12 B) sharded over the module's DP x CP ranks (ZeRO-1; experts over their
-expert-DP ranks), activations of the microbatches in flight (1F1B's first stage holds pp of them; model.py
-has the per-token formulas) plus, under full recompute, the largest layer once, and the LLM head's fp32
-logits on its last stage. hetero/planner/meta_memory.py counts the same on the modules built on the meta
-device; the dry run prints both. A layout that does not fit in HEADROOM of HBM, or fails
-HeteroLayout.validate, comes back with feasible=False and the reason.
+expert-DP ranks, cp * dp / ep: step_time.optimizer_bytes, which the memory report reads too), activations
+of the microbatches in flight (1F1B's first stage holds pp of them; model.py has the per-token formulas) plus,
+under full recompute, the largest layer once, and the LLM head's fp32 logits on its last stage.
+hetero/planner/meta_memory.py counts the same on the modules built on the meta device; the dry run prints both.
+A layout that does not fit in HEADROOM of HBM, or fails HeteroLayout.validate, comes back with feasible=False
+and the reason.
 
 This file prices modules (module_cost) and a layout (predict); how the placements combine module costs
 into a step is in step_time.py.
@@ -51,7 +52,8 @@ from tessera.hetero.planner.cp_cost import kernel_paths, llm_cp_activation, llm_
 from tessera.hetero.planner.flops import llm_row_flops, sequence_flops, vit_sequence_flops
 from tessera.hetero.planner.model import BF16, ModelDesc, ModuleDesc
 from tessera.hetero.planner.step_time import (GIB, Memory, ModuleCost, Stage, StepParts, colocated_encoders,
-                                              encoder_pipeline, homogeneous_step, remote_encoders)
+                                              encoder_pipeline, expert_dp, homogeneous_step, optimizer_bytes,
+                                              optimizer_params, remote_encoders)
 
 HEADROOM = 0.9        # of HBM usable by tensors (the rest: allocator fragmentation, NCCL and CUDA buffers)
 OPTIM_BYTES = 30      # HBM traffic per local parameter of one Adam step (read 16 B, write 14 B)
@@ -189,11 +191,10 @@ def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, c
              + mod.replicated_params) / pp
     edge_first = mod.edge_params / tp if pp == 1 else mod.edge_params / 2 / tp
     dp_ranks = grad_group or dp * cp
-    expert_dp = max(1, cp * dp // lay.ep)
 
     def weights(edge: float) -> Memory:
         local = dense + edge + experts
-        return Memory(BF16 * local, 4 * local, 12 * ((dense + edge) / dp_ranks + experts / expert_dp))
+        return Memory(BF16 * local, 4 * local, optimizer_bytes(dense + edge, experts, lay, dp_ranks=dp_ranks))
 
     act_per_mb, act_peak, act_last = activation_bytes(mod, lay, tokens, ctx, recompute)
     mem_first = weights(edge_first) + Memory(act=act_per_mb * in_flight + act_peak + (act_last if pp == 1 else 0.0))
@@ -202,8 +203,8 @@ def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, c
     dp_link = comm.group_link(cl, dp_ranks, tp)
     dp_s = 2 * comm.reduce_scatter((dense + edge_first) * BF16, dp_ranks, dp_link, cl, k)
     if experts:
-        dp_s += 2 * comm.reduce_scatter(experts * BF16, expert_dp, dp_link, cl, k)
-    optim_s = OPTIM_BYTES * ((dense + edge_first) / dp_ranks + experts / expert_dp) / (cl.hbm_tbps * 1e12)
+        dp_s += 2 * comm.reduce_scatter(experts * BF16, expert_dp(lay), dp_link, cl, k)
+    optim_s = OPTIM_BYTES * optimizer_params(dense + edge_first, experts, lay, dp_ranks) / (cl.hbm_tbps * 1e12)
     flops = 3 * samples * (llm_row_flops(mod, toks) if mod.kind == "llm" else items * fwd_item)
     return ModuleCost(mod.key, stages, dp_s, optim_s, mem_first, mem_last, flops)
 

@@ -43,7 +43,7 @@ from tessera.hetero.planner.cost import HEADROOM, items_of, predict
 from tessera.hetero.planner.memory_report import ParamCheck, memory_report, param_checks
 from tessera.hetero.planner.step_time import GIB
 from tessera.hetero.planner.meta_memory import batch_for, model_config, rank_shards, seeded_init_units
-from tessera.hetero.planner.model import ModelDesc, describe_model
+from tessera.hetero.planner.model import ModelDesc
 
 
 @dataclass

@@ -6,7 +6,8 @@ From a module shard's exact parameter count (meta_memory.Shard):
     grads   4 B per trainable parameter: the fp32 main grads (bf16) or fp32 grads (fp32 runs)
     optim   fp32 master + exp_avg + exp_avg_sq = 12 B per trainable parameter (fp32 runs: 8 B, no master);
             ZeRO-1 (optim.use_distributed_optimizer, hetero/training/zero.py) divides the dense part by the
-            module's DP x CP size and routed experts by their expert-DP size (cp * dp / ep)
+            module's DP x CP size and routed experts by their expert-DP size (cp * dp / ep): the cost model's
+            formula, step_time.optimizer_bytes, so the two columns can differ only by the parameter counts
     act     measured bytes of one microbatch (saved tensors of a meta forward) x the microbatches in flight on
             that stage as the cost model has them (1F1B: pp - stage; colocated encoders: every microbatch);
             with full recompute, layer inputs per microbatch plus the largest layer once. Where the meta
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from tessera.hetero.plan.layout import HeteroLayout, ModuleLayout
 from tessera.hetero.planner.cost import Prediction
 from tessera.hetero.planner.meta_memory import Shard
+from tessera.hetero.planner import step_time
 from tessera.hetero.planner.step_time import GIB, Memory
 
 
@@ -37,11 +39,9 @@ class ParamCheck:
 
 
 def optimizer_bytes(s: Shard, lay: ModuleLayout, zero1: bool, mixed: bool = True) -> float:
-    per = 12 if mixed else 8
-    if not zero1:
-        return per * s.trainable
-    dense = s.trainable - s.trainable_experts
-    return per * (dense / (lay.dp_size * lay.cp) + s.trainable_experts / max(1, lay.cp * lay.dp_size // lay.ep))
+    """The shard's Adam state bytes by the cost model's formula (step_time.optimizer_bytes), from its built
+    trainable parameter counts."""
+    return step_time.optimizer_bytes(s.trainable - s.trainable_experts, s.trainable_experts, lay, zero1, mixed)
 
 
 def in_flight(key: str, stage: int, lay: ModuleLayout, pred: Prediction) -> int:

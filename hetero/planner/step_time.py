@@ -17,6 +17,30 @@ from tessera.hetero.plan.layout import LANGUAGE, ModuleLayout
 GIB = 2 ** 30
 STAGE_PARTS = ("compute", "tp", "cp", "ep", "pp")
 BREAKDOWN = (*STAGE_PARTS, "boundary", "bubble", "dp", "optimizer")
+ADAM_BYTES = 12       # per trainable parameter of a bf16 run: fp32 master weights + Adam's exp_avg and exp_avg_sq
+ADAM_BYTES_FP32 = 8   # fp32 runs: the parameters are their own master weights
+
+
+def expert_dp(lay: ModuleLayout) -> int:
+    """Ranks that hold copies of one routed expert (and share its gradients and Adam state): megatron's expert
+    grid takes the module's CP x DP ranks and splits them into EP groups, cp * dp / ep of each."""
+    return max(1, lay.cp * lay.dp_size // lay.ep)
+
+
+def optimizer_params(dense: float, experts: float, lay: ModuleLayout, dp_ranks: int | None = None) -> float:
+    """Parameters whose Adam state one rank holds under ZeRO-1 (the distributed optimizer,
+    hetero/training/zero.py): its `dense` ones split over the module's DP x CP ranks (`dp_ranks` when the
+    gradients are reduced over another group) and its routed `experts` over their expert-DP ranks.
+    The one formula: the cost model (memory and optimizer time) and the dry run's memory report read it."""
+    return dense / (dp_ranks or lay.dp_size * lay.cp) + experts / expert_dp(lay)
+
+
+def optimizer_bytes(dense: float, experts: float, lay: ModuleLayout, zero1: bool = True, mixed: bool = True,
+                    dp_ranks: int | None = None) -> float:
+    """Adam state bytes on one rank holding `dense` + `experts` trainable parameters; zero1=False: every rank
+    keeps the state of all of them (use_distributed_optimizer=false)."""
+    per = ADAM_BYTES if mixed else ADAM_BYTES_FP32
+    return per * (optimizer_params(dense, experts, lay, dp_ranks) if zero1 else dense + experts)
 
 
 @dataclass(frozen=True)
