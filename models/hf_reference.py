@@ -266,8 +266,9 @@ def omni_forward_inputs(tokens, images: list, clips: list, vcfg: dict | None, au
     return inputs
 
 
-def omni_reference_logits(hf_dir: str, samples: list[OmniSample]) -> list[torch.Tensor]:
-    """transformers' NemotronH_Omni_Reasoning_V3 (float32) on every sample alone: logits [n_i, vocab].
+def omni_reference_logits(hf_dir: str, samples: list[OmniSample], model=None) -> list[torch.Tensor]:
+    """transformers' NemotronH_Omni_Reasoning_V3 (float32) on every sample alone: logits [n_i, vocab]. `model`:
+    one built by the caller from DIR (e.g. wrapped by PEFT with adapters) instead of DIR's own.
 
     Eval mode except the Parakeet conformer's BatchNorm: Tessera encodes each clip alone in a training step, so
     it normalises a clip with the clip's own statistics; in eval transformers would use the running statistics
@@ -278,11 +279,15 @@ def omni_reference_logits(hf_dir: str, samples: list[OmniSample]) -> list[torch.
     from tessera.models.encoders import encoder_config
     from tessera.models.released import encoder_name
 
-    model = NemotronH_Omni_Reasoning_V3.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    if model is None:
+        model = NemotronH_Omni_Reasoning_V3.from_pretrained(hf_dir, dtype=torch.float32)
+    model.eval()
     for m in model.modules():
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
             m.train()
-    model.image_token_id, model.audio_token_id, _ = omni_token_ids(hf_dir)  # the config's, when it sets them
+    # the Omni model itself under a wrapper (PEFT's get_base_model): the ids are read from its attributes
+    omni = model.get_base_model() if hasattr(model, "get_base_model") else model
+    omni.image_token_id, omni.audio_token_id, _ = omni_token_ids(hf_dir)  # the config's, when it sets them
     modalities = _modalities(hf_dir)
     vcfg = encoder_config(encoder_name(hf_dir, "vision"))
     audio_frontend = None
@@ -294,7 +299,7 @@ def omni_reference_logits(hf_dir: str, samples: list[OmniSample]) -> list[torch.
         for sample in samples:
             inputs = omni_inputs(sample, vcfg, audio_frontend)
             if "input_features" in inputs:  # placeholders Tessera sized vs embeddings transformers keeps
-                keeps = int(model.audio_tower._get_subsampling_output_length(
+                keeps = int(omni.audio_tower._get_subsampling_output_length(
                     inputs["input_features_mask"].sum(-1) + 1).sum())
                 placed = sum(n for _, kind, _, _, n in sample.media if kind == "audio")
                 if keeps != placed:
@@ -302,6 +307,6 @@ def omni_reference_logits(hf_dir: str, samples: list[OmniSample]) -> list[torch.
                                      f"{keeps} audio embeddings (a mel frame count that is a multiple of the "
                                      f"subsampling)")
             logits = model(**inputs).logits[0].float()
-            assert logits.shape == (len(sample.tokens), model.config.text_config.vocab_size), logits.shape
+            assert logits.shape == (len(sample.tokens), omni.config.text_config.vocab_size), logits.shape
             out.append(logits)
     return out

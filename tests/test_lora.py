@@ -5,6 +5,7 @@ weights and resumes bitwise (and into another layout), the vision tower's adapte
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import zlib
 from pathlib import Path
@@ -419,6 +420,30 @@ def _all_runs(root: str):
         _train(str(root / name), layout, targets=DEFAULT_LORA_TARGETS, steps=3)
 
 
+# the run's export has transformers' config.json (RADIO, no audio), so its adapters name the modules of
+# transformers' NemotronH_Omni_Reasoning_V3 (hetero/training/peft_export.py); the released weights they adapt:
+TO_RELEASED = ((r"^language_model\.model\.", "language_model.backbone."),
+               (r"^multi_modal_projector\.linear_1$", "mlp1.1"), (r"^multi_modal_projector\.linear_2$", "mlp1.3"),
+               (r"^vision_model\.encoder\.layer\.", "vision_model.radio_model.model.blocks."),
+               (r"\.attention\.o_proj$", ".attn.proj"), (r"\.attention\.[qkv]_proj$", ".attn.qkv"))
+
+
+def _released_deltas(adapters: dict) -> dict[str, torch.Tensor]:
+    """Released weight key -> (alpha/r) B A of the exported adapters; RADIO's q/k/v_proj share A and stack B
+    ([q; k; v] rows) into its fused attn.qkv."""
+    parts = {}
+    for key in adapters:
+        if key.endswith(".lora_A.weight"):
+            module = key[len("base_model.model."):-len(".lora_A.weight")]
+            released = module
+            for pattern, repl in TO_RELEASED:
+                released = re.sub(pattern, repl, released)
+            qkv = re.search(r"\.attention\.([qkv])_proj$", module)
+            b = adapters[key[:-len("lora_A.weight")] + "lora_B.weight"]
+            parts.setdefault(released, {})["qkv".index(qkv[1]) if qkv else 0] = (adapters[key], b)
+    return {f"{m}.weight": SCALE * torch.cat([p[i][1] for i in sorted(p)]) @ p[0][0] for m, p in parts.items()}
+
+
 def test_lora_run_learns_keeps_base_frozen_and_resumes_exactly(tmp_path):
     export = tmp_path / "export"
     run_on_ranks(4, _all_runs, str(tmp_path), timeout=1200)
@@ -426,14 +451,11 @@ def test_lora_run_learns_keeps_base_frozen_and_resumes_exactly(tmp_path):
     assert len(losses) == STEPS and losses[-1] < losses[0], losses
 
     base, merged = load_file(str(export / "base.safetensors")), load_file(str(export / "model.safetensors"))
-    adapters = load_file(str(export / "adapters" / "adapter_model.safetensors"))
-    adapted = {k[len("base_model.model."):-len(".lora_A.weight")] for k in adapters if k.endswith(".lora_A.weight")}
-    assert merged.keys() == base.keys() and adapted
-    assert any(m.startswith("vision_model.") for m in adapted), "the vision tower's adapters were not exported"
+    deltas = _released_deltas(load_file(str(export / "adapters" / "adapter_model.safetensors")))
+    assert merged.keys() == base.keys() and deltas.keys() <= base.keys(), sorted(deltas.keys() - base.keys())
+    assert any(m.startswith("vision_model.") for m in deltas), "the vision tower's adapters were not exported"
     for k, w in base.items():  # every base weight unchanged by training: merged = base (+ the trained delta)
-        m = k[:-len(".weight")]
-        want = w + SCALE * (adapters[f"base_model.model.{m}.lora_B.weight"] @
-                            adapters[f"base_model.model.{m}.lora_A.weight"]) if m in adapted else w
+        want = w + deltas[k] if k in deltas else w
         assert torch.allclose(merged[k], want, rtol=4 * EPS, atol=4 * EPS * float(want.abs().max())), k
 
     same = [r["loss"] for r in read_metrics(tmp_path / "same")]

@@ -20,6 +20,7 @@ import sys
 
 import pytest
 import torch
+from _hf_tiny import unit_gain_
 
 TOL = 1e-4
 IMAGE_ID, AUDIO_ID = 20, 21
@@ -40,14 +41,7 @@ def _release(directory, audio: bool, **config) -> None:
     from tessera.scripts.tiny_release import DENSE_TEXT, TEXT, omni_checkpoint
 
     model = omni_checkpoint(directory, audio=audio, text=TEXT if audio else DENSE_TEXT, **config)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:  # unit gain instead of std 0.02
-                p.normal_(0.0, p[0].numel() ** -0.5 if p.shape[0] > 1 else 0.5)
-            elif p.numel() > 1 and bool((p == p.flatten()[0]).all()):
-                p.add_(0.2 * torch.randn_like(p))
-    model.save_pretrained(str(directory))
+    unit_gain_(model).save_pretrained(str(directory))
 
 
 @pytest.fixture(scope="module")

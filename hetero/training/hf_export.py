@@ -23,9 +23,11 @@ The model is rebuilt with every module on one rank and dist_checkpointing reshar
   OUT/language_model/        config.json + model.safetensors: transformers' NemotronHForCausalLM loads it
 A LoRA run (model.lora.rank > 0, hetero/training/lora.py) exports, per model.lora.export:
   merged     the files above with every adapted weight W + (alpha/r) B A (a plain model: no adapters needed)
-  adapters   OUT/adapters/adapter_model.safetensors + adapter_config.json only: PEFT's key names
-             (base_model.model.<HF module>.lora_A.weight [r, in], .lora_B.weight [out, r]); a fused
-             megatron linear_qkv becomes q/k/v_proj sharing its A, each with its rows of B
+  adapters   OUT/adapters/adapter_model.safetensors + adapter_config.json only: PEFT's files
+             (base_model.model.<module>.lora_A.weight [r, in], .lora_B.weight [out, r]) naming the modules of
+             the model transformers builds from OUT, so PeftModel.from_pretrained applies them
+             (hetero/training/peft_export.py); a fused megatron linear_qkv becomes q/k/v_proj sharing its A,
+             each with its rows of B
   both       (default) both of the above
 The training loop runs this module in its own process after the last step (`trainer.export_hf`);
 scripts/convert_hf.py is the user's command around it.
@@ -167,82 +169,30 @@ def _write_generation_config(out: Path, hf_fields: dict, tokenizer: str | None) 
                      pad_token_id=llm.pad_token_id).save_pretrained(str(out))
 
 
-def _write_release_config(out: Path, full: dict, model_cfg, hf_fields: dict) -> None:
-    """OUT/config.json of transformers' NemotronH_Omni_Reasoning_V3 for a model built from registry names,
-    when that architecture computes it alike (models/release_config.py); else a line saying why there is none."""
-    from transformers import NemotronH_Omni_Reasoning_V3_Config
-
+def release_config(model_cfg, hf_fields: dict, shapes: dict) -> tuple[dict | None, str]:
+    """(NemotronH_Omni_Reasoning_V3_Config kwargs, "") of a model built from registry names whose exported tensors
+    have `shapes`, or (None, why that architecture does not compute it alike): models/release_config.py."""
     from tessera.hetero.training.run_modules import encoder_names
     from tessera.models.encoders import encoder_config
     from tessera.models.release_config import omni_config
 
     names = encoder_names(model_cfg)
     cfgs = {k: encoder_config(names[k]) if k in names else None for k in ENCODER_KEYS}
-    config, why = omni_config(cfgs[VISION], cfgs[AUDIO], hf_fields, {k: tuple(v.shape) for k, v in full.items()},
-                              getattr(model_cfg, "video_pruning", 0.0) or 0.0)
+    return omni_config(cfgs[VISION], cfgs[AUDIO], hf_fields, shapes, getattr(model_cfg, "video_pruning", 0.0) or 0.0)
+
+
+def _write_release_config(out: Path, full: dict, model_cfg, hf_fields: dict) -> None:
+    """OUT/config.json of transformers' NemotronH_Omni_Reasoning_V3 for a model built from registry names,
+    when that architecture computes it alike; else a line saying why there is none."""
+    from transformers import NemotronH_Omni_Reasoning_V3_Config
+
+    config, why = release_config(model_cfg, hf_fields, {k: tuple(v.shape) for k, v in full.items()})
     (out / "config.json").unlink(missing_ok=True)
     if config is None:
         print(f"export: no config.json for transformers' NemotronH_Omni_Reasoning_V3 ({why}); tessera.json "
               f"describes the model", flush=True)
         return
     NemotronH_Omni_Reasoning_V3_Config(**config).save_pretrained(str(out))
-
-
-def _hf_module(key: str, name: str) -> list[str]:
-    """HF module name(s) of an adapted layer of the one-rank model (TP1, PP1); several for fused qkv."""
-    from tessera.models.multimodal_hf import PROJECTOR_ROOT
-    from tessera.models.nemotron_h_hf import HF
-
-    if key != "language":
-        return [PROJECTOR_ROOT[key] + name[len("projector."):]]
-    i, rest = name.split(".", 2)[1:]
-    mixer = f"language_model.{HF.format(int(i))}mixer."
-    rest = rest.replace("self_attention.", "").replace("mlp.", "")
-    fused = {"linear_qkv": ["q_proj", "k_proj", "v_proj"], "linear_proj": ["o_proj"],
-             "shared_experts.linear_fc1": ["shared_experts.up_proj"],
-             "shared_experts.linear_fc2": ["shared_experts.down_proj"],
-             "linear_fc1": ["up_proj"], "linear_fc2": ["down_proj"]}
-    rest = rest.replace("mixer.", "")
-    if rest.startswith("experts.local_experts."):  # a routed expert (one rank: local id = global id)
-        _, _, j, linear = rest.split(".")
-        return [f"{mixer}experts.{j}.{fused[linear][0]}"]
-    return [mixer + n for n in fused.get(rest, [rest])]
-
-
-def peft_adapters(modules) -> dict:
-    """PEFT-style tensors of every adapter of the one-rank model (base_model.model.<module>.lora_A/B.weight)."""
-    from tessera.hetero.training.lora import adapted_layers
-    from tessera.models.nemotron_h_hf import _qkv_unfuse
-
-    out = {}
-    for key, module in modules.items():
-        for name, layer in adapted_layers(module):
-            a, b = layer.adapter.lora_A.detach().float(), layer.adapter.lora_B.detach().float()
-            if key == "vision" and name.startswith("encoder.vit."):  # a ViT layer (target `vision`)
-                from tessera.models.multimodal_hf import vision_adapter_targets
-
-                hf, bs = zip(*vision_adapter_targets(name[len("encoder.vit."):], b, module.cfg))
-            else:
-                hf = _hf_module(key, name)
-                bs = _qkv_unfuse(b, module.config) if len(hf) == 3 else (b,)
-            for n, part in zip(hf, bs):
-                out[f"base_model.model.{n}.lora_A.weight"] = a.clone()
-                out[f"base_model.model.{n}.lora_B.weight"] = part.contiguous().clone()
-    return out
-
-
-def write_adapters(out: Path, tensors: dict, lora) -> Path:
-    """OUT/adapters/: adapter_model.safetensors + adapter_config.json (rank, alpha, targets)."""
-    from safetensors.torch import save_file
-
-    path = out / "adapters"
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
-    modules = sorted({k[len("base_model.model."):-len(".lora_A.weight")] for k in tensors if k.endswith("lora_A.weight")})
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
-        "bias": "none", "target_modules": modules, "tessera_targets": list(lora.targets)}, indent=2))
-    return path
 
 
 def trained_tokenizer(saved: dict) -> str | None:
@@ -258,8 +208,10 @@ def trained_tokenizer(saved: dict) -> str | None:
     return path if Path(path).is_file() else None
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_size: int | str = MAX_SHARD_SIZE) -> Path:
-    """A Tessera checkpoint (any layout) -> HF layout files in `out`."""
+def load_trained(checkpoint: str | Path) -> tuple[dict, dict, SimpleNamespace, dict, dict]:
+    """(modules, their groups, model config, LLM HF fields, saved run config) of a Tessera checkpoint (any layout;
+    a run's checkpoints folder: its latest) on this one rank, LoRA adapters loaded and not merged: the model the
+    run trained, as the export reads it."""
     from megatron.core import dist_checkpointing
 
     from tessera.hetero.training.checkpoint import latest_checkpoint, load_checkpoint
@@ -278,6 +230,12 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_size: i
     if lora is not None:  # the adapters must exist to be loaded (their initial values do not matter)
         apply_lora(modules, groups, model_cfg, seed=0)
     load_checkpoint(path, modules, None, groups, configs)
+    return modules, groups, model_cfg, hf_fields, saved
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_size: int | str = MAX_SHARD_SIZE) -> Path:
+    """A Tessera checkpoint (any layout) -> HF layout files in `out`."""
+    modules, _, model_cfg, hf_fields, saved = load_trained(checkpoint)
     return export_modules(modules, Path(out), model_cfg, hf_fields, trained_tokenizer(saved), max_shard_size)
 
 
@@ -285,12 +243,13 @@ def export_modules(modules, out: Path, model_cfg, hf_fields: dict, tokenizer: st
                    max_shard_size: int | str = MAX_SHARD_SIZE) -> Path:
     """Write the one-rank model's modules in HF layout (LoRA: adapters and/or merged, model.lora.export)."""
     from tessera.hetero.training.lora import lora_settings, merge_lora
+    from tessera.hetero.training.peft_export import adapter_model, peft_adapters, write_adapters
     from tessera.models.multimodal import MultimodalModel
     from tessera.models.multimodal_hf import export_hf
 
     lora = lora_settings(model_cfg)
     if lora is not None and lora.export in ("adapters", "both"):
-        write_adapters(out, peft_adapters(modules), lora)
+        write_adapters(out, peft_adapters(modules), lora, adapter_model(model_cfg, hf_fields))
     if lora is not None and lora.export == "adapters":
         return out
     if lora is not None:
