@@ -1,0 +1,111 @@
+"""How unevenly row ownership spreads encoder work over DP ranks, and what balancing by cost gives (issue 35).
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_balance.py              # the table, ~20 s, pure
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_balance.py --microbatches 50
+
+Microbatches are drawn from two media mixes and packed into rows by LLM tokens, as the loader packs them (each
+sample its text and its media's placeholder tokens, first fit into rows of --seq tokens). Per encoder and DP size
+the table gives max/mean of the per-rank encoder cost (the mean over microbatches, and the worst microbatch):
+  row-owned  each DP rank encodes the items of its rows (hetero/plan/resolved_run.dp_rows: what Tessera does today)
+  balanced   hetero/plan/encoder_balance.balanced_assignment over the microbatch's items (largest first)
+Cost of an item = its forward FLOPs, hetero/planner/flops.media_item_flops (the planner's and the trainer's count)
+for the full-size encoders: RADIO ViT-H (512-px tiles + thumbnail; at native resolution one grid of all the
+image's patches) and the Parakeet FastConformer.
+Mixes (per sample; the text 64-512 tokens):
+  camera  photos as a phone takes them, 4:3 / 16:9 / 3:4 from 1 to 12 tiles (+ thumbnail), a few document scans
+  mixed   40% photos, 15% 12-tile document scans, 20% video clips (8-32 frames), 25% audio clips (5-120 s)
+The verdict column is issue 35's target: balanced max/mean <= 1.10 where row ownership gives >= 1.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+from tessera.data.pipeline import encoder_tokens
+from tessera.hetero.plan.encoder_balance import balanced_assignment, imbalance, rank_loads, row_owned_assignment
+from tessera.hetero.planner.flops import media_item_flops
+from tessera.hetero.planner.model import describe_model
+
+VISION, AUDIO = "radio_vit_h", "fastconformer_parakeet_0_6b"
+
+
+def _photo(rng: random.Random, native: bool):
+    """(kind, units) of a photo: tiles (tiled family) or a (rows, cols) patch grid (native resolution)."""
+    tiles = rng.choice([1, 1, 2, 2, 3, 4, 4, 6, 8, 12])
+    if not native:
+        return "image", tiles + (tiles > 1)  # + thumbnail
+    side = round((tiles * 32 * 32) ** 0.5 / 2) * 2
+    return "image", (side, side)
+
+
+def _sample(rng: random.Random, mix: str, native: bool) -> list[tuple[str, object]]:
+    if mix == "camera":
+        return [_photo(rng, native)] if rng.random() > 0.05 else [("image", 13 if not native else (64, 96))]
+    r = rng.random()
+    if r < 0.40:
+        return [_photo(rng, native)]
+    if r < 0.55:
+        return [("image", 13 if not native else (64, 96))]
+    if r < 0.75:
+        return [("video", rng.choice([8, 16, 32]))]
+    return [("audio", int(rng.uniform(5, 120) * 16_000))]
+
+
+def microbatch(rng: random.Random, mix: str, rows: int, seq: int, tok, native: bool) -> list[tuple[int, str, object]]:
+    """(row, kind, units) of every media item of one microbatch of `rows` rows, first-fit packed by LLM tokens."""
+    fill, items = [0] * rows, []
+    while True:
+        media = _sample(rng, mix, native)
+        need = rng.randint(64, 512) + sum(tok.tokens(k, u) for k, u in media)
+        row = next((r for r in range(rows) if fill[r] + need <= seq), None)
+        if row is None:
+            return items
+        fill[row] += need
+        items += [(row, k, u) for k, u in media]
+
+
+def table(microbatches: int, seq: int, seed: int = 0) -> list[tuple]:
+    desc = describe_model("nemotron_nano_12b_v2", VISION, AUDIO)
+    out = []
+    for mix, native in (("camera", False), ("camera", True), ("mixed", False)):
+        tok = encoder_tokens({"vision": VISION, "audio": AUDIO}, max_tiles=12, video_frames=32,
+                             native_resolution=native)
+        for dp in (2, 4, 8, 16, 32, 64):
+            rows = 2 * dp
+            rng = random.Random(seed)
+            batches = [microbatch(rng, mix, rows, seq, tok, native) for _ in range(microbatches)]
+            for key in ("vision", "audio") if mix == "mixed" else ("vision",):
+                kinds = ("image", "video") if key == "vision" else ("audio",)
+                owned, balanced = [], []
+                for items in batches:
+                    mine = [(r, k, u) for r, k, u in items if k in kinds]
+                    costs = [media_item_flops(desc[key], tok, k, u) for _, k, u in mine]
+                    if not costs:
+                        continue
+                    owned.append(imbalance(rank_loads(costs, row_owned_assignment([r for r, _, _ in mine], rows, dp),
+                                                      dp)))
+                    balanced.append(imbalance(rank_loads(costs, balanced_assignment(costs, dp), dp)))
+                o, b = statistics.mean(owned), statistics.mean(balanced)
+                verdict = "meets" if o < 1.5 or b <= 1.10 else "misses"
+                out.append((f"{mix}{' native' if native else ''}", key, dp, rows, f"{o:.2f} (worst {max(owned):.2f})",
+                            f"{b:.2f} (worst {max(balanced):.2f})", verdict))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--microbatches", type=int, default=30)
+    ap.add_argument("--seq", type=int, default=16384, help="tokens per packed row")
+    a = ap.parse_args(argv)
+    rows = table(a.microbatches, a.seq)
+    print(f"encoder cost max/mean over DP ranks, {a.microbatches} microbatches of 2 x DP rows of {a.seq} tokens\n")
+    print("| mix | encoder | DP | rows | row-owned max/mean | balanced max/mean | target |\n|---|---|---:|---:|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(str(c) for c in r) + " |")
+    return 0 if all(r[-1] == "meets" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""The cost-balanced assignment of media items to encoder DP ranks (hetero/plan/encoder_balance.py, issue 35),
+where it lives: against a brute-force optimum, its bounds, the memory cap and its errors, in milliseconds.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_encoder_balance.py -q
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from tessera.hetero.plan.encoder_balance import (ItemTooLarge, balanced_assignment, imbalance, rank_loads,
+                                                 row_owned_assignment)
+
+
+def _optimum(costs: list[float], ranks: int) -> float:
+    """The smallest possible largest load, by trying every assignment (small cases only)."""
+    return min(max(rank_loads(costs, owner, ranks)) for owner in itertools.product(range(ranks), repeat=len(costs)))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_within_grahams_bound_of_the_optimum_and_one_item_of_the_mean(seed):
+    rng = random.Random(seed)
+    ranks, n = rng.choice([2, 3]), rng.randint(1, 8)
+    costs = [rng.choice([1.0, 1.0, 2.0, 3.5, 12.0, 40.0]) * rng.uniform(0.5, 1.5) for _ in range(n)]
+    owner = balanced_assignment(costs, ranks)
+    assert len(owner) == n and set(owner) <= set(range(ranks))  # every item on exactly one rank
+    loads = rank_loads(costs, owner, ranks)
+    assert sum(loads) == pytest.approx(sum(costs))
+    assert max(loads) <= (4 / 3 - 1 / (3 * ranks)) * _optimum(costs, ranks) + 1e-9  # Graham 1969
+    assert max(loads) <= sum(costs) / ranks + max(costs) * (1 - 1 / ranks) + 1e-9
+    assert balanced_assignment(costs, ranks) == owner  # deterministic: every rank computes the same
+
+
+def test_largest_first_to_the_least_loaded_lowest_rank():
+    # by cost 5 (item 2), 4 (5), 3 (0), 3 (4), 2 (3), 1 (1) over 2 ranks, each to the least loaded:
+    # 5 -> 0; 4 -> 1; 3 -> 1 (4 < 5); 3 -> 0 (5 < 7); 2 -> 1 (7 < 8); 1 -> 0 (8 < 9): 9 and 9
+    costs = [3.0, 1.0, 5.0, 2.0, 3.0, 4.0]
+    assert balanced_assignment(costs, 2) == [1, 0, 0, 1, 0, 1]
+    assert rank_loads(costs, [1, 0, 0, 1, 0, 1], 2) == [9.0, 9.0]
+    assert balanced_assignment([1.0, 1.0], 2) == [0, 1]  # ties: the lower index first, to the lower rank
+
+
+def test_row_ownership_vs_balance_on_a_skewed_microbatch():
+    """8 rows over 4 ranks: row 0 holds a 12-tile scan (cost 13), the others one photo each (cost 1). Row
+    ownership gives rank 0 rows 0-1 (14 of 20): max/mean 2.8; by cost the scan is alone on a rank, max/mean
+    13/5 = 2.6 (no split of the scan possible: its tiles are one item here), and with the scan cut into its
+    13 tiles (items the encoder treats independently) 1.0."""
+    costs, rows = [13.0] + [1.0] * 7, list(range(8))
+    owned = row_owned_assignment(rows, 8, 4)
+    assert owned == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert imbalance(rank_loads(costs, owned, 4)) == pytest.approx(14 / 5)
+    assert imbalance(rank_loads(costs, balanced_assignment(costs, 4), 4)) == pytest.approx(13 / 5)
+    tiles = [1.0] * 20
+    assert imbalance(rank_loads(tiles, balanced_assignment(tiles, 4), 4)) == 1.0
+
+
+def test_memory_cap_is_respected_and_named_when_it_cannot_be():
+    costs, memory = [8.0, 7.0, 1.0, 1.0, 1.0], [6.0, 1.0, 1.0, 1.0, 1.0]
+    owner = balanced_assignment(costs, 2, memory, cap=7.0)
+    used = rank_loads(memory, owner, 2)
+    assert max(used) <= 7.0 and owner[0] != owner[1]
+    with pytest.raises(ItemTooLarge, match=r"media item 0 needs .* more than a rank's cap"):
+        balanced_assignment(costs, 2, [8.0, 1, 1, 1, 1], cap=7.0)
+    with pytest.raises(ItemTooLarge, match=r"fits on no rank"):
+        balanced_assignment([1.0] * 5, 2, [3.0] * 5, cap=7.0)
+
+
+def test_fewer_items_than_ranks_leaves_ranks_idle():
+    owner = balanced_assignment([5.0, 1.0], 4)
+    assert owner == [0, 1] and rank_loads([5.0, 1.0], owner, 4) == [5.0, 1.0, 0.0, 0.0]
+    assert balanced_assignment([], 4) == []
+    with pytest.raises(ValueError, match="at least one DP rank"):
+        balanced_assignment([1.0], 0)
+
+
+def test_bench_balance_table_on_the_full_size_encoders():
+    """scripts/bench_balance.py's table (2 microbatches a row, deterministic): every balanced max/mean is at most
+    row ownership's, and at DP 64 the audio encoder, row-owned, idles most of its ranks."""
+    from tessera.scripts.bench_balance import table
+
+    rows = table(2, 16384)
+    assert len(rows) == 24
+    for mix, key, dp, _, owned, balanced, _ in rows:
+        o, b = float(owned.split()[0]), float(balanced.split()[0])
+        assert 1.0 <= b <= o + 1e-9, (mix, key, dp, owned, balanced)
+    audio64 = next(r for r in rows if r[1] == "audio" and r[2] == 64)
+    assert float(audio64[4].split()[0]) > 2.0 and float(audio64[5].split()[0]) < 1.1, audio64
