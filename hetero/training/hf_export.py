@@ -41,7 +41,6 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from tessera.hetero.plan.layout import AUDIO, ENCODER_KEYS, VISION
 
 MAX_SHARD_SIZE = "5GB"  # huggingface_hub's default shard size (save_pretrained's), as the releases are cut
 
@@ -169,22 +168,12 @@ def _write_generation_config(out: Path, hf_fields: dict, tokenizer: str | None) 
                      pad_token_id=llm.pad_token_id).save_pretrained(str(out))
 
 
-def release_config(model_cfg, hf_fields: dict, shapes: dict) -> tuple[dict | None, str]:
-    """(NemotronH_Omni_Reasoning_V3_Config kwargs, "") of a model built from registry names whose exported tensors
-    have `shapes`, or (None, why that architecture does not compute it alike): models/release_config.py."""
-    from tessera.hetero.training.run_modules import encoder_names
-    from tessera.models.encoders import encoder_config
-    from tessera.models.release_config import omni_config
-
-    names = encoder_names(model_cfg)
-    cfgs = {k: encoder_config(names[k]) if k in names else None for k in ENCODER_KEYS}
-    return omni_config(cfgs[VISION], cfgs[AUDIO], hf_fields, shapes, getattr(model_cfg, "video_pruning", 0.0) or 0.0)
-
-
 def _write_release_config(out: Path, full: dict, model_cfg, hf_fields: dict) -> None:
     """OUT/config.json of transformers' NemotronH_Omni_Reasoning_V3 for a model built from registry names,
     when that architecture computes it alike; else a line saying why there is none."""
     from transformers import NemotronH_Omni_Reasoning_V3_Config
+
+    from tessera.hetero.training.run_modules import release_config
 
     config, why = release_config(model_cfg, hf_fields, {k: tuple(v.shape) for k, v in full.items()})
     (out / "config.json").unlink(missing_ok=True)

@@ -91,7 +91,7 @@ def peft_adapters(modules) -> dict:
 
 def adapter_model(model_cfg, hf_fields: dict) -> str | None:
     """Which transformers model the adapter files name modules of: "omni", "llm" or None (module docstring)."""
-    from tessera.hetero.training.hf_export import release_config
+    from tessera.hetero.training.run_modules import release_config
     from tessera.hetero.training.model_build import hf_shapes
     from tessera.hetero.training.run_modules import encoder_names
     from tessera.models import released

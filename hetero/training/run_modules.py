@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tessera.hetero.plan.layout import ENCODER_KEYS, LANGUAGE
+from tessera.hetero.plan.layout import AUDIO, ENCODER_KEYS, LANGUAGE, VISION
 from tessera.hetero.plan.resolved_run import ResolvedRun, RunModel, resolve_run
 from tessera.models import configs, encoders, released
 
@@ -119,3 +119,13 @@ def resolve_config(cfg, world: int, llm_fields: dict | None = None, propose=None
 def encoder_names(model) -> dict[str, str]:
     """module key -> encoder registry name, for the encoders this model has (validated)."""
     return {k: s.name for k, s in module_specs(model).items() if k != LANGUAGE}
+
+
+def release_config(model_cfg, hf_fields: dict, shapes: dict) -> tuple[dict | None, str]:
+    """(NemotronH_Omni_Reasoning_V3_Config kwargs, "") of a model built from registry names whose exported tensors
+    have `shapes`, or (None, why that architecture does not compute it alike): models/release_config.py."""
+    from tessera.models.release_config import omni_config
+
+    names = encoder_names(model_cfg)
+    cfgs = {k: encoders.encoder_config(names[k]) if k in names else None for k in ENCODER_KEYS}
+    return omni_config(cfgs[VISION], cfgs[AUDIO], hf_fields, shapes, getattr(model_cfg, "video_pruning", 0.0) or 0.0)
