@@ -180,36 +180,19 @@ def _tessera_loss(hf_dir: str, batch) -> tuple[float, torch.Tensor]:
     """(step loss, per-token losses [N, S]): the trainer's modules built and loaded from DIR on one rank, one
     forward-only hetero_step with the trainer's LanguageStage (its loss: the per-token losses summed over the
     step's target tokens and divided by their count, hetero/training/stages.py)."""
-    from pathlib import Path
-    from types import SimpleNamespace
-
     from _mcore_cpu import single_rank_world
 
     from tessera.data.packing import IGNORE
     from tessera.hetero.plan.layout import LANGUAGE
-    from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
+    from tessera.hetero.runtime.groups import destroy_module_groups
     from tessera.hetero.runtime.step_executor import hetero_step
-    from tessera.hetero.tools.parity_multimodal import _eval_but_batchnorm, model_config
-    from tessera.hetero.training.loop import RunState
-    from tessera.hetero.training.model_build import build_rank_modules, load_full_state, module_configs
-    from tessera.hetero.training.run_modules import checkpoint_llm_fields, resolve_config
+    from tessera.hetero.tools.parity_multimodal import release_run
     from tessera.hetero.training.stages import LanguageStage, MediaEncoderStage
     from tessera.hetero.training.step_parts import boundary_batches, step_context, tubelet_settle
-    from tessera.models.nemotron_h_hf import LazyCheckpoint
 
     single_rank_world()
-    model, fields, device = model_config(hf_dir), checkpoint_llm_fields(hf_dir), torch.device("cpu")
-    cfg = SimpleNamespace(layout="", model=model, data=SimpleNamespace(
-        seq_length=batch.seq_length, rows_per_microbatch=len(batch.keys), microbatches=1))
-    run = RunState(cfg, resolve_config(cfg, 1, fields), Path("."), 0, 1, device, torch.float32, hf_fields=fields)
-    layout = run.layout
-    run.groups = build_module_groups(layout)
-    run.configs = module_configs(layout, fields)
-    run.modules = build_rank_modules(model, layout, run.groups, run.configs)
-    load_full_state(run.modules, LazyCheckpoint(hf_dir), run.groups)
-    for m in run.modules.values():
-        m.to(dtype=torch.float32)
-        _eval_but_batchnorm(m)  # dropout off, BatchNorm with each clip's own statistics (a training step's)
+    run = release_run(hf_dir, "", len(batch.keys), batch.seq_length)  # as compare_multimodal builds it
+    layout, device = run.layout, run.device
     comms, like, _ = step_context(run)
     assert tubelet_settle(run) is None  # no EVS: nothing settles at the boundary
     enc = {k: MediaEncoderStage(run.modules[k], k, layout[k], run.groups[k].coord, [batch], device,

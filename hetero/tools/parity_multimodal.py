@@ -194,6 +194,31 @@ def _eval_but_batchnorm(module: torch.nn.Module) -> None:
             m.train()  # a clip normalised with its own statistics, as in a training step (module docstring)
 
 
+def release_run(hf_dir: str, layout: str, rows: int, seq: int, perturb: dict[str, float] | None = None) -> RunState:
+    """This rank's modules of the release at hf_dir in `layout` over one microbatch of `rows` rows of `seq` tokens,
+    built and loaded as a fine-tuning run from DIR builds and loads them (hetero/training/loop._build_model), in
+    fp32, in eval mode but for BatchNorm (each clip's own statistics, as in a training step); `perturb` scales
+    loaded weights by name (a break the comparison must see)."""
+    rank, world, device = dist.get_rank(), dist.get_world_size(), current_device()
+    model_cfg, hf_fields = model_config(hf_dir), checkpoint_llm_fields(hf_dir)
+    cfg = SimpleNamespace(layout=layout, model=model_cfg,
+                          data=SimpleNamespace(seq_length=seq, rows_per_microbatch=rows, microbatches=1))
+    resolved = resolve_config(cfg, world, hf_fields)
+    if (resolved.rows_per_microbatch, resolved.microbatches) != (rows, 1):
+        raise ValueError(f"layout {resolved.layout}: its DP sizes do not divide the {rows} sample rows")
+    run = RunState(cfg, resolved, Path("."), rank, world, device, torch.float32, hf_fields=hf_fields)
+    run.groups = build_module_groups(resolved.layout)
+    run.configs = module_configs(resolved.layout, hf_fields)
+    run.modules = build_rank_modules(model_cfg, resolved.layout, run.groups, run.configs)
+    full = LazyCheckpoint(hf_dir)
+    check_checkpoint_tensors(hf_dir, full, model_cfg, hf_fields)
+    load_full_state(run.modules, _Scaled(full, perturb) if perturb else full, run.groups)
+    for m in run.modules.values():
+        m.to(device=device, dtype=torch.float32)
+        _eval_but_batchnorm(m)
+    return run
+
+
 def compare_multimodal(hf_dir: str, layout: str = "", perturb: dict[str, float] | None = None,
                        seed: int = OMNI_SEED) -> dict:
     """Run the samples through Tessera in `layout` on this world and compare with transformers; collective
@@ -201,30 +226,10 @@ def compare_multimodal(hf_dir: str, layout: str = "", perturb: dict[str, float] 
 (compared: logits compared, every real-vocabulary logit of every sample); raises unless
     exactly every real logit of every sample was compared (so 0.0 never stands for "nothing compared")."""
     hf_dir = str(Path(hf_dir).expanduser().resolve())
-    rank, world, device = dist.get_rank(), dist.get_world_size(), current_device()
     samples = omni_samples(hf_dir, seed, _video_temporal(hf_dir))
     seq = seq_length_for(samples)
-    model_cfg = model_config(hf_dir)
-    hf_fields = checkpoint_llm_fields(hf_dir)
-    cfg = SimpleNamespace(layout=layout, model=model_cfg,
-                          data=SimpleNamespace(seq_length=seq, rows_per_microbatch=len(samples), microbatches=1))
-    resolved = resolve_config(cfg, world, hf_fields)
-    hetero = resolved.layout
-    if (resolved.rows_per_microbatch, resolved.microbatches) != (len(samples), 1):
-        raise ValueError(f"layout {hetero}: its DP sizes do not divide the {len(samples)} sample rows")
-
-    # this rank's modules, as a fine-tuning run from DIR builds and loads them (hetero/training/loop._build_model)
-    run = RunState(cfg, resolved, Path("."), rank, world, device, torch.float32, hf_fields=hf_fields)
-    run.groups = build_module_groups(hetero)
-    run.configs = module_configs(hetero, hf_fields)
-    run.modules = build_rank_modules(model_cfg, hetero, run.groups, run.configs)
-    full = LazyCheckpoint(hf_dir)
-    check_checkpoint_tensors(hf_dir, full, model_cfg, hf_fields)
-    load_full_state(run.modules, _Scaled(full, perturb) if perturb else full, run.groups)
-    for m in run.modules.values():
-        m.to(device=device, dtype=torch.float32)
-        _eval_but_batchnorm(m)
-
+    run = release_run(hf_dir, layout, len(samples), seq, perturb)
+    hetero, device, rank, world, hf_fields = run.layout, run.device, run.rank, run.world, run.hf_fields
     batch = packed_batch(samples, seq)
     comms, like, _ = step_context(run)
     settle = tubelet_settle(run)  # EVS: the video's tubelet chunks settle at the boundary, as in training
