@@ -170,21 +170,23 @@ it: `homogeneous` is now only Megatron's baseline, and colocated encoders at pp 
 (one microbatch of encoder activations alive, as Megatron) instead of keeping every microbatch's until the
 LLM is done. That memory is why the last study found no colocated layout that fits on 8 GPUs.
 
-* **Colocated, best vs best: +0.9% to +19.3%**, and every gain is `vision=(tp2,)cp2,...`: the ViT with context
-  parallelism next to an LLM at tp2/tp4. +2.2% to +3.2% at 64-1024 GPUs; on 8 GPUs at 32K rows +14.9% (VL) and
-  +19.3% (video), where the best homogeneous layout pipelines the LLM (`tp4,pp2`): `vision=tp2,cp2,dp2;
-  language=tp4,dp2` fits, its homogeneous twin (the ViT at tp4, dp2) needs 72-75 GiB of the 71.6 usable. The VL family trains all of these. The video recipe prunes video
-  tokens (EVS ranks a whole clip), which vision CP cannot split, so its best trainable colocated layout is the
-  homogeneous shape itself (-0.0% to -0.3%: Tessera's per-microbatch colocated step vs Megatron's, the same
-  work) and -8.8% on 8 GPUs at 32K.
-* **128K rows**: no homogeneous layout fits (at tp8,cp16 the ViT replicated over the 16 CP ranks: 80.1 GiB), but the
-  same string trained by Tessera, the ViT split over the LLM's cp16 (`vision=tp8,cp16,...;language=tp8,cp16,...`),
-  fits at 512-1024 GPUs (58.0 GiB) and the VL recipe trains it: the first context length where heterogeneity is
-  what makes a layout exist at all. The video recipe's EVS keeps vision at cp1, so it has no layout at 128K.
-* **Paper-style (same LLM layout): at most +3.2%** where a same-LLM homogeneous layout fits, against the paper's
-  +49.3% TFLOPS/GPU. The earlier study found +24% to +61% at 32K-128K against a homogeneous layout with the LLM's
-  CP; with the memory model counting the CP attention's score blocks those CP layouts do not fit 80 GB.
-* **Non-colocated loses (-11% to -38%)**, against the paper's +13.0% tokens/s and Megatron-Bridge's Qwen3.5-VL
+* **Colocated, best vs best: +2.6% to +19.3%** for VL and video, every gain with the ViT at cp2 next to the LLM.
+  At 8K rows +2.6-3.2% (on 8 GPUs `tp4,cp2,dp1` for both modules); at 32K rows +7.6% (VL) and +8.0% (video) on
+  64-1024 GPUs, now with the LLM at cp2 as well (`vision=tp2,cp2,...;language=tp2,cp2,...`: the head-parallel CP
+  kernels make LLM CP cheap), and on 8 GPUs +14.9% (VL) and +19.3% (video), where the best homogeneous layout
+  pipelines the LLM and `vision=tp2,cp2,dp2;language=tp4,dp2` fits. The VL family trains all of these. The video
+  recipe prunes video tokens (EVS ranks a whole clip), which vision CP cannot split, so its best trainable
+  colocated layouts keep vision at cp1: -0.3% at 8K (the homogeneous shape itself), +4.6% at 32K on 64-1024 GPUs
+  (`vision=tp4,...;language=tp2,cp2,...`), +1.4% on 8 GPUs at 32K.
+* **128K rows**: no homogeneous layout fits, but Tessera's layouts do: the VL recipe trains a mixed layout on 64
+  GPUs (`vision=tp8,cp2,dp2@0-31;language=cp8,pp2,dp2@32-63`) and a colocated one on 512-1024
+  (`vision=tp8,cp2,...;language=tp2,cp4,pp2,...`); the video recipe, whose EVS keeps vision at cp1, trains only
+  with the ViT on GPUs of its own (`vision=tp8,dp32@0-255;language=tp2,cp4,dp32@256-511` on 512). At this context
+  heterogeneity is what makes a layout exist at all.
+* **Paper-style (same LLM layout): up to +14.7%** (omni, 64 GPUs, 32K), +9.5-12.9% for VL and video where the
+  LLM runs CP or on 8 GPUs, +2.8-3.2% elsewhere, against the paper's +49.3% TFLOPS/GPU: Megatron's baseline
+  replicates the encoders over the LLM's CP ranks, which Tessera's colocated layouts split instead.
+* **Non-colocated loses (-9% to -38%)**, against the paper's +13.0% tokens/s and Megatron-Bridge's Qwen3.5-VL
   result (+23-45% tokens/s/GPU with the ViT on GPUs of its own). With one pipeline across modules the slower
   side sets the pace and the other idles (the `idle` column of `nemo tessera plan`); disjoint blocks come in
   coarse sizes and make DP sizes non-powers of two. The model gives disjoint placement no efficiency of its
@@ -192,16 +194,16 @@ LLM is done. That memory is why the last study found no colocated layout that fi
   bandwidth contention and the encoder's smaller-batch kernels are not modelled. Those effects (and
   encoder-heavier batches: Qwen3.5-VL's ViT is a larger share of the step) are where measured non-colocated
   gains come from; calibration on GPU steps (scripts/calibrate_planner.py with a GPU preset) is how to find
-  which. On this CPU box the calibration now ranks 10 tiny layouts it did not see at Spearman 0.88
+  which. On this CPU box the calibration ranks 10 tiny layouts it did not see at Spearman 0.88
   (docs/planner_calibration.md), but there a step is software time per layer call and per message, not FLOPs
   or link bytes, so no CPU fit settles what GPUs gain from disjoint placement.
-* **Omni (30B-A3B MoE):** expert parallelism dominates its layout; colocated is within -3.1%..-0.7% of
-  homogeneous. At 32K rows the fitting homogeneous layouts give the audio encoder the LLM's tp2, which NeMo's
-  conformer does not have; on 64 GPUs the LLM's pp2 shape trains with both encoders split over the two stages
-  (`vision=pp2,...;audio=pp2,...;language=pp2,dp32,ep8`, priced now as the trainer runs it: +2.3% over the best
-  trainable homogeneous layout), and on 512 GPUs the audio encoder on 32 GPUs of its own is 62.5% faster than the
-  best trainable homogeneous layout: there heterogeneity is what makes the layout both fit and train fast. 8 GPUs
-  do not hold the model's optimizer states.
+* **Omni (30B-A3B MoE):** expert parallelism dominates its layout; at 8K colocated is within -2.7%..-1.0% of
+  homogeneous. At 32K rows the layout with every module at cp2 and the LLM at ep8 is best (+1.1% over the best
+  homogeneous on 64 GPUs) and trainable: +14.7% (64 GPUs) and +12.5% (512) over the best homogeneous layout the
+  trainer runs. 8 GPUs do not hold the model's optimizer states.
+* The encoder FLOPs are hetero/planner/flops.py's, the count the trainer logs and tests/test_flops.py checks
+  against torch's FlopCounterMode (the conformer's two half-FFNs and its relative-position terms counted in full,
+  a tubelet's patch embedding over all its frames).
 
 Assumptions behind every number: constant achieved-FLOPs fraction per module kind (defaults 0.50 LLM, 0.40
 ViT, 0.35 Conformer), no per-layer software overhead (layer_overhead_s = 0), 80% of link bandwidth, 10 us per message, distributed optimizer, DP communication
