@@ -35,7 +35,7 @@ from tessera.hetero.training.checkpoint import (KeepPolicy, finish_async_saves, 
 from tessera.hetero.training.loader_state import decode_loader_state, encode_loader_state
 from tessera.hetero.training.lora import apply_lora
 from tessera.hetero.training.metrics import RunMetrics, peak_memory_gib
-from tessera.hetero.training.run_modules import checkpoint_llm_fields, encoder_names, module_specs
+from tessera.hetero.training.run_modules import checkpoint_llm_fields, module_specs
 from tessera.hetero.training.model_build import (build_rank_modules, check_checkpoint_tensors,
                                                  llm_fields, load_full_state, module_configs)
 from tessera.hetero.training.lr_schedule import LRSchedule
@@ -43,7 +43,8 @@ from tessera.hetero.training.optim import ModuleOptimizers
 from tessera.hetero.training.preemption import StopSignals, signal_name
 from tessera.hetero.training.seeded_init import SeededState
 from tessera.hetero.training.tracking import make_tracker
-from tessera.hetero.training.step_parts import boundary_batches, rank_stages, step_context, tubelet_settle
+from tessera.hetero.training.step_parts import (boundary_batches, rank_stages, run_loader, step_context,
+                                                tubelet_settle)
 from tessera.hetero.training.validation import resolve_val_sets, validate
 
 
@@ -175,16 +176,7 @@ def _resume(run: RunState) -> None:
 
 
 def _build_loader(run: RunState):
-    from tessera.data.pipeline import build_train_loader
-
-    d = run.cfg.data
-    return build_train_loader(run.data_path, run.tok_path, encoder_names(run.cfg.model), d.seq_length,
-                              run.resolved.rows_per_microbatch, decode=run.resolved.decode_rows(run.rank),
-                              num_workers=d.num_workers, seed=d.seed, max_tiles=d.max_tiles,
-                              video_frames=d.video_frames, video_pruning=run.cfg.model.video_pruning,
-                              state=run.loader_state, log_skips=run.rank == 0,
-                              # on GPUs, upscaling small media is left to the GPU (models/tiling.py)
-                              defer_upscale=run.device.type != "cpu")
+    return run_loader(run, run.data_path, state=run.loader_state)
 
 
 def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, hosts_loss: bool,

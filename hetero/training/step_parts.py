@@ -14,6 +14,22 @@ from tessera.hetero.training.run_modules import encoder_names
 from tessera.hetero.training.stages import LanguageStage, MediaEncoderStage, global_token_count
 
 
+def run_loader(run, path: str, state=None, num_workers: int | None = None, log_skips: bool | None = None):
+    """This rank's loader of `path` as the run reads it: the run's tokenizer, encoders, row split, decode plan
+    and media settings (data/pipeline.build_train_loader); the training stream and every validation set."""
+    from tessera.data.pipeline import build_train_loader
+
+    d = run.cfg.data
+    return build_train_loader(path, run.tok_path, encoder_names(run.cfg.model), d.seq_length,
+                              run.resolved.rows_per_microbatch, decode=run.resolved.decode_rows(run.rank),
+                              num_workers=d.num_workers if num_workers is None else num_workers, seed=d.seed,
+                              max_tiles=d.max_tiles, video_frames=d.video_frames,
+                              video_pruning=run.cfg.model.video_pruning, state=state,
+                              log_skips=run.rank == 0 if log_skips is None else log_skips,
+                              # on GPUs, upscaling small media is left to the GPU (models/tiling.py)
+                              defer_upscale=run.device.type != "cpu")
+
+
 def rank_stages(run, batches: list, settle: TubeletSettle | None = None) -> tuple[dict, object, int]:
     """(encoder stages, LLM stage or None, global target tokens) of this rank over a step's global microbatches;
     the LLM's loss is divided by the target tokens of all of them."""

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tessera.data.loader import close_loader
 from tessera.data.pipeline import SYNTHETIC_VAL_SET, synthetic_root
 from tessera.hetero.runtime.step_executor import hetero_step
-from tessera.hetero.training.step_parts import boundary_batches, rank_stages
+from tessera.hetero.training.step_parts import boundary_batches, rank_stages, run_loader
 
 
 def resolve_val_sets(spec: str | None, rank: int) -> dict[str, str]:
@@ -41,16 +41,8 @@ def resolve_val_sets(spec: str | None, rank: int) -> dict[str, str]:
 
 def _batches(run, path: str, count: int) -> list:
     """The set's first `count` global microbatches, from its start (a fresh loader with the data seed)."""
-    from tessera.data.pipeline import build_train_loader
-    from tessera.hetero.training.run_modules import encoder_names
-
-    d = run.cfg.data
-    loader = build_train_loader(path, run.tok_path, encoder_names(run.cfg.model), d.seq_length,
-                                run.resolved.rows_per_microbatch, decode=run.resolved.decode_rows(run.rank),
-                                num_workers=0, seed=d.seed, max_tiles=d.max_tiles, video_frames=d.video_frames,
-                                # the training stream's loader logs skip examples already
-                                video_pruning=run.cfg.model.video_pruning, log_skips=False,
-                                defer_upscale=run.device.type != "cpu")
+    # one process, from the start; the training stream's loader logs skip examples already
+    loader = run_loader(run, path, num_workers=0, log_skips=False)
     try:
         it = iter(loader)
         return [next(it) for _ in range(count)]
