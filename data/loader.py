@@ -11,8 +11,9 @@ Pipeline (energon runs every stage inside its worker processes and checkpoints a
   pack          first-fit-decreasing over a buffer of `packing_buffer` samples into rows of seq_length;
                 a row records positions and (kind, units, tokens) of every media item, and where its bytes are
   batch         N rows → PackedBatch (the global microbatch); only now, knowing each row's index in the
-                microbatch, the rank reads (energon's tar index) and decodes the media of the rows in its decode
-                plan, and nothing of the rest
+                microbatch, every rank assigns each encoder's items to the encoder's DP ranks by cost (from the
+                metadata alone: hetero/plan/encoder_balance.ItemAssignment, the same owners on every rank) and reads
+                (energon's tar index) and decodes the items it encodes, and nothing of the rest
 
 Why energon: it gives deterministic shuffling, blending (metadataset YAML with weights) and exact
 save/restore of every buffer (including the packing buffer) for free. Why rank 0 of world 1 on every rank:
@@ -21,8 +22,9 @@ cannot serve all modules; instead every rank reads, tokenizes and packs the same
 JSON members and the header facts in them, no media bytes, no pixels), so every rank has the full per-sample metadata the boundary plan needs
 and the same batch order without any communication. Reading media bytes and decoding them — the expensive part,
 and what would otherwise load the file system with ranks x global batch — is per rank:
-`decode` (data.sharding.decode_plan) names the rows each of the rank's encoder modules consumes, so across
-all ranks every media item of a module is decoded by exactly one DP rank (and its TP/CP/PP peers).
+`decode` names, per encoder module of the rank, its DP rank under the run's `assignment` (or, without one, the
+rows it consumes: data.sharding.decode_plan), so across all ranks every media item of a module is decoded by
+exactly one DP rank (and its TP/CP/PP peers).
 
 Decode failures after packing: a sample is already placed in a row on every rank, and dropping it on the
 one rank that decodes it would desynchronise the ranks. The preencode checks (header probe + truncation
@@ -108,10 +110,14 @@ class ChatTaskEncoder(TaskEncoder):
     cookers = [Cooker(cook_raw)]
 
     def __init__(self, tokenizer: str | Path | Tokenizer, seq_length: int, encoder: EncoderTokens = EncoderTokens(),
-                 strict: bool = False, decode: dict[str, range] | None = None, modules=None,
-                 defer_upscale: bool = False, template: str = DEFAULT_TEMPLATE, log_skips: bool = True):
-        """decode: encoder module -> rows of the microbatch to decode on this rank (decode_plan); modules
-        not named are not decoded; None decodes every row of every module (single-rank use).
+                 strict: bool = False, decode: dict[str, range | int] | None = None, modules=None,
+                 defer_upscale: bool = False, template: str = DEFAULT_TEMPLATE, log_skips: bool = True,
+                 assignment=None):
+        """decode: encoder module -> this rank's DP rank of it, whose items (under `assignment`) it decodes; or
+        -> rows of the microbatch to decode (decode_plan, row ownership); modules not named are not decoded; None
+        decodes every item of every module (single-rank use).
+        assignment: hetero/plan/encoder_balance.ItemAssignment, which DP rank of every encoder encodes each item
+        of a microbatch (recorded in PackedBatch.owners for the stages and the boundary plan); None: the rows'.
         modules: the encoder modules the model has; a sample with media for another one is skipped
         (its placeholders would otherwise be trained on as text). None accepts every modality.
         defer_upscale: images/videos smaller than their tiles (native images: than their grid) are delivered as
@@ -128,7 +134,11 @@ class ChatTaskEncoder(TaskEncoder):
         self.seq_length = seq_length
         self.enc = encoder
         self.strict = strict
-        self.decode = None if decode is None else {m: range(r.start, r.stop) for m, r in decode.items()}
+        self.decode = None if decode is None else {m: range(r.start, r.stop) if isinstance(r, range) else int(r)
+                                                   for m, r in decode.items()}
+        if assignment is None and self.decode and any(isinstance(v, int) for v in self.decode.values()):
+            raise ValueError("decode names DP ranks but no assignment says which items they encode")
+        self.assignment = assignment
         # Skips seen and bytes read by this process since its last batch; each batch carries them to the loop.
         self._pending: Counter = Counter()
         self._read = 0
@@ -243,8 +253,14 @@ class ChatTaskEncoder(TaskEncoder):
     def pack_selected_samples(self, samples: list[EncodedSample]) -> PackedSample:
         return pack_row(samples, self.seq_length, self.tok.pad_id)
 
-    def _wants(self, module: str, row: int) -> bool:
-        return self.decode is None or row in self.decode.get(module, ())
+    def _wants(self, module: str, row: int, items: int, owners: dict) -> list[bool]:
+        """Per item of `module` in `row` (`items` of them): whether this rank decodes it (__init__'s `decode`)."""
+        if self.decode is None or module not in self.decode:
+            return [self.decode is None] * items
+        want = self.decode[module]
+        if isinstance(want, range):
+            return [row in want] * items
+        return [o == want for o in owners[module][1][row]]
 
     def _fetch(self, ref: MediaRef) -> bytes:
         """One member's bytes, read from its shard through energon's tar index (only on a rank that decodes it)."""
@@ -294,14 +310,16 @@ class ChatTaskEncoder(TaskEncoder):
             return blank_item(kind, units, enc)
 
     def batch(self, rows: list[PackedSample]):
+        owners = self.assignment.owners([row.media_meta for row in rows]) if self.assignment is not None else {}
         for r, row in enumerate(rows):
             for module, items in row.raw.items():
-                if self._wants(module, r):
-                    row.media[module] = [(kind, self._decode_item(kind, data, units, key, shard))
-                                         for kind, data, units, key, shard in items]
+                wants = self._wants(module, r, len(items), owners)
+                if any(wants):  # an item another rank encodes stays (kind, None): item indices keep their meaning
+                    row.media[module] = [(kind, self._decode_item(kind, data, units, key, shard) if want else None)
+                                         for (kind, data, units, key, shard), want in zip(items, wants, strict=True)]
             row.raw = {}
         skipped, self._pending, read, self._read = dict(self._pending), Counter(), self._read, 0
-        return collate(rows, skipped, read)
+        return collate(rows, skipped, read, owners)
 
 
 def build_loader(path: str | Path, task_encoder: ChatTaskEncoder, rows_per_microbatch: int, *,

@@ -7,8 +7,10 @@ only to itself). For every encoder module ("vision", "audio") a row also carries
   - `media_meta[module]`: (kind, units, tokens) per item in position order (every rank); an item written in
     several chunks (a video in the omni family's tubelet chunks) has a fourth entry, its chunks
     ((start, count), ...) in the row: where each chunk's context positions begin and how many there are, and
-  - `media[module]`: the decoded items in the same order — only on ranks that encode this row for this
-    module (data/loader.py decodes per rank; an LLM-only rank holds no decoded media at all).
+  - `media[module]`: the decoded items in the same order — only on ranks that encode some of them (data/loader.py
+    decodes per rank; an item another rank encodes is None; an LLM-only rank holds no decoded media at all).
+A microbatch also records which DP rank of each encoder encodes each item (`owners`, made by the loader from the
+metadata: hetero/plan/encoder_balance.ItemAssignment, by cost); without it, the rank that owns the row.
 Consuming items in order and scattering embeddings to `positions` is therefore the whole alignment
 contract; `PackedBatch.check()` enforces it (one position per produced embedding; collate runs it on every
 batch, with the encoders' counts where they run).
@@ -149,6 +151,7 @@ def _boundary_batch_cls():
         class BoundaryBatch:
             seq_length: int
             positions: tuple
+            sources: tuple | None = None
 
         return BoundaryBatch
 
@@ -168,6 +171,8 @@ class PackedBatch(Batch):
     seq_length: int
     skipped: dict  # reason -> count, skips observed by the producing worker since its previous batch
     read_bytes: int = 0  # bytes the producing worker read from the shards since its previous batch
+    # module -> (DP size, per row the DP rank encoding each item): ItemAssignment.owners; {}: the rows' owners
+    owners: dict = dataclasses.field(default_factory=dict)
 
     @property
     def modules(self) -> list[str]:
@@ -181,10 +186,34 @@ class PackedBatch(Batch):
         empty = np.zeros(0, dtype=np.int64)
         return tuple(row.get(module, empty) for row in self.positions)
 
+    def item_owners(self, module: str, dp_size: int) -> tuple[tuple[int, ...], ...]:
+        """Per row, the DP rank (of the module's dp_size) that encodes each of the row's items of `module`: the
+        loader's assignment (`owners`), else the row's owner (row ownership)."""
+        from tessera.hetero.plan.encoder_balance import row_owners
+
+        if module not in self.owners:
+            return row_owners(self.media_meta, module, dp_size)
+        dp, per_row = self.owners[module]
+        if dp != dp_size:
+            raise ValueError(f"{module}: the microbatch's items were assigned over dp={dp} but the layout has "
+                             f"dp={dp_size}; the loader must be built with the run's layout")
+        return per_row
+
+    def element_sources(self, module: str) -> tuple[np.ndarray, ...] | None:
+        """Per row, the encoding DP rank of each of the module's media tokens (its item's owner, in position order);
+        None under row ownership, which the boundary plan derives from the row itself."""
+        if module not in self.owners:
+            return None
+        _, per_row = self.owners[module]
+        return tuple(np.repeat(np.asarray(own, dtype=np.int64), [m[2] for m in meta.get(module, [])])
+                     for own, meta in zip(per_row, self.media_meta))
+
     def boundary_batches(self, modules: list[str] | None = None) -> dict[str, Any]:
-        """module key -> BoundaryBatch(seq_length, one sorted int64 array per row) for hetero/boundary_plan."""
+        """module key -> BoundaryBatch(seq_length, one sorted int64 array per row, each token's encoding DP rank
+        when the items were assigned by cost) for hetero/boundary_plan."""
         cls = _boundary_batch_cls()
-        return {m: cls(seq_length=self.seq_length, positions=self.module_positions(m))
+        return {m: cls(seq_length=self.seq_length, positions=self.module_positions(m),
+                       sources=self.element_sources(m))
                 for m in (modules if modules is not None else self.modules)}
 
     def rows(self, lo: int, hi: int) -> "PackedBatch":
@@ -193,7 +222,8 @@ class PackedBatch(Batch):
             self, tokens=self.tokens[lo:hi], labels=self.labels[lo:hi], position_ids=self.position_ids[lo:hi],
             cu_seqlens=self.cu_seqlens[lo:hi], keys=self.keys[lo:hi], media=self.media[lo:hi],
             positions=self.positions[lo:hi], media_meta=self.media_meta[lo:hi], seq_length=self.seq_length,
-            skipped=dict(self.skipped), read_bytes=self.read_bytes)
+            skipped=dict(self.skipped), read_bytes=self.read_bytes,
+            owners={m: (dp, own[lo:hi]) for m, (dp, own) in self.owners.items()})
 
     def chunked_items(self, module: str) -> list[tuple[int, int, tuple]]:
         """(row, item index, chunks) of every item of `module` written in several chunks, in row and item order:
@@ -228,7 +258,8 @@ class PackedBatch(Batch):
         (metadata and positions only: a few array ops per row); the encoders' counts are known where they run.
 
         count_tokens(kind, item) is the encoder's output count for one decoded item; rows/modules this rank
-        did not decode are checked against their metadata (what the decoding rank will produce)."""
+        did not decode (and items another rank encodes) are checked against their metadata (what the encoding rank
+        will produce)."""
         for r, (media, meta, pos) in enumerate(zip(self.media, self.media_meta, self.positions)):
             for module in set(media) | set(meta) | set(pos):
                 p = pos.get(module, np.zeros(0, dtype=np.int64))
@@ -237,7 +268,9 @@ class PackedBatch(Batch):
                 if planned != len(p):
                     raise ValueError(f"{where}: metadata plans {planned} tokens for {len(p)} positions")
                 if count_tokens is not None and module in media:
-                    produced = sum(count_tokens(k, a) for k, a in media[module])
+                    # an item another rank encodes (None here) is counted from its metadata
+                    produced = sum(count_tokens(k, a) if a is not None else m[2]
+                                   for (k, a), m in zip(media[module], meta.get(module, []), strict=True))
                     if produced != len(p):
                         raise ValueError(f"{where}: {produced} embeddings for {len(p)} positions")
                 if np.any(np.diff(p) <= 0):
@@ -297,7 +330,7 @@ def share_large_arrays() -> None:
         ForkingPickler.register(np.ndarray, _reduce_ndarray)
 
 
-def collate(rows: list[PackedSample], skipped: dict, read_bytes: int = 0) -> PackedBatch:
+def collate(rows: list[PackedSample], skipped: dict, read_bytes: int = 0, owners: dict | None = None) -> PackedBatch:
     share_large_arrays()
     batch = PackedBatch(
         __key__=[r.__key__ for r in rows], __restore_key__=(), __subflavors__=None, __sources__=None,
@@ -307,6 +340,6 @@ def collate(rows: list[PackedSample], skipped: dict, read_bytes: int = 0) -> Pac
         cu_seqlens=[torch.from_numpy(r.cu_seqlens) for r in rows], keys=[r.keys for r in rows],
         media=[r.media for r in rows], positions=[r.positions for r in rows],
         media_meta=[r.media_meta for r in rows], seq_length=len(rows[0].tokens), skipped=skipped,
-        read_bytes=read_bytes)
+        read_bytes=read_bytes, owners=owners or {})
     batch.check()  # every batch the loader builds keeps the alignment contract (metadata and positions)
     return batch

@@ -72,6 +72,10 @@ class DataConfig:
     max_tiles: int = 2
     video_frames: int = 4
     seed: int = 1234
+    # each encoder's items of a microbatch go to its DP ranks by their FLOPs (largest first to the least loaded:
+    # hetero/plan/encoder_balance.py), not with the rows; the numbers are the same either way (each item is
+    # encoded alone), only the slowest encoder rank gets faster. False: each DP rank encodes its rows' items
+    balance_encoders: bool = True
     # media per packed row as the layout planner prices it (layout=auto, `nemo tessera plan`); None = from
     # the fields above (max_tiles + thumbnail tiles, video_frames when pruning video, 30 s of audio)
     tiles_per_row: float | None = None

@@ -19,16 +19,20 @@ from tessera.hetero.plan.layout import HeteroLayout, ModuleLayout
 
 # ------------------------------------------------------------------------------------------- oracle
 def oracle_source_rows(src: ModuleLayout, batch: BoundaryBatch) -> dict[int, list[int]]:
-    """Last-stage source rank -> element ids in its row order (np.array_split of each sample's tokens)."""
+    """Last-stage source rank -> element ids in its row order: np.array_split of the tokens its DP rank holds of
+    each sample (the sample's, or with `sources` the tokens of the items assigned to it)."""
     n, offsets = batch.num_samples, np.r_[0, np.cumsum(batch.tokens_per_sample)]
     out = {}
     for rank in src.ranks:
         c = src.coord(rank)
         if c.pp != src.pp - 1:
             continue
-        per = n // src.dp_size
-        out[rank] = [int(g) for i in range(c.dp * per, (c.dp + 1) * per)
-                     for g in np.array_split(np.arange(offsets[i], offsets[i + 1]), src.cp)[c.cp]]
+        per, out[rank] = n // src.dp_size, []
+        for i in range(n):
+            ids = np.arange(offsets[i], offsets[i + 1])
+            held = ids[batch.sources[i] == c.dp] if batch.sources is not None else (
+                ids if c.dp * per <= i < (c.dp + 1) * per else ids[:0])
+            out[rank] += [int(g) for g in np.array_split(held, src.cp)[c.cp]]
     return out
 
 
@@ -85,12 +89,22 @@ def random_layouts(count: int, seed: int = 0):
         made += 1
 
 
-def random_batch(src, dst, rng, uniform=False) -> BoundaryBatch:
+def random_batch(src, dst, rng, uniform=False, items=False) -> BoundaryBatch:
+    """items: each sample's tokens cut into 1-3 contiguous items, each encoded by a random source DP rank (the
+    loader's assignment by cost: hetero/plan/encoder_balance.ItemAssignment)."""
     n = math.lcm(src.dp_size, dst.dp_size) * int(rng.integers(1, 3))
     seq = 2 * dst.cp * int(rng.integers(1, 6))
     fixed = int(rng.integers(0, seq + 1))
     counts = [fixed if uniform else int(rng.integers(0, seq + 1)) for _ in range(n)]
-    return BoundaryBatch.from_lists(seq, [np.sort(rng.choice(seq, c, replace=False)) for c in counts])
+    positions = [np.sort(rng.choice(seq, c, replace=False)) for c in counts]
+    if not items:
+        return BoundaryBatch.from_lists(seq, positions)
+    sources = []
+    for c in counts:
+        cuts = np.sort(rng.choice(np.arange(1, c), min(c - 1, int(rng.integers(0, 3))), replace=False)) if c > 1 else []
+        bounds = np.asarray([0, *cuts, c], dtype=np.int64)
+        sources.append(np.repeat(rng.integers(0, src.dp_size, len(bounds) - 1), np.diff(bounds)))
+    return BoundaryBatch.from_lists(seq, positions, sources)
 
 
 # -------------------------------------------------------------------------------------------- checks
@@ -150,6 +164,17 @@ def test_two_hundred_generated_layouts_in_milliseconds():
     assert cases >= 200
     per_case_ms = (time.perf_counter() - start) * 1000 / cases
     print(f"{cases} layouts, {per_case_ms:.1f} ms per layout including the brute-force oracle")
+
+
+def test_items_encoded_where_the_assignment_put_them_over_generated_layouts():
+    """Items of a sample encoded on several source DP ranks (issue 35): every destination still receives exactly
+    its elements once, from a rank that holds them, at the minimum bytes, and gradients go back transposed."""
+    for src, dst, rng in random_layouts(200, seed=5):
+        batch = random_batch(src, dst, rng, items=True)
+        check_plan(src, dst, batch, "tokens" if rng.random() < 0.5 else "dense")
+    with pytest.raises(BoundaryError, match="outside the encoder's dp=2"):
+        plan_boundary(ModuleLayout(0, 1, dp=2), ModuleLayout(2, 3, dp=2),
+                      BoundaryBatch.from_lists(4, [[0, 1], [2]], [[0, 2], [1]]))
 
 
 def test_dense_destination_format():

@@ -4,9 +4,11 @@ An encoder module produces embeddings for its media tokens; the LLM ("language")
 positions of its fused sequence. Both sides shard the same elements differently:
 
 * element g = (sample i, media token j); samples are split over DP, media tokens of one sample over CP.
-* source (encoder, last PP stage): DP rank d holds samples [d*N/dp, (d+1)*N/dp); within a sample its
-  media tokens are cut into cp contiguous parts as evenly as possible (encoders attend bidirectionally, so
-  contiguous parts are already balanced). Every TP rank of a (dp, cp) shard holds the same rows.
+* source (encoder, last PP stage): DP rank d holds samples [d*N/dp, (d+1)*N/dp), or, when the items were
+  assigned by cost (hetero/plan/encoder_balance.py: `sources` names each token's encoding DP rank), the tokens of
+  the items it encodes; within a sample the media tokens one DP rank holds are cut into cp contiguous parts as
+  evenly as possible (encoders attend bidirectionally, so contiguous parts are already balanced). Every TP rank
+  of a (dp, cp) shard holds the same rows.
 * destination (language, first PP stage): DP as above with its own dp; the LLM sequence of S positions is
   cut into 2*cp chunks and CP rank r keeps chunks r and 2cp-1-r (zigzag, balances causal attention); a
   media token belongs to the CP rank whose chunk holds its position. Every TP rank needs the rows.
@@ -46,14 +48,19 @@ class BoundaryBatch:
     seq_length: the LLM sequence length S (per sample, packed).
     positions: one sorted int array per sample: where this encoder's media tokens sit in that sample's
         LLM sequence. Its length is the number of media tokens the encoder produces for the sample.
+    sources: None (each sample's tokens are encoded by the sample's DP rank), or one int array per sample
+        aligned with `positions`: the encoder DP rank that encodes each token (its item's, by cost).
     """
 
     seq_length: int
     positions: tuple[np.ndarray, ...]
+    sources: tuple[np.ndarray, ...] | None = None
 
     @classmethod
-    def from_lists(cls, seq_length: int, positions: Sequence[Sequence[int]]) -> "BoundaryBatch":
-        return cls(seq_length, tuple(np.asarray(p, dtype=np.int64) for p in positions))
+    def from_lists(cls, seq_length: int, positions: Sequence[Sequence[int]],
+                   sources: Sequence[Sequence[int]] | None = None) -> "BoundaryBatch":
+        return cls(seq_length, tuple(np.asarray(p, dtype=np.int64) for p in positions),
+                   None if sources is None else tuple(np.asarray(s, dtype=np.int64) for s in sources))
 
     @property
     def num_samples(self) -> int:
@@ -73,6 +80,31 @@ class BoundaryBatch:
             if np.any(np.diff(p) <= 0):
                 raise BoundaryError(f"sample {i}: media positions must be strictly increasing (one token per "
                                     f"position, in sequence order)")
+            if self.sources is not None and len(self.sources[i]) != len(p):
+                raise BoundaryError(f"sample {i}: {len(self.sources[i])} source ranks for {len(p)} media tokens")
+
+    def source_dp(self, dp_size: int) -> np.ndarray:
+        """Per element g (in (sample, token) order): the source DP rank that encodes it."""
+        if self.sources is None:
+            sample, _ = _sample_and_token(self)
+            return dp_owner(sample, self.num_samples, dp_size)
+        src = np.concatenate(self.sources) if self.num_samples else np.zeros(0, np.int64)
+        if len(src) and (src.min() < 0 or src.max() >= dp_size):
+            raise BoundaryError(f"source ranks {src.min()}..{src.max()} outside the encoder's dp={dp_size}: the "
+                                f"items were assigned for another layout")
+        return src
+
+    def source_parts(self, src: ModuleLayout) -> tuple[np.ndarray, np.ndarray]:
+        """Per element: (source DP rank, source CP rank). A DP rank's tokens of one sample (all of the sample's
+        under row ownership) are cut into src.cp contiguous parts, the order its encoder stage hands them on."""
+        sample, token = _sample_and_token(self)
+        src_dp = self.source_dp(src.dp_size)
+        if self.sources is None:
+            return src_dp, contiguous_part(token, self.tokens_per_sample[sample], src.cp)
+        group = sample * src.dp_size + src_dp
+        in_group = _rank_in_group(group)
+        size = np.bincount(group, minlength=1)[group] if len(group) else group
+        return src_dp, contiguous_part(in_group, size, src.cp)
 
 
 @dataclass(frozen=True)
@@ -178,12 +210,11 @@ def _elements(src: ModuleLayout, dst: ModuleLayout, batch: BoundaryBatch, dst_fo
         raise BoundaryError(f"seq_length={seq} is not divisible by 2*cp={zigzag_multiple(dst.cp)} of the destination; "
                             f"pad it")
     batch.validate()
-    sample, token = _sample_and_token(batch)
+    sample, _ = _sample_and_token(batch)
     pos = np.concatenate(batch.positions) if n else np.zeros(0, np.int64)
 
-    src_dp = dp_owner(sample, n, src.dp_size)
-    src_cp = contiguous_part(token, batch.tokens_per_sample[sample], src.cp)
-    src_row = _rank_in_group(src_dp * src.cp + src_cp)
+    src_dp, src_cp = batch.source_parts(src)
+    src_row = _rank_in_group(src_dp * src.cp + src_cp)  # a source rank's rows: its elements in (sample, token) order
 
     dst_dp = dp_owner(sample, n, dst.dp_size)
     chunk_len = seq // zigzag_multiple(dst.cp)
@@ -286,7 +317,5 @@ def minimum_rows(src: ModuleLayout, dst: ModuleLayout, batch: BoundaryBatch) -> 
 
 def source_shard(src: ModuleLayout, batch: BoundaryBatch, dp: int, cp: int) -> np.ndarray:
     """Global element ids held by the source (dp, cp) shard, in its row order."""
-    sample, token = _sample_and_token(batch)
-    src_dp = dp_owner(sample, batch.num_samples, src.dp_size)
-    src_cp = contiguous_part(token, batch.tokens_per_sample[sample], src.cp)
+    src_dp, src_cp = batch.source_parts(src)
     return np.flatnonzero((src_dp == dp) & (src_cp == cp))

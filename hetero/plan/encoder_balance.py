@@ -1,8 +1,9 @@
 """Which encoder DP rank encodes which media item: by cost, not by row (issue 35; pure, no torch).
 
     owner = balanced_assignment(costs, ranks=8, memory=act_bytes, cap=cap_bytes)   # owner[i]: item i's rank
-    owner = row_owned_assignment(item_rows, rows=16, ranks=8)                       # today's rule, for comparison
+    owner = row_owned_assignment(item_rows, rows=16, ranks=8)                       # the rows' owners, for comparison
     loads = rank_loads(costs, owner, 8); imbalance(loads)                           # max / mean
+    ItemAssignment({"vision": 4, "audio": 2}, cost).owners(batch.media_meta)        # a run's microbatch, every encoder
 
 Rows are packed by LLM tokens, not by encoder cost, and an item's cost varies by two orders of magnitude (a
 12-tile scan, a 1-tile photo, a 32-frame clip, two minutes of audio), so under row ownership (each DP rank
@@ -18,9 +19,10 @@ its cost grows with their square); the caller computes them, this layer only ass
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
-from tessera.hetero.plan.resolved_run import dp_rows
+from tessera.hetero.plan.resolved_run import dp_owner, dp_rows
 
 
 class ItemTooLarge(ValueError):
@@ -75,3 +77,40 @@ def imbalance(loads: Sequence[float]) -> float:
     """Largest load over the mean (1.0: perfectly even; the step waits for the largest)."""
     mean = sum(loads) / len(loads)
     return max(loads) / mean if mean > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class ItemAssignment:
+    """How a run deals each encoder's media items of a microbatch to the encoder's DP ranks.
+
+    dp_sizes: every encoder of the layout -> its DP size (an LLM-only rank needs every encoder's owners too:
+    they are the boundary plan's sources). cost(module, kind, units) -> the item's encoder FLOPs
+    (hetero/planner/flops.StepFlops.item_flops, handed in by the trainer); None keeps row ownership. The result
+    depends on the metadata alone (PackedBatch.media_meta, the same on every rank), so the loader of every rank
+    computes the same owners without communicating (data/loader.py). Every item is encoded on its own
+    (hetero/training/stages.py), so which rank encodes it changes no number: only who waits for whom."""
+
+    dp_sizes: Mapping[str, int]
+    cost: Callable[[str, str, object], float] | None = None
+
+    def owners(self, media_meta: Sequence[Mapping[str, Sequence]]) -> dict[str, tuple[int, tuple[tuple[int, ...], ...]]]:
+        """encoder -> (its DP size, per row the DP rank that encodes each of the row's items of it, in order)."""
+        return {key: (dp, self.module_owners(media_meta, key, dp)) for key, dp in sorted(self.dp_sizes.items())}
+
+    def module_owners(self, media_meta, key: str, dp: int) -> tuple[tuple[int, ...], ...]:
+        if self.cost is None or dp == 1:
+            return row_owners(media_meta, key, dp)
+        owner = balanced_assignment([self.cost(key, m[0], m[1]) for meta in media_meta for m in meta.get(key, [])],
+                                    dp)
+        out, at = [], 0
+        for meta in media_meta:
+            n = len(meta.get(key, []))
+            out.append(tuple(owner[at:at + n]))
+            at += n
+        return tuple(out)
+
+
+def row_owners(media_meta: Sequence[Mapping[str, Sequence]], key: str, dp: int) -> tuple[tuple[int, ...], ...]:
+    """Per row, each item's DP rank under row ownership: the row's owner (resolved_run.dp_owner)."""
+    n = len(media_meta)
+    return tuple((dp_owner(r, n, dp),) * len(meta.get(key, [])) for r, meta in enumerate(media_meta))

@@ -117,6 +117,15 @@ class ResolvedRun:
         """Encoder module -> the global rows of each microbatch whose media `rank` decodes (decode_rows)."""
         return decode_rows(self.layout, rank, self.rows_per_microbatch)
 
+    def decode_items(self, rank: int) -> dict[str, int]:
+        """Encoder module -> `rank`'s DP rank of it: the items it decodes and encodes are those the run's item
+        assignment (hetero/plan/encoder_balance.ItemAssignment) gives that DP rank. Empty for an LLM-only rank."""
+        return {key: self.layout[key].coord(rank).dp for key in self.layout.modules_of_rank(rank)
+                if key in self.layout.encoders}
+
+    def encoder_dp_sizes(self) -> dict[str, int]:
+        return {key: self.layout[key].dp_size for key in self.layout.encoders}
+
     def shapes(self) -> ModelShapes:
         return self.model.shapes(self.seq_length, self.rows_per_microbatch)
 

@@ -101,6 +101,11 @@ class StepFlops:
         self.tok = encoder_tokens(encoders) if encoders else None
         self.peak = peak_tflops(device_name, dtype)
 
+    def item_flops(self, module: str, kind: str, units) -> float:
+        """Forward FLOPs of one media item of encoder `module`: the cost the run balances encoder DP ranks by
+        (hetero/plan/encoder_balance.ItemAssignment)."""
+        return media_item_flops(next(m for m in self.desc.modules if m.key == module), self.tok, kind, units)
+
     def step_flops(self, batches: list) -> dict[str, float]:
         """Training FLOPs (3 x forward) per module of a step over these global microbatches (PackedBatch)."""
         out = {}
@@ -113,8 +118,26 @@ class StepFlops:
             out[mod.key] = 3.0 * fwd
         return out
 
+    def encoder_imbalance(self, batches: list) -> dict[str, float]:
+        """Per encoder: the sum over the step's microbatches of its busiest DP rank's FLOPs over the sum of the mean
+        rank's (1.0: even), as the items were assigned (PackedBatch.item_owners). Each microbatch's embeddings
+        cross the boundary when its slowest encoder rank is done, so this is the encoder's time over the ideal."""
+        out = {}
+        for key in sorted({k for b in batches for k in b.owners}):
+            dp, busiest, mean = batches[0].owners[key][0], 0.0, 0.0
+            for b in batches:
+                loads = [0.0] * dp
+                for meta, owners in zip(b.media_meta, b.item_owners(key, dp)):
+                    for m, o in zip(meta.get(key, []), owners):
+                        loads[o] += self.item_flops(key, m[0], m[1])
+                busiest, mean = busiest + max(loads), mean + sum(loads) / dp
+            out[key] = busiest / mean if mean > 0 else 1.0
+        return out
+
     def record(self, batches: list, step_time_s: float, world: int) -> dict:
-        """A metrics record's throughput fields: model FLOPs per module, TFLOPS per GPU, MFU (None without a peak)."""
+        """A metrics record's throughput fields: model FLOPs per module, TFLOPS per GPU, MFU (None without a peak),
+        each encoder's load imbalance over its DP ranks."""
         flops = self.step_flops(batches)
         tflops = sum(flops.values()) / step_time_s / world / 1e12
-        return {"model_flops": flops, "model_tflops_per_gpu": tflops, "mfu": tflops / self.peak if self.peak else None}
+        return {"model_flops": flops, "model_tflops_per_gpu": tflops, "mfu": tflops / self.peak if self.peak else None,
+                "encoder_imbalance": self.encoder_imbalance(batches)}

@@ -160,7 +160,8 @@ class BoundaryCommunicator:
 
     def plan(self, batch: BoundaryBatch) -> BoundaryPlan:
         # consecutive microbatches often share metadata (fixed media tokens): reuse the plan
-        key = (batch.seq_length, tuple(p.tobytes() for p in batch.positions))
+        key = (batch.seq_length, tuple(p.tobytes() for p in batch.positions),
+               None if batch.sources is None else tuple(s.tobytes() for s in batch.sources))
         if self._cache is None or self._cache[0] != key:
             self._cache = (key, plan_boundary(self.src, self.dst, batch, self.dst_format))
             self._programs, self._written = {}, None

@@ -36,15 +36,16 @@ def global_token_count(batches: list[PackedBatch]) -> int:
 
 
 class MediaEncoderStage:
-    """One encoder's pipeline stage: on the last stage, [tokens, llm_hidden] embeddings of this rank's rows, in
+    """One encoder's pipeline stage: on the last stage, [tokens, llm_hidden] embeddings of the items this DP rank
+    encodes (its rows' items, or those the run's assignment by cost gave it: hetero/plan/encoder_balance.py), in
     (row, position) order — the source order hetero.plan.boundary_plan expects.
 
-    Under CP (cp > 1) a rank hands on, per row, its CP rank's contiguous part of the row's tokens, as the boundary
+    Under CP (cp > 1) a rank hands on, per row, its CP rank's contiguous part of the row's tokens it encodes, as the boundary
     plan's source shards are cut (hetero/plan/encoder_cp.py): the vision tower computes just those tokens, other
     encoders (audio) encode whole items per rank and gather the outputs.
     A vision tower split over pp > 1 stages (models/multimodal.MediaModule.forward_stage) hands on every item's
     hidden states concatenated, [sum over items of tiles x (prefix + patches), hidden]: every stage of one DP
-    rank decodes the same rows (data/sharding.decode_plan), so each knows the items and the shape it receives."""
+    rank decodes the same items (data/loader.py), so each knows the items and the shape it receives."""
 
     def __init__(self, module, key: str, layout: ModuleLayout, coord: RankCoord, batches: list[PackedBatch],
                  device: torch.device, cp_group=None):
@@ -55,16 +56,23 @@ class MediaEncoderStage:
             raise ValueError(f"{key}={layout.to_spec()}: an encoder stage under CP needs its cp group")
         self._kept: dict[int, dict[tuple[int, int], list[int]]] = {}  # mb -> {(row, item): per-tubelet kept}
 
-    def _row_ids(self, mb: int) -> list[int]:
-        """This rank's DP rows of microbatch mb (batch row indices)."""
-        return dp_rows(self.batches[mb].tokens.shape[0], self.layout.dp_size, self.coord.dp)
-
-    def _rows(self, mb: int) -> list[list]:
-        """Each of this rank's DP rows' items of this encoder, in order."""
-        return [self.batches[mb].media[r].get(self.key, []) for r in self._row_ids(mb)]
+    def _rows(self, mb: int) -> list[list[tuple[int, tuple]]]:
+        """Per row of microbatch mb, (item index in the row, item) of each of the row's items of this encoder that
+        this DP rank encodes (PackedBatch.item_owners: the loader's assignment by cost, or the rows this rank owns),
+        in (row, item) order: the order the boundary plan expects of its source."""
+        b, dp = self.batches[mb], self.coord.dp
+        out = []
+        for r, owners in enumerate(b.item_owners(self.key, self.layout.dp_size)):
+            mine = [j for j, o in enumerate(owners) if o == dp]
+            media = b.media[r].get(self.key) if mine else None
+            if mine and (media is None or any(media[j] is None or media[j][1] is None for j in mine)):
+                raise RuntimeError(f"{self.key} dp rank {dp}: microbatch {mb} row {r} has items this rank encodes "
+                                   f"that its loader did not decode; the loader must share the run's assignment")
+            out.append([(j, media[j]) for j in mine])
+        return out
 
     def _items(self, mb: int) -> list:
-        return [it for row in self._rows(mb) for it in row]
+        return [it for row in self._rows(mb) for _, it in row]
 
     def input_shape(self, mb: int):
         if self.layout.pp == 1:
@@ -73,11 +81,12 @@ class MediaEncoderStage:
 
     def forward(self, x, mb: int) -> torch.Tensor:
         path = encoder_path(self.key, self.layout.cp, self.layout.pp)  # the module refuses any other entry
-        if path == "token_cp":
-            return self.module.forward_cp(self._rows(mb))  # this CP rank's part of the tokens (models/vision_cp.py)
+        rows = self._rows(mb)
+        if path == "token_cp":  # this CP rank's part of the tokens (models/vision_cp.py)
+            return self.module.forward_cp([[it for _, it in row] for row in rows])
         if path == "item_cp":
-            return self._forward_items_cp(self._rows(mb))
-        items, kept = self._items(mb), []
+            return self._forward_items_cp([[it for _, it in row] for row in rows])
+        items, kept = [it for row in rows for _, it in row], []
         if path == "pipeline":
             out = self.module.forward_stage(items, x)
             kept = list(self.module.tubelet_kept)
@@ -90,8 +99,7 @@ class MediaEncoderStage:
                 kept += self.module.tubelet_kept
             out = torch.cat(outs)
         if kept:  # EVS: each pruned clip's per-tubelet kept counts, by (row, item index) of the batch
-            videos = [(r, j) for r, row in zip(self._row_ids(mb), self._rows(mb))
-                      for j, (kind, _) in enumerate(row) if kind == "video"]
+            videos = [(r, j) for r, row in enumerate(rows) for j, (kind, _) in row if kind == "video"]
             self._kept[mb] = dict(zip(videos, kept, strict=True))
         return out
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from tessera.data.pipeline import settles_tubelet_chunks
+from tessera.hetero.plan.encoder_balance import ItemAssignment
 from tessera.hetero.plan.layout import LANGUAGE, VISION
 from tessera.hetero.runtime.boundary import BoundaryCommunicator
 from tessera.hetero.runtime.tubelet_settle import TubeletSettle
@@ -15,19 +16,27 @@ from tessera.hetero.training.stages import LanguageStage, MediaEncoderStage, glo
 
 
 def run_loader(run, path: str, state=None, num_workers: int | None = None, log_skips: bool | None = None):
-    """This rank's loader of `path` as the run reads it: the run's tokenizer, encoders, row split, decode plan
-    and media settings (data/pipeline.build_train_loader); the training stream and every validation set."""
+    """This rank's loader of `path` as the run reads it: the run's tokenizer, encoders, row split, item
+    assignment and decode plan, and media settings (data/pipeline.build_train_loader); the training stream and every validation set."""
     from tessera.data.pipeline import build_train_loader
 
     d = run.cfg.data
     return build_train_loader(path, run.tok_path, encoder_names(run.cfg.model), d.seq_length,
-                              run.resolved.rows_per_microbatch, decode=run.resolved.decode_rows(run.rank),
+                              run.resolved.rows_per_microbatch, decode=run.resolved.decode_items(run.rank),
+                              assignment=item_assignment(run),
                               num_workers=d.num_workers if num_workers is None else num_workers, seed=d.seed,
                               max_tiles=d.max_tiles, video_frames=d.video_frames,
                               video_pruning=run.cfg.model.video_pruning, state=state,
                               log_skips=run.rank == 0 if log_skips is None else log_skips,
                               # on GPUs, upscaling small media is left to the GPU (models/tiling.py)
                               defer_upscale=run.device.type != "cpu")
+
+
+def item_assignment(run) -> ItemAssignment:
+    """Which DP rank of each encoder encodes each item of a microbatch: by the item's FLOPs (the planner's count,
+    run.step_flops) when data.balance_encoders, else with its row. Every rank's loader holds the same."""
+    by_cost = run.cfg.data.balance_encoders and run.step_flops is not None
+    return ItemAssignment(run.resolved.encoder_dp_sizes(), run.step_flops.item_flops if by_cost else None)
 
 
 def rank_stages(run, batches: list, settle: TubeletSettle | None = None) -> tuple[dict, object, int]:
