@@ -81,7 +81,7 @@ def test_moe_expert_bias_changes_the_routing():
     from tessera.hetero.tools.verify_chain_model import ChainDims, make_weights, reference_forward
 
     dims, layout = ChainDims(), HeteroLayout.parse("vision=dp4@0-3;language=dp4,ep2@0-3")
-    batches, inputs, text, target, _ = make_batch(layout, dims, 1234, torch.float64)
+    batches, inputs, text, target, *_ = make_batch(layout, dims, 1234, torch.float64)
     w = {k: v.double() for k, v in make_weights(layout, dims, 1234, torch.float64, llm="moe").items()}
     y, _ = reference_forward(w, layout, dims, inputs, batches, text, target)
     unbiased = {k: torch.zeros_like(v) if k.endswith("expert_bias") else v for k, v in w.items()}

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from tessera.hetero.runtime.boundary import BoundaryCommunicator
 from tessera.hetero.plan.boundary_plan import BoundaryBatch, source_shard
+from tessera.hetero.plan.encoder_balance import balanced_assignment
 from tessera.hetero.plan.zigzag import zigzag_multiple, zigzag_positions
 from tessera.hetero.runtime.cpu_shims import apply_cpu_shims, default_backend
 from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
@@ -80,9 +81,32 @@ def validated_layout(spec: str, dims: ChainDims, world_size: int, llm: str = "de
                                        samples_per_microbatch=n, moe=llm == "moe"), world_size=world_size)
 
 
-def make_batch(layout: HeteroLayout, dims: ChainDims, seed: int, dtype, documents: int = 0):
-    """A deterministic microbatch: variable media tokens per sample and encoder, disjoint positions; with
-    `documents` K > 0 also docs [N, S]: each row cut at K-1 random points into K documents (else None)."""
+def _items(counts: list[int], dp: int, rng, balance: bool) -> tuple[np.ndarray, list[np.ndarray] | None]:
+    """With `balance`, each sample's media tokens cut into 1-3 items (sizes, in token order) and every token's
+    encoding DP rank: the items dealt largest first by their cost (attention: size squared), as the trainer's
+    loader deals media items (hetero/plan/encoder_balance.py). Without, one item per sample, encoded by the
+    sample's DP rank (sources None)."""
+    if not balance:
+        return np.asarray(counts, dtype=np.int64), None
+    sizes, per_sample = [], []
+    for c in counts:
+        cuts = sorted(rng.choice(np.arange(1, c), min(c - 1, int(rng.integers(0, 3))), replace=False)) if c > 1 else []
+        bounds = np.asarray([0, *cuts, c], dtype=np.int64)
+        per_sample.append(np.diff(bounds))
+        sizes += per_sample[-1].tolist()
+    owner = balanced_assignment([float(z) ** 2 + z for z in sizes], dp)
+    at, sources = 0, []
+    for part in per_sample:
+        sources.append(np.repeat(np.asarray(owner[at:at + len(part)], dtype=np.int64), part))
+        at += len(part)
+    return np.asarray(sizes, dtype=np.int64), sources
+
+
+def make_batch(layout: HeteroLayout, dims: ChainDims, seed: int, dtype, documents: int = 0, balance: bool = False):
+    """A deterministic microbatch: variable media tokens per sample and encoder, disjoint positions (with
+    `balance`, each sample's tokens of an encoder in 1-3 items encoded where the assignment by cost puts them);
+    with `documents` K > 0 also docs [N, S]: each row cut at K-1 random points into K documents (else None).
+    Returns (boundary batches, inputs, text, target, docs, item sizes per encoder)."""
     n, seq = batch_shape(layout)
     rng = np.random.default_rng(seed)
     encoders = sorted(layout.encoders)
@@ -94,7 +118,10 @@ def make_batch(layout: HeteroLayout, dims: ChainDims, seed: int, dtype, document
             count = int(rng.integers(1, per_encoder + 1))
             positions[k].append(np.sort(free[:count]))
             free = free[count:]
-    batches = {k: BoundaryBatch.from_lists(seq, positions[k]) for k in encoders}
+    item_rng, batches, items = np.random.default_rng(seed + 3), {}, {}
+    for k in encoders:
+        items[k], sources = _items([len(p) for p in positions[k]], layout[k].dp_size, item_rng, balance)
+        batches[k] = BoundaryBatch.from_lists(seq, positions[k], sources)
     g = torch.Generator().manual_seed(seed + 1)
     inputs = {k: torch.randn(int(batches[k].tokens_per_sample.sum()), dims.d_in, generator=g).to(dtype)
               for k in encoders}
@@ -108,7 +135,7 @@ def make_batch(layout: HeteroLayout, dims: ChainDims, seed: int, dtype, document
         for r in range(n):
             starts[r, rng.choice(np.arange(1, seq), documents - 1, replace=False)] = 1
         docs = torch.as_tensor(starts.cumsum(1))
-    return batches, inputs, text, target, docs
+    return batches, inputs, text, target, docs, items
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -133,7 +160,7 @@ class _EncoderStage:
         batches, inputs = self.micro[mb][0], self.micro[mb][1]
         rows = torch.as_tensor(self._rows(mb))
         counts = [len(self._rows(mb, r)) for r in range(self.m.cp)]
-        pos, seg = (t[rows].to(self.dev) for t in encoder_token_meta(batches[self.key]))
+        pos, seg = (t[rows].to(self.dev) for t in encoder_token_meta(batches[self.key], self.micro[mb][5][self.key]))
         if x is None:
             x = inputs[self.key][rows].to(self.dev)
         return self.module(x, pos, seg, counts)
@@ -157,7 +184,7 @@ class _LanguageStage:
         return (len(self.samples) * len(self.local_pos), self.dims.llm_hidden)
 
     def forward(self, x, media, mb):
-        batches, _, text, _, docs = self.micro[mb]
+        batches, _, text, _, docs, _ = self.micro[mb]
         if x is None:
             x = text[self.sl].to(self.dev)
             for key in sorted(media):
@@ -178,17 +205,18 @@ class _LanguageStage:
 
 
 def run_verify(spec: str, seed: int = 1234, dtype=torch.float32, dims: ChainDims = ChainDims(),
-               microbatches: int = 1, documents: int = 0, llm: str = "dense") -> dict:
+               microbatches: int = 1, documents: int = 0, llm: str = "dense", balance: bool = False) -> dict:
     """Run the check on every rank of an initialised world; results are global (identical on all ranks).
 
     With several microbatches the step accumulates gradients over them through hetero.runtime.step_executor, and the
     reference is the single-device model over the same microbatches. llm="moe": the LLM's MLPs are mixtures of
-    experts (hetero.tools.verify_chain_moe) spread over the layout's EP."""
+    experts (hetero.tools.verify_chain_moe) spread over the layout's EP. balance: every encoder's items encoded
+    where the assignment by cost puts them, not with their samples (issue 35)."""
     layout = validated_layout(spec, dims, dist.get_world_size(), llm)
     if llm == "moe" and dtype != torch.float32:  # hetero.tools.verify_chain_moe: megatron's router sigmoid is fp32
         raise ValueError(f"llm='moe' checks float32 only (megatron's MoE router rounds its scores to fp32), not {dtype}")
     lang, rank = layout[LANGUAGE], dist.get_rank()
-    micro = [make_batch(layout, dims, seed + 7 * mb, dtype, documents) for mb in range(microbatches)]
+    micro = [make_batch(layout, dims, seed + 7 * mb, dtype, documents, balance) for mb in range(microbatches)]
     total = microbatches * micro[0][2].numel()  # the loss is normalised by the step's global element count
     # the run's device: the local GPU with NCCL, the CPU with gloo (the reference always runs on the CPU)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -199,15 +227,15 @@ def run_verify(spec: str, seed: int = 1234, dtype=torch.float32, dims: ChainDims
     ref_w = {k: v.double().requires_grad_(not k.endswith("expert_bias")) for k, v in w.items()}
     ref_loss, ref_ys = torch.zeros((), dtype=torch.float64), []
     alone_ys = []
-    for batches, inputs, text, target, docs in micro:
+    for batches, inputs, text, target, docs, items in micro:
         y, loss = reference_forward(ref_w, layout, dims, {k: v.double() for k, v in inputs.items()}, batches,
-                                    text.double(), target.double(), docs)
+                                    text.double(), target.double(), docs, items)
         ref_loss, ref_ys = ref_loss + loss * text.numel() / total, ref_ys + [y.detach()]
         if docs is not None:  # every document through the LLM alone: what the packed row must reproduce
             with torch.no_grad():
                 alone_ys.append(reference_documents_alone(ref_w, layout, dims,
                                                           {k: v.double() for k, v in inputs.items()}, batches,
-                                                          text.double(), docs))
+                                                          text.double(), docs, items))
     ref_loss.backward()
     ref_grads = {k: v.grad for k, v in ref_w.items()}
 
@@ -277,6 +305,8 @@ def main(argv=None) -> int:
                     help="the LLM's MLPs: dense, or moe (mixture of experts over the layout's EP; TP runs SP)")
     ap.add_argument("--documents", type=int, default=0,
                     help="pack K documents of random lengths into every LLM row (0: one sequence per row)")
+    ap.add_argument("--balance", action="store_true",
+                    help="encode each media item on the encoder DP rank the assignment by cost picks (issue 35)")
     args = ap.parse_args(argv)
     try:  # before any process group exists: a bad layout costs nothing
         validated_layout(args.layout, ChainDims(), int(os.environ.get("WORLD_SIZE", "1")), args.llm)
@@ -290,7 +320,8 @@ def main(argv=None) -> int:
     dist.init_process_group(default_backend())
     rank = dist.get_rank()
     torch.set_num_threads(1)
-    res = run_verify(args.layout, args.seed, microbatches=args.microbatches, documents=args.documents, llm=args.llm)
+    res = run_verify(args.layout, args.seed, microbatches=args.microbatches, documents=args.documents, llm=args.llm,
+                     balance=args.balance)
     if rank == 0:
         print(f"layout: {args.layout} ({res['placement']}, world {dist.get_world_size()}, fp32, llm {args.llm})")
         for name, err in sorted(res["errors"].items()):

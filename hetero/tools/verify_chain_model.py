@@ -108,26 +108,30 @@ def _ref_block(w, prefix, x, pos, seg, heads, kv_heads, causal, topk=0):
     return x + _ref_lin(w, prefix + ".fc2", F.gelu(_ref_lin(w, prefix + ".fc1", x)))
 
 
-def encoder_token_meta(batch: BoundaryBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per media token of an encoder: (index within its sample, sample id) — attention positions/segments."""
-    counts = batch.tokens_per_sample
+def encoder_token_meta(batch: BoundaryBatch, item_sizes: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per media token of an encoder: (index within its item, item id) — attention positions/segments. An item is
+    a run of a sample's tokens (`item_sizes`, in token order; None: one item per sample), encoded on its own as
+    the trainer's media items are, so an item can be encoded on any DP rank."""
+    counts = batch.tokens_per_sample if item_sizes is None else np.asarray(item_sizes, dtype=np.int64)
     seg = np.repeat(np.arange(len(counts)), counts)
     pos = np.arange(len(seg)) - np.repeat(np.cumsum(counts) - counts, counts)
     return torch.as_tensor(pos), torch.as_tensor(seg)
 
 
 def reference_fused(w, layout: HeteroLayout, dims: ChainDims, inputs: dict, batches: dict[str, BoundaryBatch],
-                    text: torch.Tensor) -> torch.Tensor:
-    """Single-device LLM input [N, S, H]: text embeddings with every encoder's output at its positions."""
+                    text: torch.Tensor, items: dict | None = None) -> torch.Tensor:
+    """Single-device LLM input [N, S, H]: text embeddings with every encoder's output at its positions.
+    items: encoder -> its item sizes (encoder_token_meta); None: one item per sample."""
     n, seq, hidden = text.shape
     fused = text.clone()
     for key in sorted(layout.encoders):
-        pos, seg = encoder_token_meta(batches[key])
+        pos, seg = encoder_token_meta(batches[key], (items or {}).get(key))
         h = _ref_lin(w, f"{key}.embed", inputs[key])
         for i in range(depth(layout[key].pp)):
             h = _ref_block(w, f"{key}.blocks.{i}", h, pos, seg, dims.enc_heads, dims.enc_heads, causal=False)
         e = _ref_lin(w, f"{key}.proj2", F.gelu(_ref_lin(w, f"{key}.proj1", h)))
-        rows = torch.as_tensor(seg.numpy() * seq + np.concatenate(batches[key].positions))
+        sample = np.repeat(np.arange(n), batches[key].tokens_per_sample)
+        rows = torch.as_tensor(sample * seq + np.concatenate(batches[key].positions))
         fused = fused.reshape(n * seq, hidden).index_copy(0, rows, e).view(n, seq, hidden)
     return fused
 
@@ -148,10 +152,12 @@ def reference_llm(w, layout: HeteroLayout, dims: ChainDims, x: torch.Tensor, pos
 
 
 def reference_forward(w, layout: HeteroLayout, dims: ChainDims, inputs: dict, batches: dict[str, BoundaryBatch],
-                      text: torch.Tensor, target: torch.Tensor, docs: torch.Tensor | None = None):
-    """Single-device forward: returns (LLM output [N, S, H], loss). docs: packed documents per row."""
+                      text: torch.Tensor, target: torch.Tensor, docs: torch.Tensor | None = None,
+                      items: dict | None = None):
+    """Single-device forward: returns (LLM output [N, S, H], loss). docs: packed documents per row; items: each
+    encoder's item sizes (reference_fused)."""
     n, seq, hidden = text.shape
-    fused = reference_fused(w, layout, dims, inputs, batches, text)
+    fused = reference_fused(w, layout, dims, inputs, batches, text, items)
     pos = torch.arange(seq).repeat(n)
     x = reference_llm(w, layout, dims, fused.reshape(n * seq, hidden), pos, token_segments(n, seq, docs).reshape(-1))
     y = x.view(n, seq, hidden)
@@ -159,9 +165,10 @@ def reference_forward(w, layout: HeteroLayout, dims: ChainDims, inputs: dict, ba
 
 
 def reference_documents_alone(w, layout: HeteroLayout, dims: ChainDims, inputs: dict,
-                              batches: dict[str, BoundaryBatch], text: torch.Tensor, docs: torch.Tensor):
+                              batches: dict[str, BoundaryBatch], text: torch.Tensor, docs: torch.Tensor,
+                              items: dict | None = None):
     """LLM output [N, S, H] with every packed document run through the LLM alone (positions from 0)."""
-    fused = reference_fused(w, layout, dims, inputs, batches, text)
+    fused = reference_fused(w, layout, dims, inputs, batches, text, items)
     out = torch.empty_like(fused)
     for r in range(fused.shape[0]):
         for d in docs[r].unique().tolist():
