@@ -14,7 +14,8 @@ image's patches) and the Parakeet FastConformer.
 Mixes (per sample; the text 64-512 tokens):
   camera  photos as a phone takes them, 4:3 / 16:9 / 3:4 from 1 to 12 tiles (+ thumbnail), a few document scans
   mixed   40% photos, 15% 12-tile document scans, 20% video clips (8-32 frames), 25% audio clips (5-120 s)
-The verdict column is issue 35's target: balanced max/mean <= 1.10 where row ownership gives >= 1.5.
+The verdict column is issue 35's target: balanced max/mean <= 1.10 where row ownership gives >= 1.5. "priced" is
+what the planner prices for the mix's measured spread (cv of a row's and an item's cost: hetero/planner/straggler.py).
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+from dataclasses import dataclass
 
 from tessera.data.pipeline import encoder_tokens
 from tessera.hetero.plan.encoder_balance import balanced_assignment, imbalance, rank_loads, row_owned_assignment
 from tessera.hetero.planner.flops import media_item_flops
 from tessera.hetero.planner.model import describe_model
+from tessera.hetero.planner.straggler import busiest_rank_factor
 
 VISION, AUDIO = "radio_vit_h", "fastconformer_parakeet_0_6b"
 
@@ -66,31 +69,57 @@ def microbatch(rng: random.Random, mix: str, rows: int, seq: int, tok, native: b
         items += [(row, k, u) for k, u in media]
 
 
-def table(microbatches: int, seq: int, seed: int = 0) -> list[tuple]:
+@dataclass
+class Measured:
+    """One encoder at one DP size over a mix's microbatches: the mix's spread and both assignments' max/mean."""
+    row_cv: float           # coefficient of variation of one row's encoder FLOPs
+    item_cv: float          # ... of one item's
+    rows_per_rank: float
+    items_per_rank: float
+    owned: list[float]      # max/mean per microbatch, row ownership
+    balanced: list[float]   # ... largest first by cost
+
+    def priced(self, dp: int, balanced: bool) -> float:
+        """What the planner prices for this spread (hetero/planner/straggler.py)."""
+        return busiest_rank_factor(dp, self.rows_per_rank, self.items_per_rank, (self.row_cv, self.item_cv), balanced)
+
+
+def measure(mix: str, native: bool, key: str, dp: int, microbatches: int, seq: int, seed: int = 0) -> Measured:
+    tok = encoder_tokens({"vision": VISION, "audio": AUDIO}, max_tiles=12, video_frames=32, native_resolution=native)
     desc = describe_model("nemotron_nano_12b_v2", VISION, AUDIO)
+    kinds = ("image", "video") if key == "vision" else ("audio",)
+    rows, rng = 2 * dp, random.Random(seed)
+    owned, balanced, row_costs, item_costs = [], [], [], []
+    for _ in range(microbatches):
+        mine = [(r, k, u) for r, k, u in microbatch(rng, mix, rows, seq, tok, native) if k in kinds]
+        costs = [media_item_flops(desc[key], tok, k, u) for _, k, u in mine]
+        if not costs:
+            continue
+        per_row = [0.0] * rows
+        for (r, _, _), c in zip(mine, costs):
+            per_row[r] += c
+        row_costs += per_row
+        item_costs += costs
+        owned.append(imbalance(rank_loads(costs, row_owned_assignment([r for r, _, _ in mine], rows, dp), dp)))
+        balanced.append(imbalance(rank_loads(costs, balanced_assignment(costs, dp), dp)))
+    cv = lambda xs: statistics.pstdev(xs) / statistics.mean(xs)  # noqa: E731
+    return Measured(cv(row_costs), cv(item_costs), 2.0, len(item_costs) / len(owned) / dp, owned, balanced)
+
+
+CASES = [(mix, native, key) for mix, native in (("camera", False), ("camera", True), ("mixed", False))
+         for key in (("vision", "audio") if mix == "mixed" else ("vision",))]
+
+
+def table(microbatches: int, seq: int, seed: int = 0) -> list[tuple]:
     out = []
-    for mix, native in (("camera", False), ("camera", True), ("mixed", False)):
-        tok = encoder_tokens({"vision": VISION, "audio": AUDIO}, max_tiles=12, video_frames=32,
-                             native_resolution=native)
+    for mix, native, key in CASES:
         for dp in (2, 4, 8, 16, 32, 64):
-            rows = 2 * dp
-            rng = random.Random(seed)
-            batches = [microbatch(rng, mix, rows, seq, tok, native) for _ in range(microbatches)]
-            for key in ("vision", "audio") if mix == "mixed" else ("vision",):
-                kinds = ("image", "video") if key == "vision" else ("audio",)
-                owned, balanced = [], []
-                for items in batches:
-                    mine = [(r, k, u) for r, k, u in items if k in kinds]
-                    costs = [media_item_flops(desc[key], tok, k, u) for _, k, u in mine]
-                    if not costs:
-                        continue
-                    owned.append(imbalance(rank_loads(costs, row_owned_assignment([r for r, _, _ in mine], rows, dp),
-                                                      dp)))
-                    balanced.append(imbalance(rank_loads(costs, balanced_assignment(costs, dp), dp)))
-                o, b = statistics.mean(owned), statistics.mean(balanced)
-                verdict = "meets" if o < 1.5 or b <= 1.10 else "misses"
-                out.append((f"{mix}{' native' if native else ''}", key, dp, rows, f"{o:.2f} (worst {max(owned):.2f})",
-                            f"{b:.2f} (worst {max(balanced):.2f})", verdict))
+            m = measure(mix, native, key, dp, microbatches, seq, seed)
+            o, b = statistics.mean(m.owned), statistics.mean(m.balanced)
+            verdict = "meets" if o < 1.5 or b <= 1.10 else "misses"
+            out.append((f"{mix}{' native' if native else ''}", key, dp, 2 * dp, f"{m.row_cv:.2f} / {m.item_cv:.2f}",
+                        f"{o:.2f} (worst {max(m.owned):.2f})", f"{m.priced(dp, False):.2f}",
+                        f"{b:.3f} (worst {max(m.balanced):.2f})", f"{m.priced(dp, True):.3f}", verdict))
     return out
 
 
@@ -101,7 +130,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     rows = table(a.microbatches, a.seq)
     print(f"encoder cost max/mean over DP ranks, {a.microbatches} microbatches of 2 x DP rows of {a.seq} tokens\n")
-    print("| mix | encoder | DP | rows | row-owned max/mean | balanced max/mean | target |\n|---|---|---:|---:|---|---|---|")
+    print("| mix | encoder | DP | rows | cv row / item | row-owned max/mean | priced | balanced max/mean | priced | target |"
+          "\n|---|---|---:|---:|---|---|---:|---|---:|---|")
     for r in rows:
         print("| " + " | ".join(str(c) for c in r) + " |")
     return 0 if all(r[-1] == "meets" for r in rows) else 1

@@ -212,3 +212,30 @@ def test_plan_table_names_the_llm_cp_path():
     assert pred.feasible, pred.reason
     assert pred.kernels == "attention head-parallel, mamba head-parallel"
     assert " 1 LLM context parallelism: attention head-parallel, mamba head-parallel" in format_table([pred])
+
+
+def test_an_encoder_is_priced_at_its_busiest_dp_rank():
+    """Issue 35 item 4: an encoder's compute is the expected maximum over its DP ranks for the recipe's media mix
+    (hetero/planner/straggler.py, itself checked against a simulation in tests/test_encoder_balance.py), with and
+    without items dealt by cost; a mix without spread is priced at the mean, as before."""
+    from dataclasses import replace
+
+    from tessera.hetero.planner.straggler import busiest_rank_factor
+    from tessera.recipes.full_size import RECIPES
+
+    r = RECIPES["nemotron_omni_30b_a3b"]
+    model, lay, cl = r.model(), "vision=dp32@0-31;audio=dp32@0-31;language=dp32,ep8@0-31", cluster("h100")
+    even = predict(lay, model, replace(r.workload, vision_spread=(0.0, 0.0), audio_spread=(0.0, 0.0)), cl,
+                   recompute=())
+    per_dp = r.workload.global_batch // even.microbatches // 32
+    steps = {}
+    for balanced in (True, False):
+        p = predict(lay, model, replace(r.workload, balance_encoders=balanced), cl, recompute=())
+        steps[balanced] = p.step_s
+        for key in ("vision", "audio"):
+            items = items_of(model[key], r.workload)[0]
+            want = busiest_rank_factor(32, per_dp, per_dp * items, r.workload.spread(model[key].kind), balanced)
+            got = p.modules[key].stages[0].compute / even.modules[key].stages[0].compute
+            assert got == pytest.approx(want, rel=1e-9) and want > 1.0, (key, balanced, got, want)
+        assert p.modules["language"] == even.modules["language"]
+    assert even.step_s < steps[True] < steps[False], steps

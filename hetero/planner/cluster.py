@@ -79,6 +79,15 @@ class Workload:
     tubelets: bool = False             # fuse temporal_patch frames into one ViT pass
     audio_seconds: float = 0.0         # audio per sequence
     audio_clip_seconds: float = 30.0   # length of one clip (attention spans a clip)
+    # how unevenly the media mix's cost falls: (row, item) coefficient of variation of encoder FLOPs, measured for a
+    # mix by scripts/bench_balance.py (straggler.MIXED_SPREAD); (0, 0) prices every row alike (the mean)
+    vision_spread: tuple[float, float] = (0.0, 0.0)
+    audio_spread: tuple[float, float] = (0.0, 0.0)
+    balance_encoders: bool = True      # items dealt to encoder DP ranks by cost (data.balance_encoders)
+
+    def spread(self, kind: str) -> tuple[float, float]:
+        """The (row, item) spread of an encoder kind's cost ("vit", "conformer")."""
+        return self.vision_spread if kind == "vit" else self.audio_spread if kind == "conformer" else (0.0, 0.0)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ from tessera.hetero.planner.cluster import Cluster, Constants, Workload
 from tessera.hetero.planner.cp_cost import kernel_paths, llm_cp_activation, llm_cp_seconds
 from tessera.hetero.planner.flops import llm_row_flops, sequence_flops, vit_sequence_flops
 from tessera.hetero.planner.model import BF16, ModelDesc, ModuleDesc
+from tessera.hetero.planner.straggler import busiest_rank_factor
 from tessera.hetero.planner.step_time import (GIB, Memory, ModuleCost, Stage, StepParts, colocated_encoders,
                                               encoder_pipeline, expert_dp, homogeneous_step, optimizer_bytes,
                                               optimizer_params, remote_encoders)
@@ -138,7 +139,8 @@ def activation_bytes(mod: ModuleDesc, lay: ModuleLayout, tokens: float, ctx: flo
 def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, cl: Cluster,
                 k: Constants, recompute: bool, in_flight: int, grad_group: int | None = None) -> ModuleCost:
     """One module in layout `lay`, fed `samples` sequences per microbatch (global); `in_flight`
-    microbatches' activations are alive at once on its first stage."""
+    microbatches' activations are alive at once on its first stage. An encoder computes at its busiest DP rank's
+    pace (straggler.py)."""
     tp, cp, pp, dp = lay.tp, lay.cp, lay.pp, lay.dp_size
     items, toks, out_toks, fwd_item = items_of(mod, w)
     per_dp = samples / dp
@@ -149,7 +151,10 @@ def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, c
     else:                        # encoder CP splits a sequence's media tokens (hetero/plan/encoder_cp.py)
         rank_items = per_dp * items / cp
         tokens, ctx = rank_items * toks, toks
-        fwd_body = rank_items * fwd_item / (tp * pp)
+        # the busiest DP rank sets the encoder's pace: the expected maximum over DP ranks for the media mix, with or
+        # without items dealt by cost (straggler.py), not the mean
+        busiest = busiest_rank_factor(dp, per_dp, per_dp * items, w.spread(mod.kind), w.balance_encoders)
+        fwd_body = rank_items * fwd_item / (tp * pp) * busiest
     mult = 4 if recompute else 3
     speed = cl.peak_tflops * 1e12 * k.eff(mod.kind)
     msg = tokens * mod.hidden * BF16

@@ -17,6 +17,7 @@ from tessera.hetero.plan.trainable import UntrainableLayout
 from tessera.hetero.planner.cluster import Workload, cluster
 from tessera.hetero.planner.model import describe_model
 from tessera.hetero.planner.search import format_table, price_layout, search
+from tessera.hetero.planner.straggler import MIXED_SPREAD
 from tessera.hetero.training.run_modules import checkpoint_llm_fields, encoder_names, resolve_config
 
 
@@ -29,8 +30,11 @@ def workload_for_run(cfg) -> Workload:
         value = getattr(d, field, None)
         if value is not None:
             media[f] = float(value)
+    # the media mix's spread is not known before the data is read: priced as the bench's mixed set (straggler.py)
     return Workload(seq_length=d.seq_length, global_batch=d.rows_per_microbatch * d.microbatches,
-                    rows_per_microbatch=d.rows_per_microbatch, **media)
+                    rows_per_microbatch=d.rows_per_microbatch, vision_spread=MIXED_SPREAD["vit"],
+                    audio_spread=MIXED_SPREAD["conformer"], balance_encoders=getattr(d, "balance_encoders", True),
+                    **media)
 
 
 def ranked_for_run(cfg, gpus: int, cluster_name: str = "h100"):
