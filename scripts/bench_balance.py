@@ -2,12 +2,13 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_balance.py              # the table, ~20 s, pure
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_balance.py --microbatches 50
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_balance.py --train     # + measured step times, ~4 min, idle box
 
 Microbatches are drawn from two media mixes and packed into rows by LLM tokens, as the loader packs them (each
 sample its text and its media's placeholder tokens, first fit into rows of --seq tokens). Per encoder and DP size
 the table gives max/mean of the per-rank encoder cost (the mean over microbatches, and the worst microbatch):
-  row-owned  each DP rank encodes the items of its rows (hetero/plan/resolved_run.dp_rows: what Tessera does today)
-  balanced   hetero/plan/encoder_balance.balanced_assignment over the microbatch's items (largest first)
+  row-owned  each DP rank encodes the items of its rows (hetero/plan/resolved_run.dp_rows; data.balance_encoders=false)
+  balanced   hetero/plan/encoder_balance.balanced_assignment over the microbatch's items (largest first; the default)
 Cost of an item = its forward FLOPs, hetero/planner/flops.media_item_flops (the planner's and the trainer's count)
 for the full-size encoders: RADIO ViT-H (512-px tiles + thumbnail; at native resolution one grid of all the
 image's patches) and the Parakeet FastConformer.
@@ -16,6 +17,10 @@ Mixes (per sample; the text 64-512 tokens):
   mixed   40% photos, 15% 12-tile document scans, 20% video clips (8-32 frames), 25% audio clips (5-120 s)
 The verdict column is issue 35's target: balanced max/mean <= 1.10 where row ownership gives >= 1.5. "priced" is
 what the planner prices for the mix's measured spread (cv of a row's and an item's cost: hetero/planner/straggler.py).
+
+--train measures it: one spawn of 4 gloo ranks trains the tiny omni recipe (TRAIN_LAYOUTS) row-owned and balanced,
+alternating which runs first, and compares the median step times. Caveat: 4 ranks on this box's 2 cores; the tiny
+encoders' cost is mostly Python and gloo latency, so a FLOPs imbalance shows only partly in seconds.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import argparse
 import random
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
 from tessera.data.pipeline import encoder_tokens
 from tessera.hetero.plan.encoder_balance import balanced_assignment, imbalance, rank_loads, row_owned_assignment
@@ -123,11 +129,71 @@ def table(microbatches: int, seq: int, seed: int = 0) -> list[tuple]:
     return out
 
 
+# the measured part: the tiny omni recipe (native-resolution images, clips, audio of synthetic sizes) with larger
+# media than its default (up to 5 tiles' patches an image, 8 frames a clip), so the encoders weigh on the step
+TRAIN_LAYOUTS = [("non-colocated dp2", "vision=dp2@0-1;audio=dp2@0-1;language=tp2@2-3"),
+                 ("colocated dp4", "vision=dp4@0-3;audio=dp4@0-3;language=tp2,dp2@0-3")]
+
+
+def _train_alternating(root: str, steps: int, repeats: int) -> None:
+    """Every rank: each layout `repeats` times row-owned and balanced, alternating which goes first."""
+    import fiddle as fdl
+
+    from tessera.recipes.registry import nemotron_omni_tiny
+    from tessera.recipes.train import train
+
+    for rep in range(repeats):
+        for name, layout in TRAIN_LAYOUTS:
+            for balance in ((False, True) if rep % 2 == 0 else (True, False)):
+                cfg = fdl.build(nemotron_omni_tiny())
+                cfg.data.balance_encoders, cfg.data.val_path = balance, None
+                cfg.data.max_tiles, cfg.data.video_frames = 4, 8
+                t = cfg.trainer
+                t.max_steps, t.resume, t.progress, t.tensorboard, t.log_every = steps, False, False, False, steps
+                t.run_dir = f"{root}/{name.replace(' ', '_')}_{'balanced' if balance else 'row'}_{rep}"
+                train(cfg.model, cfg.data, cfg.optim, t, layout=layout, name="bench_balance")
+
+
+def train_table(steps: int, repeats: int, warmup: int = 2) -> list[tuple]:
+    """Per layout: median step time over every repeat's steps after `warmup`, row-owned and balanced, the ratio,
+    and each encoder's busiest/mean FLOPs per step (metrics.jsonl's encoder_imbalance)."""
+    import tempfile
+
+    from tessera.hetero.tools.spawn import run_on_ranks
+    from tessera.hetero.training.metrics import read_metrics
+
+    out = []
+    with tempfile.TemporaryDirectory(prefix="bench_balance_") as root:
+        run_on_ranks(4, _train_alternating, root, steps, repeats, timeout=3600)
+        for name, layout in TRAIN_LAYOUTS:
+            res = {}
+            for mode in ("row", "balanced"):
+                recs = [r for rep in range(repeats)
+                        for r in read_metrics(Path(root) / f"{name.replace(' ', '_')}_{mode}_{rep}")[warmup:]]
+                res[mode] = (statistics.median(r["step_time_s"] for r in recs),
+                             {k: statistics.mean(r["encoder_imbalance"][k] for r in recs) for k in ("vision", "audio")})
+            (t_row, i_row), (t_bal, i_bal) = res["row"], res["balanced"]
+            out.append((name, f"`{layout}`", f"{t_row:.3f}", f"{t_bal:.3f}", f"{t_row / t_bal:.2f}x",
+                        " / ".join(f"{i_row[k]:.2f} -> {i_bal[k]:.2f}" for k in ("vision", "audio"))))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--microbatches", type=int, default=30)
     ap.add_argument("--seq", type=int, default=16384, help="tokens per packed row")
+    ap.add_argument("--train", action="store_true", help="also the measured step times of the tiny omni recipe")
+    ap.add_argument("--steps", type=int, default=12, help="steps per measured run (--train)")
+    ap.add_argument("--repeats", type=int, default=2, help="row-owned / balanced pairs per layout, alternating")
     a = ap.parse_args(argv)
+    if a.train:
+        print(f"measured: tiny omni on 4 gloo ranks, {a.repeats} x {a.steps} steps per mode, median step time after "
+              f"2 warm-up steps\n")
+        print("| layout | spec | row-owned step s | balanced step s | speed-up | busiest/mean FLOPs vision / audio |"
+              "\n|---|---|---:|---:|---:|---|")
+        for r in train_table(a.steps, a.repeats):
+            print("| " + " | ".join(str(c) for c in r) + " |")
+        print()
     rows = table(a.microbatches, a.seq)
     print(f"encoder cost max/mean over DP ranks, {a.microbatches} microbatches of 2 x DP rows of {a.seq} tokens\n")
     print("| mix | encoder | DP | rows | cv row / item | row-owned max/mean | priced | balanced max/mean | priced | target |"
