@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_train.py --out bench_train.json          # ~3 min here
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_train.py --only-extra --layout "vision=tp4@0-3;audio=dp4@0-3;language=pp2,dp2@0-3"
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_train.py --saves --out bench_saves.json   # what a save costs
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_train.py --overlap     # boundary wait deferred vs in the op
 
 One spawn of 4 ranks (hetero.tools.spawn.run_on_ranks) trains every layout in sequence through the real entry
 point (recipes.train.train, as tests/test_train_hetero.py does): RADIO-tiny + FastConformer-tiny +
@@ -74,6 +75,9 @@ def summarize(name: str, spec: str, resolved: str, metrics: list[dict], warmup: 
             "median_step_s": med, "min_step_s": min(timed), "max_step_s": max(timed),
             "tokens_per_s": tokens_per_step / med,
             "boundary_mb_per_step": statistics.median(r["boundary_bytes"] for r in metrics) / 2 ** 20,
+            # exposed boundary time: the slowest rank's seconds inside the exchanges and waiting for deferred ones
+            "boundary_s": statistics.median(r.get("max_over_ranks", {}).get("boundary_s", 0.0) for r in metrics[warmup:]
+                                            or metrics),
             "first_loss": metrics[0]["loss"], "final_loss": metrics[-1]["loss"],
             "step_times_s": [r["step_time_s"] for r in metrics]}
 
@@ -88,13 +92,14 @@ def add_ratios(rows: list[dict], baseline: str = "homogeneous") -> list[dict]:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = ("| layout | placement | median step s | tokens/s | vs homogeneous | boundary MB/step | final loss |\n"
-            "|---|---|---:|---:|---:|---:|---:|")
+    head = ("| layout | placement | median step s | tokens/s | vs homogeneous | boundary MB/step | exposed boundary s "
+            "| final loss |\n|---|---|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in rows:
         ratio = f"{r['vs_homogeneous']:.2f}x" if r.get("vs_homogeneous") is not None else "n/a"
         lines.append(f"| `{r['layout']}` | {r['placement']} | {r['median_step_s']:.3f} | {r['tokens_per_s']:.0f} | "
-                     f"{ratio} | {r['boundary_mb_per_step']:.3f} | {r['final_loss']:.4f} |")
+                     f"{ratio} | {r['boundary_mb_per_step']:.3f} | {r.get('boundary_s', 0.0):.3f} | "
+                     f"{r['final_loss']:.4f} |")
     return "\n".join(lines)
 
 
@@ -163,6 +168,41 @@ def saves_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _train_overlap(root: str, layouts: list[tuple[str, str]], steps: int, repeats: int):
+    """Every rank: each layout `repeats` times with the boundary's wait deferred (the trainer's) and inside the
+    boundary op, alternating which goes first."""
+    from tessera.hetero.runtime import step_executor
+
+    try:
+        for rep in range(repeats):
+            for name, layout in layouts:
+                for defer in ((True, False) if rep % 2 == 0 else (False, True)):
+                    step_executor.DEFER_BOUNDARY_WAIT = defer
+                    _train_all(root, [(f"{name}_{'deferred' if defer else 'sync'}_{rep}", layout)], steps, 128, 4, 2)
+    finally:
+        step_executor.DEFER_BOUNDARY_WAIT = True
+
+
+def measure_overlap(layouts: list[tuple[str, str]], steps: int = 12, warmup: int = 2, repeats: int = 2) -> str:
+    """Exposed boundary seconds and step time per layout, the boundary wait inside the op vs deferred."""
+    from tessera.hetero.tools.spawn import run_on_ranks
+    from tessera.hetero.training.metrics import read_metrics
+
+    lines = ["| layout | exposed boundary s, waited in the op | deferred | step s, waited in the op | deferred |",
+             "|---|---:|---:|---:|---:|"]
+    with tempfile.TemporaryDirectory(prefix="bench_overlap_") as root:
+        run_on_ranks(WORLD, _train_overlap, root, layouts, steps, repeats, timeout=3600)
+        for name, spec in layouts:
+            got = {}
+            for mode in ("sync", "deferred"):
+                recs = [r for rep in range(repeats) for r in read_metrics(Path(root) / f"{name}_{mode}_{rep}")[warmup:]]
+                got[mode] = (statistics.median(r["max_over_ranks"]["boundary_s"] for r in recs),
+                             statistics.median(r["step_time_s"] for r in recs))
+            lines.append(f"| `{spec}` | {got['sync'][0]:.3f} | {got['deferred'][0]:.3f} | {got['sync'][1]:.3f} | "
+                         f"{got['deferred'][1]:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=20, help="steps per layout (the first --warmup are not timed)")
@@ -173,7 +213,14 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", default=None, help="keep the run directories here (default: a temporary folder)")
     ap.add_argument("--out", default="bench_train.json", help="JSON output path")
     ap.add_argument("--saves", action="store_true", help="instead: what a checkpoint save costs, sync vs async")
+    ap.add_argument("--overlap", action="store_true",
+                    help="instead: exposed boundary time with the boundary's wait deferred vs inside the op")
     args = ap.parse_args(argv)
+    if args.overlap:
+        print(measure_overlap([lay for lay in LAYOUTS if lay[1]]))
+        print(f"\n{WORLD} gloo ranks, 12 steps per run, 2 alternating repeats, medians over steps 3-12 of the slowest "
+              f"rank's seconds in (or waiting for) boundary exchanges")
+        return 0
     if args.saves:
         t0 = time.perf_counter()
         rows = measure_saves(root=args.runs)

@@ -81,8 +81,9 @@ def test_hetero_matches_single_device(world):
 
 
 # ------------------------------------------------------------------ exact boundary movement, any dtype
-def _exact_boundary(spec, dtype_name, dst_format, uniform):
-    """Forward rows and backward gradient rows must arrive bit-exactly where the oracle says."""
+def _exact_boundary(spec, dtype_name, dst_format, uniform, defer=False):
+    """Forward rows and backward gradient rows must arrive bit-exactly where the oracle says; with `defer`, the
+    forward returns with its messages posted and its output is whole once finish() ran (what the trainer does)."""
     import torch.distributed as dist
 
     from tessera.hetero.runtime.boundary import BoundaryCommunicator
@@ -111,7 +112,11 @@ def _exact_boundary(spec, dtype_name, dst_format, uniform):
         if uniform:  # [samples, tokens, hidden]
             x = x.view(n // src.dp_size, -1, hidden)
         x.requires_grad_()
-    out = comm(x, batch)
+    out = comm(x, batch, defer=defer)
+    if defer:
+        assert len(comm._pending) == 1, "a deferred forward must leave its exchange pending"
+        comm.finish()
+        assert not comm._pending
     table = oracle_dest_rows(dst, batch, dst_format).get(rank)
     if table is not None:
         flat = out.reshape(-1, hidden)
@@ -138,6 +143,10 @@ EXACT_CASES = [
     ("vision=dp2,tp2@0-3;language=cp2,tp2@0-3", "float32", "dense", True),
     ("vision=cp2@0-1;language=dp2@2-3", "bfloat16", "dense", False),
     ("vision=pp2,dp1@0-1;language=cp2@2-3", "float32", "tokens", True),
+    # deferred: gathered receives scattered by finish(), colocated local copies, both formats
+    ("vision=dp2,tp2@0-3;language=cp2,tp2@0-3", "float32", "dense", False, True),
+    ("vision=dp4@0-3;language=tp4@0-3", "bfloat16", "tokens", False, True),
+    ("vision=cp2@0-1;language=dp2@2-3", "float32", "dense", True, True),
 ]
 
 

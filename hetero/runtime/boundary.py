@@ -92,49 +92,83 @@ def _put(out: torch.Tensor, rows, value: torch.Tensor) -> None:
         out.index_copy_(0, torch.as_tensor(rows, device=out.device), value)
 
 
-def run_program(prog: RankProgram, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Execute one rank's program. x: [in_rows, hidden]. Returns the [out_rows, hidden] output and the
-    bytes this rank sent. Contiguous runs are sent from and received into views: no extra copies."""
+@dataclass
+class Exchange:
+    """One rank's program in flight: its output (`out` in the caller's shape, `flat` its [rows, hidden] view; rows
+    still arriving), the requests, the gathered receive buffers to scatter once they arrived, and the gathered
+    send buffers, kept alive until sent."""
+
+    out: torch.Tensor
+    flat: torch.Tensor
+    reqs: list
+    scatter: list
+    keep: list
+    sent: int
+
+    def finish(self) -> torch.Tensor:
+        """Wait for every message, then place the gathered receives: `out` is complete from here on."""
+        for r in self.reqs:
+            r.wait()
+        with torch.no_grad():  # fills the exchange's own buffer, outside any graph
+            for rows, buf in self.scatter:
+                _put(self.flat, rows, buf)
+        self.reqs, self.scatter, self.keep = [], [], []
+        return self.out
+
+
+def start_program(prog: RankProgram, x: torch.Tensor, shape: tuple[int, ...] | None = None) -> Exchange:
+    """Issue one rank's program: post every receive and send, copy the rows that stay on the rank while the
+    messages move, and return without waiting. x: [in_rows, hidden]; the output has `shape` (default [out_rows])
+    + [hidden]. Contiguous runs are sent from and received into views: no extra copies."""
     hidden = x.shape[-1]
+    shape = (*(shape or (prog.out_rows,)), hidden)
     # rows nobody writes (dense format: text positions) must read as zeros
-    out = x.new_empty(prog.out_rows, hidden) if prog.covers_all_rows else x.new_zeros(prog.out_rows, hidden)
-    ops, scatter, sent = [], [], 0
+    out = x.new_empty(shape) if prog.covers_all_rows else x.new_zeros(shape)
+    flat = out.view(-1, hidden)
+    ops, scatter, keep, sent = [], [], [], 0
     for peer, rows in prog.recvs:
-        buf = out[rows] if isinstance(rows, slice) else x.new_empty(len(rows), hidden)
+        buf = flat[rows] if isinstance(rows, slice) else x.new_empty(len(rows), hidden)
         if not isinstance(rows, slice):
             scatter.append((rows, buf))
         ops.append(dist.P2POp(dist.irecv, buf, peer))
     for peer, rows in prog.sends:
         buf = _take(x, rows).contiguous()
         sent += buf.numel() * buf.element_size()
+        keep.append(buf)
         ops.append(dist.P2POp(dist.isend, buf, peer))
     # batch_isend_irecv coalesces on NCCL (needed to avoid ordering deadlocks) and loops on gloo
     reqs = dist.batch_isend_irecv(ops) if ops else []
     for src_rows, dst_rows in prog.copies:
-        _put(out, dst_rows, _take(x, src_rows))
-    for r in reqs:
-        r.wait()
-    for rows, buf in scatter:
-        _put(out, rows, buf)
-    return out, sent
+        _put(flat, dst_rows, _take(x, src_rows))
+    return Exchange(out, flat, reqs, scatter, keep, sent)
+
+
+def run_program(prog: RankProgram, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Execute one rank's program and wait for it: the [out_rows, hidden] output and the bytes this rank sent."""
+    ex = start_program(prog, x)
+    return ex.finish(), ex.sent
 
 
 class _BoundaryFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm: "BoundaryCommunicator", plan: BoundaryPlan):
+    def forward(ctx, x, comm: "BoundaryCommunicator", plan: BoundaryPlan, defer: bool):
         ctx.comm, ctx.plan, ctx.in_shape = comm, plan, x.shape
         t0 = time.perf_counter()
-        out, sent = run_program(comm.program(plan, "forward"), x.reshape(-1, comm.hidden))
-        comm.bytes_sent, comm.seconds = comm.bytes_sent + sent, comm.seconds + time.perf_counter() - t0
-        shape = plan.dst_shape.get(comm.rank, (0,))
-        return out.view(*shape, comm.hidden)
+        # the output is the exchange's own tensor, not a view of it: a deferred finish() may still scatter into it
+        ex = start_program(comm.program(plan, "forward"), x.reshape(-1, comm.hidden), plan.dst_shape.get(comm.rank, (0,)))
+        if defer:  # finished by comm.finish(), before anything reads the output
+            comm._pending.append(ex)
+        else:
+            ex.finish()
+        comm.bytes_sent, comm.seconds = comm.bytes_sent + ex.sent, comm.seconds + time.perf_counter() - t0
+        return ex.out
 
     @staticmethod
     def backward(ctx, grad_out):
         comm, t0 = ctx.comm, time.perf_counter()
         grad_in, sent = run_program(comm.program(ctx.plan, "backward"), grad_out.reshape(-1, comm.hidden).contiguous())
         comm.bytes_sent, comm.seconds = comm.bytes_sent + sent, comm.seconds + time.perf_counter() - t0
-        return grad_in.view(ctx.in_shape), None, None
+        return grad_in.view(ctx.in_shape), None, None, None
 
 
 class BoundaryCommunicator:
@@ -152,11 +186,13 @@ class BoundaryCommunicator:
         self.device, self.dst_format = torch.device(device), dst_format
         self.rank = dist.get_rank() if rank is None else rank
         self.bytes_sent = 0  # running total on this rank, forward and backward
-        # host seconds in the exchanges, waiting for peers included (a GPU's NCCL waits return at once)
+        # host seconds in the exchanges, waiting for peers included (a GPU's NCCL waits return at once): the exposed
+        # boundary time; a deferred exchange counts its posting and its finish()
         self.seconds = 0.0
         self._cache: tuple[tuple, BoundaryPlan] | None = None
         self._programs: dict[tuple[int, str], RankProgram] = {}
         self._written: torch.Tensor | None = None  # of the cached plan
+        self._pending: list[Exchange] = []  # deferred forward exchanges in flight (__call__(defer=True))
 
     def plan(self, batch: BoundaryBatch) -> BoundaryPlan:
         # consecutive microbatches often share metadata (fixed media tokens): reuse the plan
@@ -184,7 +220,9 @@ class BoundaryCommunicator:
         fwd, bwd = minimum_rows(self.src, self.dst, batch)
         return (fwd + bwd) * self.hidden * torch.empty((), dtype=self.dtype).element_size()
 
-    def __call__(self, x: torch.Tensor | None, batch: BoundaryBatch) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor | None, batch: BoundaryBatch, defer: bool = False) -> torch.Tensor:
+        """This rank's slice of the boundary output. defer: return once the messages are posted, so the rank
+        computes (the next microbatch's encoder) while they move; the output may be read only after finish()."""
         plan = self.plan(batch)
         rows = plan.forward.in_rows.get(self.rank)
         if rows is None:
@@ -198,7 +236,15 @@ class BoundaryCommunicator:
                              f"output (its samples' media tokens, in order), got {got}")
         if x.dtype != self.dtype:
             raise ValueError(f"boundary expects {self.dtype} activations, got {x.dtype}; cast before the boundary")
-        return _BoundaryFn.apply(x, self, plan)
+        return _BoundaryFn.apply(x, self, plan, defer)
+
+    def finish(self) -> None:
+        """Complete every deferred forward exchange, oldest first (their outputs are whole from here on); the time
+        spent waiting counts as exposed boundary time (`seconds`)."""
+        t0 = time.perf_counter()
+        while self._pending:
+            self._pending.pop(0).finish()
+        self.seconds += time.perf_counter() - t0
 
     @staticmethod
     def backward_from(out: torch.Tensor) -> None:

@@ -11,7 +11,10 @@ input (or its own microbatch data on the first stage) to activations, the LLM's 
 encoder's boundary output, its last stage returns a loss already divided by the global token count.
 Pipeline sends are isend (waited on at the end of the step), receives block; a boundary call is a
 rendezvous of the ranks named by `schedule_plan.boundary_participants` — the semantics `check_schedule`
-proves deadlock-free.
+proves deadlock-free. A boundary forward posts its messages and returns (BoundaryCommunicator(defer=True)): the
+rank goes on computing (the next microbatch's encoder) while they move, and waits only where the output is read
+(the LLM's first stage), before the boundary's backward, and at the end of the step. Every op is still issued in
+the schedule's order, and a wait only moves later, so the proof holds.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from tessera.hetero.plan.boundary_plan import BoundaryBatch
 from tessera.hetero.runtime.groups import ModuleGroups
 from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
 from tessera.hetero.plan.schedule_plan import rank_schedule
+
+# False: every boundary forward waits for its messages inside the op (what scripts/bench_train.py --overlap
+# compares the deferred wait against); the trainer always defers
+DEFER_BOUNDARY_WAIT = True
 
 
 class EncoderStage(Protocol):
@@ -107,6 +114,8 @@ def hetero_step(layout: HeteroLayout, groups: dict[str, ModuleGroups], encoders:
             st.outputs[slot] = encoders[key].forward(x, mb)
         elif op.kind == "fwd":
             if lg.first_stage:  # the LLM runs on detached boundary outputs: their grads meet the encoder later
+                for k in sorted(layout.encoders):
+                    comms[k].finish()  # its deferred exchanges: the outputs are read now
                 take = st.boundary.pop if forward_only else st.boundary.__getitem__
                 media = {k: take((k, mb)).detach().requires_grad_() for k in sorted(layout.encoders)}
                 st.detached.update({(k, mb): t for k, t in media.items()})
@@ -131,10 +140,11 @@ def hetero_step(layout: HeteroLayout, groups: dict[str, ModuleGroups], encoders:
             batch = batches[mb][key]
             if callable(batch):  # a layout settled at the boundary (EVS tubelet chunks: runtime/tubelet_settle.py)
                 batch = batch(encoders.get(key))
-            st.boundary[slot] = comms[key](x, batch)
+            st.boundary[slot] = comms[key](x, batch, defer=DEFER_BOUNDARY_WAIT)
             if lg.is_member and lg.first_stage:
                 st.written[slot] = comms[key].written(batch)
         elif op.kind == "boundary_bwd":
+            comms[key].finish()
             out = st.boundary.pop(slot)
             if lg.is_member and lg.first_stage:
                 d = st.detached.pop(slot)
@@ -145,4 +155,6 @@ def hetero_step(layout: HeteroLayout, groups: dict[str, ModuleGroups], encoders:
             raise AssertionError(f"unknown op {op}")
     for work, _ in st.sends:
         work.wait()
+    for k in sorted(comms):
+        comms[k].finish()
     return result
