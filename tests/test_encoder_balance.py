@@ -106,3 +106,30 @@ def test_the_planner_prices_the_busiest_rank_the_simulation_measures(mix, native
         assert abs(m.priced(dp, False) / owned - 1) <= (0.15 if key == "audio" else 0.05), (dp, m.priced(dp, False), owned)
         assert abs(m.priced(dp, True) - balanced) <= (0.06 if key == "audio" else 0.03), (dp, m.priced(dp, True), balanced)
         assert m.priced(dp, True) < m.priced(dp, False) and balanced < owned
+
+
+def test_a_run_never_gives_a_rank_more_tokens_than_row_ownership_would():
+    """ItemAssignment (what every rank's loader computes): by cost, but no DP rank gets more of the encoder's tokens
+    (activation memory) than the fullest rank under row ownership in that microbatch; a microbatch the greedy
+    cannot place under that cap keeps the rows' split; without a cost, the rows' split."""
+    from tessera.hetero.plan.encoder_balance import ItemAssignment, row_owners
+
+    cost = lambda key, kind, units: float(units) ** 2  # noqa: E731  (a native grid: quadratic in its patches)
+    rng = random.Random(3)
+    differed, busiest, busiest_rows = 0, 0.0, 0.0
+    for _ in range(200):
+        dp = rng.choice([2, 4])
+        meta = [{"vision": [("image", u, u) for u in (rng.choice([1, 2, 4, 16]) for _ in range(rng.randint(0, 3)))]}
+                for _ in range(2 * dp)]
+        owners = ItemAssignment({"vision": dp}, cost).owners(meta)["vision"]
+        assert owners[0] == dp and [len(o) for o in owners[1]] == [len(m["vision"]) for m in meta]
+        rows = row_owners(meta, "vision", dp)
+        flat = lambda per_row: [o for own in per_row for o in own]  # noqa: E731
+        tokens = [float(m[2]) for row in meta for m in row["vision"]]
+        assert max(rank_loads(tokens, flat(owners[1]), dp)) <= max(rank_loads(tokens, flat(rows), dp))
+        costs = [cost("vision", "image", t) for t in tokens]
+        differed += owners[1] != rows
+        busiest += max(rank_loads(costs, flat(owners[1]), dp), default=0.0)
+        busiest_rows += max(rank_loads(costs, flat(rows), dp), default=0.0)
+    assert differed > 50 and busiest < 0.9 * busiest_rows, (differed, busiest / busiest_rows)
+    assert ItemAssignment({"vision": 2}).owners(meta)["vision"][1] == row_owners(meta, "vision", 2)
