@@ -252,8 +252,12 @@ class HeteroLayout:
                         f"modules '{ka}' (@{a.first}-{a.last}) and '{kb}' (@{b.first}-{b.last}) partly overlap: "
                         f"ranges must be identical (colocated) or disjoint (non-colocated)")
         world = world_size if world_size is not None else self.world_size
-        covered = sorted({r for m in self.modules.values() for r in m.ranks})
-        if covered != list(range(world)):
+        # identical or disjoint ranges tile the world when, sorted, each starts where the last ended (checked
+        # without listing the ranks: the layout search validates thousands of layouts of 16,384+ ranks)
+        ranges = sorted({(m.first, m.last) for m in self.modules.values()})
+        ends = [-1] + [last for _, last in ranges]
+        if [first for first, _ in ranges] != [e + 1 for e in ends[:-1]] or ends[-1] != world - 1:
+            covered = sorted({r for m in self.modules.values() for r in m.ranks})
             missing = sorted(set(range(world)) - set(covered))
             outside = sorted(set(covered) - set(range(world)))
             what = f"ranks {missing} belong to no module" if missing else f"ranks {outside} exceed the world"
@@ -295,14 +299,25 @@ class HeteroLayout:
 
 
 def scale_layout(layout: HeteroLayout | str, world: int) -> HeteroLayout:
-    """The layout on `world` ranks: every module's range and DP grow by world / layout.world_size."""
+    """The layout on `world` ranks: every module's range and DP grow by world / layout.world_size, or shrink by
+    layout.world_size / world (an elastic restart on fewer ranks) when every module's DP and range boundaries
+    divide by that factor; TP, CP, PP and EP never change. LayoutError naming the module otherwise."""
     layout = HeteroLayout.parse(layout) if isinstance(layout, str) else layout
-    if world % layout.world_size:
-        raise LayoutError(f"world {world} is not a multiple of the layout's {layout.world_size} ranks; "
-                          f"scaling grows data parallelism by a whole factor")
-    f = world // layout.world_size
-    return HeteroLayout({k: dataclasses.replace(m, first=m.first * f, last=(m.last + 1) * f - 1, dp=m.dp_size * f)
-                         for k, m in layout.modules.items()})
+    size = layout.world_size
+    if world % size == 0:
+        f = world // size
+        return HeteroLayout({k: dataclasses.replace(m, first=m.first * f, last=(m.last + 1) * f - 1,
+                                                    dp=m.dp_size * f) for k, m in layout.modules.items()})
+    if world < 1 or size % world:
+        raise LayoutError(f"world {world} is not a multiple of the layout's {size} ranks (nor a divisor); "
+                          f"scaling changes data parallelism by a whole factor")
+    f = size // world
+    for k, m in layout.modules.items():
+        if m.dp_size % f or m.first % f or (m.last + 1) % f:
+            raise LayoutError(f"layout {layout} cannot shrink by data parallelism to {world} ranks: module '{k}' "
+                              f"(dp={m.dp_size} on ranks {m.first}-{m.last}) does not divide by {f}")
+    return HeteroLayout({k: dataclasses.replace(m, first=m.first // f, last=(m.last + 1) // f - 1,
+                                                dp=m.dp_size // f) for k, m in layout.modules.items()})
 
 
 def rows_multiple(layout: HeteroLayout) -> int:

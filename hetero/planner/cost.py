@@ -220,6 +220,8 @@ def _sizes(lay: ModuleLayout) -> ModuleLayout:
 
 
 _module_cost = functools.lru_cache(maxsize=65536)(module_cost)  # the search prices each module shape once
+# ... and each boundary once (the three recompute options of a layout, and its other placements, share them)
+_boundary_rows = functools.lru_cache(maxsize=65536)(comm.boundary_rows)
 
 
 def _check(layout: HeteroLayout, model: ModelDesc, w: Workload, gpus: int, samples: int) -> None:
@@ -269,7 +271,7 @@ def _boundary(src: ModuleLayout, dst: ModuleLayout, enc: ModuleDesc, w: Workload
               cl: Cluster, k: Constants) -> tuple[float, float]:
     """Forward and backward boundary time per microbatch (busiest rank)."""
     _, _, media, _ = items_of(enc, w)
-    rows = comm.boundary_rows(src, dst, samples, media)
+    rows = _boundary_rows(src, dst, samples, media)
     disjoint = src.last < dst.first or dst.last < src.first
     lk = comm.link(cl, disjoint or dst.size > cl.gpus_per_node)
     row = enc.out_hidden * BF16
@@ -287,6 +289,12 @@ def predict(layout: HeteroLayout | str, model: ModelDesc, w: Workload, cl: Clust
     layout = HeteroLayout.parse(layout) if isinstance(layout, str) else layout
     if recompute is None:
         return _least_recompute(layout, model, w, cl, k, baseline)
+    return _price(layout, model, w, cl, k, recompute, baseline, check=True)
+
+
+def _price(layout: HeteroLayout, model: ModelDesc, w: Workload, cl: Cluster, k: Constants,
+           recompute: tuple[str, ...], baseline: bool, check: bool) -> Prediction:
+    """predict() for one recompute option; check=False: the caller has run _check on this layout and workload."""
     out = Prediction(str(layout), placement(layout, baseline), False, gpus=layout.world_size, recompute=recompute,
                      micro_batch=w.micro_batch, global_batch=w.global_batch,
                      baseline=baseline and len(layout.modules) > 1)
@@ -294,7 +302,8 @@ def predict(layout: HeteroLayout | str, model: ModelDesc, w: Workload, cl: Clust
     samples = w.micro_batch * lang.dp_size
     out.kernels = kernel_paths(model[LANGUAGE], _sizes(lang))
     try:
-        _check(layout, model, w, out.gpus, samples)
+        if check:
+            _check(layout, model, w, out.gpus, samples)
     except LayoutError as e:
         out.reason = str(e)
         return out
@@ -321,9 +330,27 @@ def predict(layout: HeteroLayout | str, model: ModelDesc, w: Workload, cl: Clust
 
 def _least_recompute(layout: HeteroLayout, model: ModelDesc, w: Workload, cl: Cluster, k: Constants,
                      baseline: bool) -> Prediction:
-    """The first of no recompute, encoders only, every module that fits (or fails for a reason other than memory)."""
-    for opt in [(), tuple(model.keys[:-1]), tuple(model.keys)]:
-        p = predict(layout, model, w, cl, k, opt, baseline)
+    """The first of no recompute, encoders only, every module that fits (or fails for a reason other than memory).
+
+    An option whose LLM alone exceeds the usable memory is passed over unpriced: its rank range holds the LLM
+    plus, at most, colocated encoders (never less), so pricing it would only return that memory failure - the
+    search (layout=auto) priced every layout three times, most of them for nothing. A layout that fails its
+    checks is priced at the first option as before (the failure does not depend on the option)."""
+    options = [(), tuple(model.keys[:-1]), tuple(model.keys)]
+    lang = layout[LANGUAGE]
+    samples = w.micro_batch * lang.dp_size
+    try:
+        _check(layout, model, w, layout.world_size, samples)
+    except LayoutError:
+        return _price(layout, model, w, cl, k, options[0], baseline, check=True)
+    limit = cl.hbm_gib * HEADROOM
+    for i, opt in enumerate(options):
+        if i < len(options) - 1:
+            llm = _module_cost(model[LANGUAGE], _sizes(lang), samples, w, cl, k, LANGUAGE in opt,
+                               min(lang.pp, w.global_batch // samples), None)
+            if llm.memory.total / GIB > limit:
+                continue
+        p = _price(layout, model, w, cl, k, opt, baseline, check=False)
         if p.feasible or not p.reason.startswith("memory"):
             return p
     return p

@@ -9,13 +9,17 @@
    few probe ranks p (first/last/middle of every module); membership must match the layout's rank formula
    and every probe must create the groups in the same order (creation is collective: a different order
    hangs a real job). A fresh spawned process, as tests/test_groups_fake.py: the fake world must be that
-   process's only default group and megatron keeps global state.
+   process's only default group and megatron keeps global state. Each probe creates its own groups only
+   (hetero/planner/fake_groups.py: the others' rank lists are checked, not created), so the cost is linear
+   in the world, not a million new_group calls.
 2. boundary plans for every encoder -> language pair (a synthetic microbatch with the layout's real number
    of samples, few media tokens each, uneven and random positions): every element delivered exactly once
    to every rank that needs it in both directions, from a rank that holds it (checked against shard
-   membership derived here, independently of hetero.plan.boundary_plan), and no more rows moved than needed.
-3. the pipeline schedule of every rank via hetero.plan.schedule_plan (build_schedule, check_schedule), when
-   that module exists.
+   membership derived independently of hetero.plan.boundary_plan), and no more rows moved than needed.
+3. the pipeline schedule of every rank via hetero.plan.schedule_plan (build_schedule, check_schedule).
+   2 and 3 run on the layout's distinct block of DP replicas (hetero/plan/replicas.py: at N ranks a scaled
+   layout is N / block copies of it, each the block with ranks and samples shifted; hetero/planner/plan_checks.py),
+   so time and memory stay flat as N grows; colocated modules of different PP are checked on every rank.
 4. per-rank memory from the cost model (hetero.planner.cost.predict), and per module and rank from the real
    modules built on the meta device in the same spawned fake world (hetero/planner/meta_memory.py: params,
    grads, optimizer states, measured activations), printed next to the cost model's with the difference
@@ -26,7 +30,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import multiprocessing as mp
 import time
@@ -35,15 +38,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tessera.hetero.plan.boundary_plan import BoundaryBatch, BoundaryPlan, minimum_rows, plan_boundary
-from tessera.hetero.plan.schedule_plan import ScheduleError, build_schedule, check_schedule
 from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, ModuleLayout, rows_multiple, scale_layout
+from tessera.hetero.plan.replicas import dp_fold
 from tessera.hetero.planner.cluster import Workload, cluster
 from tessera.hetero.planner.cost import HEADROOM, items_of, predict
 from tessera.hetero.planner.memory_report import ParamCheck, memory_report, param_checks
 from tessera.hetero.planner.step_time import GIB
 from tessera.hetero.planner.meta_memory import batch_for, model_config, rank_shards, seeded_init_units
 from tessera.hetero.planner.model import ModelDesc
+from tessera.hetero.planner.plan_checks import (check_boundaries, check_boundary_plan, check_schedules,  # noqa: F401
+                                                fold_note, synthetic_batch)
 
 
 @dataclass
@@ -74,16 +78,21 @@ class Report:
 # --- 1. process groups (runs in a spawned process) -------------------------------------------------------
 
 def expected_groups(m: ModuleLayout, rank: int) -> dict[str, list[int]]:
-    """The ranks of each of `rank`'s groups in module m, from the layout's rank formula alone."""
+    """The ranks of each of `rank`'s groups in module m, from the layout's rank formula alone (evaluated on arrays:
+    a DP group holds up to the whole world)."""
     c = m.coord(rank)
-    vary = lambda **ranges: sorted({m.rank_of(**{**c.__dict__, **dict(zip(ranges, v))})  # noqa: E731
-                                    for v in itertools.product(*ranges.values())})
+
+    def vary(**ranges) -> list[int]:  # rank's coordinates, the named ones taking every value
+        axes = [np.arange(ranges[n]) if n in ranges else np.array([getattr(c, n)]) for n in ("tp", "cp", "dp", "pp")]
+        return np.unique(m.rank_of(*np.ix_(*axes))).tolist()
+
     flat = c.cp + m.cp * c.dp  # experts re-cut the cp*dp slice into ep (fastest) x expt_dp
-    slice_ranks = [m.rank_of(c.tp, f % m.cp, f // m.cp, c.pp) for f in range(m.cp * m.dp_size)]
-    return {"tp": vary(tp=range(m.tp)), "cp": vary(cp=range(m.cp)), "dp": vary(dp=range(m.dp_size)),
-            "pp": vary(pp=range(m.pp)), "dp_cp": vary(dp=range(m.dp_size), cp=range(m.cp)),
-            "ep": sorted(slice_ranks[(flat // m.ep) * m.ep:(flat // m.ep + 1) * m.ep]),
-            "expt_dp": sorted(slice_ranks[flat % m.ep::m.ep])}
+    f = np.arange(m.cp * m.dp_size)
+    slice_ranks = m.rank_of(c.tp, f % m.cp, f // m.cp, c.pp)
+    return {"tp": vary(tp=m.tp), "cp": vary(cp=m.cp), "dp": vary(dp=m.dp_size), "pp": vary(pp=m.pp),
+            "dp_cp": vary(dp=m.dp_size, cp=m.cp),
+            "ep": sorted(slice_ranks[(flat // m.ep) * m.ep:(flat // m.ep + 1) * m.ep].tolist()),
+            "expt_dp": sorted(slice_ranks[flat % m.ep::m.ep].tolist())}
 
 
 def probe_ranks(layout: HeteroLayout) -> list[int]:
@@ -113,93 +122,24 @@ def _group_problems(layout: HeteroLayout, rank: int, groups: dict) -> list[str]:
 
 def check_groups(spec: str, world: int, probes: list[int]) -> list[str]:
     """Build every module's groups as each probe rank sees them (fake backend); return the problems."""
-    import torch.distributed as dist
-
+    from tessera.hetero.planner.fake_groups import member_groups_only
     from tessera.hetero.runtime.groups import build_module_groups
     from tessera.hetero.runtime.world import fake_world
 
     layout = HeteroLayout.parse(spec)
-    problems, orders = [], []
-    for rank in probes:
-        calls: list[list[list[int]]] = []
-        real = dist.new_subgroups_by_enumeration
-        dist.new_subgroups_by_enumeration = lambda enum, *a, **k: (calls.append([list(g) for g in enum]),
-                                                                   real(enum, *a, **k))[1]
-        try:
-            with fake_world(rank, world):
-                problems += _group_problems(layout, rank, build_module_groups(layout))
-        except Exception as e:  # noqa: BLE001 - any failure of group creation is the finding
-            problems.append(f"rank {rank}: building groups failed: {e}")
-        finally:
-            dist.new_subgroups_by_enumeration = real
-        orders.append(calls)
+    problems: list[str] = []
+    orders: list[list[str]] = []  # per probe, every enumeration megatron passes in creation order (digests)
+    with member_groups_only(lambda digest: orders[-1].append(digest)):
+        for rank in probes:
+            orders.append([])
+            try:
+                with fake_world(rank, world):
+                    problems += _group_problems(layout, rank, build_module_groups(layout))
+            except Exception as e:  # noqa: BLE001 - any failure of group creation is the finding
+                problems.append(f"rank {rank}: building groups failed: {e}")
     if any(o != orders[0] for o in orders):
         problems.append("probe ranks create process groups in different orders (a real job would hang)")
     return problems
-
-
-# --- 2. boundary plans -----------------------------------------------------------------------------------
-
-def synthetic_batch(samples: int, dst_cp: int, seed: int = 0) -> BoundaryBatch:
-    """Uneven media counts at random sorted positions: a plan that is right here is right for any batch."""
-    rng = np.random.default_rng(seed)
-    seq = 16 * dst_cp
-    counts = rng.integers(1, seq // 2, size=samples)
-    return BoundaryBatch(seq, tuple(np.sort(rng.choice(seq, size=int(c), replace=False)) for c in counts))
-
-
-def _shards(src: ModuleLayout, dst: ModuleLayout, batch: BoundaryBatch):
-    """Element ids per source (dp, cp) and per destination (dp, cp) shard, derived from the layouts'
-    documented sharding (samples by DP; source CP: contiguous token parts; destination CP: zigzag chunks)."""
-    n, seq = batch.num_samples, batch.seq_length
-    src_sh, dst_sh = {}, {}
-    g = 0
-    chunk = seq // (2 * dst.cp)
-    for i, pos in enumerate(batch.positions):
-        ids = np.arange(g, g + len(pos))
-        g += len(pos)
-        for c, part in enumerate(np.array_split(ids, src.cp)):
-            src_sh.setdefault((i // (n // src.dp_size), c), []).append(part)
-        ck = pos // chunk
-        owner = np.where(ck < dst.cp, ck, 2 * dst.cp - 1 - ck)
-        for c in range(dst.cp):
-            dst_sh.setdefault((i // (n // dst.dp_size), c), []).append(ids[owner == c])
-    cat = lambda d: {k: np.concatenate(v) for k, v in d.items()}  # noqa: E731
-    return cat(src_sh), cat(dst_sh)
-
-
-def check_boundary_plan(plan: BoundaryPlan, src: ModuleLayout, dst: ModuleLayout, batch: BoundaryBatch) -> list[str]:
-    """Problems of one plan: a needed row missing or delivered twice, a wrong element, a rank that sends
-    what it does not hold."""
-    src_sh, dst_sh = _shards(src, dst, batch)
-    empty = np.zeros(0, np.int64)
-    problems = []
-    sides = (("forward", plan.forward, src, src.pp - 1, src_sh, dst, 0, dst_sh),
-             ("backward", plan.backward, dst, 0, dst_sh, src, src.pp - 1, src_sh))
-    for name, direction, send_m, send_stage, send_sh, recv_m, recv_stage, recv_sh in sides:
-        hits = {}
-        for r in recv_m.ranks:
-            c = recv_m.coord(r)
-            if c.pp == recv_stage:
-                hits[r] = np.zeros(len(recv_sh.get((c.dp, c.cp), empty)), np.int64)
-        for t in direction.transfers:
-            s, d = send_m.coord(t.src_rank), recv_m.coord(t.dst_rank)
-            if s is None or s.pp != send_stage or d is None or t.dst_rank not in hits:
-                problems.append(f"{name}: transfer {t.src_rank}->{t.dst_rank} between ranks outside the boundary")
-                continue
-            held = send_sh.get((s.dp, s.cp), empty)
-            want = recv_sh.get((d.dp, d.cp), empty)
-            if t.src_index.max(initial=-1) >= len(held) or t.dst_index.max(initial=-1) >= len(want):
-                problems.append(f"{name}: transfer {t.src_rank}->{t.dst_rank} indexes rows the ranks do not have")
-                continue
-            if not np.array_equal(held[t.src_index], want[t.dst_index]):
-                problems.append(f"{name}: transfer {t.src_rank}->{t.dst_rank} carries the wrong elements")
-            np.add.at(hits[t.dst_rank], t.dst_index, 1)
-        for r, h in hits.items():
-            if np.any(h != 1):
-                problems.append(f"{name}: rank {r} gets {int((h == 0).sum())} rows never and "
-                                f"{int((h > 1).sum())} rows more than once")
-    return problems[:20]
 
 
 # --- the dry run -----------------------------------------------------------------------------------------
@@ -214,9 +154,12 @@ def _in_fresh_process(fn, *args):
 
 def _fake_world_checks(spec: str, world: int, probes: list[int] | None, model_cfg, batch):
     """Both fake-world parts in one spawned process: (group problems or None, meta shards or None)."""
-    problems = check_groups(spec, world, probes) if probes is not None else None
-    t = time.perf_counter()
-    shards = rank_shards(spec, model_cfg, batch) if model_cfg is not None else None
+    from tessera.hetero.planner.fake_groups import member_groups_only
+
+    with member_groups_only():  # every rank creates its own groups only; megatron enumerates each kind once
+        problems = check_groups(spec, world, probes) if probes is not None else None
+        t = time.perf_counter()
+        shards = rank_shards(spec, model_cfg, batch) if model_cfg is not None else None
     units = seeded_init_units(model_cfg) if model_cfg is not None else None
     return problems, shards, units, time.perf_counter() - t
 
@@ -291,27 +234,21 @@ def dry_run(layout_str: str, world: int | None = None, microbatches: int = 4, mo
     future = (_in_fresh_process(_fake_world_checks, str(layout), layout.world_size, probes, model_cfg, batch)
               if groups or model_cfg is not None else None)
     t = time.perf_counter()
-    for i, key in enumerate(layout.encoders):
-        batch = synthetic_batch(samples, lang.cp, seed=i)
-        plan = plan_boundary(layout[key], lang, batch)
-        found = check_boundary_plan(plan, layout[key], lang, batch)
-        report.problems += [f"boundary {key}: {p}" for p in found]
-        fwd_min, bwd_min = minimum_rows(layout[key], lang, batch)
-        moved = (plan.forward.rows_moved(), plan.backward.rows_moved())
-        if moved > (fwd_min, bwd_min):
-            report.problems.append(f"boundary {key}: moves {moved} rows, more than the minimum {(fwd_min, bwd_min)}")
-        report.notes.append(f"boundary {key}: {samples} samples, {sum(len(p) for p in batch.positions)} media "
-                            f"rows, moved fwd/bwd {moved} = minimum, {len(plan.forward.transfers)} transfers")
+    fold = dp_fold(layout)
+    report.notes.append(fold_note(layout, fold))
+    for key, b in check_boundaries(fold, samples).items():
+        report.problems += [f"boundary {key}: {p}" for p in b.problems]
+        report.notes.append(f"boundary {key}: {b.samples} samples, {b.media_rows} media rows, moved fwd/bwd "
+                            f"{b.moved} = minimum, {b.transfers} transfers")
     report.seconds["boundary"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    schedules = build_schedule(layout, microbatches)
-    try:
-        ran = check_schedule(schedules, layout)
-        report.notes.append(f"schedule: {microbatches} microbatches, {sum(map(len, schedules.values()))} ops on "
-                            f"{len(schedules)} ranks, no deadlock, every message received ({ran} run)")
-    except ScheduleError as e:
-        report.problems.append(f"schedule: {e}")
+    sched = check_schedules(fold, microbatches)
+    if sched.problem:
+        report.problems.append(f"schedule: {sched.problem}")
+    else:
+        report.notes.append(f"schedule: {microbatches} microbatches, {sched.ops} ops on {sched.ranks} ranks, no "
+                            f"deadlock, every message received ({sched.ran} run)")
     report.seconds["schedule"] = time.perf_counter() - t
 
     if future is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 from tessera.hetero.plan.layout import LANGUAGE, ModuleLayout
 
@@ -54,7 +55,7 @@ class Stage:
     pp: float = 0.0
     fwd_frac: float = 1 / 3   # share of the time spent in the forward pass
 
-    @property
+    @cached_property  # frozen: computed once (the layout search reads it millions of times)
     def total(self) -> float:
         return self.compute + self.tp + self.cp + self.ep + self.pp
 
@@ -71,7 +72,7 @@ class Memory:
     optim: float = 0.0
     act: float = 0.0
 
-    @property
+    @cached_property
     def total(self) -> float:
         return self.weights + self.grads + self.optim + self.act
 
@@ -93,11 +94,11 @@ class ModuleCost:
     mem_last: Memory
     model_flops: float       # 3 x forward FLOPs of one microbatch, all ranks (useful work only)
 
-    @property
+    @cached_property
     def slowest(self) -> Stage:
         return max(self.stages, key=lambda s: s.total)
 
-    @property
+    @cached_property
     def memory(self) -> Memory:
         return max(self.mem_first, self.mem_last, key=lambda mm: mm.total)
 
