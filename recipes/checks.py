@@ -17,13 +17,14 @@ import dataclasses
 import re
 import typing
 
-from tessera.hetero.plan.layout import ENCODER_KEYS
+from tessera.hetero.plan.layout import ENCODER_KEYS, HeteroLayout, LayoutError
 from tessera.hetero.plan.recompute import parse_recompute
 from tessera.hetero.plan.resolved_run import ResolvedRun
 from tessera.hetero.plan.retention import KeepPolicy
-from tessera.hetero.planner.run_layout import layout_proposals
+from tessera.hetero.planner.run_layout import layout_proposals, price_run
 from tessera.hetero.training.run_modules import module_specs, resolve_config
 from tessera.models import configs, encoders
+from tessera.recipes.config import check_elastic
 
 MODALITIES = ENCODER_KEYS  # the encoder module keys of a ModelConfig and of a layout
 
@@ -43,9 +44,49 @@ def check_names(model) -> None:
     parse_recompute(getattr(model, "recompute", "none"))
 
 
-def resolve(cfg, world_size: int, llm_fields: dict | None = None) -> ResolvedRun:
-    """The run resolved on `world_size` ranks; for layout=auto the planner proposes (h100 costs)."""
-    return resolve_config(cfg, world_size, llm_fields, layout_proposals(cfg, world_size))
+def resolve(cfg, world_size: int, llm_fields: dict | None = None, elastic: bool = False) -> ResolvedRun:
+    """The run resolved on `world_size` ranks; for layout=auto the planner proposes (h100 costs). elastic: a
+    restart of an elastic job, whose world may differ from the layout's (resolve_run's `elastic`)."""
+    fits = (lambda spec: _memory_problem(cfg, spec)) if elastic else None
+    return resolve_config(cfg, world_size, llm_fields, layout_proposals(cfg, world_size), elastic=elastic, fits=fits)
+
+
+def _memory_problem(cfg, spec: str) -> str:
+    """Why the planner's memory model says `spec` does not fit (h100, 80 GB), or "". Only memory: the workload
+    it prices (media per row) is an estimate, its other verdicts are the trainer's to make."""
+    pred = price_run(cfg, spec)
+    return pred.reason if not pred.feasible and pred.reason.startswith("memory") else ""
+
+
+class WorldTooSmall(ValueError):
+    """An elastic job's world on which no layout of the run trains and fits; the message names worlds that do."""
+
+
+def resolve_restart(cfg, world: int, ranks_per_node: int, llm_fields: dict | None = None) -> ResolvedRun:
+    """An elastic job's run resolved on the `world` ranks its agents re-rendezvoused with (resolve(elastic=True)).
+    When nothing this run can train fits that world: WorldTooSmall naming the nearest worlds of whole nodes
+    that do (the smallest larger one up to the run's own layout's world, or 4x this one for layout=auto/"")."""
+    try:
+        return resolve(cfg, world, llm_fields, elastic=True)
+    except LayoutError as e:
+        def trains(w: int) -> bool:
+            try:
+                resolve(cfg, w, llm_fields, elastic=True)
+                return True
+            except LayoutError:
+                return False
+
+        spec, node = (cfg.layout or "").strip(), max(ranks_per_node, 1)
+        top = HeteroLayout.parse(spec).world_size if spec not in ("", "auto") else 4 * world
+        larger = next((w for w in range(world + node, max(top, world) + 1, node) if trains(w)), None)
+        smaller = next((w for w in range(world - node, 0, -node) if trains(w)), None)
+        where = (f"the smallest world that fits is {larger} ranks ({larger // node} nodes of {node})" if larger
+                 else f"no world of up to {top} ranks fits either")
+        if smaller:  # the world is torchrun's to set: ranks beyond a usable one cannot be left idle as spares
+            where += f"; a smaller one, {smaller} ranks, would too (ranks are never left idle as spares)"
+        raise WorldTooSmall(f"{e}.\nelastic: this run cannot train on {world} ranks: {where}. The checkpoint is "
+                            f"intact; the job resumes from it when the agents re-rendezvous with enough ranks "
+                            f"(or set layout=... / trainer.elastic_min_nodes)") from e
 
 
 def check_run(cfg, world_size: int) -> ResolvedRun:
@@ -55,6 +96,7 @@ def check_run(cfg, world_size: int) -> ResolvedRun:
         raise ValueError(f"optim.use_distributed_optimizer=True shards the fp32 master weights of a bf16 run, and "
                          f"model.dtype={cfg.model.dtype!r} has none: set model.dtype=bfloat16 or drop the option")
     KeepPolicy(getattr(cfg.trainer, "keep_last", None), getattr(cfg.trainer, "keep_every", 0))
+    check_elastic(getattr(cfg.trainer, "elastic_min_nodes", 0), getattr(cfg.trainer, "elastic_max_restarts", 0))
     return resolve(cfg, world_size)
 
 

@@ -128,6 +128,22 @@ class TrainerConfig:
     wandb_project: str | None = None        # also log to Weights & Biases (hetero/training/tracking.py)
     wandb_mode: str | None = None           # "offline" (no network: `wandb sync` later) | "online"; None = WANDB_MODE
     wandb_entity: str | None = None
+    # elastic (issue 36): > 0 launches through torchrun's elastic agent, --nnodes MIN:MAX with MIN this and MAX
+    # run.executor.nodes; a job that loses nodes restarts on the survivors, one that gets nodes back grows, and
+    # each restart re-resolves the layout for its world and resumes from the last checkpoint (recipes/elastic.py)
+    elastic_min_nodes: int = 0
+    elastic_max_restarts: int = 3           # restarts after a failure (torchrun --max-restarts; a node joining: none)
+
+    def __post_init__(self):
+        check_elastic(self.elastic_min_nodes, self.elastic_max_restarts)
+
+
+def check_elastic(min_nodes: int, max_restarts: int) -> None:
+    """trainer.elastic_min_nodes / elastic_max_restarts: whole numbers >= 0 (the CLI checks them before launch)."""
+    for name, v in (("elastic_min_nodes", min_nodes), ("elastic_max_restarts", max_restarts)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"trainer.{name}={v!r} must be a whole number >= 0 (elastic_min_nodes=0: a fixed-size "
+                             f"job; N: keep training on N or more nodes)")
 
 
 @dataclass

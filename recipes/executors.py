@@ -33,6 +33,7 @@ from typing import Optional
 import nemo_run as run
 from nemo_run.core.packaging import GitArchivePackager
 
+from tessera.recipes.elastic import max_nodes
 from tessera.recipes.slurm_signal import shutdown_grace_s
 
 CPU_DEFAULT_WORLD = 4  # layout "" on a machine without GPUs: the 4-rank CPU layouts of the tiny recipes
@@ -206,7 +207,7 @@ def fit_executor(executor, layout_world: int | None) -> int:
 
 
 def _fit_slurm(ex, layout_world: int | None) -> int:
-    nodes = ex.nodes if isinstance(ex.nodes, int) else ex.nodes[0]
+    nodes = max_nodes(ex)
     tasks = ex.torchrun_nproc_per_node or ex.ntasks_per_node or ex.gpus_per_node or 0
     if not tasks:
         if layout_world is None:

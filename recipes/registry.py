@@ -140,7 +140,12 @@ def nemotron_omni_tiny() -> run.Config[RunConfig]:
     tiny RADIO's 16 px (its 64-px tile's 16 patches .. max_tiles 2 + 1 tiles' worth): 4-12 tokens an image,
     what the tiles gave, so a synthetic sample stays well inside seq_length 256. The release's 1024..13312
     patches would give up to 3328 tokens an image."""
-    return _tiny("omni", vision="radio_vit_tiny", audio="fastconformer_tiny")
+    cfg = _tiny("omni", vision="radio_vit_tiny", audio="fastconformer_tiny")
+    # the planner prices the synthetic set's longest clip (data/prepare.synth_audio: 0.5-3 s), not its 30 s
+    # default, whose 387 media tokens exceed seq_length 256 and leave layout=auto (and an elastic restart that
+    # re-plans) no layout at all
+    cfg.data.audio_seconds_per_row = 3.0
+    return cfg
 
 
 # ---- full sizes: released module sizes, bf16, layout from the GPU count ---------------------------------

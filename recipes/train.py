@@ -14,7 +14,14 @@ starts a small reaper first (_start_reaper), which outlives it and, once the ran
 exception, SIGKILL), kills what the rank started and left running (the checkpoint writer's multiprocessing
 children, ...): every process carrying the rank's token in its environment or in the rank's process group.
 Under Slurm, run_dir defaults to runs/<name>-slurm<job id>, so a requeued job (time-out, preemption,
-run.executor.retries) resumes from its own last checkpoint.
+run.executor.retries) resumes from its own last checkpoint; an elastic job (trainer.elastic_min_nodes) elsewhere
+to runs/<name>-elastic<torchrun's run id>, the same for every restart of its workers.
+
+Elastic (issue 36, recipes/elastic.py launches it): torchrun's agents restart the workers when a node is lost or
+joins, with the new WORLD_SIZE; each restarted rank resolves the run again for that world (recipes/checks.
+resolve_restart: the layout scaled by DP, else the planner's best trainable one, the step's rows kept), prints
+what it chose, and resumes from the last complete checkpoint; a world on which nothing fits exits non-zero
+naming the worlds that do, the checkpoint untouched.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ if os.environ.get("RANK", "0") != "0" or not torch.cuda.is_available():
 if not torch.cuda.is_available():
     warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true but no accelerator")
 
+from tessera.hetero.plan.layout import HeteroLayout
 from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
 
@@ -108,6 +116,8 @@ def _run_dir(name: str, trainer: TrainerConfig) -> Path:
         # under Slurm the job id, not the time: a requeued job (same id) resumes from its own checkpoints
         stamp = f"slurm{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID") else time.strftime(
             "%Y%m%d-%H%M%S")
+        if not os.environ.get("SLURM_JOB_ID") and trainer.elastic_min_nodes and os.environ.get("TORCHELASTIC_RUN_ID"):
+            stamp = f"elastic{os.environ['TORCHELASTIC_RUN_ID']}"  # every restart of the workers finds its checkpoints
         choice[0] = trainer.run_dir or str(Path("runs") / f"{name}-{stamp}")
     dist.broadcast_object_list(choice, src=0)
     path = Path(choice[0]).resolve()
@@ -162,13 +172,12 @@ def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
 
     apply_cpu_shims()
     from tessera.hetero.training.loop import run_training
-    from tessera.recipes.checks import resolve
 
     cfg = RunConfig(name, layout, model, data, optim, trainer)
     try:
         # the run resolved once on this world (every rank alike: pure and deterministic; layout=auto asks the planner)
-        summary = run_training(cfg, resolve(cfg, dist.get_world_size()), run_dir, stop,
-                               step_flops=_step_flops(cfg))
+        resolved = _resolve_world(cfg, rank)
+        summary = run_training(cfg, resolved, run_dir, stop, step_flops=_step_flops(cfg))
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
@@ -184,6 +193,30 @@ def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
         print(f"done: steps={summary['steps']} first_loss={summary['first_loss']:.4f} "
               f"last_loss={summary['last_loss']:.4f} layout={summary['layout']}", flush=True)
     return summary
+
+
+def _resolve_world(cfg, rank: int):
+    """The run on this world: as configured, or for an elastic job on whatever world its agents restarted it
+    with (the rank-0 line says which layout and why); a world too small exits non-zero with the message."""
+    from tessera.hetero.plan.resolved_run import scaled_for_restart
+    from tessera.recipes.checks import WorldTooSmall, resolve, resolve_restart
+
+    world = dist.get_world_size()
+    if not cfg.trainer.elastic_min_nodes:
+        return resolve(cfg, world)
+    try:
+        resolved = resolve_restart(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except WorldTooSmall as e:
+        raise SystemExit(str(e) if rank == 0 else 1) from None  # one message, every rank non-zero
+    spec = (cfg.layout or "").strip()
+    if rank == 0 and spec not in ("", "auto") and HeteroLayout.parse(spec).world_size != world:
+        scaled, why = scaled_for_restart(spec, world, None)
+        how = ("the run's layout scaled by data parallelism" if scaled and HeteroLayout.parse(scaled) == resolved.layout
+               else f"the planner's best layout this run trains on {world} ranks ({why or 'the scaled one does not'})")
+        print(f"elastic: {world} ranks (the run's layout has {HeteroLayout.parse(spec).world_size}): layout "
+              f"{resolved.layout}, {how}; {resolved.rows_per_microbatch} rows x {resolved.microbatches} "
+              f"microbatches per step", flush=True)
+    return resolved
 
 
 def main(argv: list[str]) -> int:

@@ -16,10 +16,10 @@ def ckpts(tmp_path_factory):
     }
 
 
-# Files that take minutes of wall time mostly waiting (a real Slurm's scheduler and requeue): collected first, so
-# that under scripts/test.sh's `--dist loadfile` one worker starts them while the other runs everything else,
-# instead of running them alone at the end (longest first).
-SLOW_FIRST = ("test_slurm.py",)
+# Files that take minutes of wall time (a real Slurm's scheduler and requeue; torchrun agents restarting an elastic
+# job, ~3 min): collected first, so that under scripts/test.sh's `--dist loadfile` one worker starts them while the
+# other runs everything else, instead of running them alone at the end (longest first).
+SLOW_FIRST = ("test_slurm.py", "test_elastic.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -9,6 +9,8 @@ the trainer (its state, decode plan, stages, boundary plan), the dry run and the
   layout    ""      every module data-parallel on all `world` ranks (the homogeneous baseline);
             "auto"  the first layout `propose()` yields that this run can train (the planner ranks, this decides);
             a spec  parsed; when `world` is a whole multiple of its ranks, grown by data parallelism to `world`;
+                    on an elastic restart (elastic=True) at another world: scaled by DP (down too) when that
+                    divides and fits memory, else the planner's best layout this run can train;
   modules   exactly the model's keys (fit_modules: an encoder the layout does not name goes data-parallel on
             the ranks of the layout's first encoder);
   rows      the step's rows (rows_per_microbatch x microbatches) re-split so every module's DP takes whole rows
@@ -175,10 +177,23 @@ def fit_modules(layout: HeteroLayout, keys: Iterable[str]) -> HeteroLayout:
 
 
 def resolve_run(spec: str, world: int, model: RunModel, seq_length: int, rows_per_microbatch: int,
-                microbatches: int, propose: Callable[[], Iterable[str]] | None = None) -> ResolvedRun:
+                microbatches: int, propose: Callable[[], Iterable[str]] | None = None, elastic: bool = False,
+                fits: Callable[[str], str] | None = None) -> ResolvedRun:
     """The run's validated, trainable layout and batch split on `world` ranks (see the module docstring).
-    `propose`: for spec "auto", layouts on `world` ranks in the planner's order (best first)."""
+    `propose`: for spec "auto", layouts on `world` ranks in the planner's order (best first).
+    `elastic`: the world may differ from an explicit layout's (an elastic restart on the ranks that are left, or
+    more): the layout scaled by DP when that divides and `fits` (layout -> why it does not fit memory, "" when it
+    does) passes, else the planner's best layout this run can train (`propose`); the step's rows are kept."""
     spec = (spec or "").strip()
+    if elastic and spec not in ("", "auto") and HeteroLayout.parse(spec).world_size != world:
+        scaled, why = scaled_for_restart(spec, world, fits)
+        for candidate in ([scaled] if scaled else []) + list(propose() if propose else []):
+            try:
+                return resolve_run(candidate, world, model, seq_length, rows_per_microbatch, microbatches)
+            except LayoutError as e:
+                why = why or str(e)
+        raise LayoutError(f"elastic restart on {world} ranks: {why}; and the planner proposes no layout this run can "
+                          f"train on {world} ranks with {rows_per_microbatch * microbatches} rows per step")
     if spec == "auto":
         if propose is None:
             raise LayoutError("layout=auto needs the planner's proposals; resolve the run through "
@@ -203,3 +218,13 @@ def resolve_run(spec: str, world: int, model: RunModel, seq_length: int, rows_pe
     layout.validate(run.shapes(), world_size=world)
     check_trainable(layout, model.encoder_tp, model.video_pruned)
     return run
+
+
+def scaled_for_restart(spec: str, world: int, fits: Callable[[str], str] | None) -> tuple[str, str]:
+    """(the layout scaled by DP to `world` ranks, "") or ("", why not: no whole DP factor, or memory)."""
+    try:
+        scaled = str(scale_layout(spec, world))
+    except LayoutError as e:
+        return "", str(e)
+    too_big = fits(scaled) if fits is not None else ""
+    return ("", f"{scaled} does not fit memory ({too_big})") if too_big else (scaled, "")

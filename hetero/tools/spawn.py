@@ -39,18 +39,10 @@ def _fork_started_checkpoint_queue() -> None:
     per rank and launch (a launch is a new set of processes). Here it is started with "fork" instead, from the
     rank itself (torch already loaded): the same Manager and queue, ~0.05 s. Created at the first save, as
     megatron does (a fork from a rank with gloo threads, like megatron's own per-save writer processes).
-    Test/benchmark launcher only; torchrun jobs keep megatron's spawned Manager."""
-    import multiprocessing
+    Test/benchmark launcher only; torchrun jobs keep a spawned Manager (both: preemption.shield_checkpoint_queue)."""
+    from tessera.hetero.training.preemption import shield_checkpoint_queue
 
-    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-
-    def results_queue():
-        if fa._results_queue is None:
-            fa._results_queue = multiprocessing.get_context("fork").Manager().Queue()
-        return fa._results_queue
-
-    if hasattr(fa, "_get_write_results_queue") and hasattr(fa, "_results_queue"):  # megatron-core 0.16's names
-        fa._get_write_results_queue = results_queue
+    shield_checkpoint_queue("fork")
 
 
 def _worker(rank, world, store, fn, args, queue, environ):

@@ -40,7 +40,7 @@ from tessera.hetero.training.model_build import (build_rank_modules, check_check
                                                  llm_fields, load_full_state, module_configs)
 from tessera.hetero.training.lr_schedule import LRSchedule
 from tessera.hetero.training.optim import ModuleOptimizers
-from tessera.hetero.training.preemption import StopSignals, signal_name
+from tessera.hetero.training.preemption import StopSignals, shield_checkpoint_queue, signal_name
 from tessera.hetero.training.seeded_init import SeededState
 from tessera.hetero.training.tracking import make_tracker
 from tessera.hetero.training.step_parts import (boundary_batches, rank_stages, run_loader, step_context,
@@ -101,6 +101,7 @@ class RunState:
     modules: dict = field(default_factory=dict)
     opt: object = None
     start: int = 0
+    saved_on: tuple | None = None  # (world, layout) the resumed checkpoint was saved on; None without one
     loader_state: object = None
     step_flops: object = None  # hetero/planner/flops.StepFlops of the run, or None (no FLOPs in the metrics)
     lr_schedule: object = None  # hetero/training/lr_schedule.LRSchedule: step -> multiplier of the peak LRs
@@ -171,6 +172,7 @@ def _resume(run: RunState) -> None:
     if last is not None:
         common = load_checkpoint(last, run.modules, run.opt, run.groups, run.configs)
         run.start, run.loader_state = common["step"], decode_loader_state(common["loader"])
+        run.saved_on = (common["world"], common["layout"])
         if run.rank == 0:
             print(f"resumed from {last} (step {run.start}, saved in layout {common['layout']})", flush=True)
 
@@ -208,7 +210,8 @@ def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, h
     rows = run.resolved.rows_per_step
     # model FLOPs of these batches (hetero/planner/flops.StepFlops, handed in by recipes/train.py)
     flops = run.step_flops.record(batches, dt, run.world) if run.step_flops is not None else {}
-    return {"step": step + 1, "loss": float(sums[0]), "lr": stats["lr"], "grad_norm": stats["grad_norm"],
+    return {"step": step + 1, "world": run.world, "loss": float(sums[0]), "lr": stats["lr"],
+            "grad_norm": stats["grad_norm"],
             "tokens_per_s": rows * cfg.data.seq_length / dt, "samples_per_s": rows / dt,
             "real_tokens_per_s": sum(b.real_tokens() for b in batches) / dt, **flops, **mine,
             "max_over_ranks": dict(zip(mine, worst.tolist())), "target_tokens": total, "step_time_s": dt,
@@ -255,6 +258,7 @@ def run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals,
     run = RunState(cfg, resolved, run_dir, dist.get_rank(), resolved.world, device or current_device(),
                {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype])
     keep = KeepPolicy(cfg.trainer.keep_last, cfg.trainer.keep_every)  # a bad policy fails before any work
+    shield_checkpoint_queue()  # a stop signal to the rank's process group leaves the checkpoint writer alive
     _resolve(run)
     run.step_flops = step_flops(run.hf_fields) if step_flops is not None else None
     val_sets = resolve_val_sets(cfg.data.val_path, run.rank)  # {} without data.val_path
@@ -266,6 +270,8 @@ def run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals,
     metrics = RunMetrics(run_dir, cfg.trainer.max_steps, run.start, cfg.trainer.progress, cfg.trainer.tensorboard,
                          cfg.trainer.log_every, make_tracker(cfg.trainer, run_dir, cfg.name, asdict(cfg))
                          ) if run.rank == 0 else None
+    if metrics is not None:  # an elastic restart on other ranks (or a resume in another layout) is recorded
+        metrics.log_world_change(run.start, run.world, str(run.layout), run.saved_on)
 
     queue = AsyncCallsQueue() if cfg.trainer.async_save else None  # async saves write while the next steps train
     it, record, first_loss, last_save, stopped, last_val = iter(loader), {}, None, time.monotonic(), None, {}

@@ -9,6 +9,8 @@ loss.png at the end, and the same to W&B with trainer.wandb_project (hetero/trai
 
 metrics.jsonl is appended and flushed line by line, so a crash keeps every finished step; on resume
 the lines of steps after the checkpoint are dropped first, so the file again holds each step once.
+Every step's record carries the world it ran on; a start on another world or layout than the last run's (an
+elastic restart, issue 36) adds a {"step", "world_change": {...}} record and a log line (log_world_change).
 """
 
 from __future__ import annotations
@@ -56,12 +58,17 @@ def summary_line(record: dict, max_steps: int) -> str:
             f"{worst.get('peak_memory_gib', 0):.2f} GiB" + (f" skipped {skips}" if skips else ""))
 
 
+def _kind(record: dict) -> str:
+    return "val" if "val" in record else "world" if "world_change" in record else "train"
+
+
 def read_metrics(run_dir: str | Path, kind: str = "train") -> list[dict]:
     """metrics.jsonl's records of one kind: "train" (one per step), "val" (one per validation pass:
-    {"step", "val": {set name: {"loss": ..}}}) or "all", in file order."""
+    {"step", "val": {set name: {"loss": ..}}}), "world" (one per world change: {"step", "world_change": {..}})
+    or "all", in file order."""
     path = Path(run_dir) / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    return rows if kind == "all" else [r for r in rows if ("val" in r) == (kind == "val")]
+    return rows if kind == "all" else [r for r in rows if _kind(r) == kind]
 
 
 class RunMetrics:
@@ -70,7 +77,11 @@ class RunMetrics:
         self.run_dir, self.max_steps, self.log_every = Path(run_dir), max_steps, log_every
         self.tracker = tracker  # hetero/training/tracking.py (W&B), or None
         self.path = self.run_dir / "metrics.jsonl"
-        kept = [r for r in read_metrics(self.run_dir, "all") if r["step"] <= first_step]
+        old = read_metrics(self.run_dir, "all")
+        # what the last run trained past the checkpoint (redone now), and the world it ran on when it changed
+        self._trained = max((r["step"] for r in old if _kind(r) == "train"), default=first_step)
+        kept = [r for r in old if r["step"] <= first_step]
+        self._last_change = next((r["world_change"] for r in reversed(kept) if _kind(r) == "world"), None)
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.file = self.path.open("a")
         self.tb = None
@@ -102,6 +113,23 @@ class RunMetrics:
                 self.bar.write(line, file=sys.stderr)  # above the bar, which stays
             else:
                 print(line, file=sys.stderr, flush=True)
+
+    def log_world_change(self, step: int, world: int, layout: str, saved: tuple[int, str] | None) -> dict | None:
+        """At a start from checkpoint `step` (saved on world and layout `saved`): when the world or layout differs
+        from the last run's (the last recorded change's new ones, else the checkpoint's), record the change: old
+        and new world and layout, and the steps the last run trained after the checkpoint, which are redone."""
+        last = ((self._last_change["new_world"], self._last_change["new_layout"]) if self._last_change
+                else saved)
+        if last is None or tuple(last) == (world, layout):
+            return None
+        change = {"old_world": last[0], "new_world": world, "old_layout": last[1], "new_layout": layout,
+                  "steps_redone": max(self._trained - step, 0)}
+        self.file.write(json.dumps({"step": step, "world_change": change}) + "\n")
+        self.file.flush()
+        line = (f"world change at step {step}: {last[0]} -> {world} ranks, layout {last[1]} -> {layout}; "
+                f"{change['steps_redone']} steps redone from the checkpoint of step {step}")
+        print(line, file=sys.stderr, flush=True)
+        return change
 
     def log_val(self, step: int, losses: dict[str, float]) -> None:
         """A validation pass after `step`: {set name: loss} (hetero/training/validation.py)."""

@@ -12,7 +12,8 @@ Who sends what (measured on torch 2.13 / Slurm 22.05 / nemo-run 0.11.1):
   them after `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds (default 30, about one full-recipe step):
   recipes/executors.py sets both, so the grace covers a step plus a save (recipes/prelaunch.py checks it).
 - The checkpoint writer's forked helpers inherit this handler: a signal during a save only sets their copy of
-  the flag, and the save completes.
+  the flag, and the save completes. Its results queue's Manager server (a spawned interpreter) ignores the
+  signals instead (shield_checkpoint_queue): torchrun signals each rank's whole process group.
 
 Megatron's `--exit-signal-handler` does the same (a flag, one all-reduce per step); here the flag rides on the
 step's existing all-reduce (hetero/training/loop.py), so the agreement costs nothing extra. A second signal
@@ -65,3 +66,47 @@ class StopSignals:
     def close(self) -> None:
         for s, h in self._previous.items():
             signal.signal(s, h)
+
+
+_MANAGERS: list = []  # the results queues' Manager processes, alive as long as the rank
+
+
+def shield_checkpoint_queue(method: str = "spawn") -> None:
+    """megatron's checkpoint writer hands write results back through a multiprocessing Manager queue it creates at
+    a process's first save (dist_checkpointing's filesystem_async._get_write_results_queue, "spawn"). torchrun's
+    agent stops and restarts its workers (a forwarded signal, an elastic restart) with SIGTERM to each rank's whole
+    process group, and Slurm's --signal reaches every process of the job: the Manager's server died of it, and the
+    save the signal asks for failed (EOFError; tests/test_elastic.py's grow). Here the same queue comes from a
+    Manager whose server has the stop signals blocked from its fork on and for life (it ends with the rank: its
+    finalizer, or the rank's reaper): a handler installed by the server would come too late, as a spawned server
+    spends seconds importing first, and a save that starts as the signal arrives spawned it into the signal
+    (measured). The rank still gets the signal: only its forking thread blocks it, and only while forking.
+    method: "spawn", as megatron; "fork" for hetero/tools/spawn.py's workers (the server then imports nothing).
+    The first call in a process decides; later ones keep it."""
+    from multiprocessing import get_context, resource_tracker
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    if not (hasattr(fa, "_get_write_results_queue") and hasattr(fa, "_results_queue")):  # megatron-core 0.16's names
+        return
+    if getattr(fa._get_write_results_queue, "shielded", False):
+        return
+
+    def results_queue():
+        if fa._results_queue is None:
+            manager = SyncManager(ctx=get_context(method))
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # children inherit the mask
+            try:
+                if method != "fork":  # spawn's resource tracker (it ignores SIGTERM, SIGUSR1 stays blocked) started
+                    resource_tracker.ensure_running()  # here: it unblocks SIGTERM on its way out
+                signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # for the server, after the tracker
+                manager.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            _MANAGERS.append(manager)
+            fa._results_queue = manager.Queue()
+        return fa._results_queue
+
+    results_queue.shielded = True
+    fa._get_write_results_queue = results_queue

@@ -107,13 +107,13 @@ def run_model(model, llm_fields: dict | None = None) -> RunModel:
 
 
 def resolve_config(cfg, world: int, llm_fields: dict | None = None, propose=None,
-                   layout: str | None = None) -> ResolvedRun:
+                   layout: str | None = None, elastic: bool = False, fits=None) -> ResolvedRun:
     """`cfg` (a RunConfig) resolved on `world` ranks: hetero/plan/resolved_run.resolve_run on its layout (or
-    `layout`), model and data. `propose`: the planner's layouts for layout=auto (tessera.recipes.checks.resolve
-    passes them)."""
+    `layout`), model and data. `propose`: the planner's layouts for layout=auto and elastic restarts, `fits` its
+    memory check (tessera.recipes.checks.resolve passes them)."""
     spec = cfg.layout if layout is None else layout
     return resolve_run(spec, world, run_model(cfg.model, llm_fields), cfg.data.seq_length,
-                       cfg.data.rows_per_microbatch, cfg.data.microbatches, propose)
+                       cfg.data.rows_per_microbatch, cfg.data.microbatches, propose, elastic, fits)
 
 
 def encoder_names(model) -> dict[str, str]:

@@ -1,0 +1,239 @@
+"""Elastic training's rules without processes (issue 36; the launches themselves: tests/test_elastic.py): a layout
+shrunk by DP, the resolution of a restart on another world (scaled, else the planner's; memory checked; a world too
+small named with the smallest that fits), the world-change records, and the sbatch script of an elastic job."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import fiddle as fdl
+import nemo_run as run
+import pytest
+from nemo_run.config import get_nemorun_home, set_nemorun_home
+
+from tessera.hetero.plan.layout import HeteroLayout, LayoutError, scale_layout
+from tessera.hetero.training.metrics import RunMetrics, read_metrics
+from tessera.recipes import elastic, executors
+from tessera.recipes.checks import WorldTooSmall, resolve, resolve_restart
+from tessera.recipes.config import TrainerConfig
+from tessera.recipes.registry import recipe
+
+
+@pytest.mark.parametrize("layout, world, shrunk", [
+    ("vision=dp4@0-3;language=tp2,dp2@0-3", 2, "vision=dp2@0-1;language=tp2,dp1@0-1"),
+    ("vision=dp2@0-1;audio=dp2@0-1;language=tp2,dp2@2-5", 3, "vision=dp1@0-0;audio=dp1@0-0;language=tp2,dp1@1-2"),
+    ("vision=tp4,cp2,dp2@0-15;language=tp4,cp2,dp2@0-15", 8, "vision=tp4,cp2,dp1@0-7;language=tp4,cp2,dp1@0-7"),
+])
+def test_a_layout_shrinks_by_data_parallelism_and_grows_back(layout, world, shrunk):
+    small = scale_layout(layout, world)
+    assert str(small) == shrunk and small.world_size == world
+    assert scale_layout(small, HeteroLayout.parse(layout).world_size) == HeteroLayout.parse(layout)
+
+
+@pytest.mark.parametrize("layout, world, module", [
+    ("vision=dp4@0-3;audio=dp4@0-3;language=tp2,cp2@0-3", 2, "language"),   # the tiny omni recipe's LLM: dp1
+    ("vision=dp1@0-0;audio=dp1@1-1;language=pp2,dp1@2-3", 2, "vision"),
+    ("vision=dp3@0-2;language=dp1@3-3", 2, "vision"),
+])
+def test_a_layout_that_does_not_divide_is_not_shrunk(layout, world, module):
+    with pytest.raises(LayoutError, match=f"cannot shrink .* module '{module}'"):
+        scale_layout(layout, world)
+
+
+def _cfg(name: str, **kw):
+    return fdl.build(recipe(name, **kw))
+
+
+def test_a_restart_on_fewer_ranks_scales_the_layout_or_takes_the_planners_and_keeps_the_rows():
+    vl = _cfg("nemotron_vl_tiny")
+    with pytest.raises(LayoutError, match="exceed the world"):
+        resolve(vl, 2)  # a fixed-size run refuses another world, as before
+    scaled = resolve_restart(vl, 2, 2)
+    assert str(scaled.layout) == "vision=dp2@0-1;language=tp2,dp1@0-1"
+    assert scaled.rows_per_step == vl.data.rows_per_microbatch * vl.data.microbatches
+    assert str(resolve_restart(vl, 8, 2).layout) == "vision=dp8@0-7;language=tp2,dp4@0-7"  # grown back and beyond
+    omni = _cfg("nemotron_omni_tiny")  # its LLM (tp2,cp2, dp1) has no DP to shrink: the planner's best for 2 ranks
+    planned = resolve_restart(omni, 2, 2)
+    assert str(planned.layout) == "vision=dp2@0-1;audio=dp2@0-1;language=dp2@0-1"
+    assert planned.rows_per_step == 8
+    big = _cfg("nemotron_vl_12b", gpus=16)  # 16 -> 8 GPUs: dp2 -> dp1, 55.7 GiB predicted of 80
+    assert str(resolve_restart(big, 8, 8).layout) == "vision=tp4,cp2,dp1@0-7;language=tp4,cp2,dp1@0-7"
+
+
+def test_a_world_too_small_for_any_layout_names_the_smallest_that_fits():
+    """The 30B-A3B omni recipe on 32 GPUs loses half of them: its layout scaled to 16 ranks needs 100 GiB a GPU,
+    and nothing the planner proposes fits 16; 32 does. (Nodes of 16 GPUs: one larger world to price.)"""
+    omni = _cfg("nemotron_omni_30b_a3b")
+    with pytest.raises(WorldTooSmall) as e:
+        resolve_restart(omni, 16, 16)
+    msg = str(e.value)
+    assert "does not fit memory (memory: ranks 0-15 need" in msg, msg
+    assert "the smallest world that fits is 32 ranks (2 nodes of 16)" in msg and "checkpoint is intact" in msg, msg
+
+
+def test_every_world_change_is_recorded_with_the_steps_redone(tmp_path, capsys):
+    def steps(first: int, last: int, world: int) -> str:
+        return "".join(f'{{"step": {s}, "world": {world}, "loss": 1.0}}\n' for s in range(first, last + 1))
+
+    (tmp_path / "metrics.jsonl").write_text(steps(1, 6, 4))  # a 4-rank run that saved step 4, died after step 6
+    m = RunMetrics(tmp_path, 10, first_step=4, progress=False, tensorboard=False)
+    change = m.log_world_change(4, 2, "B@0-1", (4, "A@0-3"))
+    assert change == {"old_world": 4, "new_world": 2, "old_layout": "A@0-3", "new_layout": "B@0-1",
+                      "steps_redone": 2}
+    m.file.write(steps(5, 7, 2))
+    m.file.close()
+    assert "world change at step 4: 4 -> 2 ranks, layout A@0-3 -> B@0-1; 2 steps redone" in capsys.readouterr().err
+    # the 2-rank run saved step 7 and grows back: the old world is the last change's, not the checkpoint's
+    m = RunMetrics(tmp_path, 10, first_step=7, progress=False, tensorboard=False)
+    assert m.log_world_change(7, 4, "A@0-3", (4, "A@0-3"))["old_world"] == 2
+    m.file.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 8))  # train records only, each once
+    assert [(r["step"], r["world_change"]["new_world"]) for r in read_metrics(tmp_path, "world")] == [(4, 2), (7, 4)]
+    (tmp_path / "new").mkdir()
+    fresh = RunMetrics(tmp_path / "new", 10, first_step=0, progress=False, tensorboard=False)
+    assert fresh.log_world_change(0, 4, "A@0-3", None) is None  # a first start changes nothing
+    same = RunMetrics(tmp_path, 10, first_step=7, progress=False, tensorboard=False)
+    assert same.log_world_change(7, 4, "A@0-3", (2, "B@0-1")) is None  # the last change already says 4 / A
+
+
+def _children() -> set[int]:
+    me, out = str(os.getpid()), set()
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and (p / "stat").read_text().rsplit(")", 1)[1].split()[1] == me:
+                out.add(int(p.name))
+        except (OSError, IndexError):
+            pass
+    return out
+
+
+def _blocked(pid: int) -> set:
+    """The signals process `pid` blocks (/proc's SigBlk), or {} when it is gone."""
+    try:
+        line = next(l for l in Path(f"/proc/{pid}/status").read_text().splitlines() if l.startswith("SigBlk"))
+    except (OSError, StopIteration):
+        return set()
+    bits = int(line.split()[1], 16)
+    return {s for s in signal.Signals if bits >> (s - 1) & 1}
+
+
+def test_the_checkpoint_writers_queue_outlives_a_stop_signal(monkeypatch):
+    """torchrun stops (and elastically restarts) its workers with SIGTERM to each rank's process group, which holds
+    the checkpoint writer's Manager server: it must live on for the save the signal asks for, also when the signal
+    reaches it while it is being spawned (a save that starts as the signal arrives)."""
+    import threading
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    from tessera.hetero.training import preemption
+
+    monkeypatch.setattr(fa, "_results_queue", None)
+    monkeypatch.setattr(fa, "_get_write_results_queue", lambda: None)  # megatron's own again after the test
+    preemption.shield_checkpoint_queue("spawn")
+    before, started, hit = _children(), threading.Event(), {}
+
+    def signal_new_children():  # every stop signal, at every child this test starts, from its first moment on
+        while not started.is_set():
+            for pid in _children() - before:
+                hit.setdefault(pid, _blocked(pid))
+                for s in preemption.STOP_SIGNALS:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, s)
+            time.sleep(0.002)
+
+    bomber = threading.Thread(target=signal_new_children)
+    bomber.start()
+    try:
+        queue = fa._get_write_results_queue()
+    finally:
+        started.set()
+        bomber.join()
+    manager = preemption._MANAGERS.pop()
+    try:
+        server = manager._process.pid
+        assert server in hit, "the test signalled no spawned server"
+        assert set(preemption.STOP_SIGNALS) <= hit[server] and set(preemption.STOP_SIGNALS) <= _blocked(server), (
+            "the server must have the stop signals blocked from its first moment (a handler comes too late)")
+        for s in preemption.STOP_SIGNALS:
+            os.kill(manager._process.pid, s)
+        time.sleep(0.5)
+        assert manager._process.is_alive(), "a stop signal killed the checkpoint writer's queue"
+        queue.put("written")
+        assert queue.get(timeout=10) == "written"
+    finally:
+        manager.shutdown()
+
+
+def test_elastic_fields_are_checked():
+    with pytest.raises(ValueError, match="elastic_min_nodes=-1 must be a whole number"):
+        TrainerConfig(elastic_min_nodes=-1)
+    assert TrainerConfig(elastic_min_nodes=2).elastic_max_restarts == 3
+
+
+@pytest.fixture
+def nemorun_home(tmp_path, monkeypatch):
+    old = get_nemorun_home()
+    set_nemorun_home(str(tmp_path / "nrhome"))
+    with open("/dev/null") as devnull:  # nemo-run's LocalTunnel reads stdin
+        monkeypatch.setattr(sys, "stdin", devnull)
+        yield tmp_path / "nrhome"
+    set_nemorun_home(old)
+
+
+def _parse(args: list[str], executor: list[str], factory: str = "nemotron_vl_tiny"):
+    from tessera.recipes.cli import TesseraRunContext, finetune
+
+    ctx = TesseraRunContext(name="t", factory=factory, dryrun=True)
+    ctx.parse_args(executor)
+    return ctx, ctx.parse_fn(finetune, args)
+
+
+def test_the_sbatch_script_of_an_elastic_job(nemorun_home, tmp_path, capsys):
+    """2 nodes of 2 ranks, MIN 1: sbatch asks for 1-2 nodes and keeps the allocation when one dies, srun keeps the
+    other tasks (its last option values win, as srun itself reports), torchrun rendezvouses elastically."""
+    ctx, task = _parse(["trainer.elastic_min_nodes=1", f"trainer.run_dir={tmp_path / 'run'}"],
+                       ["executor=slurm", "executor.nodes=2"])
+    assert "elastic: 1-2 nodes, 2 ranks a node; on 2 ranks the run trains in vision=dp2@0-1;language=tp2,dp1@0-1" in \
+        capsys.readouterr().out
+    with run.Experiment("elastic", executor=ctx.executor, log_level="WARN") as exp:
+        exp.add(task, name="job")
+        exp.dryrun(log=False, delete_exp_dir=False)
+    [script] = list(Path(nemorun_home).rglob("*_sbatch.sh"))
+    text = script.read_text()
+    assert "#SBATCH --nodes=1-2\n" in text and "#SBATCH --no-kill\n" in text and "#SBATCH --nodes=2\n" not in text
+    [srun] = [line for line in text.splitlines() if line.startswith("srun ")]
+    assert "--kill-on-bad-exit=1 --kill-on-bad-exit=0 --no-kill --wait=0 " in srun, srun
+    for part in ("torchrun --rdzv-backend c10d --rdzv-endpoint", "--nnodes 1:2 --nproc-per-node 2"):
+        assert part in srun, srun
+    for line in ("export PET_MAX_RESTARTS=3", "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        assert line in text, text
+    if shutil.which("srun"):  # srun prints its options before it looks for a controller
+        opts = srun.split(" torchrun ")[0].split()[1:]
+        try:
+            out = subprocess.run(["srun", "-v", *opts, "true"], capture_output=True, text=True, timeout=2).stderr
+        except subprocess.TimeoutExpired as e:
+            out = (e.stderr or b"").decode()
+        assert "kill-on-bad-exit    : 0" in out and "wait                : 0" in out, out
+
+
+def test_elastic_minimums_the_launch_cannot_keep_are_refused_before_launch(nemorun_home, tmp_path):
+    with pytest.raises(ValueError, match="elastic_min_nodes=3 is more than the job's run.executor.nodes=2"):
+        _parse(["trainer.elastic_min_nodes=3"], ["executor=slurm", "executor.nodes=2"])
+    with pytest.raises(ValueError, match="run.executor=local is one node"):
+        _parse(["trainer.elastic_min_nodes=2"], ["executor=local"])
+    with pytest.raises(ValueError, match="needs a launcher"):
+        elastic.make_elastic(None, 1, 3)
+    # the 30B-A3B omni recipe on 2 nodes of 16 GPUs cannot train on one (tests above: nothing fits 16 ranks)
+    with pytest.raises(WorldTooSmall, match="cannot train on 16 ranks: the smallest world that fits is 32 ranks"):
+        _parse(["trainer.elastic_min_nodes=1"], ["executor=slurm", "executor.nodes=2", "executor.gpus_per_node=16"],
+               "nemotron_omni_30b_a3b")
+    local = fdl.build(executors.local())
+    executors.fit_executor(local, 4)
+    assert elastic.make_elastic(local, 1, 5) == (1, 1) and local.env_vars["PET_MAX_RESTARTS"] == "5"
