@@ -147,10 +147,12 @@ def _step_flops(cfg):
     peak of the device this rank computes on for MFU (none on CPU: FLOPs/s only)."""
     from tessera.hetero.planner.flops import StepFlops
     from tessera.hetero.runtime.device import current_device
+    from tessera.hetero.training.run_modules import encoder_names
 
     device = current_device()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return lambda hf_fields: StepFlops(cfg.model, hf_fields, name, cfg.model.dtype)
+    # the run's encoders: a released checkpoint's own when fine-tuning one (its items are priced and balanced too)
+    return lambda hf_fields: StepFlops(cfg.model, hf_fields, name, cfg.model.dtype, encoders=encoder_names(cfg.model))
 
 
 def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:

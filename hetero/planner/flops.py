@@ -92,11 +92,15 @@ class StepFlops:
     extra forward is not model FLOPs). TFLOPS per GPU divide by the world, not by a module's ranks: a
     non-colocated layout's idle encoder ranks lower it, as they should."""
 
-    def __init__(self, model_cfg, hf_fields: dict, device_name: str = "cpu", dtype: str = "float32"):
+    def __init__(self, model_cfg, hf_fields: dict, device_name: str = "cpu", dtype: str = "float32",
+                 encoders: dict[str, str] | None = None):
+        """encoders: module key -> encoder registry name (run_modules.encoder_names: a released checkpoint's own
+        encoders when fine-tuning one); None: the config's vision/audio names."""
         from tessera.data.pipeline import encoder_tokens
         from tessera.hetero.planner.model import describe_model
 
-        encoders = {k: getattr(model_cfg, k) for k in ("vision", "audio") if getattr(model_cfg, k)}
+        if encoders is None:
+            encoders = {k: getattr(model_cfg, k) for k in ("vision", "audio") if getattr(model_cfg, k)}
         self.desc = describe_model(hf_fields, encoders.get("vision"), encoders.get("audio"))
         self.tok = encoder_tokens(encoders) if encoders else None
         self.peak = peak_tflops(device_name, dtype)
@@ -104,7 +108,11 @@ class StepFlops:
     def item_flops(self, module: str, kind: str, units) -> float:
         """Forward FLOPs of one media item of encoder `module`: the cost the run balances encoder DP ranks by
         (hetero/plan/encoder_balance.ItemAssignment)."""
-        return media_item_flops(next(m for m in self.desc.modules if m.key == module), self.tok, kind, units)
+        mod = next((m for m in self.desc.modules if m.key == module), None)
+        if mod is None:
+            raise KeyError(f"StepFlops prices {[m.key for m in self.desc.modules]}, not encoder '{module}': build it "
+                           f"with the run's encoders (run_modules.encoder_names)")
+        return media_item_flops(mod, self.tok, kind, units)
 
     def step_flops(self, batches: list) -> dict[str, float]:
         """Training FLOPs (3 x forward) per module of a step over these global microbatches (PackedBatch)."""
