@@ -19,7 +19,9 @@ Why checking L0 checks the layout (hetero/planner/dryrun.py relies on it):
   parts (dp_owner), so copy b's samples live only on copy b's DP ranks of both modules: the plan is k
   independent plans, and for the batch repeated k times copy b's is copy 0's with every rank moved as above
   (local copies included: a rank holds the same shards of both modules relative to its copy). Rows moved,
-  transfers and the minimum are k times L0's.
+  transfers and the minimum are k times L0's. (The dry run's synthetic batches are row-owned; a run's items
+  dealt by cost may cross copies - hetero/plan/encoder_balance.py - and those plans are checked over generated
+  layouts in tests/test_boundary_plan.py, not folded.)
 * the schedule (hetero/plan/schedule_plan.py): a rank's ops depend on its module coordinates only, pipeline
   sends stay inside one DP replica of one module, and a boundary rendezvous joins every copy at once; copies
   that run the same ops in the same order reach each rendezvous together, so k copies run to the end (no
@@ -28,11 +30,10 @@ Why checking L0 checks the layout (hetero/planner/dryrun.py relies on it):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
-from tessera.hetero.plan.layout import HeteroLayout
+from tessera.hetero.plan.layout import HeteroLayout, scale_layout
 
 FOLD_MIN_WORLD = 256  # the dry run checks a block of at least this many ranks (or the whole layout, if smaller)
 
@@ -72,6 +73,5 @@ def dp_fold(layout: HeteroLayout, min_world: int = FOLD_MIN_WORLD) -> Fold:
         copies -= 1
     if copies == 1:
         return Fold(layout, 1, why)
-    return Fold(HeteroLayout({key: dataclasses.replace(m, first=m.first // copies, last=(m.last + 1) // copies - 1,
-                                                       dp=m.dp_size // copies)
-                              for key, m in layout.modules.items()}), copies)
+    # the block is the layout shrunk by data parallelism, the rule an elastic restart uses (layout.scale_layout)
+    return Fold(scale_layout(layout, layout.world_size // copies), copies)
