@@ -127,6 +127,21 @@ def test_planner_parameter_bytes_agree_with_the_meta_count(recipe_shards, name):
         assert mem.optim == pytest.approx(optimizer_bytes(s, lay[s.key], zero1=True), rel=0.05), s.key
 
 
+@pytest.mark.parametrize("name", sorted(full_size.RECIPES))
+def test_planner_memory_per_rank_holds_every_module_on_the_rank(recipe_shards, name):
+    """The cost model's memory of a rank range (what decides feasibility) holds every module built on its ranks:
+    its weights equal the meta-device count summed over the rank's shards (LLM and colocated encoders; the
+    encoders are 8-20% of it in these defaults)."""
+    r = full_size.RECIPES[name]
+    lay = HeteroLayout.parse(r.layout)
+    pred = predict(lay, r.model(), microbatch_workload(lay, r.workload, 4), cluster("h100", r.gpus))
+    ranks = {s.rank for s in recipe_shards[name]}
+    for rank in ranks:
+        held = sum(s.param_bytes for s in recipe_shards[name] if s.rank == rank)
+        span = next(k for k in pred.memory if int(k.split("-")[0]) <= rank <= int(k.split("-")[1]))
+        assert pred.memory[span].weights == pytest.approx(held, rel=0.01), (rank, span)
+
+
 LLM_SHAPED = "vision=pp2,dp8@0-15;language=pp2,dp8@0-15"  # the ViT given the LLM's exact layout, pp2
 
 

@@ -1,7 +1,9 @@
 """The planner's pricing at scale (issue 36 item 6: layout=auto re-planned in seconds at 16,384 ranks): the boundary
 rows without visiting every rank equal a count over every rank, the least recompute found without pricing options
-that cannot fit equals trying all three, and validation does not list the ranks."""
+that cannot fit equals trying all three, the search skips only layouts that cannot fit (and its feasible rows are
+the same with the skip and without), and validation does not list the ranks."""
 
+import importlib
 import itertools
 import math
 import time
@@ -13,8 +15,8 @@ from tessera.hetero.plan.layout import HeteroLayout, ModuleLayout, scale_layout
 from tessera.hetero.plan.zigzag import zigzag_chunks
 from tessera.hetero.planner import Constants, Workload, cluster, describe_model
 from tessera.hetero.planner.comm import BoundaryRows, boundary_rows
-from tessera.hetero.planner.cost import _price
-from tessera.hetero.planner.search import _micro_batch, price_layout
+from tessera.hetero.planner.cost import _price, predict, remote_encoders_fit
+from tessera.hetero.planner.search import _micro_batch, price_layout, search
 from tessera.recipes.full_size import RECIPES
 
 
@@ -95,8 +97,11 @@ def test_least_recompute_equals_trying_every_option(spec):
                 want = _price(big, model, _micro_batch(big, w), cluster("h100", gpus), Constants(), opt, False, True)
                 if want.feasible or not want.reason.startswith("memory"):
                     break
-            assert (got.recompute, got.feasible, got.reason, got.tokens_per_s) == \
-                (want.recompute, want.feasible, want.reason, want.tokens_per_s), (spec, gpus, w)
+            assert (got.recompute, got.feasible, got.reason, got.memory_gib) == \
+                (want.recompute, want.feasible, want.reason, want.memory_gib), (spec, gpus, w)
+            # a layout that fits is timed as before; one that cannot fit is not timed at all
+            assert got.tokens_per_s == (want.tokens_per_s if want.feasible else 0.0), (spec, gpus, w)
+            assert got.feasible or got.step_s == math.inf
 
 
 def test_validation_does_not_list_the_ranks():
@@ -107,3 +112,45 @@ def test_validation_does_not_list_the_ranks():
     assert time.perf_counter() - t < 0.1
     with pytest.raises(Exception, match="ranks \\[8\\] belong to no module"):
         HeteroLayout.parse("vision=dp4@0-3;language=tp2,dp2@4-7").validate(world_size=9)
+
+
+OMNI = describe_model("nemotron_3_nano_30b_a3b", "radio_vit_h", "fastconformer_parakeet_0_6b")
+OMNI_WORK = Workload(seq_length=16384, global_batch=128, tiles=16, audio_seconds=120)
+
+
+def test_a_layout_the_fit_check_rejects_cannot_fit():
+    """remote_encoders_fit is exact on the side that matters: every layout it rejects, predict prices as not fitting
+    memory (and untimed); over blocks of 1-32 ranks, with both encoders remote or one colocated."""
+    rejected = accepted = 0
+    for v, a, vtp, vcp, llm in itertools.product((1, 2, 8, 32), (0, 1, 4, 32), (1, 2), (1, 2), ("tp2,dp32", "tp2,pp2,dp16")):
+        if (v % (vtp * vcp)) or (a and a % vtp):
+            continue
+        spec = f"vision=tp{vtp},cp{vcp},dp{v // (vtp * vcp)}@0-{v - 1};"
+        spec += f"audio=dp{a}@{v}-{v + a - 1};" if a else ""
+        lang = HeteroLayout.parse(f"{spec}language={llm}@{v + a}-{v + a + 63}")["language"]
+        spec += f"language={llm}@{v + a}-{v + a + lang.size - 1}"
+        if not a:
+            spec = spec.replace("language=", f"audio=dp{lang.size}@{v}-{v + lang.size - 1};language=")
+        lay = HeteroLayout.parse(spec)
+        w = _micro_batch(lay, OMNI_WORK)
+        cl = cluster("h100", lay.world_size)
+        if remote_encoders_fit(lay, OMNI, w, cl):
+            accepted += 1
+            continue
+        rejected += 1
+        p = predict(lay, OMNI, w, cl)
+        assert not p.feasible and p.reason.startswith("memory") and p.step_s == math.inf, (spec, p.reason)
+    assert rejected > 10 and accepted > 10, (rejected, accepted)
+
+
+@pytest.mark.parametrize("model, work, gpus", [(OMNI, OMNI_WORK, 64),
+                                               (describe_model("nemotron_nano_12b_v2", "radio_vit_h"),
+                                                Workload(seq_length=16384, global_batch=128, tiles=24), 128)])
+def test_the_search_skips_only_what_cannot_fit(model, work, gpus, monkeypatch):
+    """The search's feasible rows, gains and times are the same with the fit check's skip and without it."""
+    fast = search(model, work, cluster("h100", gpus), gpus)
+    monkeypatch.setattr(importlib.import_module("tessera.hetero.planner.search"), "remote_encoders_fit", lambda *a: True)
+    every = search(model, work, cluster("h100", gpus), gpus)
+    row = lambda p: (p.layout, p.baseline, p.tokens_per_s, p.recompute, p.memory_gib, p.gain)  # noqa: E731
+    assert [row(p) for p in fast if p.feasible] == [row(p) for p in every if p.feasible]
+    assert len(fast) < len(every)  # it skipped something

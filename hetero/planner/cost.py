@@ -52,9 +52,10 @@ from tessera.hetero.planner.cp_cost import kernel_paths, llm_cp_activation, llm_
 from tessera.hetero.planner.flops import llm_row_flops, sequence_flops, vit_sequence_flops
 from tessera.hetero.planner.model import BF16, ModelDesc, ModuleDesc
 from tessera.hetero.planner.straggler import busiest_rank_factor
-from tessera.hetero.planner.step_time import (GIB, Memory, ModuleCost, Stage, StepParts, colocated_encoders,
-                                              encoder_pipeline, expert_dp, homogeneous_step, optimizer_bytes,
-                                              optimizer_params, remote_encoders)
+from tessera.hetero.planner.step_time import (GIB, Memory, ModuleCost, ModuleMemory, Stage, StepParts, colocated_encoders,
+                                              encoder_costs, encoder_pipeline, expert_dp, homogeneous_step,
+                                              block_memory, optimizer_bytes, optimizer_params, rank_memory,
+                                              remote_encoders)
 
 HEADROOM = 0.9        # of HBM usable by tensors (the rest: allocator fragmentation, NCCL and CUDA buffers)
 OPTIM_BYTES = 30      # HBM traffic per local parameter of one Adam step (read 16 B, write 14 B)
@@ -70,7 +71,7 @@ class Prediction:
     breakdown: dict[str, float] = field(default_factory=dict)   # sums to step_s
     idle_s: dict[str, float] = field(default_factory=dict)      # per rank range: step time its GPUs wait
     memory_gib: dict[str, float] = field(default_factory=dict)  # per rank range "first-last"
-    memory_detail: dict[str, str] = field(default_factory=dict)
+    memory: dict[str, Memory] = field(default_factory=dict)       # per rank range, by kind (.describe())
     state_gib: dict[str, float] = field(default_factory=dict)   # per rank range: weights + optimizer (what a save writes)
     tflops_per_gpu: float = 0.0
     tokens_per_s: float = 0.0
@@ -144,13 +145,11 @@ def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, c
     tp, cp, pp, dp = lay.tp, lay.cp, lay.pp, lay.dp_size
     items, toks, out_toks, fwd_item = items_of(mod, w)
     per_dp = samples / dp
+    tokens, ctx = rank_tokens(mod, lay, samples, w)
     if mod.kind == "llm":       # one sequence per item, the sequence split over CP (zigzag)
-        rank_items, ctx = per_dp, toks
-        tokens = per_dp * toks / cp
         fwd_body = per_dp * fwd_item / (tp * cp * pp)
     else:                        # encoder CP splits a sequence's media tokens (hetero/plan/encoder_cp.py)
         rank_items = per_dp * items / cp
-        tokens, ctx = rank_items * toks, toks
         # the busiest DP rank sets the encoder's pace: the expected maximum over DP ranks for the media mix, with or
         # without items dealt by cost (straggler.py), not the mean
         busiest = busiest_rank_factor(dp, per_dp, per_dp * items, w.spread(mod.kind), w.balance_encoders)
@@ -189,37 +188,60 @@ def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, c
     head = Stage(per_dp * toks * mod.head_flops / (tp * cp) * 3 / speed) if mod.head_flops else Stage()
     stages = tuple(body + head if i == pp - 1 else body for i in range(pp))
 
-    # memory: edge parameters (embedding, lm_head) sit on the first and last stage; replicated parameters
-    # (norms, routers, encoder embeddings and projectors) are whole on every TP rank
-    experts = mod.expert_params / (tp * lay.ep * pp)
-    dense = ((mod.params - mod.edge_params - mod.expert_params - mod.replicated_params) / tp
-             + mod.replicated_params) / pp
-    edge_first = mod.edge_params / tp if pp == 1 else mod.edge_params / 2 / tp
+    dense, edge_first, experts = _local_params(mod, lay)
     dp_ranks = grad_group or dp * cp
-
-    def weights(edge: float) -> Memory:
-        local = dense + edge + experts
-        return Memory(BF16 * local, 4 * local, optimizer_bytes(dense + edge, experts, lay, dp_ranks=dp_ranks))
-
-    act_per_mb, act_peak, act_last = activation_bytes(mod, lay, tokens, ctx, recompute)
-    mem_first = weights(edge_first) + Memory(act=act_per_mb * in_flight + act_peak + (act_last if pp == 1 else 0.0))
-    mem_last = mem_first if pp == 1 else weights(edge_first) + Memory(act=act_per_mb + act_peak + act_last)
-
+    mem = module_memory(mod, lay, samples, w, recompute, in_flight, grad_group)
     dp_link = comm.group_link(cl, dp_ranks, tp)
     dp_s = 2 * comm.reduce_scatter((dense + edge_first) * BF16, dp_ranks, dp_link, cl, k)
     if experts:
         dp_s += 2 * comm.reduce_scatter(experts * BF16, expert_dp(lay), dp_link, cl, k)
     optim_s = OPTIM_BYTES * optimizer_params(dense + edge_first, experts, lay, dp_ranks) / (cl.hbm_tbps * 1e12)
     flops = 3 * samples * (llm_row_flops(mod, toks) if mod.kind == "llm" else items * fwd_item)
-    return ModuleCost(mod.key, stages, dp_s, optim_s, mem_first, mem_last, flops)
+    return ModuleCost(mod.key, stages, dp_s, optim_s, mem.mem_first, mem.mem_last, flops)
 
 
+def rank_tokens(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload) -> tuple[float, float]:
+    """(tokens one rank of `lay` holds per microbatch of `samples` sequences, its attention context): the LLM's
+    sequence split over CP (zigzag); an encoder's items split over its DP ranks and its media tokens over CP."""
+    items, toks, _, _ = items_of(mod, w)
+    per_dp = samples / lay.dp_size
+    return (per_dp * toks / lay.cp if mod.kind == "llm" else per_dp * items / lay.cp * toks), toks
+
+
+def _local_params(mod: ModuleDesc, lay: ModuleLayout) -> tuple[float, float, float]:
+    """(dense, edge on the first stage, routed expert) parameters on one rank: edge parameters (embedding,
+    lm_head) sit on the first and last stage; replicated parameters (norms, routers, encoder embeddings and
+    projectors) are whole on every TP rank."""
+    tp, pp = lay.tp, lay.pp
+    experts = mod.expert_params / (tp * lay.ep * pp)
+    dense = ((mod.params - mod.edge_params - mod.expert_params - mod.replicated_params) / tp
+             + mod.replicated_params) / pp
+    return dense, mod.edge_params / tp if pp == 1 else mod.edge_params / 2 / tp, experts
+
+
+def module_memory(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, recompute: bool,
+                  in_flight: int, grad_group: int | None = None) -> ModuleMemory:
+    """module_cost's memory alone (its first and last PP stage), without the time: what decides whether a
+    layout can fit."""
+    tokens, ctx = rank_tokens(mod, lay, samples, w)
+    dense, edge_first, experts = _local_params(mod, lay)
+    dp_ranks = grad_group or lay.dp_size * lay.cp
+    local = dense + edge_first + experts
+    weights = Memory(BF16 * local, 4 * local, optimizer_bytes(dense + edge_first, experts, lay, dp_ranks=dp_ranks))
+    act_per_mb, act_peak, act_last = activation_bytes(mod, lay, tokens, ctx, recompute)
+    mem_first = weights + Memory(act=act_per_mb * in_flight + act_peak + (act_last if lay.pp == 1 else 0.0))
+    mem_last = mem_first if lay.pp == 1 else weights + Memory(act=act_per_mb + act_peak + act_last)
+    return ModuleMemory(mem_first, mem_last)
+
+
+@functools.lru_cache(maxsize=4096)  # the search asks for the same few hundred shapes ~10^5 times
 def _sizes(lay: ModuleLayout) -> ModuleLayout:
     """The layout's sizes at rank 0: module costs do not depend on where the ranks are."""
     return ModuleLayout(0, lay.size - 1, tp=lay.tp, cp=lay.cp, pp=lay.pp, dp=lay.dp_size, ep=lay.ep)
 
 
 _module_cost = functools.lru_cache(maxsize=65536)(module_cost)  # the search prices each module shape once
+_module_memory = functools.lru_cache(maxsize=65536)(module_memory)  # the search's fit check, before any time
 # ... and each boundary once (the three recompute options of a layout, and its other placements, share them)
 _boundary_rows = functools.lru_cache(maxsize=65536)(comm.boundary_rows)
 
@@ -293,8 +315,10 @@ def predict(layout: HeteroLayout | str, model: ModelDesc, w: Workload, cl: Clust
 
 
 def _price(layout: HeteroLayout, model: ModelDesc, w: Workload, cl: Cluster, k: Constants,
-           recompute: tuple[str, ...], baseline: bool, check: bool) -> Prediction:
-    """predict() for one recompute option; check=False: the caller has run _check on this layout and workload."""
+           recompute: tuple[str, ...], baseline: bool, check: bool, time_unfit: bool = True) -> Prediction:
+    """predict() for one recompute option; check=False: the caller has run _check on this layout and workload.
+    Memory is priced first; time_unfit=False returns a layout that does not fit with its memory and reason only
+    (step_s inf, no throughput): the search's 9 in 10 candidates that cannot fit are not timed."""
     out = Prediction(str(layout), placement(layout, baseline), False, gpus=layout.world_size, recompute=recompute,
                      micro_batch=w.micro_batch, global_batch=w.global_batch,
                      baseline=baseline and len(layout.modules) > 1)
@@ -314,28 +338,37 @@ def _price(layout: HeteroLayout, model: ModelDesc, w: Workload, cl: Cluster, k: 
             model[key], _sizes(lay), samples, w, cl, k, key in recompute, flight, group), flight
         return out.modules[key]
 
-    boundary = lambda key, lay: _boundary(lay, lang, model[key], w, samples, cl, k)  # noqa: E731
+    homogeneous = out.placement == "homogeneous"
+    coloc = {e.key: layout[e.key] for e in model.encoders if homogeneous or layout.colocated(e.key, LANGUAGE)}
+    remote = {e.key: layout[e.key] for e in model.encoders if e.key not in coloc}
     llm = price(LANGUAGE, lang, min(lang.pp, m))
-    acc = StepParts.start(llm, lang, m)
-    if out.placement == "homogeneous":
-        core = homogeneous_step(acc, llm, lang, [e.key for e in model.encoders], m, price)
+    costs = encoder_costs(homogeneous, lang, coloc, remote, m, price,
+                          not homogeneous and colocated_per_microbatch(layout))
+    mem = rank_memory(homogeneous, llm, lang, costs, remote)
+    fits = _memory(out, mem, cl)
+    if not fits and not time_unfit:
+        return out
+    acc = StepParts.start(llm, lang, m, mem)
+    if homogeneous:
+        core = homogeneous_step(acc, llm, costs, m)
     else:
-        coloc = {e.key: layout[e.key] for e in model.encoders if layout.colocated(e.key, LANGUAGE)}
-        remote = {e.key: layout[e.key] for e in model.encoders if e.key not in coloc}
-        phase1, phase3 = colocated_encoders(acc, coloc, m, price, boundary, colocated_per_microbatch(layout))
-        enc_side, bound = remote_encoders(acc, remote, lang.pp, m, price, boundary)
+        boundary = lambda key, lay: _boundary(lay, lang, model[key], w, samples, cl, k)  # noqa: E731
+        phase1, phase3 = colocated_encoders(acc, coloc, costs, m, boundary)
+        enc_side, bound = remote_encoders(acc, remote, costs, m, boundary)
         core = encoder_pipeline(acc, llm, enc_side, bound, m, phase1, phase3)
-    return _finish(out, acc, core, llm, layout, w, cl)
+    _finish(out, acc, core, llm, layout, w)
+    out.feasible = fits
+    return out
 
 
 def _least_recompute(layout: HeteroLayout, model: ModelDesc, w: Workload, cl: Cluster, k: Constants,
                      baseline: bool) -> Prediction:
-    """The first of no recompute, encoders only, every module that fits (or fails for a reason other than memory).
+    """The first of no recompute, encoders only, every module that fits (or fails for a reason other than memory);
+    timed only if it fits: a layout that fits under none comes back with the last option's memory and reason.
 
     An option whose LLM alone exceeds the usable memory is passed over unpriced: its rank range holds the LLM
-    plus, at most, colocated encoders (never less), so pricing it would only return that memory failure - the
-    search (layout=auto) priced every layout three times, most of them for nothing. A layout that fails its
-    checks is priced at the first option as before (the failure does not depend on the option)."""
+    plus, at most, colocated encoders (never less). A layout that fails its checks is priced at the first option
+    as before (the failure does not depend on the option)."""
     options = [(), tuple(model.keys[:-1]), tuple(model.keys)]
     lang = layout[LANGUAGE]
     samples = w.micro_batch * lang.dp_size
@@ -350,17 +383,52 @@ def _least_recompute(layout: HeteroLayout, model: ModelDesc, w: Workload, cl: Cl
                                min(lang.pp, w.global_batch // samples), None)
             if llm.memory.total / GIB > limit:
                 continue
-        p = _price(layout, model, w, cl, k, opt, baseline, check=False)
+        p = _price(layout, model, w, cl, k, opt, baseline, check=False, time_unfit=False)
         if p.feasible or not p.reason.startswith("memory"):
             return p
     return p
 
 
-def _finish(out: Prediction, acc: StepParts, core: float, llm: ModuleCost, layout: HeteroLayout, w: Workload,
-            cl: Cluster) -> Prediction:
-    """Step time (the pipeline's core, plus the worst rank range's exposed DP and optimizer), idle time and
-    memory per rank range, throughput, and whether the fullest rank range fits in HBM."""
-    parts, mem = acc.parts, acc.mem
+def remote_encoders_fit(layout: HeteroLayout, model: ModelDesc, w: Workload, cl: Cluster) -> bool:
+    """False when a block of ranks that holds only encoders exceeds the usable memory under both of predict's
+    encoder choices (recompute off, on): the layout cannot fit whatever recompute predict picks, so the search
+    skips it unpriced (most of its candidates at scale: an encoder on too few ranks for the global batch).
+    True for a layout without such a block, or whose batch does not split (predict says why)."""
+    lang = layout[LANGUAGE]
+    samples = w.micro_batch * lang.dp_size
+    remote = {e.key: layout[e.key] for e in model.encoders if not layout.colocated(e.key, LANGUAGE)}
+    if not remote or samples <= 0 or w.global_batch % samples:
+        return True
+    m, limit = w.global_batch // samples, cl.hbm_gib * HEADROOM * GIB
+    for recompute in (True, False):  # recompute on first: what fits mostly fits with it
+        def price(key, lay, flight, group=None):
+            return _module_memory(model[key], _sizes(lay), samples, w, recompute, flight, group)
+        costs = encoder_costs(False, lang, {}, remote, m, price, False)
+        if all(mm.total <= limit for mm in block_memory(costs, remote).values()):
+            return True
+    return False
+
+
+def _memory(out: Prediction, mem: dict[str, Memory], cl: Cluster) -> bool:
+    """Memory per rank range into `out`; whether the fullest rank range fits in HEADROOM of HBM (if not, the
+    reason says which range needs what)."""
+    out.memory_gib = {r: mm.total / GIB for r, mm in mem.items()}
+    out.memory = mem
+    out.state_gib = {r: (mm.weights + mm.optim) / GIB for r, mm in mem.items()}
+    limit = cl.hbm_gib * HEADROOM
+    worst = max(mem, key=lambda r: mem[r].total)
+    if mem[worst].total / GIB > limit:
+        out.reason = (f"memory: ranks {worst} need {mem[worst].describe()} > {limit:.1f} GiB usable "
+                      f"({cl.hbm_gib} GiB x {HEADROOM})")
+        return False
+    return True
+
+
+def _finish(out: Prediction, acc: StepParts, core: float, llm: ModuleCost, layout: HeteroLayout,
+            w: Workload) -> None:
+    """Step time (the pipeline's core, plus the worst rank range's exposed DP and optimizer), idle time per rank
+    range and throughput."""
+    parts = acc.parts
     parts["dp"] = max(acc.dp_exposed.values())
     parts["optimizer"] = max(acc.optim.values())
     out.step_s = core + parts["dp"] + parts["optimizer"]
@@ -368,16 +436,5 @@ def _finish(out: Prediction, acc: StepParts, core: float, llm: ModuleCost, layou
     ranges = {key: f"{layout[key].first}-{layout[key].last}" for key in acc.busy}
     out.idle_s = {r: max(0.0, out.step_s - sum(b for key, b in acc.busy.items() if ranges[key] == r))
                   for r in set(ranges.values())}
-    out.memory_gib = {r: mm.total / GIB for r, mm in mem.items()}
-    out.memory_detail = {r: mm.describe() for r, mm in mem.items()}
-    out.state_gib = {r: (mm.weights + mm.optim) / GIB for r, mm in mem.items()}
     out.tflops_per_gpu = (acc.flops + out.microbatches * llm.model_flops) / out.step_s / out.gpus / 1e12
     out.tokens_per_s = w.global_batch * w.seq_length / out.step_s
-    limit = cl.hbm_gib * HEADROOM
-    worst = max(mem, key=lambda r: mem[r].total)
-    if mem[worst].total / GIB > limit:
-        out.reason = (f"memory: ranks {worst} need {mem[worst].describe()} > {limit:.1f} GiB usable "
-                      f"({cl.hbm_gib} GiB x {HEADROOM})")
-        return out
-    out.feasible = True
-    return out

@@ -32,7 +32,7 @@ from itertools import product
 from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, ModuleLayout, rows_for_layout, rows_multiple
 from tessera.hetero.plan.zigzag import zigzag_multiple
 from tessera.hetero.planner.cluster import Cluster, Constants, Workload
-from tessera.hetero.planner.cost import GIB, HEADROOM, Prediction, module_cost, predict
+from tessera.hetero.planner.cost import GIB, HEADROOM, Prediction, module_cost, predict, remote_encoders_fit
 from tessera.hetero.planner.model import ModelDesc, ModuleDesc
 
 MAX_CP, MAX_PP, MAX_EP, MIN_TOKENS_PER_CP_RANK = 16, 8, 64, 4096
@@ -112,6 +112,12 @@ def price_layout(layout: HeteroLayout, model: ModelDesc, w: Workload, cl: Cluste
     return predict(layout, model, _micro_batch(layout, w), cl, k, baseline=baseline)
 
 
+def _price_if_fits(layout: HeteroLayout, model: ModelDesc, w: Workload, cl: Cluster, k: Constants) -> Prediction | None:
+    """price_layout, or None for a layout one of whose encoder-only blocks cannot fit under any recompute."""
+    wl = _micro_batch(layout, w)
+    return predict(layout, model, wl, cl, k) if remote_encoders_fit(layout, model, wl, cl) else None
+
+
 def _split_sizes(gpus: int) -> list[int]:
     sizes = {round(gpus * f) for f in SPLITS if (gpus * f).is_integer()} | set(_pow2(gpus // 2))
     return sorted(s for s in sizes if 1 <= s < gpus)
@@ -158,9 +164,11 @@ def search(model: ModelDesc, w: Workload, cl: Cluster, gpus: int, k: Constants =
                 return HeteroLayout({**mods, LANGUAGE: lang})
 
             for key, opts in pick.items():
-                tries = [price_layout(layout_with({**current, key: o}), model, w, cl, k) for o in opts]
-                preds.extend(tries)
-                ok = [(p.tokens_per_s, i) for i, p in enumerate(tries) if p.feasible]
+                tries = [(i, _price_if_fits(layout_with({**current, key: o}), model, w, cl, k))
+                         for i, o in enumerate(opts)]
+                tries = [(i, p) for i, p in tries if p is not None]
+                preds.extend(p for _, p in tries)
+                ok = [(p.tokens_per_s, i) for i, p in tries if p.feasible]
                 if ok:
                     current[key] = opts[max(ok)[1]]
     unique = {}

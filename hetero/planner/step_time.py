@@ -1,14 +1,18 @@
 """How one layout's module costs add up to a step (the model itself is described in cost.py's docstring).
 
-Stage, Memory and ModuleCost are what cost.module_cost prices per module; StepParts collects the step's
-breakdown, busy time and per-rank-range memory, exposed DP and optimizer time while one function per
-placement adds its modules: homogeneous_step (Megatron's baseline), or colocated_encoders (phases 1 and 3)
-and remote_encoders (the encoder side of the pipeline) followed by encoder_pipeline (the 1F1B pipeline
-between the phases). cost.predict calls them and turns the result into a Prediction.
+Stage, Memory and ModuleCost are what cost.module_cost prices per module. encoder_costs prices each encoder as
+its placement runs it and rank_memory adds up the memory per rank range: both come first, so a layout that
+cannot fit is known before any time is added. StepParts then collects the step's breakdown, busy time, exposed
+DP and optimizer time while one function per placement adds its modules: homogeneous_step (Megatron's
+baseline), or colocated_encoders (phases 1 and 3) and remote_encoders (the encoder side of the pipeline)
+followed by encoder_pipeline (the 1F1B pipeline between the phases). cost.predict calls them and turns the
+result into a Prediction.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -85,6 +89,18 @@ class Memory:
 
 
 @dataclass(frozen=True)
+class ModuleMemory:
+    """A module's memory on its first and last PP stage (the same stage when pp == 1)."""
+
+    mem_first: Memory
+    mem_last: Memory
+
+    @cached_property
+    def memory(self) -> Memory:
+        return max(self.mem_first, self.mem_last, key=lambda mm: mm.total)
+
+
+@dataclass(frozen=True)
 class ModuleCost:
     key: str
     stages: tuple[Stage, ...]
@@ -103,7 +119,7 @@ class ModuleCost:
         return max(self.mem_first, self.mem_last, key=lambda mm: mm.total)
 
 
-# price(module key, its layout, microbatches in flight, gradient group or None) and
+# price(module key, its layout, microbatches in flight, gradient group or None) -> its cost, and
 # boundary(encoder key, its layout) -> (forward, backward) seconds per microbatch; cost.predict binds both
 Price = Callable[..., ModuleCost]
 Boundary = Callable[[str, ModuleLayout], tuple[float, float]]
@@ -111,8 +127,8 @@ Boundary = Callable[[str, ModuleLayout], tuple[float, float]]
 
 @dataclass
 class StepParts:
-    """The step as the placement functions add it up; memory, DP and optimizer are kept per rank range
-    because the slowest range sets the step and the fullest one decides feasibility."""
+    """The step as the placement functions add it up; memory (rank_memory's), DP and optimizer are kept per rank
+    range because the slowest range sets the step and the fullest one decides feasibility."""
 
     llm: str                        # the LLM's rank range "first-last", shared by colocated encoders
     parts: dict[str, float]         # the breakdown; dp and optimizer are filled in last
@@ -123,15 +139,54 @@ class StepParts:
     flops: float = 0.0              # useful FLOPs of the encoders' microbatches (the LLM's are added last)
 
     @classmethod
-    def start(cls, llm: ModuleCost, lang: ModuleLayout, m: int) -> "StepParts":
-        """The LLM alone: its busy time, memory, and the DP traffic one microbatch does not hide."""
+    def start(cls, llm: ModuleCost, lang: ModuleLayout, m: int, mem: dict[str, Memory]) -> "StepParts":
+        """The LLM alone: its busy time, and the DP traffic one microbatch does not hide; `mem` is
+        rank_memory's, priced before any time."""
         r = f"{lang.first}-{lang.last}"
-        return cls(r, {n: 0.0 for n in BREAKDOWN}, {LANGUAGE: m * llm.slowest.total}, {r: llm.memory},
+        return cls(r, {n: 0.0 for n in BREAKDOWN}, {LANGUAGE: m * llm.slowest.total}, mem,
                    {r: max(0.0, llm.dp_s - llm.slowest.total)}, {r: llm.optim_s})
 
     def add(self, stage: Stage, times: float) -> None:
         for n in STAGE_PARTS:
             self.parts[n] += getattr(stage, n) * times
+
+
+def encoder_costs(homogeneous: bool, lang: ModuleLayout, coloc: dict[str, ModuleLayout],
+                  remote: dict[str, ModuleLayout], m: int, price: Price, per_microbatch: bool) -> dict[str, ModuleCost]:
+    """Each encoder priced as its placement runs it, with the microbatches of activations its first stage holds:
+    Megatron's baseline runs it at the LLM's TP and DP on the LLM's first stage, replicated over its CP ranks (so
+    its gradients are reduced over DP x CP); a colocated one keeps every microbatch's activations until phase 3,
+    or one microbatch's when it runs inside each microbatch (per_microbatch); a remote one heads a pipeline of
+    its own stages + boundary + the LLM's."""
+    if homogeneous:
+        as_llm = ModuleLayout(lang.first, lang.first + lang.tp * lang.dp_size - 1, tp=lang.tp, dp=lang.dp_size)
+        return {key: price(key, as_llm, min(lang.pp, m), lang.dp_size * lang.cp) for key in coloc}
+    out = {key: price(key, lay, 1 if per_microbatch else m) for key, lay in coloc.items()}
+    out.update({key: price(key, lay, min(m, lay.pp + lang.pp + 1)) for key, lay in remote.items()})
+    return out
+
+
+def rank_memory(homogeneous: bool, llm: ModuleCost, lang: ModuleLayout, encoders: dict[str, ModuleCost],
+                remote: dict[str, ModuleLayout]) -> dict[str, Memory]:
+    """Memory per rank range "first-last": the LLM's fullest stage plus the encoders on its ranks (Megatron's
+    baseline: on its first stage), and each remote encoder's block (encoders sharing a block add up). Priced
+    before any time, so a layout that cannot fit is known without timing it."""
+    r = f"{lang.first}-{lang.last}"
+    local = [e.memory for key, e in encoders.items() if key not in remote]
+    if homogeneous:
+        mem = {r: max(llm.mem_first + sum(local, Memory()), llm.mem_last, key=lambda mm: mm.total)}
+    else:
+        mem = {r: functools.reduce(operator.add, local, llm.memory)}
+    return {**mem, **block_memory(encoders, remote)}
+
+
+def block_memory(encoders: dict[str, ModuleCost], remote: dict[str, ModuleLayout]) -> dict[str, Memory]:
+    """Memory of each block of ranks that holds only encoders (the remote ones; encoders sharing a block add up)."""
+    mem: dict[str, Memory] = {}
+    for key, lay in remote.items():
+        block = f"{lay.first}-{lay.last}"
+        mem[block] = mem.get(block, Memory()) + encoders[key].memory
+    return mem
 
 
 def pipeline(chain: list[Stage], m: int) -> tuple[float, Stage]:
@@ -140,37 +195,30 @@ def pipeline(chain: list[Stage], m: int) -> tuple[float, Stage]:
     return m * slow.total + sum(s.total for s in chain) - slow.total, slow
 
 
-def homogeneous_step(acc: StepParts, llm: ModuleCost, lang: ModuleLayout, encoders: list[str], m: int,
-                     price: Price) -> float:
-    """Megatron's baseline: encoders at the LLM's TP and DP on its first PP stage, replicated over its CP
-    ranks; returns the pipeline's time."""
-    as_llm = ModuleLayout(lang.first, lang.first + lang.tp * lang.dp_size - 1, tp=lang.tp, dp=lang.dp_size)
-    stage0, enc_mem = llm.stages[0], Memory()
-    for key in encoders:
-        # replicated over the LLM's CP ranks, so its gradients are reduced over DP x CP
-        e = price(key, as_llm, min(lang.pp, m), lang.dp_size * lang.cp)
+def homogeneous_step(acc: StepParts, llm: ModuleCost, encoders: dict[str, ModuleCost], m: int) -> float:
+    """Megatron's baseline: encoders (encoder_costs) at the LLM's TP and DP on its first PP stage, replicated
+    over its CP ranks; returns the pipeline's time."""
+    stage0 = llm.stages[0]
+    for key, e in encoders.items():
         stage0 = stage0 + e.slowest
-        enc_mem = enc_mem + e.memory
         acc.busy[key] = m * e.slowest.total
         acc.dp_exposed[acc.llm] += max(0.0, e.dp_s - llm.stages[0].total)
         acc.optim[acc.llm] += e.optim_s
         acc.flops += m * e.model_flops
-    acc.mem[acc.llm] = max(llm.mem_first + enc_mem, llm.mem_last, key=lambda mm: mm.total)
     pipe, slow = pipeline([stage0, *llm.stages[1:]], m)
     acc.add(slow, m)
     acc.parts["bubble"] = pipe - m * slow.total
     return pipe
 
 
-def colocated_encoders(acc: StepParts, encoders: dict[str, ModuleLayout], m: int, price: Price,
-                       boundary: Boundary, per_microbatch: bool) -> tuple[float, float]:
+def colocated_encoders(acc: StepParts, encoders: dict[str, ModuleLayout], costs: dict[str, ModuleCost], m: int,
+                       boundary: Boundary) -> tuple[float, float]:
     """Encoders on the LLM's ranks: (phase 1, phase 3) seconds, every microbatch's forward + boundary
-    before the LLM's pipeline and boundary + backward after it. per_microbatch (everything at pp 1,
-    hetero/plan/schedule_plan.colocated_per_microbatch): the same work inside each microbatch, so one
-    microbatch of activations is alive instead of all of them."""
+    before the LLM's pipeline and boundary + backward after it (at pp 1 everywhere the trainer runs the same
+    work inside each microbatch: encoder_costs prices its memory)."""
     phase1 = phase3 = 0.0
     for key, lay in encoders.items():
-        e = price(key, lay, 1 if per_microbatch else m)  # three phases: every microbatch's live until phase 3
+        e = costs[key]
         fb, bb = boundary(key, lay)
         s = e.slowest
         fill = (lay.pp - 1) * s.total
@@ -180,7 +228,6 @@ def colocated_encoders(acc: StepParts, encoders: dict[str, ModuleLayout], m: int
         acc.parts["bubble"] += fill
         acc.parts["boundary"] += m * (fb + bb)
         acc.busy[key] = m * s.total
-        acc.mem[acc.llm] = acc.mem[acc.llm] + e.memory
         # its DP traffic hides behind its own phase-3 backward
         acc.dp_exposed[acc.llm] += max(0.0, e.dp_s - m * s.total * (1 - s.fwd_frac))
         acc.optim[acc.llm] += e.optim_s
@@ -188,15 +235,13 @@ def colocated_encoders(acc: StepParts, encoders: dict[str, ModuleLayout], m: int
     return phase1, phase3
 
 
-def remote_encoders(acc: StepParts, encoders: dict[str, ModuleLayout], llm_pp: int, m: int, price: Price,
+def remote_encoders(acc: StepParts, encoders: dict[str, ModuleLayout], costs: dict[str, ModuleCost], m: int,
                     boundary: Boundary) -> tuple[list[Stage], Stage]:
     """Encoders on their own ranks: (their stages, the boundary stage) at the head of the LLM's pipeline."""
     enc_side: list[Stage] = []
     bound = Stage()
     for key, lay in encoders.items():
-        r = f"{lay.first}-{lay.last}"
-        # its first stage heads a pipeline of lay.pp + boundary + LLM stages, as many microbatches in flight
-        e = price(key, lay, min(m, lay.pp + llm_pp + 1))
+        r, e = f"{lay.first}-{lay.last}", costs[key]
         fb, bb = boundary(key, lay)
         bound = Stage(pp=bound.pp + fb + bb, fwd_frac=0.5)
         # parallel encoders feed the same boundary: align their last stages, keep the slower per slot
@@ -205,9 +250,8 @@ def remote_encoders(acc: StepParts, encoders: dict[str, ModuleLayout], llm_pp: i
         enc_side = [max(a, b, key=lambda s: s.total) for a, b in
                     zip([Stage()] * (n - len(enc_side)) + enc_side, ours)]
         acc.busy[key] = m * e.slowest.total
-        acc.mem[r] = e.memory
-        acc.dp_exposed[r] = max(0.0, e.dp_s - e.slowest.total)
-        acc.optim[r] = e.optim_s
+        acc.dp_exposed[r] = acc.dp_exposed.get(r, 0.0) + max(0.0, e.dp_s - e.slowest.total)
+        acc.optim[r] = acc.optim.get(r, 0.0) + e.optim_s
         acc.flops += m * e.model_flops
     return enc_side, bound
 
