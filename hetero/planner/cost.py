@@ -31,7 +31,9 @@ of the microbatches in flight (1F1B's first stage holds pp of them; model.py has
 under full recompute, the largest layer once, and the LLM head's fp32 logits on its last stage.
 hetero/planner/meta_memory.py counts the same on the modules built on the meta device; the dry run prints both.
 A layout that does not fit in HEADROOM of HBM, or fails HeteroLayout.validate, comes back with feasible=False
-and the reason.
+and the reason. Memory is priced before time: a layout that fits under none of predict's recompute options is not
+timed (step_s inf), and the search skips, unpriced, candidates whose encoder-only block cannot fit
+(remote_encoders_fit), most of them at scale.
 
 This file prices modules (module_cost) and a layout (predict); how the placements combine module costs
 into a step is in step_time.py.
