@@ -44,11 +44,14 @@ def check_names(model) -> None:
     parse_recompute(getattr(model, "recompute", "none"))
 
 
-def resolve(cfg, world_size: int, llm_fields: dict | None = None, elastic: bool = False) -> ResolvedRun:
+def resolve(cfg, world_size: int, llm_fields: dict | None = None, elastic: bool = False,
+            planner: bool = True) -> ResolvedRun:
     """The run resolved on `world_size` ranks; for layout=auto the planner proposes (h100 costs). elastic: a
-    restart of an elastic job, whose world may differ from the layout's (resolve_run's `elastic`)."""
+    restart of an elastic job, whose world may differ from the layout's (resolve_run's `elastic`); planner=False:
+    without the planner's proposals (an explicit layout only scaled by DP; layout=auto fails)."""
     fits = (lambda spec: _memory_problem(cfg, spec)) if elastic else None
-    return resolve_config(cfg, world_size, llm_fields, layout_proposals(cfg, world_size), elastic=elastic, fits=fits)
+    propose = layout_proposals(cfg, world_size) if planner else None
+    return resolve_config(cfg, world_size, llm_fields, propose, elastic=elastic, fits=fits)
 
 
 def _memory_problem(cfg, spec: str) -> str:
@@ -59,34 +62,49 @@ def _memory_problem(cfg, spec: str) -> str:
 
 
 class WorldTooSmall(ValueError):
-    """An elastic job's world on which no layout of the run trains and fits; the message names worlds that do."""
+    """An elastic job's world on which no layout of the run trains and fits, nor on any smaller world (ranks left
+    as spares); the message names the worlds that do."""
+
+
+PLANNED_SPARE_WORLDS = 8  # smaller worlds the planner searches for a restart with spares (each a whole search)
 
 
 def resolve_restart(cfg, world: int, ranks_per_node: int, llm_fields: dict | None = None) -> ResolvedRun:
     """An elastic job's run resolved on the `world` ranks its agents re-rendezvoused with (resolve(elastic=True)).
-    When nothing this run can train fits that world: WorldTooSmall naming the nearest worlds of whole nodes
-    that do (the smallest larger one up to the run's own layout's world, or 4x this one for layout=auto/"")."""
+    When nothing this run can train fits that world: the largest smaller world that it trains on, its lowest ranks
+    training and the rest left as spares (ResolvedRun.spares; they wait, recipes/train.py): 128 rows cannot go over
+    DP 15, so a 128-GPU job that lost a node trains on 96 of its 120. Smaller worlds are whole nodes fewer (single
+    ranks within one node), scaled by DP from the run's layout, or from the planner for the first
+    PLANNED_SPARE_WORLDS of them. When none trains: WorldTooSmall naming the smallest larger world of whole nodes
+    that does (up to the run's own layout's world, or 4x this one for layout=auto/"")."""
     try:
         return resolve(cfg, world, llm_fields, elastic=True)
     except LayoutError as e:
-        def trains(w: int) -> bool:
-            try:
-                resolve(cfg, w, llm_fields, elastic=True)
-                return True
-            except LayoutError:
-                return False
+        first = e
+    node = max(ranks_per_node, 1)
+    step = node if world > node else 1
+    for i, w in enumerate(range(world - step, 0, -step)):
+        try:
+            run = resolve(cfg, w, llm_fields, elastic=True, planner=i < PLANNED_SPARE_WORLDS)
+            return dataclasses.replace(run, spares=world - w)
+        except LayoutError:
+            continue
 
-        spec, node = (cfg.layout or "").strip(), max(ranks_per_node, 1)
-        top = HeteroLayout.parse(spec).world_size if spec not in ("", "auto") else 4 * world
-        larger = next((w for w in range(world + node, max(top, world) + 1, node) if trains(w)), None)
-        smaller = next((w for w in range(world - node, 0, -node) if trains(w)), None)
-        where = (f"the smallest world that fits is {larger} ranks ({larger // node} nodes of {node})" if larger
-                 else f"no world of up to {top} ranks fits either")
-        if smaller:  # the world is torchrun's to set: ranks beyond a usable one cannot be left idle as spares
-            where += f"; a smaller one, {smaller} ranks, would too (ranks are never left idle as spares)"
-        raise WorldTooSmall(f"{e}.\nelastic: this run cannot train on {world} ranks: {where}. The checkpoint is "
-                            f"intact; the job resumes from it when the agents re-rendezvous with enough ranks "
-                            f"(or set layout=... / trainer.elastic_min_nodes)") from e
+    def trains(w: int) -> bool:
+        try:
+            resolve(cfg, w, llm_fields, elastic=True)
+            return True
+        except LayoutError:
+            return False
+
+    spec = (cfg.layout or "").strip()
+    top = HeteroLayout.parse(spec).world_size if spec not in ("", "auto") else 4 * world
+    larger = next((w for w in range(world + node, max(top, world) + 1, node) if trains(w)), None)
+    where = (f"the smallest world that fits is {larger} ranks ({larger // node} nodes of {node})" if larger
+             else f"no world of up to {top} ranks fits either")
+    raise WorldTooSmall(f"{first}.\nelastic: this run cannot train on {world} ranks nor on fewer of them (the rest "
+                        f"left as spares): {where}. The checkpoint is intact; the job resumes from it when the agents "
+                        f"re-rendezvous with enough ranks (or set layout=... / trainer.elastic_min_nodes)") from first
 
 
 def check_run(cfg, world_size: int) -> ResolvedRun:

@@ -139,8 +139,9 @@ def _check_elastic(task, executor, world: int) -> None:
     lo, hi = elastic.make_elastic(executor, min_nodes, task.trainer.elastic_max_restarts)
     per_node = world // hi
     smallest = checks.resolve_restart(task, lo * per_node, per_node)
+    spares = f" on {smallest.world} of them ({smallest.spares} wait as spares)" if smallest.spares else ""
     print(f"elastic: {lo}-{hi} nodes, {per_node} ranks a node; on {lo * per_node} ranks the run trains in "
-          f"{smallest.layout}", flush=True)
+          f"{smallest.layout}{spares}", flush=True)
 
 
 def _exported_task(fn, yaml, factory, args) -> run.Partial | None:

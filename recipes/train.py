@@ -18,10 +18,12 @@ run.executor.retries) resumes from its own last checkpoint; an elastic job (trai
 to runs/<name>-elastic<torchrun's run id>, the same for every restart of its workers.
 
 Elastic (issue 36, recipes/elastic.py launches it): torchrun's agents restart the workers when a node is lost or
-joins, with the new WORLD_SIZE; each restarted rank resolves the run again for that world (recipes/checks.
-resolve_restart: the layout scaled by DP, else the planner's best trainable one, the step's rows kept), prints
-what it chose, and resumes from the last complete checkpoint; a world on which nothing fits exits non-zero
-naming the worlds that do, the checkpoint untouched.
+joins, with the new WORLD_SIZE; each restarted rank resolves the run again for that world before joining it
+(recipes/checks.resolve_restart: the layout scaled by DP, else the planner's best trainable one, else on fewer
+ranks, the step's rows kept), prints what it chose, and resumes from the last complete checkpoint. Ranks beyond
+the world it trains on are spares: they join no process group and wait until rank 0 releases them at the run's
+end (hetero/runtime/world.py). A world on which nothing fits exits non-zero naming the worlds that do, the
+checkpoint untouched.
 """
 
 from __future__ import annotations
@@ -159,9 +161,19 @@ def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not torch.cuda.is_available():
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    from tessera.hetero.runtime.world import join_world
+    from tessera.hetero.runtime.world import join_world, release_spares, wait_as_spare
+    from tessera.hetero.training.preemption import EXIT_STOPPED
 
-    created = join_world(trainer.timeout_s)  # torchrun's world, or one rank; the device bound first
+    cfg = RunConfig(name, layout, model, data, optim, trainer)
+    # an elastic restart is resolved before the world is joined (pure and deterministic: every rank alike), since on
+    # a world that no layout of the run tiles the highest ranks stay out of it and wait as spares
+    restart = _resolve_restart(cfg) if trainer.elastic_min_nodes else None
+    if restart is not None and int(os.environ.get("RANK", "0")) >= restart.world:
+        status = wait_as_spare(trainer.timeout_s)
+        print(f"elastic: rank {os.environ['RANK']} waited as a spare until the run's end (exit status {status})",
+              flush=True)
+        raise SystemExit(status)
+    created = join_world(trainer.timeout_s, restart.world if restart else None)  # the device bound first
     rank = dist.get_rank()
     run_dir = _run_dir(name, trainer)
     if rank == 0:
@@ -175,17 +187,16 @@ def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
     apply_cpu_shims()
     from tessera.hetero.training.loop import run_training
 
-    cfg = RunConfig(name, layout, model, data, optim, trainer)
     try:
         # the run resolved once on this world (every rank alike: pure and deterministic; layout=auto asks the planner)
-        resolved = _resolve_world(cfg, rank)
+        resolved = _describe_restart(cfg, restart) if restart else _resolve_world(cfg)
         summary = run_training(cfg, resolved, run_dir, stop, step_flops=_step_flops(cfg))
+        if rank == 0:
+            release_spares(resolved.spares, EXIT_STOPPED if summary.get("stopped_by") else 0)
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
     if summary.get("stopped_by"):
-        from tessera.hetero.training.preemption import EXIT_STOPPED
-
         if rank == 0:
             print(f"stopped by {summary['stopped_by']} after step {summary['steps']}: checkpoint step "
                   f"{summary['steps']} saved in {run_dir / 'checkpoints'}; the same command (or Slurm's requeue) "
@@ -197,27 +208,43 @@ def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
     return summary
 
 
-def _resolve_world(cfg, rank: int):
-    """The run on this world: as configured, or for an elastic job on whatever world its agents restarted it
-    with (the rank-0 line says which layout and why); a world too small exits non-zero with the message."""
-    from tessera.hetero.plan.resolved_run import scaled_for_restart
-    from tessera.recipes.checks import WorldTooSmall, resolve, resolve_restart
+def _resolve_world(cfg):
+    """The run on this world, as configured."""
+    from tessera.recipes.checks import resolve
 
-    world = dist.get_world_size()
-    if not cfg.trainer.elastic_min_nodes:
-        return resolve(cfg, world)
+    return resolve(cfg, dist.get_world_size())
+
+
+def _resolve_restart(cfg):
+    """An elastic job's run on whatever world its agents (re)started it with (WORLD_SIZE), before joining it: the
+    layout scaled by DP, else the planner's best, else on fewer ranks with the rest as spares; a world too small
+    exits non-zero with the message (rank 0 prints it)."""
+    from tessera.recipes.checks import WorldTooSmall, resolve_restart
+
+    world, per_node = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     try:
-        resolved = resolve_restart(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except WorldTooSmall as e:
-        raise SystemExit(str(e) if rank == 0 else 1) from None  # one message, every rank non-zero
-    spec = (cfg.layout or "").strip()
-    if rank == 0 and spec not in ("", "auto") and HeteroLayout.parse(spec).world_size != world:
-        scaled, why = scaled_for_restart(spec, world, None)
+        return resolve_restart(cfg, world, per_node)
+    except WorldTooSmall as e:  # one message, every rank non-zero
+        raise SystemExit(str(e) if os.environ.get("RANK", "0") == "0" else 1) from None
+
+
+def _describe_restart(cfg, resolved):
+    """Rank 0's line on an elastic start on another world than the layout's: which layout and why, and the spares."""
+    from tessera.hetero.plan.resolved_run import scaled_for_restart
+
+    spec, world = (cfg.layout or "").strip(), resolved.world
+    launched = world + resolved.spares
+    if dist.get_rank() == 0 and (resolved.spares or spec not in ("", "auto") and
+                                 HeteroLayout.parse(spec).world_size != world):
+        scaled, why = scaled_for_restart(spec, world, None) if spec not in ("", "auto") else ("", "")
         how = ("the run's layout scaled by data parallelism" if scaled and HeteroLayout.parse(scaled) == resolved.layout
                else f"the planner's best layout this run trains on {world} ranks ({why or 'the scaled one does not'})")
-        print(f"elastic: {world} ranks (the run's layout has {HeteroLayout.parse(spec).world_size}): layout "
-              f"{resolved.layout}, {how}; {resolved.rows_per_microbatch} rows x {resolved.microbatches} "
-              f"microbatches per step", flush=True)
+        has = f" (the run's layout has {HeteroLayout.parse(spec).world_size})" if spec not in ("", "auto") else ""
+        spare = (f"; no layout of the run tiles {launched} ranks: ranks {world}-{launched - 1} wait as spares"
+                 if resolved.spares else "")
+        on = f" on ranks 0-{world - 1}" if resolved.spares else ""
+        print(f"elastic: {launched} ranks{has}: layout {resolved.layout}{on}, {how}{spare}; "
+              f"{resolved.rows_per_microbatch} rows x {resolved.microbatches} microbatches per step", flush=True)
     return resolved
 
 

@@ -23,7 +23,7 @@ import pytest
 from tessera.hetero.tools.spawn import run_on_ranks
 from tessera.hetero.training.metrics import read_metrics
 from tessera.recipes.elastic import ELASTIC_ENV
-from tests._run_curves import rel
+from tests._run_curves import rel, seed_run_dir
 from tests.test_train_fault import MARKER, _job, _survivors
 
 pytestmark = pytest.mark.multiproc
@@ -90,13 +90,20 @@ def _latest(run_dir: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def elastic(tmp_path_factory):
-    """The uninterrupted run, then the elastic one: (run dir, survivor's log, baseline losses, facts)."""
-    root = tmp_path_factory.mktemp("elastic")
-    base = root / "uninterrupted"
+def uninterrupted(tmp_path_factory) -> tuple[Path, float]:
+    """The 4-rank run every elastic one is compared with (checkpoints every SAVE_EVERY steps): (run dir, seconds)."""
+    base = tmp_path_factory.mktemp("uninterrupted")
     t0 = time.monotonic()
     run_on_ranks(4, _train, [*RECIPE[1:], f"trainer.run_dir={base}"], timeout=600)  # the 4 ranks forked: no imports
-    facts = {"uninterrupted_s": time.monotonic() - t0}
+    return base, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def elastic(tmp_path_factory, uninterrupted):
+    """The uninterrupted run, then the elastic one: (run dir, survivor's log, baseline losses, facts)."""
+    root = tmp_path_factory.mktemp("elastic")
+    base, seconds = uninterrupted
+    facts = {"uninterrupted_s": seconds}
 
     run_dir, port, marker, go = root / "run", _free_port(), uuid.uuid4().hex, root / "rejoin"
     logs = {n: root / f"agent_{n}.log" for n in "abc"}
@@ -168,3 +175,38 @@ def test_a_returning_node_grows_the_job_back_and_the_curve_is_the_uninterrupted_
     assert loss[:SAVE_EVERY] == uninterrupted[:SAVE_EVERY], "the same layout and world before the kill: bitwise"
     assert rel(loss, uninterrupted) <= 1e-5, f"the elastic curve differs by {rel(loss, uninterrupted):.2e}"
     assert (run_dir / "checkpoints" / f"step_{STEPS:06d}").is_dir()
+
+
+def test_a_world_no_layout_tiles_trains_on_its_lowest_ranks_and_the_rest_wait_as_spares(uninterrupted, tmp_path):
+    """One agent of 3 ranks (--nnodes 1:1) resumes the 4-rank run's step-4 checkpoint: no layout of the tiny omni
+    tiles 3 ranks with its 8 rows, so ranks 0-1 train in the planner's layout for 2 and rank 2 waits as a spare,
+    in no process group, until rank 0 releases it at the end. Every process exits 0, none is left behind, and steps
+    5-12 follow the uninterrupted curve."""
+    base, _ = uninterrupted
+    run_dir, marker, log = tmp_path / "run", uuid.uuid4().hex, tmp_path / "agent.log"
+    seed_run_dir(base / "checkpoints" / f"step_{SAVE_EVERY:06d}", run_dir)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:1", "--nproc-per-node", "3",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "spares-test",
+           "--rdzv-conf", f"is_host=1,{RDZV}", "--max-restarts", "0", "--monitor-interval", "0.2",
+           "-m", "tessera.recipes.train", *RECIPE, "trainer.elastic_min_nodes=1",
+           f"trainer.run_dir={run_dir}"]
+    try:
+        with _job(cmd, log, _env(marker)) as proc:
+            rc = proc.wait(timeout=300)
+    finally:
+        left = _survivors(marker)
+    text = log.read_text()
+    assert rc == 0, text[-4000:]
+    assert not left, f"processes left behind: {left}"
+    layout = "vision=dp2@0-1;audio=dp2@0-1;language=dp2@0-1"
+    assert f"elastic: 3 ranks (the run's layout has 4): layout {layout} on ranks 0-1" in text, text[-4000:]
+    assert "no layout of the run tiles 3 ranks: ranks 2-2 wait as spares" in text, text[-4000:]
+    # the spare waited for the run (it stays in the job, for the next restart to use), and was let go at its end
+    assert text.index(f"step {STEPS}/{STEPS} loss") < text.index("elastic: rank 2 waited as a spare until the run's end (exit "
+                                                    "status 0)"), text[-4000:]
+    change = read_metrics(run_dir, "world")[0]["world_change"]
+    assert (change["old_world"], change["new_world"], change["spares"], change["new_layout"]) == (4, 2, 1, layout)
+    rows = read_metrics(run_dir)
+    assert [(r["step"], r["world"]) for r in rows] == [(s, 2) for s in range(SAVE_EVERY + 1, STEPS + 1)], rows
+    want = [r["loss"] for r in read_metrics(base)][SAVE_EVERY:]
+    assert rel([r["loss"] for r in rows], want) <= 1e-5

@@ -67,6 +67,20 @@ def test_a_restart_on_fewer_ranks_scales_the_layout_or_takes_the_planners_and_ke
     assert str(resolve_restart(big, 8, 8).layout) == "vision=tp4,cp2,dp1@0-7;language=tp4,cp2,dp1@0-7"
 
 
+def test_a_world_no_layout_tiles_trains_on_fewer_ranks_and_leaves_the_rest_as_spares():
+    """128 rows cannot go over DP 15 or 13 (nor 7 for the tiny omni's 8): the run trains on the largest smaller world
+    that works, its lowest ranks, and the rest wait. A world that trains needs no spares."""
+    omni = _cfg("nemotron_omni_tiny")  # 3 ranks on one node of 3: nothing tiles 3, the planner's best for 2 does
+    run = resolve_restart(omni, 3, 3)
+    assert (run.world, run.spares, str(run.layout)) == (2, 1, "vision=dp2@0-1;audio=dp2@0-1;language=dp2@0-1")
+    assert run.rows_per_step == 8
+    assert resolve_restart(omni, 4, 2).spares == 0
+    vl = _cfg("nemotron_vl_12b", gpus=128)  # a 16-node job loses a node: 15 and 14 nodes have no layout either
+    run = resolve_restart(vl, 120, 8)
+    assert (run.world, run.spares) == (96, 24), (run.world, run.spares)
+    assert run.rows_per_step == 128 and run.layout.world_size == 96
+
+
 def test_a_world_too_small_for_any_layout_names_the_smallest_that_fits():
     """The 30B-A3B omni recipe on 32 GPUs loses half of them: its layout scaled to 16 ranks needs 100 GiB a GPU,
     and nothing the planner proposes fits 16; 32 does. (Nodes of 16 GPUs: one larger world to price.)"""
@@ -84,12 +98,13 @@ def test_every_world_change_is_recorded_with_the_steps_redone(tmp_path, capsys):
 
     (tmp_path / "metrics.jsonl").write_text(steps(1, 6, 4))  # a 4-rank run that saved step 4, died after step 6
     m = RunMetrics(tmp_path, 10, first_step=4, progress=False, tensorboard=False)
-    change = m.log_world_change(4, 2, "B@0-1", (4, "A@0-3"))
-    assert change == {"old_world": 4, "new_world": 2, "old_layout": "A@0-3", "new_layout": "B@0-1",
+    change = m.log_world_change(4, 2, "B@0-1", (4, "A@0-3"), spares=1)  # 3 ranks left, one waits as a spare
+    assert change == {"old_world": 4, "new_world": 2, "old_layout": "A@0-3", "new_layout": "B@0-1", "spares": 1,
                       "steps_redone": 2}
     m.file.write(steps(5, 7, 2))
     m.file.close()
-    assert "world change at step 4: 4 -> 2 ranks, layout A@0-3 -> B@0-1; 2 steps redone" in capsys.readouterr().err
+    assert ("world change at step 4: 4 -> 2 ranks (1 more launched rank waits as a spare), layout A@0-3 -> B@0-1; "
+            "2 steps redone") in capsys.readouterr().err
     # the 2-rank run saved step 7 and grows back: the old world is the last change's, not the checkpoint's
     m = RunMetrics(tmp_path, 10, first_step=7, progress=False, tensorboard=False)
     assert m.log_world_change(7, 4, "A@0-3", (4, "A@0-3"))["old_world"] == 2
@@ -231,7 +246,8 @@ def test_elastic_minimums_the_launch_cannot_keep_are_refused_before_launch(nemor
     with pytest.raises(ValueError, match="needs a launcher"):
         elastic.make_elastic(None, 1, 3)
     # the 30B-A3B omni recipe on 2 nodes of 16 GPUs cannot train on one (tests above: nothing fits 16 ranks)
-    with pytest.raises(WorldTooSmall, match="cannot train on 16 ranks: the smallest world that fits is 32 ranks"):
+    with pytest.raises(WorldTooSmall, match="cannot train on 16 ranks nor on fewer of them .*: the smallest world "
+                                            "that fits is 32 ranks"):
         _parse(["trainer.elastic_min_nodes=1"], ["executor=slurm", "executor.nodes=2", "executor.gpus_per_node=16"],
                "nemotron_omni_30b_a3b")
     local = fdl.build(executors.local())

@@ -122,7 +122,8 @@ def test_a_layout_the_fit_check_rejects_cannot_fit():
     """remote_encoders_fit is exact on the side that matters: every layout it rejects, predict prices as not fitting
     memory (and untimed); over blocks of 1-32 ranks, with both encoders remote or one colocated."""
     rejected = accepted = 0
-    for v, a, vtp, vcp, llm in itertools.product((1, 2, 8, 32), (0, 1, 4, 32), (1, 2), (1, 2), ("tp2,dp32", "tp2,pp2,dp16")):
+    llms = ("tp2,dp32", "tp2,pp2,dp16")
+    for v, a, vtp, vcp, llm in itertools.product((1, 2, 8, 32), (0, 1, 4, 32), (1, 2), (1, 2), llms):
         if (v % (vtp * vcp)) or (a and a % vtp):
             continue
         spec = f"vision=tp{vtp},cp{vcp},dp{v // (vtp * vcp)}@0-{v - 1};"
@@ -149,7 +150,8 @@ def test_a_layout_the_fit_check_rejects_cannot_fit():
 def test_the_search_skips_only_what_cannot_fit(model, work, gpus, monkeypatch):
     """The search's feasible rows, gains and times are the same with the fit check's skip and without it."""
     fast = search(model, work, cluster("h100", gpus), gpus)
-    monkeypatch.setattr(importlib.import_module("tessera.hetero.planner.search"), "remote_encoders_fit", lambda *a: True)
+    search_module = importlib.import_module("tessera.hetero.planner.search")  # the package re-exports search()
+    monkeypatch.setattr(search_module, "remote_encoders_fit", lambda *a: True)
     every = search(model, work, cluster("h100", gpus), gpus)
     row = lambda p: (p.layout, p.baseline, p.tokens_per_s, p.recompute, p.memory_gib, p.gain)  # noqa: E731
     assert [row(p) for p in fast if p.feasible] == [row(p) for p in every if p.feasible]

@@ -93,6 +93,9 @@ class ResolvedRun:
     seq_length: int
     rows_per_microbatch: int
     microbatches: int
+    # launched ranks beyond `world` that wait unused: an elastic restart on a world that no layout of the run
+    # tiles trains on the largest smaller one that works (its lowest ranks), the rest are spares
+    spares: int = 0
 
     @property
     def keys(self) -> list[str]:

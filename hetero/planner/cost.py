@@ -54,10 +54,10 @@ from tessera.hetero.planner.cp_cost import kernel_paths, llm_cp_activation, llm_
 from tessera.hetero.planner.flops import llm_row_flops, sequence_flops, vit_sequence_flops
 from tessera.hetero.planner.model import BF16, ModelDesc, ModuleDesc
 from tessera.hetero.planner.straggler import busiest_rank_factor
-from tessera.hetero.planner.step_time import (GIB, Memory, ModuleCost, ModuleMemory, Stage, StepParts, colocated_encoders,
-                                              encoder_costs, encoder_pipeline, expert_dp, homogeneous_step,
-                                              block_memory, optimizer_bytes, optimizer_params, rank_memory,
-                                              remote_encoders)
+from tessera.hetero.planner.step_time import (GIB, Memory, ModuleCost, ModuleMemory, Stage, StepParts,
+                                              block_memory, colocated_encoders, encoder_costs, encoder_pipeline,
+                                              expert_dp, homogeneous_step, optimizer_bytes, optimizer_params,
+                                              rank_memory, remote_encoders)
 
 HEADROOM = 0.9        # of HBM usable by tensors (the rest: allocator fragmentation, NCCL and CUDA buffers)
 OPTIM_BYTES = 30      # HBM traffic per local parameter of one Adam step (read 16 B, write 14 B)

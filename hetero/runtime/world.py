@@ -1,6 +1,7 @@
 """How a process joins a world: the one place the default process group is created.
 
     created = join_world(timeout_s=600)     # torchrun's / Slurm's world (RANK set), else a one-rank world
+    exit(wait_as_spare()) / release_spares(n)  # an elastic restart's ranks left out of the world, and rank 0's end
     created = one_rank_world()              # a one-rank world in this process (exports, tools, benches, tests)
     with fake_world(rank=5, world=512):     # torch's fake backend: groups built as rank 5 of 512 sees them
         groups = build_module_groups(layout)
@@ -42,16 +43,62 @@ def one_rank_world(timeout_s: float | None = None, backend: str | None = None) -
     return True
 
 
-def join_world(timeout_s: float | None = None) -> bool:
+def join_world(timeout_s: float | None = None, world_size: int | None = None) -> bool:
     """The launcher's world (torchrun, Slurm: RANK and its peers in the environment), or a one-rank world for a
-    plain `python -m`. Returns True if this call created the default group (the caller destroys it)."""
+    plain `python -m`. Returns True if this call created the default group (the caller destroys it).
+    world_size: the launcher's lowest ranks only (an elastic restart with spares: the others never join)."""
     if dist.is_initialized():
         return False
     if "RANK" not in os.environ:
         return one_rank_world(timeout_s)
     bind_local_device()  # cuda:LOCAL_RANK (checked against the GPU count) before NCCL binds a device
-    dist.init_process_group(default_backend(), **_timeout(timeout_s))
+    subset = {"world_size": world_size, "rank": int(os.environ["RANK"])} if world_size else {}
+    dist.init_process_group(default_backend(), **_timeout(timeout_s), **subset)
     return True
+
+
+# A spare (an elastic restart whose world no layout tiles leaves the highest ranks out) holds no process group:
+# it waits on the launcher's store (MASTER_ADDR:MASTER_PORT, which rank 0's process group serves or torchrun's agent)
+# until rank 0 releases it at the run's end. The key carries torchrun's restart count, so a restart's spares never
+# read an earlier round's release from the agent's store, which outlives the workers.
+def _spare_key(what: str) -> str:
+    return f"tessera/spares/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{what}"
+
+
+def _launcher_store(timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def wait_as_spare(timeout_s: float = 600.0, poll_s: float = 0.5) -> int:
+    """Wait, as a spare, until the training ranks finish: the exit status rank 0 released the spares with (the
+    run's: 0, or the stopped run's), or 1 when the store went away first (the run failed: the launcher restarts or
+    ends the job either way)."""
+    import time
+
+    try:
+        store = _launcher_store(timeout_s)  # rank 0 may still be starting its store: the client retries
+        while not store.check([_spare_key("released")]):
+            time.sleep(poll_s)
+        status = int(store.get(_spare_key("released")))
+        store.add(_spare_key("seen"), 1)
+        return status
+    except (RuntimeError, dist.DistError):
+        return 1
+
+
+def release_spares(spares: int, status: int = 0, timeout_s: float = 30.0) -> None:
+    """Rank 0 at the run's end: let the spares go with the run's exit status, and wait (up to timeout_s) until each
+    has seen it, so none finds the store gone first."""
+    import time
+
+    if not spares:
+        return
+    store = _launcher_store(timeout_s)
+    store.set(_spare_key("released"), str(status))
+    end = time.monotonic() + timeout_s
+    while store.add(_spare_key("seen"), 0) < spares and time.monotonic() < end:
+        time.sleep(0.05)
 
 
 @contextmanager

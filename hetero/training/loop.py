@@ -271,7 +271,7 @@ def run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals,
                          cfg.trainer.log_every, make_tracker(cfg.trainer, run_dir, cfg.name, asdict(cfg))
                          ) if run.rank == 0 else None
     if metrics is not None:  # an elastic restart on other ranks (or a resume in another layout) is recorded
-        metrics.log_world_change(run.start, run.world, str(run.layout), run.saved_on)
+        metrics.log_world_change(run.start, run.world, str(run.layout), run.saved_on, resolved.spares)
 
     queue = AsyncCallsQueue() if cfg.trainer.async_save else None  # async saves write while the next steps train
     it, record, first_loss, last_save, stopped, last_val = iter(loader), {}, None, time.monotonic(), None, {}

@@ -114,19 +114,23 @@ class RunMetrics:
             else:
                 print(line, file=sys.stderr, flush=True)
 
-    def log_world_change(self, step: int, world: int, layout: str, saved: tuple[int, str] | None) -> dict | None:
+    def log_world_change(self, step: int, world: int, layout: str, saved: tuple[int, str] | None,
+                         spares: int = 0) -> dict | None:
         """At a start from checkpoint `step` (saved on world and layout `saved`): when the world or layout differs
         from the last run's (the last recorded change's new ones, else the checkpoint's), record the change: old
-        and new world and layout, and the steps the last run trained after the checkpoint, which are redone."""
+        and new world and layout, the launched ranks left out as spares, and the steps the last run trained after
+        the checkpoint, which are redone."""
         last = ((self._last_change["new_world"], self._last_change["new_layout"]) if self._last_change
                 else saved)
         if last is None or tuple(last) == (world, layout):
             return None
         change = {"old_world": last[0], "new_world": world, "old_layout": last[1], "new_layout": layout,
-                  "steps_redone": max(self._trained - step, 0)}
+                  "spares": spares, "steps_redone": max(self._trained - step, 0)}
         self.file.write(json.dumps({"step": step, "world_change": change}) + "\n")
         self.file.flush()
-        line = (f"world change at step {step}: {last[0]} -> {world} ranks, layout {last[1]} -> {layout}; "
+        idle = ("" if not spares else " (1 more launched rank waits as a spare)" if spares == 1
+                else f" ({spares} more launched ranks wait as spares)")
+        line = (f"world change at step {step}: {last[0]} -> {world} ranks{idle}, layout {last[1]} -> {layout}; "
                 f"{change['steps_redone']} steps redone from the checkpoint of step {step}")
         print(line, file=sys.stderr, flush=True)
         return change
