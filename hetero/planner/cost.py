@@ -341,8 +341,7 @@ def _price(layout: HeteroLayout, model: ModelDesc, w: Workload, cl: Cluster, k: 
         return out.modules[key]
 
     homogeneous = out.placement == "homogeneous"
-    coloc = {e.key: layout[e.key] for e in model.encoders if homogeneous or layout.colocated(e.key, LANGUAGE)}
-    remote = {e.key: layout[e.key] for e in model.encoders if e.key not in coloc}
+    coloc, remote = _placed(layout, model, homogeneous)
     llm = price(LANGUAGE, lang, min(lang.pp, m))
     costs = encoder_costs(homogeneous, lang, coloc, remote, m, price,
                           not homogeneous and colocated_per_microbatch(layout))
@@ -361,6 +360,13 @@ def _price(layout: HeteroLayout, model: ModelDesc, w: Workload, cl: Cluster, k: 
     _finish(out, acc, core, llm, layout, w)
     out.feasible = fits
     return out
+
+
+def _placed(layout: HeteroLayout, model: ModelDesc, homogeneous: bool) -> tuple[dict, dict]:
+    """({encoder: layout} on the LLM's ranks, {encoder: layout} on ranks of their own); Megatron's baseline puts
+    every encoder on the LLM's ranks."""
+    coloc = {e.key: layout[e.key] for e in model.encoders if homogeneous or layout.colocated(e.key, LANGUAGE)}
+    return coloc, {e.key: layout[e.key] for e in model.encoders if e.key not in coloc}
 
 
 def _least_recompute(layout: HeteroLayout, model: ModelDesc, w: Workload, cl: Cluster, k: Constants,
@@ -398,7 +404,7 @@ def remote_encoders_fit(layout: HeteroLayout, model: ModelDesc, w: Workload, cl:
     True for a layout without such a block, or whose batch does not split (predict says why)."""
     lang = layout[LANGUAGE]
     samples = w.micro_batch * lang.dp_size
-    remote = {e.key: layout[e.key] for e in model.encoders if not layout.colocated(e.key, LANGUAGE)}
+    _, remote = _placed(layout, model, homogeneous=False)  # the search never fits Megatron's baseline this way
     if not remote or samples <= 0 or w.global_batch % samples:
         return True
     m, limit = w.global_batch // samples, cl.hbm_gib * HEADROOM * GIB
