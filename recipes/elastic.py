@@ -24,6 +24,9 @@ checkpoint. A local run (run.executor=local) is one node: MIN must be 1, and fai
 
 from __future__ import annotations
 
+import os
+import signal
+
 import nemo_run as run
 
 # srun options after nemo-run's "--wait=60 --kill-on-bad-exit=1" (the last value wins): a task that ends (its node
@@ -65,3 +68,33 @@ def make_elastic(executor, min_nodes: int, max_restarts: int) -> tuple[int, int]
                                       "no_kill": True}
     executor.srun_args = [*(a for a in executor.srun_args or [] if a not in ELASTIC_SRUN_ARGS), *ELASTIC_SRUN_ARGS]
     return min_nodes, nodes
+
+
+# ---- a fixed layout under an elastic launcher ---------------------------------------------------------------
+
+def torchelastic_restarts() -> tuple[int, int] | None:
+    """(this start's restart count, the agent's --max-restarts) when torchrun's elastic agent started this process
+    (its TORCHELASTIC_* variables), else None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+
+
+def fixed_layout_message(world: int, layout: str, layout_world: int, restart: int) -> str:
+    """What a rank says when torchrun (re)started a run whose layout is fixed (trainer.elastic_min_nodes=0) on
+    another world than the layout's."""
+    how = f"restarted this job elastically (restart {restart})" if restart else "started this job"
+    return (f"elastic: torchrun {how} on {world} ranks, but the run's layout is fixed to {layout_world} ranks "
+            f"(layout={layout}) because trainer.elastic_min_nodes is 0. Set trainer.elastic_min_nodes=MIN (the "
+            f"fewest nodes to train on) to re-plan the layout on every restart, or launch exactly {layout_world} "
+            f"ranks (a fixed --nnodes). Not retried: every restart on {world} ranks would fail the same way.")
+
+
+def stop_elastic_agent() -> None:
+    """End this node's torchrun agent now, so that a failure no retry can fix is not retried: the agent restarts
+    failed workers until --max-restarts runs out (measured: ~8 minutes of re-rendezvous for a fixed layout on a
+    shrunk world) and a worker has no exit status that says "final". Its SIGTERM handler stops the workers and
+    exits non-zero. Only the node's local rank 0 signals (one signal per agent), and only its parent: the agent
+    that started it (torchrun runs workers as its direct children)."""
+    if os.environ.get("LOCAL_RANK", "0") == "0" and os.getppid() > 1:
+        os.kill(os.getppid(), signal.SIGTERM)

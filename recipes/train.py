@@ -209,10 +209,25 @@ def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
 
 
 def _resolve_world(cfg):
-    """The run on this world, as configured."""
+    """The run on this world, as configured. A layout fixed to another world under torchrun's elastic agent (a
+    restart on the nodes that are left, with trainer.elastic_min_nodes unset) says so and ends the agent: no
+    retry on that world can train."""
+    from tessera.hetero.plan.layout import LayoutError
     from tessera.recipes.checks import resolve
+    from tessera.recipes.elastic import fixed_layout_message, stop_elastic_agent, torchelastic_restarts
 
-    return resolve(cfg, dist.get_world_size())
+    world, spec = dist.get_world_size(), (cfg.layout or "").strip()
+    try:
+        return resolve(cfg, world)
+    except LayoutError:
+        restarts = torchelastic_restarts()
+        layout_world = HeteroLayout.parse(spec).world_size if spec not in ("", "auto") else world
+        if restarts is None or layout_world == world:
+            raise
+        message = fixed_layout_message(world, spec, layout_world, restarts[0])
+        if restarts[0] < restarts[1]:
+            stop_elastic_agent()
+        raise SystemExit(message if dist.get_rank() == 0 else 1) from None
 
 
 def _resolve_restart(cfg):

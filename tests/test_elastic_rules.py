@@ -253,3 +253,35 @@ def test_elastic_minimums_the_launch_cannot_keep_are_refused_before_launch(nemor
     local = fdl.build(executors.local())
     executors.fit_executor(local, 4)
     assert elastic.make_elastic(local, 1, 5) == (1, 1) and local.env_vars["PET_MAX_RESTARTS"] == "5"
+
+
+@pytest.mark.multiproc
+def test_a_fixed_layout_under_an_elastic_launcher_says_which_setting_replans_and_is_not_retried(tmp_path):
+    """torchrun --nnodes 1:2 with one agent (the other node gone) starts 2 ranks of a run whose layout is fixed to 4
+    (trainer.elastic_min_nodes unset): each rank says the launcher started it elastically on 2 ranks, the layout is
+    fixed to 4 and trainer.elastic_min_nodes re-plans it; the agent ends non-zero at once, its 3 restarts unused."""
+    from tests.test_elastic import RDZV, _free_port
+
+    layout = "vision=dp2@0-1;audio=dp2@0-1;language=tp2@2-3"
+    port = _free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "fixed-layout",
+           "--rdzv-conf", f"is_host=1,{RDZV}", "--max-restarts", "3", "--monitor-interval", "0.2",
+           "-m", "tessera.recipes.train", "--recipe", "nemotron_omni_tiny", f"layout={layout}",
+           "trainer.max_steps=2", "trainer.progress=false", f"trainer.run_dir={tmp_path / 'run'}"]
+    res = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", **elastic.ELASTIC_ENV), capture_output=True,
+                         text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out[-3000:]
+    assert ("elastic: torchrun started this job on 2 ranks, but the run's layout is fixed to 4 ranks "
+            f"(layout={layout})") in out, out[-3000:]
+    assert "Set trainer.elastic_min_nodes=MIN" in out, out[-3000:]
+    # said once, by rank 0 of the one start: the agent never restarted the ranks (its 3 restarts unused)
+    assert out.count("elastic: torchrun") == 1 and "(restart 1)" not in out, out[-3000:]
+
+
+def test_the_fixed_layout_message_names_the_restart_the_worlds_and_the_setting():
+    msg = elastic.fixed_layout_message(2, "vision=dp4@0-3;language=tp2,dp2@0-3", 4, restart=1)
+    assert msg.startswith("elastic: torchrun restarted this job elastically (restart 1) on 2 ranks, but the run's "
+                          "layout is fixed to 4 ranks (layout=vision=dp4@0-3;language=tp2,dp2@0-3)")
+    assert "trainer.elastic_min_nodes=MIN" in msg and "launch exactly 4 ranks" in msg

@@ -160,7 +160,9 @@ def run(args) -> int:
         raise SystemExit(f"--layout is for multimodal (NemotronH_Omni_Reasoning_V3) checkpoints; {args.hf_dir} holds "
                          f"an LLM alone: use --tp/--pp/--cp")
     pg_collection = _init_from_env(args.tp, args.pp, args.cp)
-    kernels = select_kernels(pg_collection, dtype=torch.float32)  # parity runs the fp32 model
+    # The fp32 model's kernels; at CP > 1 each layer kind's CP path follows the checkpoint's heads.
+    config = hybrid_config_from_hf(args.hf_dir, tp=args.tp, pp=args.pp, cp=args.cp)
+    kernels = select_kernels(pg_collection, dtype=torch.float32, config=config)
     err = compare(args.hf_dir, pg_collection, kernels)
     ok = err <= args.tol
     if dist.get_rank() == 0:
