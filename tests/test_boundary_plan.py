@@ -214,6 +214,15 @@ def test_bad_metadata_is_rejected_with_a_fix():
         plan_boundary(lay["vision"], lay["language"], BoundaryBatch.from_lists(8, [[1, 1], [2]]))  # a duplicate
 
 
+def test_media_positions_at_the_edges_of_the_sequence():
+    """[0, seq_length): the first and last positions are accepted, one past either end is refused."""
+    lay = HeteroLayout.parse("vision=dp2@0-1;language=cp2@0-1")
+    plan_boundary(lay["vision"], lay["language"], BoundaryBatch.from_lists(8, [[0, 7], [7]]))
+    for bad in ([[1], [8]], [[-1], [2]], [[0, 8], [1]]):
+        with pytest.raises(BoundaryError, match="must lie in \\[0, 8\\)"):
+            plan_boundary(lay["vision"], lay["language"], BoundaryBatch.from_lists(8, bad))
+
+
 # ------------------------------------------------------------------------------- TP replicas share sending
 def _check_round_robin(plan, src: ModuleLayout, dst: ModuleLayout):
     """_receivers' rule: receiving TP replica t reads every row it does not hold from sending replica

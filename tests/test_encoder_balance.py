@@ -68,6 +68,17 @@ def test_memory_cap_is_respected_and_named_when_it_cannot_be():
         balanced_assignment([1.0] * 5, 2, [3.0] * 5, cap=7.0)
 
 
+def test_memory_cap_at_its_edge():
+    """A rank holds items up to exactly its cap: an item of exactly the cap, two that fill it exactly; a hair more
+    is refused."""
+    assert balanced_assignment([1.0], 1, [7.0], cap=7.0) == [0]
+    assert balanced_assignment([2.0, 1.0], 1, [3.5, 3.5], cap=7.0) == [0, 0]
+    with pytest.raises(ItemTooLarge, match=r"fits on no rank"):
+        balanced_assignment([2.0, 1.0], 1, [3.5, 3.5 + 1e-9], cap=7.0)
+    with pytest.raises(ItemTooLarge, match=r"more than a rank's cap"):
+        balanced_assignment([1.0], 1, [7.0 + 1e-9], cap=7.0)
+
+
 def test_fewer_items_than_ranks_leaves_ranks_idle():
     owner = balanced_assignment([5.0, 1.0], 4)
     assert owner == [0, 1] and rank_loads([5.0, 1.0], owner, 4) == [5.0, 1.0, 0.0, 0.0]
@@ -133,3 +144,26 @@ def test_a_run_never_gives_a_rank_more_tokens_than_row_ownership_would():
         busiest_rows += max(rank_loads(costs, flat(rows), dp), default=0.0)
     assert differed > 50 and busiest < 0.9 * busiest_rows, (differed, busiest / busiest_rows)
     assert ItemAssignment({"vision": 2}).owners(meta)["vision"][1] == row_owners(meta, "vision", 2)
+
+
+def test_the_straggler_factors_at_hand_computed_values():
+    """hetero/planner/straggler.py's formulas at values worked by hand (z(n): Blom's expected max of n normals,
+    z(2) = 0.58946, z(4) = 1.04913, z(8) = 1.43420)."""
+    from tessera.hetero.planner.straggler import (balanced_factor, busiest_rank_factor, expected_max_normal,
+                                                  row_owned_factor)
+
+    assert expected_max_normal(1) == 0.0
+    assert [expected_max_normal(n) for n in (2, 4, 8)] == pytest.approx([0.58946, 1.04913, 1.43420], abs=1e-5)
+    assert row_owned_factor(4, 4, 0.8) == pytest.approx(1 + 1.04913 * 0.8 / 2, abs=1e-5)  # cv / sqrt(4 rows)
+    assert row_owned_factor(1, 4, 0.8) == row_owned_factor(4, 0, 0.8) == 1.0
+    # one item per rank: the largest-first excess 1 + 1/(2 k^2) = 1.5, unless the largest item weighs more
+    assert balanced_factor(4, 1, 0.0, 10.0) == pytest.approx(1.5)
+    assert balanced_factor(4, 1, 1.0, 10.0) == pytest.approx(1 + 1.04913, abs=1e-5)
+    assert balanced_factor(4, 2, 0.5, 10.0) == pytest.approx(1 + 1 / 8)  # (1 + 0.5 z(8)) / 2 = 0.86 below it
+    assert balanced_factor(4, 2, 2.0, 10.0) == pytest.approx((1 + 2 * 1.43420) / 2, abs=1e-5)  # the largest of 8 items
+    assert balanced_factor(4, 1, 1.0, 1.2) == 1.2  # never priced above row ownership
+    assert balanced_factor(1, 1, 1.0, 10.0) == balanced_factor(4, 0, 1.0, 10.0) == 1.0
+    assert busiest_rank_factor(4, 4, 1, (0.8, 0.0), balanced=False) == pytest.approx(1.41965, abs=1e-5)
+    assert busiest_rank_factor(4, 4, 1, (0.8, 0.0), balanced=True) == pytest.approx(1.41965, abs=1e-5)  # min
+    assert busiest_rank_factor(4, 16, 2, (0.8, 0.5), balanced=True) == pytest.approx(1.125)
+    assert busiest_rank_factor(4, 4, 1, (0.0, 0.0), balanced=False) == 1.0

@@ -55,7 +55,13 @@ def _validate_layouts(root: str) -> dict:
         sets = resolve_val_sets(cfg.data.val_path, run.rank)
         before = {k: {n: t.clone() for n, t in m.state_dict().items() if torch.is_tensor(t)}
                   for k, m in run.modules.items()}
+        # a mixed start, as frozen towers and LoRA bases have (parts in eval mode): a pass restores each part's own
+        # mode, not train() for all (every other submodule set alone, children untouched)
+        for mod in run.modules.values():
+            for i, m in enumerate(mod.modules()):
+                m.training = m.training and i % 2 == 0
         modes = {(k, n): m.training for k, mod in run.modules.items() for n, m in mod.named_modules()}
+        assert len(set(modes.values())) == 2, "the start has parts in train and in eval mode"
         first = validate(run, sets, 2, comms, like, hosts_loss, settle)
         second = validate(run, sets, 2, comms, like, hosts_loss, settle)
         changed = [f"{k}.{n}" for k, m in run.modules.items() for n, t in m.state_dict().items()
@@ -101,7 +107,12 @@ def test_a_run_validates_every_val_every_steps_and_at_the_end(tmp_path):
     assert all(s["val_loss"] == {"synthetic": losses[1]} for s in summaries)
     train_rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     for r in (r for r in train_rows if "val" not in r):  # the step records carry the throughput fields too
-        assert r["model_tflops_per_gpu"] > 0 and r["mfu"] is None  # CPU: no peak, FLOP/s only
+        # the throughput fields by hand: 4 ranks, 8 rows of 128 tokens per step, the step's model FLOPs
+        assert r["world"] == 4 and r["mfu"] is None  # CPU: no peak, FLOP/s only
+        assert r["model_tflops_per_gpu"] == pytest.approx(sum(r["model_flops"].values()) / r["step_time_s"] / 4 / 1e12)
+        assert r["tokens_per_s"] == pytest.approx(8 * 128 / r["step_time_s"])
+        assert r["samples_per_s"] == pytest.approx(8 / r["step_time_s"])
+        assert 0 < r["real_tokens_per_s"] < r["tokens_per_s"]  # the rows' padding left out
         assert r["model_flops"]["language"] > 0 and r["model_flops"]["vision"] > 0, r["model_flops"]
         worst = r["max_over_ranks"]
         assert worst["peak_memory_gib"] >= r["peak_memory_gib"] > 0 and worst["data_wait_s"] >= r["data_wait_s"] >= 0
