@@ -139,7 +139,8 @@ def encoder_tokens(encoders: dict[str, str], max_tiles: int = 2, video_frames: i
 def chat_task_encoder(tokenizer, encoders: dict[str, str], seq_length: int, *,
                       decode: dict[str, range | int] | None = None, max_tiles: int = 2, video_frames: int = 4,
                       video_pruning: float = 0.0, defer_upscale: bool = False, min_patches: int | None = None,
-                      max_patches: int | None = None, log_skips: bool = True, assignment=None) -> ChatTaskEncoder:
+                      max_patches: int | None = None, log_skips: bool = True, assignment=None,
+                      caption_prompt: str | None = None) -> ChatTaskEncoder:
     """The task encoder of a model with these encoders: placeholder sizes from their registry configs
     (encoder_tokens) and the prompt template of their family (omni with an audio encoder, else vl:
     data/templates.template_for_encoders), the one place a run's template, and with it the image mode, is
@@ -158,14 +159,16 @@ def chat_task_encoder(tokenizer, encoders: dict[str, str], seq_length: int, *,
                          f"(seq_length - 4 tokens of {enc.pixel_shuffle ** 2}): the released processor would "
                          f"shrink every image's budget to the context; lower max_patches or max_tiles")
     return ChatTaskEncoder(tokenizer, seq_length, enc, decode=decode, modules=set(encoders),
-                           defer_upscale=defer_upscale, template=template, log_skips=log_skips, assignment=assignment)
+                           defer_upscale=defer_upscale, template=template, log_skips=log_skips, assignment=assignment,
+                           caption_prompt=caption_prompt)
 
 
 def build_train_loader(path: str | Path, tokenizer: str | Path, encoders: dict[str, str], seq_length: int,
                        rows_per_microbatch: int, *, decode: dict[str, range | int] | None, num_workers: int = 0,
                        seed: int = 0, max_tiles: int = 2, video_frames: int = 4, video_pruning: float = 0.0,
                        state=None, defer_upscale: bool = False, min_patches: int | None = None,
-                       max_patches: int | None = None, log_skips: bool = True, assignment=None):
+                       max_patches: int | None = None, log_skips: bool = True, assignment=None,
+                       caption_prompt: str | None = None):
     """The resumable loader of global PackedBatch microbatches for one rank (data/loader.build_loader).
 
     decode: what data.sharding.decode_plan returns for this rank (None: decode every row, one process), or with
@@ -173,9 +176,10 @@ def build_train_loader(path: str | Path, tokenizer: str | Path, encoders: dict[s
     state: a loader.save_state_rank() result to resume from (same num_workers, see build_loader).
     defer_upscale: media smaller than their tiles are resized on the encoding device (ChatTaskEncoder).
     min_patches / max_patches: an omni model's native-resolution image budget (chat_task_encoder).
-    log_skips: log examples of the stream's skips (one rank of a run: every rank skips the same samples)."""
+    log_skips: log examples of the stream's skips (one rank of a run: every rank skips the same samples).
+    caption_prompt: the user turn of energon CaptioningSample datasets (data/sample_types.py)."""
     te = chat_task_encoder(tokenizer, encoders, seq_length, decode=decode, max_tiles=max_tiles,
                            video_frames=video_frames, video_pruning=video_pruning, defer_upscale=defer_upscale,
                            min_patches=min_patches, max_patches=max_patches, log_skips=log_skips,
-                           assignment=assignment)
+                           assignment=assignment, caption_prompt=caption_prompt)
     return build_loader(path, te, rows_per_microbatch, num_workers=num_workers, seed=seed, state=state)
