@@ -90,13 +90,41 @@ def _batches(path: Path, tok: Tokenizer, caption_prompt=None) -> list:
 def test_sample_type_gives_the_ids_mask_and_media_of_the_same_conversation(case, tok, tmp_path):
     rows, field_map, prompt = CASES[case]
     sample_type = case.partition("+")[0]
-    keys = [f"s{i:03d}" for i in range(len(rows))]
-    theirs = energon_set(tmp_path / "energon", [{"__key__": k, **m} for k, (m, _, _) in zip(keys, rows)],
+    theirs = energon_set(tmp_path / "energon", [{"__key__": f"s{i:03d}", **m} for i, (m, _, _) in enumerate(rows)],
                          sample_type, field_map)
+    assert check_sample_types(theirs) == {str(theirs): sample_type}
+    _assert_same_batches(theirs, rows, tok, prompt, tmp_path)
+
+
+INTERLEAVED_LOADER = """
+def sample_loader(raw: dict) -> dict:
+    return dict(__sources__=raw["__sources__"], sequence=["Here: ", raw["jpg"], " " + raw["txt"], raw["png"], "."])
+
+def part_filter(part: str) -> bool:
+    return part in ("jpg", "png", "txt")
+"""
+
+
+def test_interleaved_samples_from_a_sample_loader_are_one_document(tok, tmp_path):
+    """InterleavedSample through the user's own sample_loader.py (what `energon prepare` writes for it): its texts
+    and images in order, as one assistant turn, exactly as that conversation in the project's schema."""
+    imgs = _images(8, 13)
+    rows = [({"jpg": a, "txt": text, "png": b},
+             [{"role": "assistant", "content": f"Here: <image> {text}<image>."}], [("image", "jpg", a), ("image", "png", b)])
+            for (a, text), (b, _) in zip(imgs[:4], imgs[4:])]
+    theirs = energon_set(tmp_path / "energon", [{"__key__": f"s{i:03d}", **m} for i, (m, _, _) in enumerate(rows)],
+                         "InterleavedSample", None)
+    (theirs / ".nv-meta" / "sample_loader.py").write_text(INTERLEAVED_LOADER)
+    _assert_same_batches(theirs, rows, tok, None, tmp_path)
+
+
+def _assert_same_batches(theirs: Path, rows: list, tok: Tokenizer, prompt, tmp_path: Path) -> None:
+    """The batches of `theirs` (an energon typed set of `rows`) == those of the rows' conversations in the project's
+    schema, written by prepare (data/prepare.write_shards): ids, labels (the loss mask), media meta and pixels."""
+    keys = [f"s{i:03d}" for i in range(len(rows))]
     ours = tmp_path / "ours"
     write_shards(iter([(k, conv, media) for k, (_, conv, media) in zip(keys, rows)]), ours, shard_size=4)
     energon_prepare(ours, media_meta=True)
-    assert check_sample_types(theirs) == {str(theirs): sample_type}
     got, want = _batches(theirs, tok, prompt), _batches(ours, tok)
     assert len(got) == len(want) > 0 and sum(len(k) for b in got for k in b.keys) == len(rows)
     for a, b in zip(got, want):
