@@ -351,15 +351,15 @@ class ChatTaskEncoder(TaskEncoder):
 
 def build_loader(path: str | Path, task_encoder: ChatTaskEncoder, rows_per_microbatch: int, *,
                  num_workers: int = 0, seed: int = 0, packing_buffer: int = 32, shuffle_buffer: int = 64,
-                 samples_per_sequence: int | None = 16, repeat: bool = True, state=None):
+                 samples_per_sequence: int | None = 16, repeat: bool = True, state=None, split: str = "train"):
     """A SavableDataLoader of global PackedBatch microbatches, restored from `state` when given.
 
     `path` is a prepared dataset (energon prepare) or a metadataset YAML with a weighted blend; repeat=False
-    stops after one epoch (evaluation, counting). The stream
+    stops after one epoch (evaluation, counting); split: which of energon's splits to read. The stream
     depends only on (path, seed, num_workers, buffers), never on the rank: see the module docstring."""
     check_sample_types(path)  # a sample type without a conversation fails here, named, not in energon's workers
     wc = WorkerConfig(rank=0, world_size=1, num_workers=num_workers, seed_offset=seed)
-    ds = get_train_dataset(str(path), worker_config=wc, batch_size=rows_per_microbatch,
+    ds = get_train_dataset(str(path), split_part=split, worker_config=wc, batch_size=rows_per_microbatch,
                            packing_buffer_size=packing_buffer, shuffle_buffer_size=shuffle_buffer,
                            max_samples_per_sequence=samples_per_sequence, task_encoder=task_encoder,
                            repeat=repeat)

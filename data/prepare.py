@@ -212,9 +212,10 @@ def shard_media(out: Path) -> dict[str, list[tuple[str, str, int]]]:
     return found
 
 
-def energon_prepare(out: Path, media_meta: bool = False) -> None:
-    """`energon prepare` via its click command: one split (train), CrudeWebdataset samples. media_meta: the shards'
-    JSON members carry the media metadata (write_shards, add_media_metadata), so energon's reader takes only them.
+def energon_prepare(out: Path, media_meta: bool = False, val_ratio: float = 0.0) -> None:
+    """`energon prepare` via its click command: CrudeWebdataset samples, a train split and, with val_ratio, a val
+    split of about that share of the shards (energon splits whole shards). media_meta: the shards' JSON members
+    carry the media metadata (write_shards, add_media_metadata), so energon's reader takes only them.
 
     Every tar in `out` is checked first (check_shards): a bad one raises ShardError naming it, instead of
     energon's bare assertion."""
@@ -229,7 +230,8 @@ def energon_prepare(out: Path, media_meta: bool = False) -> None:
     chatter = io.StringIO()
     try:
         with contextlib.redirect_stdout(chatter):
-            command.main([str(out), "--non-interactive", "--split-ratio", "1,0,0", "--sample-type", "CrudeWebdataset",
+            command.main([str(out), "--non-interactive", "--split-ratio", f"{1 - val_ratio},{val_ratio},0",
+                          "--sample-type", "CrudeWebdataset",
                           "--force-overwrite", "--no-progress", "--num-workers", "1"], standalone_mode=False)
         if media_meta:  # the global stream then reads each sample's JSON member only (data/media_meta.py)
             with open(out / ".nv-meta" / "dataset.yaml", "a") as f:
@@ -323,7 +325,8 @@ def synthetic_records(n: int, seed: int, prefix: str = "syn", kinds=("image", "v
             data, ext, text = SYNTH[kind](rng)
             yield key, caption_chat(kind, text), [(kind, ext, data)]
             continue
-        a, b = rng.sample(["image", "video", "audio"], 2)
+        pool = [k for k in ("image", "video", "audio") if k in kinds]  # all three: the draws of every earlier set
+        a, b = rng.sample(pool, 2) if len(pool) > 1 else pool * 2
         (da, ea, ta), (db, eb, tb) = SYNTH[a](rng), SYNTH[b](rng)
         conversation = [
             {"role": "system", "content": "You are a helpful multimodal assistant."},
@@ -336,12 +339,14 @@ def synthetic_records(n: int, seed: int, prefix: str = "syn", kinds=("image", "v
 
 
 def make_synthetic(out: Path, samples: int = 96, seed: int = 0, shard_size: int = 16, prefix: str = "syn",
-                   tokenizer: bool = True, media_meta: bool = True) -> Counter:
+                   tokenizer: bool = True, media_meta: bool = True, val_ratio: float = 0.0,
+                   kinds=("image", "video", "audio", "chat")) -> Counter:
     """Synthetic shards + index (+ tokenizer.model trained on the texts); used by tests and the benchmark.
-    media_meta=False: a dataset as prepared before the media metadata (data/media_meta.py)."""
-    records = list(synthetic_records(samples, seed, prefix))
+    media_meta=False: a dataset as prepared before the media metadata (data/media_meta.py). val_ratio:
+    energon_prepare's. kinds: synthetic_records'."""
+    records = list(synthetic_records(samples, seed, prefix, kinds))
     counts = write_shards(iter(records), out, shard_size, media_meta)
-    energon_prepare(out, media_meta)
+    energon_prepare(out, media_meta, val_ratio)
     if tokenizer:
         from tessera.data.tokens import train_sentencepiece
 

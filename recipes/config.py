@@ -58,7 +58,8 @@ class ModelConfig:
 class DataConfig:
     path: str | None = None                 # prepared dataset / blend YAML; None = synthetic data in run_dir
     # validation sets: a dataset / blend YAML, "synthetic" (a held-out synthetic set) or "NAME=PATH;NAME=PATH";
-    # None = no validation (hetero/training/validation.py)
+    # "auto" (the tiny recipes') = the synthetic set for synthetic data, else data.path's own val split (none
+    # without one); None = no validation (hetero/training/validation.py)
     val_path: str | None = None
     # SentencePiece .model or tokenizer.json; None = model.checkpoint's own, else the dataset's (and either must
     # agree with the checkpoint's config.json: data/run_tokenizer.py)

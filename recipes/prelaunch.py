@@ -73,7 +73,7 @@ def check_data(data, checkpoint: str | None = None) -> None:
     from tessera.data.pipeline import SYNTHETIC_VAL, val_sets
     from tessera.data.run_tokenizer import run_tokenizer
 
-    for name, val in val_sets(data.val_path).items():  # the held-out sets: named, existing, prepared
+    for name, val in val_sets(data.val_path, data.path).items():  # the held-out sets: named, existing, prepared
         if val != SYNTHETIC_VAL:
             _check_dataset(f"data.val_path ({name})", val)
     if data.path is None:

@@ -5,6 +5,7 @@ Turn a JSONL manifest, a folder, or a synthetic generator into webdataset shards
     python scripts/prepare_data.py --manifest data.jsonl --out DIR [--shard-size 100]
     python scripts/prepare_data.py --folder photos/ --out DIR      # x.jpg|png|mp4|wav|flac + x.txt caption
     python scripts/prepare_data.py --synthetic --out DIR [--samples 96] [--seed 0]
+    ... [--val-ratio 0.1]     # hold out a share of the shards as energon's val split (validated on by default)
 
 Manifest lines are either a caption record {"image"|"video"|"audio": path, "caption": text} or a chat
 record {"conversation": [{"role", "content"}...], "media": [{"kind": "image", "path": p}, ...]} whose
@@ -81,7 +82,12 @@ def main(argv=None) -> int:
     ap.add_argument("--shard-size", type=int, default=16, help="samples per tar shard")
     ap.add_argument("--samples", type=int, default=96, help="--synthetic: number of samples")
     ap.add_argument("--seed", type=int, default=0, help="--synthetic: generator seed")
+    ap.add_argument("--val-ratio", type=float, default=0.0, help="share of the shards held out as energon's val "
+                    "split (whole shards; training validates on it with data.val_path=auto, the tiny recipes')")
     args = ap.parse_args(argv)
+    if not 0.0 <= args.val_ratio < 1.0:
+        print(f"[prepare] --val-ratio {args.val_ratio}: give a share in [0, 1), e.g. 0.1", file=sys.stderr)
+        return 2
 
     if args.tokenizer is not None and (not args.tokenizer.is_file() or args.tokenizer.suffix not in (".model",
                                                                                                   ".json")):
@@ -101,7 +107,7 @@ def main(argv=None) -> int:
     try:
         if args.synthetic:
             counts = make_synthetic(args.out, args.samples, args.seed, args.shard_size,
-                                    tokenizer=args.tokenizer is None)
+                                    tokenizer=args.tokenizer is None, val_ratio=args.val_ratio)
         elif args.index:
             if not args.out.is_dir() or not any(args.out.glob("*.tar")):
                 print(f"[prepare] --index: no .tar shards in {args.out}", file=sys.stderr)
@@ -118,10 +124,18 @@ def main(argv=None) -> int:
             if counts["samples"] == 0:
                 print(f"[prepare] no usable samples; skipped {dict(skipped)}", file=sys.stderr)
                 return 1
-            energon_prepare(args.out, media_meta=True)
+            energon_prepare(args.out, media_meta=True, val_ratio=args.val_ratio)
     except ShardError as e:
         print(f"[prepare] {e}", file=sys.stderr)
         return 2
+    if args.val_ratio and not args.index:
+        from tessera.data.pipeline import has_val_split
+
+        shards = len(list(args.out.glob("*.tar")))
+        if not has_val_split(args.out):
+            print(f"[prepare] --val-ratio {args.val_ratio} held out no shard of {shards}: energon splits whole "
+                  f"shards; lower --shard-size for more shards", file=sys.stderr)
+            return 2
     tok = (f"tokenizer {args.out / 'tokenizer.model'} (trained on this dataset's texts)"
            if args.synthetic and args.tokenizer is None else _tokenizer(args.out, args.tokenizer, texts))
     shards = len(list(args.out.glob("*.tar")))

@@ -185,7 +185,8 @@ def _train_blend(root: str) -> None:
 
     for name, layout in (("homogeneous", HOMOGENEOUS), ("colocated", COLOCATED)):
         data = DataConfig(path=f"{root}/blend.yaml", tokenizer=f"{root}/ours/tokenizer.model", seq_length=256,
-                          rows_per_microbatch=4, microbatches=2, caption_prompt="Describe the image.")
+                          rows_per_microbatch=4, microbatches=2, caption_prompt="Describe the image.",
+                          val_path="auto")  # the blend's val split: ours' held-out shard
         trainer = TrainerConfig(max_steps=STEPS, run_dir=f"{root}/{name}", progress=False, tensorboard=False)
         train(ModelConfig(vision="radio_vit_tiny"), data, OptimConfig(lr=1e-3, warmup_steps=1), trainer,
               layout=layout, name="blend")
@@ -208,10 +209,11 @@ def test_blend_of_an_energon_set_and_a_prepared_set_trains_in_a_heterogeneous_la
     for i, (img, text) in enumerate(imgs[12:]):
         (folder / f"o{i:03d}.jpg").write_bytes(img)
         (folder / f"o{i:03d}.txt").write_text(text)
-    assert prepare_data.main(["--folder", str(folder), "--out", str(tmp_path / "ours"), "--shard-size", "4"]) == 0
+    assert prepare_data.main(["--folder", str(folder), "--out", str(tmp_path / "ours"), "--shard-size", "4",
+                              "--val-ratio", "0.3"]) == 0  # its last shard of three held out
     (tmp_path / "blend.yaml").write_text(
         "__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
-        "      - weight: 1\n        path: theirs\n      - weight: 1\n        path: ours\n")
+        "      - weight: 1\n        path: theirs\n      - weight: 1\n        path: ours\n  val:\n    path: ours\n")
     check_data(DataConfig(path=str(tmp_path / "blend.yaml"), tokenizer=str(tmp_path / "ours" / "tokenizer.model")))
     run_on_ranks(4, _train_blend, str(tmp_path), timeout=900)
     runs = {name: read_metrics(tmp_path / name) for name in ("homogeneous", "colocated")}
@@ -220,3 +222,7 @@ def test_blend_of_an_energon_set_and_a_prepared_set_trains_in_a_heterogeneous_la
         assert not any(r.get("skipped_by_reason") for r in rows), (name, rows)
     for a, b in zip(runs["homogeneous"], runs["colocated"]):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a["loss"], b["loss"])
+    val = {name: read_metrics(tmp_path / name, "val") for name in runs}
+    assert [r["step"] for r in val["colocated"]] == [STEPS] and set(val["colocated"][0]["val"]) == {"val"}
+    loss_h, loss_c = (val[name][0]["val"]["val"]["loss"] for name in ("homogeneous", "colocated"))
+    assert loss_c > 0 and abs(loss_h - loss_c) <= 1e-5 * loss_h, (loss_h, loss_c)
