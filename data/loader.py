@@ -104,9 +104,11 @@ def _warn_legacy(dataset: str, sample_type: str | None = None) -> None:
     """Said once per dataset and process. sample_type: one of energon's typed samples (data/sample_types.py)."""
     if dataset not in _LEGACY_WARNED:
         _LEGACY_WARNED.add(dataset)
-        what = f" ({sample_type}, as energon prepared it)" if sample_type else ""
-        log.warning(f"dataset {dataset}{what} has no media metadata: every rank reads and probes every media member "
-                    f"of the global batch; add it with `{INDEX_COMMAND.replace('DIR', dataset)}`")
+        fix = (f"as energon prepared it ({sample_type}); for the fast path write it as a manifest and run "
+               f"scripts/prepare_data.py --manifest" if sample_type else
+               f"add it with `{INDEX_COMMAND.replace('DIR', dataset)}`")
+        log.warning(f"dataset {dataset} has no media metadata: every rank reads and probes every media member of "
+                    f"the global batch; {fix}")
 
 
 class ChatTaskEncoder(TaskEncoder):

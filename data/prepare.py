@@ -244,6 +244,36 @@ def energon_prepare(out: Path, media_meta: bool = False, val_ratio: float = 0.0)
         raise
 
 
+def index_in_place(out: Path) -> None:
+    """`prepare_data --index`: energon's index of the tars in `out` after add_media_metadata. A dataset energon
+    prepared already keeps its dataset.yaml and split.yaml (its own train/val split): only the tar indexes are
+    rebuilt (the rewritten shards moved their members) and the JSON-only part_filter is added to the project's own
+    CrudeWebdataset. One energon prepared as one of its typed samples is refused (ShardError): its media metadata
+    would need the project's JSON members, and its dataset.yaml is the user's; it trains as it is."""
+    from tessera.data.sample_types import CRUDE, dataset_sample_type
+
+    meta = out / ".nv-meta" / "dataset.yaml"
+    if not meta.is_file():
+        return energon_prepare(out, media_meta=True)
+    kind = dataset_sample_type(out)
+    if kind != CRUDE:
+        raise ShardError(f"{out} is a {kind} dataset as `energon prepare` wrote it: it trains as it is (every rank "
+                         f"then reads its media members), and --index leaves its {meta} alone; for the fast path "
+                         f"write it as a manifest and run scripts/prepare_data.py --manifest")
+    bad = check_shards(out)
+    if bad:
+        raise ShardError(f"{len(bad)} shard(s) in {out} cannot be indexed:\n" + "\n".join(f"  {b}" for b in bad))
+    import contextlib
+
+    from megatron.energon.tools.prepare import command
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        command.main([str(out), "--tar-index-only", "--no-progress", "--num-workers", "1"], standalone_mode=False)
+    if PART_FILTER not in meta.read_text():
+        with open(meta, "a") as f:
+            f.write(PART_FILTER + "\n")
+
+
 # --- synthetic data: small but real encoded media, varied shapes, rates and channel counts -------------
 
 COLORS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220), "yellow": (230, 210, 40),

@@ -155,7 +155,7 @@ def conversation_of(sample, caption_prompt: str | None = None) -> tuple[list[dic
 
 # ---- before launch: which sample types a data.path holds ------------------------------------------------------
 
-def _dataset_type(directory: Path, config: str = "dataset.yaml") -> str:
+def dataset_sample_type(directory: Path, config: str = "dataset.yaml") -> str:
     """The sample type named by DIR/.nv-meta/<config>: `sample_type: {__class__}`, or a dataset class (the older
     form, e.g. CaptioningWebdataset, CrudeWebdataset)."""
     path = directory / ".nv-meta" / config
@@ -187,7 +187,7 @@ def _datasets_of_blend(path: Path, seen: set) -> dict[str, str]:
                 if target.suffix in (".yaml", ".yml") and target.is_file():
                     out.update(_datasets_of_blend(target, seen))
                 elif target.is_dir():
-                    out[str(target)] = _dataset_type(target, node.get("dataset_config", "dataset.yaml"))
+                    out[str(target)] = dataset_sample_type(target, node.get("dataset_config", "dataset.yaml"))
                 else:
                     raise UnsupportedSampleType(f"blend {path} names {ref}, which is neither a dataset directory "
                                                 f"nor a metadataset YAML")
@@ -206,7 +206,7 @@ def check_sample_types(path: str | Path) -> dict[str, str]:
     """{dataset dir: sample type} of a prepared dataset or a blend YAML; UnsupportedSampleType when one of them
     has a sample type no conversation is made of (named, with the supported ones and the fix)."""
     path = Path(path).expanduser()
-    types = _datasets_of_blend(path, set()) if path.is_file() else {str(path): _dataset_type(path)}
+    types = _datasets_of_blend(path, set()) if path.is_file() else {str(path): dataset_sample_type(path)}
     bad = {d: t for d, t in types.items() if t not in SUPPORTED}
     if bad:
         listed = "; ".join(f"{d} is {t}" for d, t in bad.items())

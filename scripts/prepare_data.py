@@ -20,7 +20,8 @@ tokenizer.json to DIR/tokenizer.json (the model's own); without it a small Sente
 and media tokens as single pieces) is trained on the dataset's texts, which suits the tiny recipes and
 training from scratch.
     python scripts/prepare_data.py --index --out DIR [--tokenizer PATH]   # tars already in DIR: index only
-(--index also writes the media metadata into a dataset prepared without it: data/media_meta.py.)
+(--index also writes the media metadata into a dataset prepared without it: data/media_meta.py; a dataset energon
+prepared keeps its dataset.yaml and split, and one of energon's typed samples trains as it is: --index refuses it.)
 Items that cannot be read are skipped and reported with their reason; the process never stops on one. A
 shard that is cut off or unreadable (interrupted write, full disk, partial copy) is reported by name with
 what to do, and the exit status is 2 (1: no usable samples).
@@ -33,7 +34,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from tessera.data.prepare import (ShardError, add_media_metadata, energon_prepare, make_synthetic,
+from tessera.data.prepare import (ShardError, add_media_metadata, energon_prepare, index_in_place, make_synthetic,
                                   records_from_folder, records_from_manifest, write_shards)
 
 
@@ -112,10 +113,14 @@ def main(argv=None) -> int:
             if not args.out.is_dir() or not any(args.out.glob("*.tar")):
                 print(f"[prepare] --index: no .tar shards in {args.out}", file=sys.stderr)
                 return 1
+            from tessera.data.sample_types import CRUDE, dataset_sample_type
+
+            if (args.out / ".nv-meta" / "dataset.yaml").is_file() and dataset_sample_type(args.out) != CRUDE:
+                index_in_place(args.out)  # refused, named, before any shard is touched
             rewritten = add_media_metadata(args.out)
             if rewritten:
                 print(f"[prepare] added media metadata to {rewritten} shard(s) in {args.out}", file=sys.stderr)
-            energon_prepare(args.out, media_meta=True)
+            index_in_place(args.out)  # an energon-prepared dataset keeps its dataset.yaml and split
             counts = Counter()
         else:
             records = (records_from_manifest(args.manifest, skipped) if args.manifest

@@ -226,3 +226,17 @@ def test_blend_of_an_energon_set_and_a_prepared_set_trains_in_a_heterogeneous_la
     assert [r["step"] for r in val["colocated"]] == [STEPS] and set(val["colocated"][0]["val"]) == {"val"}
     loss_h, loss_c = (val[name][0]["val"]["val"]["loss"] for name in ("homogeneous", "colocated"))
     assert loss_c > 0 and abs(loss_h - loss_c) <= 1e-5 * loss_h, (loss_h, loss_c)
+
+
+def test_index_leaves_an_energon_typed_dataset_alone(tmp_path, capsys):
+    """`prepare_data --index` on a CaptioningSample set: refused by name (exit 2), its shards and .nv-meta untouched
+    (it used to be re-prepared over as a CrudeWebdataset, which then had no JSON member to read)."""
+    from tessera.scripts import prepare_data
+
+    (img, text), = _images(1, 17)
+    path = energon_set(tmp_path / "caps", [{"__key__": "a", "jpg": img, "txt": text}], "CaptioningSample",
+                       {"image": "jpg", "caption": "txt"})
+    before = {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    assert prepare_data.main(["--index", "--out", str(path)]) == 2
+    assert "is a CaptioningSample dataset as `energon prepare` wrote it" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()} == before

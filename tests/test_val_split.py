@@ -86,3 +86,26 @@ def test_synthetic_data_holds_only_the_models_media(tmp_path):
 
     assert kinds_in(vl) and "audio" not in kinds_in(vl) and {"image", "video"} <= set(kinds_in(vl))
     assert "audio" in kinds_in(omni)
+
+
+def test_index_keeps_the_datasets_own_split(tmp_path):
+    """`--index` on a dataset prepared without media metadata and with a val split: the metadata is added, energon's
+    dataset.yaml and split.yaml stay (no --force-overwrite as one train split), and both splits load."""
+    from tessera.data.media_meta import PART_FILTER, has_facts
+    from tessera.data.prepare import make_synthetic, shard_media
+
+    root = tmp_path / "old"
+    make_synthetic(root, samples=16, seed=4, shard_size=4, media_meta=False, val_ratio=0.25)
+    split = (root / ".nv-meta" / "split.yaml").read_text()
+    before = {s: _keys(root, s) for s in ("train", "val")}
+    assert prepare_data.main(["--index", "--out", str(root)]) == 0
+    assert (root / ".nv-meta" / "split.yaml").read_text() == split and has_val_split(root)
+    assert PART_FILTER in (root / ".nv-meta" / "dataset.yaml").read_text()
+    assert {s: _keys(root, s) for s in ("train", "val")} == before and len(before["val"]) == 4
+    import json
+    import tarfile
+
+    with tarfile.open(sorted(root.glob("*.tar"))[0]) as tar:
+        entries = [it for m in tar.getmembers() if m.name.endswith(".json")
+                   for it in json.load(tar.extractfile(m))["media"]]
+    assert entries and all(has_facts(it) for it in entries) and shard_media(root)
