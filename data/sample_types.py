@@ -181,7 +181,7 @@ def _datasets_of_blend(path: Path, seen: set) -> dict[str, str]:
     def walk(node):
         if isinstance(node, dict):
             ref = node.get("path")
-            if isinstance(ref, str):
+            if isinstance(ref, str) and "://" not in ref:  # an object-store dataset: energon's to check
                 target = Path(ref).expanduser()
                 target = target if target.is_absolute() else path.parent / target
                 if target.suffix in (".yaml", ".yml") and target.is_file():
@@ -205,6 +205,8 @@ def _datasets_of_blend(path: Path, seen: set) -> dict[str, str]:
 def check_sample_types(path: str | Path) -> dict[str, str]:
     """{dataset dir: sample type} of a prepared dataset or a blend YAML; UnsupportedSampleType when one of them
     has a sample type no conversation is made of (named, with the supported ones and the fix)."""
+    if "://" in str(path) or not Path(path).expanduser().exists():
+        return {}  # not on this machine's file system: energon reads (and names) it
     path = Path(path).expanduser()
     types = _datasets_of_blend(path, set()) if path.is_file() else {str(path): dataset_sample_type(path)}
     bad = {d: t for d, t in types.items() if t not in SUPPORTED}
