@@ -215,7 +215,8 @@ class ChatTaskEncoder(TaskEncoder):
             turns, media = conversation_of(sample, self.caption_prompt)
         except SampleTypeError as e:
             self._skip(sample, "unusable_sample", str(e))
-        _warn_legacy(_dataset_of(sample), type(sample).__name__)
+        if self.log_skips:  # every rank reads the same stream: one rank says it
+            _warn_legacy(_dataset_of(sample), type(sample).__name__)
         self._read += sum(len(data) for _, data in media)  # the media bytes (its text members are a few bytes)
         for kind, _ in media:
             if self.modules is not None and MODULE_OF_KIND[kind] not in self.modules:
@@ -244,7 +245,7 @@ class ChatTaskEncoder(TaskEncoder):
             if self.modules is not None and MODULE_OF_KIND[it["kind"]] not in self.modules:
                 self._skip(sample, "no_encoder", f"{it['kind']} item but the model has no "
                                                  f"{MODULE_OF_KIND[it['kind']]} encoder")
-            if not stored:
+            if not stored and self.log_skips:
                 _warn_legacy(_dataset_of(sample))
             raw.append((it["kind"], data if data is not None else
                         MediaRef(_dataset_of(sample), f"{sample.__key__}.{it['field']}", it), it if stored else None))
