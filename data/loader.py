@@ -1,8 +1,10 @@
 """Energon task encoder and loader: webdataset shards → packed global microbatches, resumable.
 
 Pipeline (energon runs every stage inside its worker processes and checkpoints all of them):
-  cook          raw tar members, untouched (decoder=None: we decode ourselves to count and name failures); for a
-                dataset prepared with media metadata only the JSON member (data/media_meta.py)
+  cook          raw tar members, media untouched (TEXT_DECODER decodes text members only: we decode media
+                ourselves to count and name failures); for a dataset prepared with media metadata only the JSON
+                member (data/media_meta.py). energon's typed samples (CaptioningSample, VQASample...) are
+                turned into conversations (data/sample_types.py)
   preencode     parse the JSON, take each item's header facts from it (or, without them, probe the media
                 headers + cheap integrity checks) → predicted tiles (native
                 resolution: patch grid)/frames/samples → placeholder sizes, tokenize; too-long, misaligned or
@@ -51,6 +53,7 @@ from megatron.energon.state import FlexState
 from tessera.data.media import (MediaError, audio_samples, blank_item, choose_grid, decode_audio, decode_image,
                                 decode_native_image, decode_video, native_grid, sample_indices)
 from tessera.data.media_meta import INDEX_COMMAND, check_bytes, facts_of, has_facts, probe_facts
+from tessera.data.sample_types import TEXT_DECODER, SampleTypeError, check_sample_types, conversation_of
 from tessera.data.packing import EncodedSample, PackedSample, collate, first_fit_decreasing, pack_row
 from tessera.data.templates import release_frame_time
 from tessera.data.tokens import (DEFAULT_TEMPLATE, MODULE_OF_KIND, MEDIA_TAGS, EncoderTokens, PromptError, Tokenizer,
@@ -64,7 +67,8 @@ SKIP_EXAMPLES = 3
 
 @edataclass
 class RawSample(Sample):
-    members: dict  # tar member suffix (e.g. "json", "img0.jpg") -> bytes
+    members: dict  # tar member suffix (e.g. "json", "img0.jpg") -> bytes (text members decoded: TEXT_DECODER)
+    member_bytes: int  # what the reader read for it, before decoding
 
 
 @stateless
@@ -72,7 +76,7 @@ def cook_raw(sample: dict) -> RawSample:
     members = {k: v for k, v in sample.items() if not k.startswith("__")}
     return RawSample(__key__=sample["__key__"], __restore_key__=sample["__restore_key__"],
                      __subflavors__=sample.get("__subflavors__"), __sources__=sample.get("__sources__"),
-                     members=members)
+                     members=members, member_bytes=sample.get("__member_bytes__", 0))
 
 
 def _shard_of(sample: Sample) -> str:
@@ -96,23 +100,27 @@ class MediaRef:
 _LEGACY_WARNED: set[str] = set()
 
 
-def _warn_legacy(dataset: str) -> None:
+def _warn_legacy(dataset: str, sample_type: str | None = None) -> None:
+    """Said once per dataset and process. sample_type: one of energon's typed samples (data/sample_types.py)."""
     if dataset not in _LEGACY_WARNED:
         _LEGACY_WARNED.add(dataset)
-        log.warning(f"dataset {dataset} has no media metadata: every rank reads and probes every media member of the "
-                    f"global batch; add it with `{INDEX_COMMAND.replace('DIR', dataset)}`")
+        fix = (f"as energon prepared it ({sample_type}); for the fast path write it as a manifest and run "
+               f"scripts/prepare_data.py --manifest" if sample_type else
+               f"add it with `{INDEX_COMMAND.replace('DIR', dataset)}`")
+        log.warning(f"dataset {dataset} has no media metadata: every rank reads and probes every media member of "
+                    f"the global batch; {fix}")
 
 
 class ChatTaskEncoder(TaskEncoder):
     """Chat/caption samples with images, videos and audio → packed rows (see module docstring)."""
 
-    decoder = None
+    decoder = TEXT_DECODER  # text members decoded by energon, media left as bytes (data/sample_types.py)
     cookers = [Cooker(cook_raw)]
 
     def __init__(self, tokenizer: str | Path | Tokenizer, seq_length: int, encoder: EncoderTokens = EncoderTokens(),
                  strict: bool = False, decode: dict[str, range | int] | None = None, modules=None,
                  defer_upscale: bool = False, template: str = DEFAULT_TEMPLATE, log_skips: bool = True,
-                 assignment=None):
+                 assignment=None, caption_prompt: str | None = None):
         """decode: encoder module -> this rank's DP rank of it, whose items (under `assignment`) it decodes; or
         -> rows of the microbatch to decode (decode_plan, row ownership); modules not named are not decoded; None
         decodes every item of every module (single-rank use).
@@ -123,9 +131,12 @@ class ChatTaskEncoder(TaskEncoder):
         defer_upscale: images/videos smaller than their tiles (native images: than their grid) are delivered as
         models.tiling.TileSource and resized on the encoding device (a GPU run: less loader CPU, less to copy).
         template: the prompt template's name (data/templates.py): how media tags are wrapped.
+        caption_prompt: the user turn of a caption-only sample type (energon's CaptioningSample); None: the
+        project's caption prompt (data/sample_types.py).
         log_skips: log examples of the samples the stream skips. Every rank reads the same stream and skips the
         same samples, so a run logs them on one rank; a decode failure is logged where it happens (its rank)."""
         self.log_skips = log_skips
+        self.caption_prompt = caption_prompt
         self._logged: Counter = Counter()  # examples logged per reason by this process
         self.template = template
         self.defer_upscale = defer_upscale
@@ -197,15 +208,31 @@ class ChatTaskEncoder(TaskEncoder):
                              f"{self.enc.audio_min_tokens}", reason="too_short")
         return samples, None
 
-    @stateless
-    def preencode_sample(self, sample: RawSample) -> EncodedSample:
+    def _typed(self, sample: Sample) -> tuple[list[dict], list]:
+        """(turns, raw media) of one of energon's typed samples (data/sample_types.py): no media metadata, so the
+        media bytes came with the sample."""
+        try:
+            turns, media = conversation_of(sample, self.caption_prompt)
+        except SampleTypeError as e:
+            self._skip(sample, "unusable_sample", str(e))
+        if self.log_skips:  # every rank reads the same stream: one rank says it
+            _warn_legacy(_dataset_of(sample), type(sample).__name__)
+        self._read += sum(len(data) for _, data in media)  # the media bytes (its text members are a few bytes)
+        for kind, _ in media:
+            if self.modules is not None and MODULE_OF_KIND[kind] not in self.modules:
+                self._skip(sample, "no_encoder", f"{kind} item but the model has no {MODULE_OF_KIND[kind]} encoder")
+        return turns, [(kind, data, None) for kind, data in media]
+
+    def _crude(self, sample: RawSample) -> tuple[list[dict], list]:
+        """(turns, raw media) of a sample in the project's schema (data/prepare.py): media with stored facts are
+        MediaRefs, read later where they are decoded."""
         m = sample.members
         try:
-            meta = json.loads(m["json"])
+            meta = m["json"] if not isinstance(m["json"], bytes) else json.loads(m["json"])
             turns, items = meta["conversation"], meta.get("media", [])
         except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
             self._skip(sample, "corrupt_member", f"json member unreadable ({type(e).__name__}: {e})")
-        self._read += len(m["json"])
+        self._read += sample.member_bytes
         raw = []
         for it in items:
             if it.get("kind") not in MEDIA_TAGS:
@@ -218,12 +245,15 @@ class ChatTaskEncoder(TaskEncoder):
             if self.modules is not None and MODULE_OF_KIND[it["kind"]] not in self.modules:
                 self._skip(sample, "no_encoder", f"{it['kind']} item but the model has no "
                                                  f"{MODULE_OF_KIND[it['kind']]} encoder")
-            if not stored:
+            if not stored and self.log_skips:
                 _warn_legacy(_dataset_of(sample))
-            if data is not None:
-                self._read += len(data)
             raw.append((it["kind"], data if data is not None else
                         MediaRef(_dataset_of(sample), f"{sample.__key__}.{it['field']}", it), it if stored else None))
+        return turns, raw
+
+    @stateless
+    def preencode_sample(self, sample: RawSample | Sample) -> EncodedSample:
+        turns, raw = self._crude(sample) if isinstance(sample, RawSample) else self._typed(sample)
         units, times = [], []
         for kind, data, entry in raw:
             try:
@@ -324,14 +354,15 @@ class ChatTaskEncoder(TaskEncoder):
 
 def build_loader(path: str | Path, task_encoder: ChatTaskEncoder, rows_per_microbatch: int, *,
                  num_workers: int = 0, seed: int = 0, packing_buffer: int = 32, shuffle_buffer: int = 64,
-                 samples_per_sequence: int | None = 16, repeat: bool = True, state=None):
+                 samples_per_sequence: int | None = 16, repeat: bool = True, state=None, split: str = "train"):
     """A SavableDataLoader of global PackedBatch microbatches, restored from `state` when given.
 
     `path` is a prepared dataset (energon prepare) or a metadataset YAML with a weighted blend; repeat=False
-    stops after one epoch (evaluation, counting). The stream
+    stops after one epoch (evaluation, counting); split: which of energon's splits to read. The stream
     depends only on (path, seed, num_workers, buffers), never on the rank: see the module docstring."""
+    check_sample_types(path)  # a sample type without a conversation fails here, named, not in energon's workers
     wc = WorkerConfig(rank=0, world_size=1, num_workers=num_workers, seed_offset=seed)
-    ds = get_train_dataset(str(path), worker_config=wc, batch_size=rows_per_microbatch,
+    ds = get_train_dataset(str(path), split_part=split, worker_config=wc, batch_size=rows_per_microbatch,
                            packing_buffer_size=packing_buffer, shuffle_buffer_size=shuffle_buffer,
                            max_samples_per_sequence=samples_per_sequence, task_encoder=task_encoder,
                            repeat=repeat)

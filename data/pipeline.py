@@ -39,9 +39,47 @@ def synthetic_root() -> Path:
     return Path(os.environ.get("TESSERA_CACHE", "~/.cache/tessera")).expanduser() / "synthetic"
 
 
-def val_sets(spec: str | None) -> dict[str, str]:
+#: data.val_path=auto (the tiny recipes'): validate on what the training data holds out (val_sets)
+AUTO_VAL = "auto"
+
+
+class SplitPath(str):
+    """A dataset path (a str, as every other val set's) that names which of energon's splits to read."""
+
+    def __new__(cls, path: str, split: str):
+        self = super().__new__(cls, path)
+        self.energon_split = split  # not `split`: str.split is a method of every path
+        return self
+
+
+def split_of(path: str) -> str:
+    """The energon split a val set is read from: a SplitPath's, else the one a prepared dataset trains from."""
+    return getattr(path, "energon_split", "train")
+
+
+def has_val_split(path: str | Path) -> bool:
+    """Whether energon's split of a prepared dataset (.nv-meta/split.yaml: a non-empty `val`, as
+    `prepare_data.py --val-ratio` writes) or a blend YAML (a `val` entry under `splits`) holds out a val split."""
+    import yaml
+
+    path = Path(path).expanduser()
+    if path.is_dir():
+        split = path / ".nv-meta" / "split.yaml"
+        parts = (yaml.safe_load(split.read_text()) or {}).get("split_parts", {}) if split.is_file() else {}
+        return bool(parts.get("val"))
+    return path.is_file() and "val" in ((yaml.safe_load(path.read_text()) or {}).get("splits") or {})
+
+
+def val_sets(spec: str | None, train_path: str | None = None) -> dict[str, str]:
     """data.val_path as {name: path}: None or "" -> {}; "synthetic"; one dataset directory or blend YAML (named
-    after it); or several named ones, "NAME=PATH;NAME=PATH". Paths must exist (checked before launch)."""
+    after it); or several named ones, "NAME=PATH;NAME=PATH". Paths must exist (checked before launch).
+    "auto" (AUTO_VAL) follows the training data (`train_path`, data.path): synthetic training data -> the held-out
+    synthetic set; a dataset or blend with a val split -> that split ({"val": SplitPath(train_path, "val")});
+    else none (never synthetic media for a model trained on the user's own data)."""
+    if (spec or "").strip() == AUTO_VAL:
+        if train_path is None:
+            return {SYNTHETIC_VAL: SYNTHETIC_VAL}
+        return {"val": SplitPath(str(train_path), "val")} if has_val_split(train_path) else {}
     parts = [p.strip() for p in (spec or "").split(";") if p.strip()]
     out: dict[str, str] = {}
     for part in parts:
@@ -58,8 +96,18 @@ def val_sets(spec: str | None) -> dict[str, str]:
     return out
 
 
-def synthetic_dataset(root: Path, samples: int = 96, seed: int = 0) -> tuple[Path, Path]:
+def synthetic_kinds(modules) -> tuple[str, ...]:
+    """The synthetic data set's sample kinds for a model with these encoder modules: only the media it encodes
+    (a VL model's synthetic set holds no audio, which it would skip as no_encoder), and chats."""
+    from tessera.data.tokens import MODULE_OF_KIND
+
+    return (*(k for k, m in MODULE_OF_KIND.items() if m in set(modules)), "chat")
+
+
+def synthetic_dataset(root: Path, samples: int = 96, seed: int = 0,
+                      kinds: tuple[str, ...] | None = None) -> tuple[Path, Path]:
     """(dataset path, tokenizer path) of the synthetic data set under `root`, generating it on first use.
+    kinds: synthetic_kinds of the model (None: every media kind); a set of fewer kinds is its own folder.
 
     Safe when several ranks (processes, hosts on a shared filesystem) call it at once: each builds a
     private temporary folder next to the target and renames it into place; a rename onto an existing
@@ -72,12 +120,14 @@ def synthetic_dataset(root: Path, samples: int = 96, seed: int = 0) -> tuple[Pat
 
     root = Path(root)
     tokens_digest = hashlib.sha1("\0".join(SPECIAL_TOKENS).encode()).hexdigest()[:8]
-    path = root / f"synthetic-{samples}-{seed}-{tokens_digest}-{SHARD_FORMAT}"
+    every = kinds is None or {"image", "video", "audio"} <= set(kinds)
+    only = "" if every else "-" + "".join(k[0] for k in kinds if k != "chat")  # e.g. -iv: images and videos
+    path = root / f"synthetic-{samples}-{seed}-{tokens_digest}-{SHARD_FORMAT}{only}"
     if not _complete(path):
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp", dir=root))
         try:
-            make_synthetic(tmp, samples=samples, seed=seed)
+            make_synthetic(tmp, samples=samples, seed=seed, **({} if every else {"kinds": kinds}))
             (tmp / _DONE).write_text(f"{samples} samples, seed {seed}\n")
             try:
                 os.rename(tmp, path)
@@ -139,7 +189,8 @@ def encoder_tokens(encoders: dict[str, str], max_tiles: int = 2, video_frames: i
 def chat_task_encoder(tokenizer, encoders: dict[str, str], seq_length: int, *,
                       decode: dict[str, range | int] | None = None, max_tiles: int = 2, video_frames: int = 4,
                       video_pruning: float = 0.0, defer_upscale: bool = False, min_patches: int | None = None,
-                      max_patches: int | None = None, log_skips: bool = True, assignment=None) -> ChatTaskEncoder:
+                      max_patches: int | None = None, log_skips: bool = True, assignment=None,
+                      caption_prompt: str | None = None) -> ChatTaskEncoder:
     """The task encoder of a model with these encoders: placeholder sizes from their registry configs
     (encoder_tokens) and the prompt template of their family (omni with an audio encoder, else vl:
     data/templates.template_for_encoders), the one place a run's template, and with it the image mode, is
@@ -158,14 +209,16 @@ def chat_task_encoder(tokenizer, encoders: dict[str, str], seq_length: int, *,
                          f"(seq_length - 4 tokens of {enc.pixel_shuffle ** 2}): the released processor would "
                          f"shrink every image's budget to the context; lower max_patches or max_tiles")
     return ChatTaskEncoder(tokenizer, seq_length, enc, decode=decode, modules=set(encoders),
-                           defer_upscale=defer_upscale, template=template, log_skips=log_skips, assignment=assignment)
+                           defer_upscale=defer_upscale, template=template, log_skips=log_skips, assignment=assignment,
+                           caption_prompt=caption_prompt)
 
 
 def build_train_loader(path: str | Path, tokenizer: str | Path, encoders: dict[str, str], seq_length: int,
                        rows_per_microbatch: int, *, decode: dict[str, range | int] | None, num_workers: int = 0,
                        seed: int = 0, max_tiles: int = 2, video_frames: int = 4, video_pruning: float = 0.0,
                        state=None, defer_upscale: bool = False, min_patches: int | None = None,
-                       max_patches: int | None = None, log_skips: bool = True, assignment=None):
+                       max_patches: int | None = None, log_skips: bool = True, assignment=None,
+                       caption_prompt: str | None = None, split: str = "train"):
     """The resumable loader of global PackedBatch microbatches for one rank (data/loader.build_loader).
 
     decode: what data.sharding.decode_plan returns for this rank (None: decode every row, one process), or with
@@ -173,9 +226,11 @@ def build_train_loader(path: str | Path, tokenizer: str | Path, encoders: dict[s
     state: a loader.save_state_rank() result to resume from (same num_workers, see build_loader).
     defer_upscale: media smaller than their tiles are resized on the encoding device (ChatTaskEncoder).
     min_patches / max_patches: an omni model's native-resolution image budget (chat_task_encoder).
-    log_skips: log examples of the stream's skips (one rank of a run: every rank skips the same samples)."""
+    log_skips: log examples of the stream's skips (one rank of a run: every rank skips the same samples).
+    caption_prompt: the user turn of energon CaptioningSample datasets (data/sample_types.py).
+    split: which of energon's splits to read (a dataset's own "val": val_sets)."""
     te = chat_task_encoder(tokenizer, encoders, seq_length, decode=decode, max_tiles=max_tiles,
                            video_frames=video_frames, video_pruning=video_pruning, defer_upscale=defer_upscale,
                            min_patches=min_patches, max_patches=max_patches, log_skips=log_skips,
-                           assignment=assignment)
-    return build_loader(path, te, rows_per_microbatch, num_workers=num_workers, seed=seed, state=state)
+                           assignment=assignment, caption_prompt=caption_prompt)
+    return build_loader(path, te, rows_per_microbatch, num_workers=num_workers, seed=seed, state=state, split=split)

@@ -212,9 +212,10 @@ def shard_media(out: Path) -> dict[str, list[tuple[str, str, int]]]:
     return found
 
 
-def energon_prepare(out: Path, media_meta: bool = False) -> None:
-    """`energon prepare` via its click command: one split (train), CrudeWebdataset samples. media_meta: the shards'
-    JSON members carry the media metadata (write_shards, add_media_metadata), so energon's reader takes only them.
+def energon_prepare(out: Path, media_meta: bool = False, val_ratio: float = 0.0) -> None:
+    """`energon prepare` via its click command: CrudeWebdataset samples, a train split and, with val_ratio, a val
+    split of about that share of the shards (energon splits whole shards). media_meta: the shards' JSON members
+    carry the media metadata (write_shards, add_media_metadata), so energon's reader takes only them.
 
     Every tar in `out` is checked first (check_shards): a bad one raises ShardError naming it, instead of
     energon's bare assertion."""
@@ -229,7 +230,8 @@ def energon_prepare(out: Path, media_meta: bool = False) -> None:
     chatter = io.StringIO()
     try:
         with contextlib.redirect_stdout(chatter):
-            command.main([str(out), "--non-interactive", "--split-ratio", "1,0,0", "--sample-type", "CrudeWebdataset",
+            command.main([str(out), "--non-interactive", "--split-ratio", f"{1 - val_ratio},{val_ratio},0",
+                          "--sample-type", "CrudeWebdataset",
                           "--force-overwrite", "--no-progress", "--num-workers", "1"], standalone_mode=False)
         if media_meta:  # the global stream then reads each sample's JSON member only (data/media_meta.py)
             with open(out / ".nv-meta" / "dataset.yaml", "a") as f:
@@ -240,6 +242,36 @@ def energon_prepare(out: Path, media_meta: bool = False) -> None:
             raise ShardError(f"energon prepare failed on {out}: {e} Check the shards (a cut-off or empty tar), "
                              f"or re-run scripts/prepare_data.py into an empty --out") from e
         raise
+
+
+def index_in_place(out: Path) -> None:
+    """`prepare_data --index`: energon's index of the tars in `out` after add_media_metadata. A dataset energon
+    prepared already keeps its dataset.yaml and split.yaml (its own train/val split): only the tar indexes are
+    rebuilt (the rewritten shards moved their members) and the JSON-only part_filter is added to the project's own
+    CrudeWebdataset. One energon prepared as one of its typed samples is refused (ShardError): its media metadata
+    would need the project's JSON members, and its dataset.yaml is the user's; it trains as it is."""
+    from tessera.data.sample_types import CRUDE, dataset_sample_type
+
+    meta = out / ".nv-meta" / "dataset.yaml"
+    if not meta.is_file():
+        return energon_prepare(out, media_meta=True)
+    kind = dataset_sample_type(out)
+    if kind != CRUDE:
+        raise ShardError(f"{out} is a {kind} dataset as `energon prepare` wrote it: it trains as it is (every rank "
+                         f"then reads its media members), and --index leaves its {meta} alone; for the fast path "
+                         f"write it as a manifest and run scripts/prepare_data.py --manifest")
+    bad = check_shards(out)
+    if bad:
+        raise ShardError(f"{len(bad)} shard(s) in {out} cannot be indexed:\n" + "\n".join(f"  {b}" for b in bad))
+    import contextlib
+
+    from megatron.energon.tools.prepare import command
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        command.main([str(out), "--tar-index-only", "--no-progress", "--num-workers", "1"], standalone_mode=False)
+    if PART_FILTER not in meta.read_text():
+        with open(meta, "a") as f:
+            f.write(PART_FILTER + "\n")
 
 
 # --- synthetic data: small but real encoded media, varied shapes, rates and channel counts -------------
@@ -323,7 +355,8 @@ def synthetic_records(n: int, seed: int, prefix: str = "syn", kinds=("image", "v
             data, ext, text = SYNTH[kind](rng)
             yield key, caption_chat(kind, text), [(kind, ext, data)]
             continue
-        a, b = rng.sample(["image", "video", "audio"], 2)
+        pool = [k for k in ("image", "video", "audio") if k in kinds]  # all three: the draws of every earlier set
+        a, b = rng.sample(pool, 2) if len(pool) > 1 else pool * 2
         (da, ea, ta), (db, eb, tb) = SYNTH[a](rng), SYNTH[b](rng)
         conversation = [
             {"role": "system", "content": "You are a helpful multimodal assistant."},
@@ -336,12 +369,14 @@ def synthetic_records(n: int, seed: int, prefix: str = "syn", kinds=("image", "v
 
 
 def make_synthetic(out: Path, samples: int = 96, seed: int = 0, shard_size: int = 16, prefix: str = "syn",
-                   tokenizer: bool = True, media_meta: bool = True) -> Counter:
+                   tokenizer: bool = True, media_meta: bool = True, val_ratio: float = 0.0,
+                   kinds=("image", "video", "audio", "chat")) -> Counter:
     """Synthetic shards + index (+ tokenizer.model trained on the texts); used by tests and the benchmark.
-    media_meta=False: a dataset as prepared before the media metadata (data/media_meta.py)."""
-    records = list(synthetic_records(samples, seed, prefix))
+    media_meta=False: a dataset as prepared before the media metadata (data/media_meta.py). val_ratio:
+    energon_prepare's. kinds: synthetic_records'."""
+    records = list(synthetic_records(samples, seed, prefix, kinds))
     counts = write_shards(iter(records), out, shard_size, media_meta)
-    energon_prepare(out, media_meta)
+    energon_prepare(out, media_meta, val_ratio)
     if tokenizer:
         from tessera.data.tokens import train_sentencepiece
 

@@ -58,11 +58,15 @@ class ModelConfig:
 class DataConfig:
     path: str | None = None                 # prepared dataset / blend YAML; None = synthetic data in run_dir
     # validation sets: a dataset / blend YAML, "synthetic" (a held-out synthetic set) or "NAME=PATH;NAME=PATH";
-    # None = no validation (hetero/training/validation.py)
+    # "auto" (the tiny recipes') = the synthetic set for synthetic data, else data.path's own val split (none
+    # without one); None = no validation (hetero/training/validation.py)
     val_path: str | None = None
     # SentencePiece .model or tokenizer.json; None = model.checkpoint's own, else the dataset's (and either must
     # agree with the checkpoint's config.json: data/run_tokenizer.py)
     tokenizer: str | None = None
+    # the user turn of caption-only samples (energon CaptioningSample datasets, data/sample_types.py), its media
+    # tag first unless it holds one; None = the project's caption prompt
+    caption_prompt: str | None = None
     seq_length: int = 256                   # packed row length (divisible by 2 x the LLM's CP)
     rows_per_microbatch: int = 4            # global rows per microbatch (divisible by every module's DP)
     microbatches: int = 2                   # microbatches per optimizer step

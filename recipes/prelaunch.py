@@ -9,7 +9,8 @@ every rank minutes later (sentencepiece's `NOT_FOUND ".../tokenizer.model"`). Wh
 
   data.path        None = synthetic data. A directory must be a prepared dataset (DIR/.nv-meta, as
                    scripts/prepare_data.py or `energon prepare` write); a file must be an energon metadataset
-                   YAML (a blend).
+                   YAML (a blend). Every dataset's sample type must be one data/sample_types.py turns into a
+                   conversation (refused naming the supported ones).
   data.tokenizer   the run's tokenizer (data/run_tokenizer.run_tokenizer: data.tokenizer, else the checkpoint's
                    own, else the dataset's; a blend YAML has none of its own) exists and loads, with Tessera's
                    template and media tokens, and agrees with the checkpoint's config.json (media token ids,
@@ -72,7 +73,7 @@ def check_data(data, checkpoint: str | None = None) -> None:
     from tessera.data.pipeline import SYNTHETIC_VAL, val_sets
     from tessera.data.run_tokenizer import run_tokenizer
 
-    for name, val in val_sets(data.val_path).items():  # the held-out sets: named, existing, prepared
+    for name, val in val_sets(data.val_path, data.path).items():  # the held-out sets: named, existing, prepared
         if val != SYNTHETIC_VAL:
             _check_dataset(f"data.val_path ({name})", val)
     if data.path is None:
@@ -101,6 +102,12 @@ def _check_dataset(field: str, value: str) -> None:
     elif path.suffix not in (".yaml", ".yml"):
         raise ValueError(f"{field}={value} is a file but not an energon metadataset YAML (a blend); give a "
                          f"prepared dataset directory or a .yaml blend")
+    from tessera.data.sample_types import UnsupportedSampleType, check_sample_types
+
+    try:  # every dataset's sample type (a blend's too) is one the loader turns into a conversation
+        check_sample_types(path)
+    except UnsupportedSampleType as e:
+        raise ValueError(f"{field}={value}: {e}") from None
 
 
 def _tokenizer_given(tokenizer: str) -> None:

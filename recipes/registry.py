@@ -113,7 +113,9 @@ def _tiny(family: str, vision: str | None, audio: str | None) -> run.Config[RunC
                          lora=run.Config(LoraConfig)),  # a run.Config so `model.lora.rank=8` overrides it
         layout=_TINY_LAYOUTS[family],
         data=run.Config(DataConfig, path=None, seq_length=256, rows_per_microbatch=4, microbatches=2,
-                        max_tiles=2, video_frames=4, val_path="synthetic"),  # a held-out synthetic set
+                        # validate on what the data holds out: a held-out synthetic set for the synthetic data,
+                        # data.path's own val split (none without one: data/pipeline.val_sets)
+                        max_tiles=2, video_frames=4, val_path="auto"),
         optim=run.Config(OptimConfig, lr=1e-3, warmup_steps=2, clip_grad=1.0),
         trainer=run.Config(TrainerConfig, max_steps=20, log_every=5, save_every=0, val_every=10),
     )

@@ -5,6 +5,7 @@ Turn a JSONL manifest, a folder, or a synthetic generator into webdataset shards
     python scripts/prepare_data.py --manifest data.jsonl --out DIR [--shard-size 100]
     python scripts/prepare_data.py --folder photos/ --out DIR      # x.jpg|png|mp4|wav|flac + x.txt caption
     python scripts/prepare_data.py --synthetic --out DIR [--samples 96] [--seed 0]
+    ... [--val-ratio 0.1]     # hold out a share of the shards as energon's val split (validated on by default)
 
 Manifest lines are either a caption record {"image"|"video"|"audio": path, "caption": text} or a chat
 record {"conversation": [{"role", "content"}...], "media": [{"kind": "image", "path": p}, ...]} whose
@@ -19,7 +20,8 @@ tokenizer.json to DIR/tokenizer.json (the model's own); without it a small Sente
 and media tokens as single pieces) is trained on the dataset's texts, which suits the tiny recipes and
 training from scratch.
     python scripts/prepare_data.py --index --out DIR [--tokenizer PATH]   # tars already in DIR: index only
-(--index also writes the media metadata into a dataset prepared without it: data/media_meta.py.)
+(--index also writes the media metadata into a dataset prepared without it: data/media_meta.py; a dataset energon
+prepared keeps its dataset.yaml and split, and one of energon's typed samples trains as it is: --index refuses it.)
 Items that cannot be read are skipped and reported with their reason; the process never stops on one. A
 shard that is cut off or unreadable (interrupted write, full disk, partial copy) is reported by name with
 what to do, and the exit status is 2 (1: no usable samples).
@@ -32,7 +34,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from tessera.data.prepare import (ShardError, add_media_metadata, energon_prepare, make_synthetic,
+from tessera.data.prepare import (ShardError, add_media_metadata, energon_prepare, index_in_place, make_synthetic,
                                   records_from_folder, records_from_manifest, write_shards)
 
 
@@ -81,7 +83,12 @@ def main(argv=None) -> int:
     ap.add_argument("--shard-size", type=int, default=16, help="samples per tar shard")
     ap.add_argument("--samples", type=int, default=96, help="--synthetic: number of samples")
     ap.add_argument("--seed", type=int, default=0, help="--synthetic: generator seed")
+    ap.add_argument("--val-ratio", type=float, default=0.0, help="share of the shards held out as energon's val "
+                    "split (whole shards; training validates on it with data.val_path=auto, the tiny recipes')")
     args = ap.parse_args(argv)
+    if not 0.0 <= args.val_ratio < 1.0:
+        print(f"[prepare] --val-ratio {args.val_ratio}: give a share in [0, 1), e.g. 0.1", file=sys.stderr)
+        return 2
 
     if args.tokenizer is not None and (not args.tokenizer.is_file() or args.tokenizer.suffix not in (".model",
                                                                                                   ".json")):
@@ -101,15 +108,19 @@ def main(argv=None) -> int:
     try:
         if args.synthetic:
             counts = make_synthetic(args.out, args.samples, args.seed, args.shard_size,
-                                    tokenizer=args.tokenizer is None)
+                                    tokenizer=args.tokenizer is None, val_ratio=args.val_ratio)
         elif args.index:
             if not args.out.is_dir() or not any(args.out.glob("*.tar")):
                 print(f"[prepare] --index: no .tar shards in {args.out}", file=sys.stderr)
                 return 1
+            from tessera.data.sample_types import CRUDE, dataset_sample_type
+
+            if (args.out / ".nv-meta" / "dataset.yaml").is_file() and dataset_sample_type(args.out) != CRUDE:
+                index_in_place(args.out)  # refused, named, before any shard is touched
             rewritten = add_media_metadata(args.out)
             if rewritten:
                 print(f"[prepare] added media metadata to {rewritten} shard(s) in {args.out}", file=sys.stderr)
-            energon_prepare(args.out, media_meta=True)
+            index_in_place(args.out)  # an energon-prepared dataset keeps its dataset.yaml and split
             counts = Counter()
         else:
             records = (records_from_manifest(args.manifest, skipped) if args.manifest
@@ -118,10 +129,18 @@ def main(argv=None) -> int:
             if counts["samples"] == 0:
                 print(f"[prepare] no usable samples; skipped {dict(skipped)}", file=sys.stderr)
                 return 1
-            energon_prepare(args.out, media_meta=True)
+            energon_prepare(args.out, media_meta=True, val_ratio=args.val_ratio)
     except ShardError as e:
         print(f"[prepare] {e}", file=sys.stderr)
         return 2
+    if args.val_ratio and not args.index:
+        from tessera.data.pipeline import has_val_split
+
+        shards = len(list(args.out.glob("*.tar")))
+        if not has_val_split(args.out):
+            print(f"[prepare] --val-ratio {args.val_ratio} held out no shard of {shards}: energon splits whole "
+                  f"shards; lower --shard-size for more shards", file=sys.stderr)
+            return 2
     tok = (f"tokenizer {args.out / 'tokenizer.model'} (trained on this dataset's texts)"
            if args.synthetic and args.tokenizer is None else _tokenizer(args.out, args.tokenizer, texts))
     shards = len(list(args.out.glob("*.tar")))

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
 from tessera.data.loader import close_loader
+from tessera.data.pipeline import synthetic_kinds
 from tessera.hetero.runtime.device import current_device
 from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
 from tessera.hetero.plan.resolved_run import ResolvedRun
@@ -35,7 +36,7 @@ from tessera.hetero.training.checkpoint import (KeepPolicy, finish_async_saves, 
 from tessera.hetero.training.loader_state import decode_loader_state, encode_loader_state
 from tessera.hetero.training.lora import apply_lora
 from tessera.hetero.training.metrics import RunMetrics, peak_memory_gib
-from tessera.hetero.training.run_modules import checkpoint_llm_fields, module_specs
+from tessera.hetero.training.run_modules import checkpoint_llm_fields, encoder_names, module_specs
 from tessera.hetero.training.model_build import (build_rank_modules, check_checkpoint_tensors,
                                                  llm_fields, load_full_state, module_configs)
 from tessera.hetero.training.lr_schedule import LRSchedule
@@ -45,7 +46,7 @@ from tessera.hetero.training.seeded_init import SeededState
 from tessera.hetero.training.tracking import make_tracker
 from tessera.hetero.training.step_parts import (boundary_batches, rank_stages, run_loader, step_context,
                                                 tubelet_settle)
-from tessera.hetero.training.validation import resolve_val_sets, validate
+from tessera.hetero.training.validation import describe_val_sets, resolve_val_sets, validate
 
 
 def _dataset(cfg, rank: int):
@@ -56,11 +57,11 @@ def _dataset(cfg, rank: int):
 
     path = cfg.data.path
     if path is None:
-        root = synthetic_root()
+        root, kinds = synthetic_root(), synthetic_kinds(encoder_names(cfg.model))  # only the model's media
         if rank == 0:
-            synthetic_dataset(root)
+            synthetic_dataset(root, kinds=kinds)
         dist.barrier()
-        path = str(synthetic_dataset(root)[0])
+        path = str(synthetic_dataset(root, kinds=kinds)[0])
     return path, run_tokenizer(cfg.data.tokenizer, cfg.model.checkpoint, path)
 
 
@@ -261,7 +262,10 @@ def run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals,
     shield_checkpoint_queue()  # a stop signal to the rank's process group leaves the checkpoint writer alive
     _resolve(run)
     run.step_flops = step_flops(run.hf_fields) if step_flops is not None else None
-    val_sets = resolve_val_sets(cfg.data.val_path, run.rank)  # {} without data.val_path
+    val_sets = resolve_val_sets(cfg.data.val_path, run.rank, cfg.data.path,  # {} without data.val_path
+                                synthetic_kinds(encoder_names(cfg.model)))
+    if run.rank == 0:
+        print(describe_val_sets(cfg.data.val_path, cfg.data.path, val_sets), flush=True)
     _build_model(run)
     _resume(run)
     loader = _build_loader(run)

@@ -18,18 +18,18 @@ from tessera.hetero.training.stages import LanguageStage, MediaEncoderStage, glo
 def run_loader(run, path: str, state=None, num_workers: int | None = None, log_skips: bool | None = None):
     """This rank's loader of `path` as the run reads it: the run's tokenizer, encoders, row split, item
     assignment and decode plan, and media settings (data/pipeline.build_train_loader); the training stream and every validation set."""
-    from tessera.data.pipeline import build_train_loader
+    from tessera.data.pipeline import build_train_loader, split_of
 
     d = run.cfg.data
     return build_train_loader(path, run.tok_path, encoder_names(run.cfg.model), d.seq_length,
                               run.resolved.rows_per_microbatch, decode=run.resolved.decode_items(run.rank),
                               assignment=item_assignment(run),
                               num_workers=d.num_workers if num_workers is None else num_workers, seed=d.seed,
-                              max_tiles=d.max_tiles, video_frames=d.video_frames,
+                              max_tiles=d.max_tiles, video_frames=d.video_frames, caption_prompt=d.caption_prompt,
                               video_pruning=run.cfg.model.video_pruning, state=state,
                               log_skips=run.rank == 0 if log_skips is None else log_skips,
                               # on GPUs, upscaling small media is left to the GPU (models/tiling.py)
-                              defer_upscale=run.device.type != "cpu")
+                              defer_upscale=run.device.type != "cpu", split=split_of(path))
 
 
 def item_assignment(run) -> ItemAssignment:

@@ -1,6 +1,6 @@
 """Validation: the loss on held-out data, forward only through the run's layout, the same in every layout.
 
-    data.val_path=synthetic | DIR | BLEND.yaml | "NAME=DIR;NAME=BLEND.yaml"    (data/pipeline.val_sets)
+    data.val_path=synthetic | DIR | BLEND.yaml | "NAME=DIR;NAME=BLEND.yaml" | auto    (data/pipeline.val_sets)
     trainer.val_every=N (0: only after the last step)   trainer.val_steps=K (global batches per set and pass)
 
 A pass reads each set's first K x microbatches global microbatches from its start with the data seed, in the
@@ -23,20 +23,35 @@ from tessera.hetero.runtime.step_executor import hetero_step
 from tessera.hetero.training.step_parts import boundary_batches, rank_stages, run_loader
 
 
-def resolve_val_sets(spec: str | None, rank: int) -> dict[str, str]:
-    """{name: dataset path} of data.val_path (data/pipeline.val_sets); the held-out synthetic set made by rank 0."""
+def resolve_val_sets(spec: str | None, rank: int, train_path: str | None = None,
+                     kinds: tuple[str, ...] | None = None) -> dict[str, str]:
+    """{name: dataset path} of data.val_path (data/pipeline.val_sets; "auto" follows `train_path`, data.path); the
+    held-out synthetic set made by rank 0, of the model's media `kinds` (data/pipeline.synthetic_kinds)."""
     from tessera.data.pipeline import SYNTHETIC_VAL, synthetic_dataset, val_sets
 
-
-    sets = val_sets(spec)
+    sets = val_sets(spec, train_path)
     if SYNTHETIC_VAL in sets.values():
         root = synthetic_root() / "val"
         if rank == 0:
-            synthetic_dataset(root, **SYNTHETIC_VAL_SET)
+            synthetic_dataset(root, **SYNTHETIC_VAL_SET, kinds=kinds)
         dist.barrier()
-        path = str(synthetic_dataset(root, **SYNTHETIC_VAL_SET)[0])
+        path = str(synthetic_dataset(root, **SYNTHETIC_VAL_SET, kinds=kinds)[0])
         sets = {name: path if p == SYNTHETIC_VAL else p for name, p in sets.items()}
     return sets
+
+
+def describe_val_sets(spec: str | None, train_path: str | None, sets: dict[str, str]) -> str:
+    """The line a run starts with: which sets it validates on, and why none when none."""
+    from tessera.data.pipeline import AUTO_VAL, split_of
+
+    if sets:
+        return "validation sets: " + ", ".join(f"{name} = {path}" + (f" (its {split_of(path)} split)"
+                                                                     if split_of(path) != "train" else "")
+                                               for name, path in sets.items())
+    if (spec or "").strip() == AUTO_VAL:
+        return (f"validation: none (data.val_path=auto: data.path={train_path} has no val split; prepare it with "
+                f"scripts/prepare_data.py --val-ratio R, or set data.val_path=DIR)")
+    return "validation: none (data.val_path unset)"
 
 
 def _batches(run, path: str, count: int) -> list:

@@ -1,0 +1,111 @@
+"""Validation from the user's data (issue 47 item 4): data.val_path=auto (the tiny recipes') validates on the
+dataset's own val split (`prepare_data.py --val-ratio` writes one), on none without one, and on the held-out synthetic
+set only when the training data is synthetic.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_val_split.py -x -q
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tessera.data.loader import ChatTaskEncoder, build_loader
+from tessera.data.pipeline import AUTO_VAL, SYNTHETIC_VAL, has_val_split, split_of, val_sets
+from tessera.data.tokens import EncoderTokens, Tokenizer
+from tessera.hetero.training.validation import describe_val_sets
+from tessera.scripts import prepare_data
+
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("val")
+    assert prepare_data.main(["--synthetic", "--samples", "16", "--shard-size", "4", "--val-ratio", "0.25",
+                              "--out", str(root / "held")]) == 0
+    assert prepare_data.main(["--synthetic", "--samples", "8", "--shard-size", "4", "--out", str(root / "all")]) == 0
+    return root
+
+
+def _keys(path, split):
+    te = ChatTaskEncoder(Tokenizer(path / "tokenizer.model"), 512, EncoderTokens(patch=64))
+    return {k for b in build_loader(path, te, 2, repeat=False, shuffle_buffer=None, split=split)
+            for row in b.keys for k in row}
+
+
+def test_val_ratio_holds_out_whole_shards_that_auto_validates_on(sets):
+    held = sets / "held"
+    assert has_val_split(held) and not has_val_split(sets / "all")
+    got = val_sets(AUTO_VAL, str(held))
+    assert got == {"val": str(held)} and split_of(got["val"]) == "val"
+    train, val = _keys(held, "train"), _keys(held, split_of(got["val"]))
+    assert len(val) == 4 and len(train) == 12 and not train & val  # the last shard of four, held out
+    assert describe_val_sets(AUTO_VAL, str(held), got) == f"validation sets: val = {held} (its val split)"
+
+
+def test_auto_is_synthetic_only_for_synthetic_training_data(sets):
+    assert val_sets(AUTO_VAL, None) == {SYNTHETIC_VAL: SYNTHETIC_VAL}
+    assert val_sets(AUTO_VAL, str(sets / "all")) == {}  # the user's data without a val split: no synthetic media
+    assert "has no val split" in describe_val_sets(AUTO_VAL, str(sets / "all"), {})
+    assert split_of(val_sets(str(sets / "all"))["all"]) == "train"  # an explicit val set is read as it trains
+
+
+def test_a_blend_with_a_val_split_validates_on_it(sets, tmp_path):
+    blend = tmp_path / "blend.yaml"
+    blend.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    path: "
+                     f"{sets / 'all'}\n  val:\n    path: {sets / 'held'}\n")
+    assert split_of(val_sets(AUTO_VAL, str(blend))["val"]) == "val"
+    blend.write_text(f"__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    path: {sets / 'all'}\n")
+    assert val_sets(AUTO_VAL, str(blend)) == {}
+
+
+def test_val_ratio_out_of_range_is_refused(tmp_path, capsys):
+    assert prepare_data.main(["--synthetic", "--val-ratio", "1.5", "--out", str(tmp_path / "x")]) == 2
+    assert "--val-ratio 1.5: give a share in [0, 1)" in capsys.readouterr().err
+
+
+def test_synthetic_data_holds_only_the_models_media(tmp_path):
+    """A VL model's synthetic set (training and held-out) has no audio, which it would skip as no_encoder (issue
+    47: 31-36 skips every 5 steps); a model with every encoder keeps the set every earlier run used."""
+    import json
+    import tarfile
+
+    from tessera.data.pipeline import synthetic_dataset, synthetic_kinds
+
+    assert synthetic_kinds({"vision": "radio_vit_tiny"}) == ("image", "video", "chat")
+    assert synthetic_kinds({"vision": "v", "audio": "a"}) == ("image", "video", "audio", "chat")
+    vl, _ = synthetic_dataset(tmp_path, samples=12, seed=3, kinds=synthetic_kinds({"vision": "radio_vit_tiny"}))
+    omni, _ = synthetic_dataset(tmp_path, samples=12, seed=3, kinds=synthetic_kinds({"vision": "v", "audio": "a"}))
+    assert omni == synthetic_dataset(tmp_path, samples=12, seed=3)[0] != vl  # the full set: the same folder as before
+
+    def kinds_in(path):
+        got = []
+        for shard in sorted(path.glob("*.tar")):
+            with tarfile.open(shard) as tar:
+                got += [it["kind"] for m in tar.getmembers() if m.name.endswith(".json")
+                        for it in json.load(tar.extractfile(m))["media"]]
+        return got
+
+    assert kinds_in(vl) and "audio" not in kinds_in(vl) and {"image", "video"} <= set(kinds_in(vl))
+    assert "audio" in kinds_in(omni)
+
+
+def test_index_keeps_the_datasets_own_split(tmp_path):
+    """`--index` on a dataset prepared without media metadata and with a val split: the metadata is added, energon's
+    dataset.yaml and split.yaml stay (no --force-overwrite as one train split), and both splits load."""
+    from tessera.data.media_meta import PART_FILTER, has_facts
+    from tessera.data.prepare import make_synthetic, shard_media
+
+    root = tmp_path / "old"
+    make_synthetic(root, samples=16, seed=4, shard_size=4, media_meta=False, val_ratio=0.25)
+    split = (root / ".nv-meta" / "split.yaml").read_text()
+    before = {s: _keys(root, s) for s in ("train", "val")}
+    assert prepare_data.main(["--index", "--out", str(root)]) == 0
+    assert (root / ".nv-meta" / "split.yaml").read_text() == split and has_val_split(root)
+    assert PART_FILTER in (root / ".nv-meta" / "dataset.yaml").read_text()
+    assert {s: _keys(root, s) for s in ("train", "val")} == before and len(before["val"]) == 4
+    import json
+    import tarfile
+
+    with tarfile.open(sorted(root.glob("*.tar"))[0]) as tar:
+        entries = [it for m in tar.getmembers() if m.name.endswith(".json")
+                   for it in json.load(tar.extractfile(m))["media"]]
+    assert entries and all(has_facts(it) for it in entries) and shard_media(root)
