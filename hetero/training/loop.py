@@ -160,7 +160,10 @@ def _build_model(run: RunState) -> None:
     run.opt = ModuleOptimizers(run.modules, run.groups, {k: lrs[k] for k in run.layout.modules}, cfg.optim.clip_grad,
                                cfg.optim.weight_decay, cfg.optim.betas, cfg.optim.eps,
                                all_keys=list(run.layout.modules), param_dtype=run.dtype,
-                               distributed=cfg.optim.use_distributed_optimizer)
+                               distributed=cfg.optim.use_distributed_optimizer,
+                               overlap_grad_reduce=cfg.trainer.overlap_grad_reduce,
+                               bucket_elements=cfg.trainer.grad_bucket_elements,
+                               backwards_per_step=run.resolved.microbatches)
     o = cfg.optim
     run.lr_schedule = LRSchedule(o.lr_schedule, cfg.trainer.max_steps, o.warmup_steps, o.min_lr_ratio,
                                  o.lr_wsd_decay_steps, o.lr_wsd_decay_style)
@@ -200,10 +203,11 @@ def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, h
                         device=run.device)  # NCCL reduces device tensors only
     dist.all_reduce(sums)
     agreed = [bool(f > 0) for f in sums[3:].tolist()]  # any rank's request holds for all
-    # this rank's peak memory and seconds waiting for the loader and in boundary exchanges (its peers' waits
-    # included), and the largest of each over the ranks: the rank that sets the pace or runs out of memory first
+    # this rank's peak memory and seconds waiting for the loader, in boundary exchanges (its peers' waits
+    # included) and for gradient reductions after backward (what overlap_grad_reduce did not hide), and the largest
+    # of each over the ranks: the rank that sets the pace or runs out of memory first
     mine = {"peak_memory_gib": peak_memory_gib(run.device), "data_wait_s": data_wait,
-            "boundary_s": sum(c.seconds for c in comms.values()) - boundary0}
+            "boundary_s": sum(c.seconds for c in comms.values()) - boundary0, "grad_reduce_s": run.opt.reducer.exposed_s}
     worst = torch.tensor(list(mine.values()), dtype=torch.float64, device=run.device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     dt = time.perf_counter() - t0
@@ -215,7 +219,7 @@ def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, h
             "tokens_per_s": rows * cfg.data.seq_length / dt, "samples_per_s": rows / dt,
             "real_tokens_per_s": sum(b.real_tokens() for b in batches) / dt, **flops, **mine,
             "max_over_ranks": dict(zip(mine, worst.tolist())), "target_tokens": total, "step_time_s": dt,
-            "boundary_bytes": int(sums[1]),
+            "boundary_bytes": int(sums[1]), "grad_buckets_in_backward": run.opt.reducer.last_started_in_backward,
             # bytes this rank's loader read from the shards (JSON, and the media it decodes), and all ranks'
             "data_read_bytes": read, "data_read_bytes_all_ranks": int(sums[2]),
             "skipped": sum(sum(b.skipped.values()) for b in batches),
