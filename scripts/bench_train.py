@@ -234,9 +234,10 @@ def measure_grad_overlap(layouts: list[tuple[str, str]], bucket_elements: int, s
                 timed = [r for rs in recs for r in rs[warmup:]]
                 got[mode] = (statistics.median(r["max_over_ranks"]["grad_reduce_s"] for r in timed),
                              statistics.median(r["step_time_s"] for r in timed),
-                             statistics.median(r["grad_buckets_in_backward"] for r in timed))
+                             statistics.median(r["grad_buckets_in_backward"] for r in timed),
+                             statistics.median(r["grad_buckets"] for r in timed))
             lines.append(f"| `{spec or '(every module dp4)'}` | {got['sync'][0]:.4f} | {got['overlap'][0]:.4f} | "
-                         f"{got['sync'][1]:.3f} | {got['overlap'][1]:.3f} | {got['overlap'][2]:.0f} (rank 0) | "
+                         f"{got['sync'][1]:.3f} | {got['overlap'][1]:.3f} | {got['overlap'][2]:.0f} of {got['overlap'][3]:.0f} (rank 0) | "
                          f"{losses['sync'] == losses['overlap']} |")
     return "\n".join(lines)
 
@@ -255,7 +256,7 @@ def main(argv=None) -> int:
                     help="instead: exposed boundary time with the boundary's wait deferred vs inside the op")
     ap.add_argument("--grad-overlap", action="store_true",
                     help="instead: exposed gradient communication per step, reduced after backward vs during it")
-    ap.add_argument("--grad-bucket-elements", type=int, default=100_000,
+    ap.add_argument("--grad-bucket-elements", type=int, default=50_000,
                     help="with --grad-overlap: trainer.grad_bucket_elements (the tiny models need small buckets)")
     args = ap.parse_args(argv)
     if args.grad_overlap:

@@ -6,8 +6,9 @@
     overlapped steps' parameters are torch.equal to the synchronous steps', every bucket having started inside
     backward; and the small buckets' sums equal one bucket per part (today's reduction) to fp32 rounding.
     A weight that gets more gradients than the step has microbatches raises instead of reducing early.
-(b) The trainer, bf16 ZeRO-1, the tiny MoE model with a vision encoder colocated: overlap on and off give the same
-    losses and grad norms exactly, with buckets started during backward.
+(b) The trainer, bf16 ZeRO-1, the tiny MoE model with a vision encoder colocated (DP4 x EP2; TP2 x DP2 with
+    sequence parallelism and full recompute): overlap on and off give the same losses and grad norms exactly,
+    with buckets started during backward.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.hetero.tools.spawn import run_on_ranks
-from tessera.hetero.training.grad_buckets import split_buckets
+from tessera.hetero.training.grad_buckets import overlapped_modules, split_buckets
 from tessera.hetero.training.metrics import read_metrics
 
 pytestmark = pytest.mark.multiproc
@@ -50,7 +51,7 @@ def _steps(layout: str, mode: str, overlap: bool, bucket_elements: int):
     groups = build_module_groups(HeteroLayout.parse(layout))
     module = _module(groups["language"].pgs, sp="tp2" in layout)
     opt = ModuleOptimizers({"language": module}, groups, {"language": 1e-2}, clip_grad=0.5, weight_decay=0.1,
-                           overlap_grad_reduce=overlap, bucket_elements=bucket_elements,
+                           overlap_modules=("language",) if overlap else (), bucket_elements=bucket_elements,
                            backwards_per_step=MICROBATCHES, **MODES[mode])
     dtype = MODES[mode].get("param_dtype", torch.float32)
     norms, in_backward = [], []
@@ -74,7 +75,7 @@ def _too_many_gradients() -> str:
 
     groups = build_module_groups(HeteroLayout.parse("language=dp4@0-3"))
     layer = torch.nn.Linear(3, 3)
-    opt = ModuleOptimizers({"language": layer}, groups, {"language": 1e-2}, overlap_grad_reduce=True,
+    opt = ModuleOptimizers({"language": layer}, groups, {"language": 1e-2}, overlap_modules=("language",),
                            backwards_per_step=1)
     message = ""
     try:
@@ -111,6 +112,14 @@ def test_split_buckets_cuts_at_parameters_last_first():
         split_buckets([3], 0)
 
 
+def test_an_encoder_recomputed_per_item_is_reduced_after_backward():
+    """Full recompute runs a nested backward per recomputed segment and an encoder runs once per item: its weights
+    get a data-dependent number of gradients per microbatch, so its buckets cannot start on a count."""
+    modes = {"language": "full", "vision": "full", "audio": "selective"}
+    assert overlapped_modules(["audio", "language", "vision"], modes, "language") == ["audio", "language"]
+    assert overlapped_modules(["language", "vision"], {}, "language") == ["language", "vision"]
+
+
 def test_overlapped_reduction_is_bitwise_the_synchronous_one(optimizer_runs):
     for rank, runs in enumerate(optimizer_runs):
         for (layout, mode), got in ((k, v) for k, v in runs.items() if k != "error"):
@@ -135,28 +144,38 @@ def test_a_weight_with_more_gradients_than_microbatches_raises(optimizer_runs):
         assert "overlap_grad_reduce=false" in runs["error"] and "got gradient 2" in runs["error"], runs["error"]
 
 
-def _train(run_dir: str, overlap: bool):
+TRAINER_RUNS = {  # name: (layout, model.recompute)
+    "dp4_ep2": ("vision=dp4@0-3;language=dp4,ep2@0-3", "none"),
+    # sequence parallel (TP sums in hooks), full recompute (the LLM overlapped, the ViT after backward)
+    "tp2_dp2_recompute": ("vision=dp4@0-3;language=tp2,dp2@0-3", "full"),
+}
+
+
+def _train(run_dir: str, overlap: bool, layout: str, recompute: str):
     from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
-    model = ModelConfig(llm="nemotron_h_tiny_moe", vision="radio_vit_tiny", dtype="bfloat16")
+    model = ModelConfig(llm="nemotron_h_tiny_moe", vision="radio_vit_tiny", dtype="bfloat16", recompute=recompute)
     data = DataConfig(seq_length=128, rows_per_microbatch=4, microbatches=2)
     trainer = TrainerConfig(max_steps=3, run_dir=run_dir, progress=False, tensorboard=False,
                             overlap_grad_reduce=overlap, grad_bucket_elements=20_000)
     optim = OptimConfig(lr=2e-3, use_distributed_optimizer=True)
-    return train(model, data, optim, trainer, layout="vision=dp4@0-3;language=dp4,ep2@0-3", name="overlap")
+    return train(model, data, optim, trainer, layout=layout, name="overlap")
 
 
 def _trainer_runs(root: str):
-    _train(f"{root}/sync", False)
-    _train(f"{root}/overlap", True)
+    for name, (layout, recompute) in TRAINER_RUNS.items():
+        _train(f"{root}/{name}_sync", False, layout, recompute)
+        _train(f"{root}/{name}_overlap", True, layout, recompute)
 
 
 def test_trainer_with_overlap_trains_bitwise_as_without(tmp_path):
-    run_on_ranks(4, _trainer_runs, str(tmp_path), timeout=600)
-    sync, ovl = read_metrics(tmp_path / "sync"), read_metrics(tmp_path / "overlap")
-    assert len(sync) == len(ovl) == 3
-    assert [r["loss"] for r in sync] == [r["loss"] for r in ovl]
-    assert [r["grad_norm"] for r in sync] == [r["grad_norm"] for r in ovl]
-    assert all(r["grad_buckets_in_backward"] == 0 for r in sync)
-    assert all(r["grad_buckets_in_backward"] > 2 for r in ovl), [r["grad_buckets_in_backward"] for r in ovl]
+    run_on_ranks(4, _trainer_runs, str(tmp_path), timeout=900)
+    for name in TRAINER_RUNS:
+        sync, ovl = read_metrics(tmp_path / f"{name}_sync"), read_metrics(tmp_path / f"{name}_overlap")
+        assert len(sync) == len(ovl) == 3
+        assert [r["loss"] for r in sync] == [r["loss"] for r in ovl], name
+        assert [r["grad_norm"] for r in sync] == [r["grad_norm"] for r in ovl], name
+        assert all(r["grad_buckets_in_backward"] == 0 for r in sync)
+        started = [(r["grad_buckets_in_backward"], r["grad_buckets"]) for r in ovl]
+        assert all(2 < n <= total for n, total in started), (name, started)

@@ -1,6 +1,6 @@
 """Gradient reduction in buckets, each launched while backward still runs (megatron DDP's overlap_grad_reduce).
 
-    reducer = GradReducer(sequences, overlap=True, backwards_per_step=microbatches)  # built by ModuleOptimizers
+    reducer = GradReducer(sequences, backwards_per_step=microbatches)  # built by ModuleOptimizers
     ...backward of every microbatch...          # a bucket whose gradients are final starts its collective
     reducer.finish()                            # starts what is left (in order), waits for every bucket
 
@@ -17,8 +17,13 @@ every earlier bucket of its sequence has started, so each process group sees its
 rank whatever the timing (gloo and NCCL match collectives by issue order). A bucket with a parameter that got
 fewer gradients (an expert no token reached, an unused weight) starts in finish(), in order; one that would get
 more (a weight used by two backward calls of one microbatch) raises instead of reducing a partial gradient.
+That count is known for the LLM, with or without recompute (one recompute segment per layer and microbatch),
+not for an encoder under full recompute: megatron's reentrant checkpoint runs a nested backward per segment, the
+encoder runs once per media item, so each weight gets one gradient per item of the microbatch (data-dependent).
+overlapped_modules() leaves such an encoder's buckets to finish() (measured: radio_vit_tiny with full recompute
+got 3 gradients in a 2-microbatch step).
 
-overlap=False runs the same buckets, in the same order, with the same collectives, all from finish(): the
+A sequence without overlap runs the same buckets, in the same order, with the same collectives, all from finish(): the
 overlapped step is bitwise the synchronous one (tests/test_grad_overlap.py), and with one bucket per part
 (the default size, 40M elements, megatron's) both are the reduction this project had before buckets.
 
@@ -66,6 +71,12 @@ def split_buckets(sizes: list[int], bucket_elements: int) -> list[range]:
     return buckets
 
 
+def overlapped_modules(modules, recompute: dict[str, str], language: str) -> list[str]:
+    """The modules whose buckets start during backward: the LLM always, an encoder unless it recomputes its
+    layers per item (recompute "full"; module docstring)."""
+    return [k for k in modules if k == language or recompute.get(k, "none") != "full"]
+
+
 def flat_all_reduce(tensors: list[torch.Tensor], group) -> None:
     """Sum tensors over group with one collective on their flattened copy, written back in place."""
     flat = _flatten_dense_tensors(tensors)
@@ -99,17 +110,19 @@ class GradBucket:
 
 
 class GradReducer:
-    def __init__(self, sequences: list[list[GradBucket]], overlap: bool, backwards_per_step: int):
-        """sequences: per process group sequence (module and part), its buckets in launch order. overlap: start
-        buckets from backward hooks (registered here, after any main-grad hook, so they see the accumulated
+    def __init__(self, sequences: list[tuple[list[GradBucket], bool]], backwards_per_step: int):
+        """sequences: per process group sequence (module and part), its buckets in launch order and whether they
+        start from backward hooks (registered here, after any main-grad hook, so they see the accumulated
         gradient); backwards_per_step: gradients a parameter gets per step (the step's microbatches)."""
         if backwards_per_step < 1:
             raise ValueError(f"backwards_per_step must be >= 1 (the step's microbatches), got {backwards_per_step}")
-        self.sequences = [s for s in sequences if s]
-        self.overlap, self.target = overlap, backwards_per_step
-        self._where = {}  # parameter -> (sequence, bucket index)
-        for si, seq in enumerate(self.sequences):
-            for bi, bucket in enumerate(seq):
+        kept = [(seq, overlap) for seq, overlap in sequences if seq]
+        self.sequences = [seq for seq, _ in kept]
+        self.buckets = sum(len(s) for s in self.sequences)
+        self.target = backwards_per_step
+        self._where = {}  # parameter of an overlapped sequence -> (sequence, bucket index)
+        for si, (seq, overlap) in enumerate(kept):
+            for bi, bucket in enumerate(seq if overlap else []):
                 for p in bucket.params:
                     self._where[p] = (si, bi)
         self._count: dict[torch.nn.Parameter, int] = {}
@@ -118,7 +131,7 @@ class GradReducer:
         self.started_in_backward = 0  # buckets started by hooks in this step
         self.last_started_in_backward = 0  # ... in the last finished step (the metrics record's)
         self.exposed_s = 0.0  # seconds the last finish() took: the reduction not hidden behind backward
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._where] if overlap else []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._where]
 
     def _grad_ready(self, p: torch.nn.Parameter) -> None:
         si, bi = self._where[p]

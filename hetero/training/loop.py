@@ -27,11 +27,14 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from tessera.data.loader import close_loader
 from tessera.hetero.runtime.device import current_device
 from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
+from tessera.hetero.plan.layout import LANGUAGE
+from tessera.hetero.plan.recompute import parse_recompute
 from tessera.hetero.plan.resolved_run import ResolvedRun
 from tessera.hetero.runtime.step_executor import hetero_step
 from tessera.hetero.runtime.tubelet_settle import TubeletSettle
 from tessera.hetero.training.checkpoint import (KeepPolicy, finish_async_saves, latest_checkpoint, load_checkpoint,
                                                 save_checkpoint)
+from tessera.hetero.training.grad_buckets import overlapped_modules
 from tessera.hetero.training.loader_state import decode_loader_state, encode_loader_state
 from tessera.hetero.training.lora import apply_lora
 from tessera.hetero.training.metrics import RunMetrics, peak_memory_gib
@@ -161,7 +164,9 @@ def _build_model(run: RunState) -> None:
                                cfg.optim.weight_decay, cfg.optim.betas, cfg.optim.eps,
                                all_keys=list(run.layout.modules), param_dtype=run.dtype,
                                distributed=cfg.optim.use_distributed_optimizer,
-                               overlap_grad_reduce=cfg.trainer.overlap_grad_reduce,
+                               overlap_modules=overlapped_modules(run.layout.modules, parse_recompute(
+                                   getattr(cfg.model, "recompute", "none")), LANGUAGE)
+                               if cfg.trainer.overlap_grad_reduce else (),
                                bucket_elements=cfg.trainer.grad_bucket_elements,
                                backwards_per_step=run.resolved.microbatches)
     o = cfg.optim
@@ -219,7 +224,8 @@ def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, h
             "tokens_per_s": rows * cfg.data.seq_length / dt, "samples_per_s": rows / dt,
             "real_tokens_per_s": sum(b.real_tokens() for b in batches) / dt, **flops, **mine,
             "max_over_ranks": dict(zip(mine, worst.tolist())), "target_tokens": total, "step_time_s": dt,
-            "boundary_bytes": int(sums[1]), "grad_buckets_in_backward": run.opt.reducer.last_started_in_backward,
+            "boundary_bytes": int(sums[1]), "grad_buckets": run.opt.reducer.buckets,
+            "grad_buckets_in_backward": run.opt.reducer.last_started_in_backward,
             # bytes this rank's loader read from the shards (JSON, and the media it decodes), and all ranks'
             "data_read_bytes": read, "data_read_bytes_all_ranks": int(sums[2]),
             "skipped": sum(sum(b.skipped.values()) for b in batches),

@@ -9,7 +9,8 @@ their optimizer creates tensors on 'cuda' (optimizer.py:481/907) and clip_grads 
 (clip_grads.py:167); their grad norm combines only the groups of one model, while modules on disjoint rank
 sets need a norm across modules; and their sharded optimizer state is keyed by parameter identity, which
 our checkpoint's split of fused Mamba projections (hetero/training/checkpoint.py) cannot give. What they
-would do here is small: one all-reduce per module over a flat buffer, a norm, torch's AdamW.
+would do here is small: bucketed collectives per module, started during backward with overlap_grad_reduce
+(hetero/training/grad_buckets.py, which says why not megatron's DDP), a norm, torch's AdamW.
 
 Mixed precision (param_dtype=torch.bfloat16), as megatron does it (DDP grad buffers +
 Float16OptimizerWithFloat16Params): parameters and activations are bf16; each trainable parameter gets an
@@ -112,14 +113,13 @@ class ModuleOptimizers:
                  lrs: dict[str, float], clip_grad: float = 1.0, weight_decay: float = 0.0,
                  betas=(0.9, 0.95), eps: float = 1e-8, all_keys: list[str] | None = None,
                  param_dtype: torch.dtype | None = None, distributed: bool = False,
-                 overlap_grad_reduce: bool = False, bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
-                 backwards_per_step: int = 1):
+                 overlap_modules=(), bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, backwards_per_step: int = 1):
         """param_dtype: cast the modules to it here; bfloat16 takes fp32 master weights first (the module
         docstring). None leaves the modules as they are (fp32 path). distributed: ZeRO-1, the fp32 masters and
         Adam states sharded over each reduction group (hetero/training/zero.py); bf16 runs only.
-        overlap_grad_reduce, bucket_elements, backwards_per_step (the step's microbatches): gradients reduced
-        in buckets of about bucket_elements, each started as soon as backward made it final
-        (hetero/training/grad_buckets.py); bitwise the same sums as without overlap."""
+        bucket_elements: gradients reduced in buckets of about that many elements; those of overlap_modules
+        each started as soon as backward made it final, i.e. gave it backwards_per_step (the step's
+        microbatches) gradients (hetero/training/grad_buckets.py); bitwise the same sums as after backward."""
         self.modules, self.groups, self.clip = modules, groups, clip_grad
         self.all_keys = sorted(all_keys or modules)  # every module of the model, hosted here or not
         # dense parameters first, routed experts last (stable): each part is reduced over its own DP group
@@ -170,7 +170,7 @@ class ModuleOptimizers:
         if distributed:
             self.masters = {}  # whole-model masters dropped: each rank keeps its shards
         # after the main-grad hooks: the reducer's hooks see each microbatch's gradient accumulated
-        self.reducer = GradReducer(self._bucket_sequences(bucket_elements), overlap_grad_reduce, backwards_per_step)
+        self.reducer = GradReducer(self._bucket_sequences(bucket_elements, set(overlap_modules)), backwards_per_step)
         self.optimizers = {}
         for key, params in self.params.items():
             if not params:  # a frozen module gets no optimizer and no state
@@ -214,8 +214,9 @@ class ModuleOptimizers:
         pgs, params, n = self.groups[key].pgs, self.params[key], self._n_dense[key]
         return [(params[:n], pgs.dp_cp), (params[n:], pgs.expt_dp)]
 
-    def _bucket_sequences(self, bucket_elements: int) -> list[list[GradBucket]]:
-        """Per module and reduction part, its buckets in launch order (hetero/training/grad_buckets.py): each sums
+    def _bucket_sequences(self, bucket_elements: int, overlapped: set[str]) -> list[tuple[list[GradBucket], bool]]:
+        """Per module and reduction part, its buckets in launch order and whether they start during backward
+        (the module in `overlapped`; hetero/training/grad_buckets.py): each sums
         its sequence-parallel weights over TP first (megatron: finalize_model_grads), then reduces over the part's
         group: a slice of the flat fp32 main-grad buffer (bf16), a ZeRO-1 part (one per bucket), or the flattened
         fp32 `.grad`s."""
@@ -239,7 +240,7 @@ class ModuleOptimizers:
                         start_dp, land = self._fp32_bucket(ps, group)
                     seq.append(GradBucket(ps, self._reduced_grad, start_dp,
                                           [p for p in ps if sums_over_tp(p, tp.size())], tp, land))
-                sequences.append(seq)
+                sequences.append((seq, key in overlapped))
                 start = offsets[-1]
         return sequences
 
