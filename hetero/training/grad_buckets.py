@@ -18,10 +18,11 @@ rank whatever the timing (gloo and NCCL match collectives by issue order). A buc
 fewer gradients (an expert no token reached, an unused weight) starts in finish(), in order; one that would get
 more (a weight used by two backward calls of one microbatch) raises instead of reducing a partial gradient.
 That count is known for the LLM, with or without recompute (one recompute segment per layer and microbatch),
-not for an encoder under full recompute: megatron's reentrant checkpoint runs a nested backward per segment, the
-encoder runs once per media item, so each weight gets one gradient per item of the microbatch (data-dependent).
-overlapped_modules() leaves such an encoder's buckets to finish() (measured: radio_vit_tiny with full recompute
-got 3 gradients in a 2-microbatch step).
+not for an encoder with recompute: megatron's reentrant checkpoint runs a nested backward per segment, and an
+encoder runs once per media item (hetero/training/stages.py), so each weight in a recomputed segment (every layer
+under "full"; audio's self-attention block under "selective") gets one gradient per item of the microbatch,
+a data-dependent count. overlapped_modules() leaves an encoder with recompute to finish() (measured:
+radio_vit_tiny with full recompute got 3 gradients in a 2-microbatch step).
 
 A sequence without overlap runs the same buckets, in the same order, with the same collectives, all from finish(): the
 overlapped step is bitwise the synchronous one (tests/test_grad_overlap.py), and with one bucket per part
@@ -72,9 +73,9 @@ def split_buckets(sizes: list[int], bucket_elements: int) -> list[range]:
 
 
 def overlapped_modules(modules, recompute: dict[str, str], language: str) -> list[str]:
-    """The modules whose buckets start during backward: the LLM always, an encoder unless it recomputes its
-    layers per item (recompute "full"; module docstring)."""
-    return [k for k in modules if k == language or recompute.get(k, "none") != "full"]
+    """The modules whose buckets start during backward: the LLM always, an encoder only without recompute (it
+    runs once per item: the module docstring)."""
+    return [k for k in modules if k == language or recompute.get(k, "none") == "none"]
 
 
 def flat_all_reduce(tensors: list[torch.Tensor], group) -> None:
