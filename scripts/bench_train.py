@@ -4,7 +4,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_train.py --only-extra --layout "vision=tp4@0-3;audio=dp4@0-3;language=pp2,dp2@0-3"
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_train.py --saves --out bench_saves.json   # what a save costs
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_train.py --overlap     # boundary wait deferred vs in the op
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_train.py --grad-overlap   # gradient reduction after vs during backward
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_train.py --grad-overlap   # grad reduction after vs in backward
 
 One spawn of 4 ranks (hetero.tools.spawn.run_on_ranks) trains every layout in sequence through the real entry
 point (recipes.train.train, as tests/test_train_hetero.py does): RADIO-tiny + FastConformer-tiny +
@@ -237,7 +237,8 @@ def measure_grad_overlap(layouts: list[tuple[str, str]], bucket_elements: int, s
                              statistics.median(r["grad_buckets_in_backward"] for r in timed),
                              statistics.median(r["grad_buckets"] for r in timed))
             lines.append(f"| `{spec or '(every module dp4)'}` | {got['sync'][0]:.4f} | {got['overlap'][0]:.4f} | "
-                         f"{got['sync'][1]:.3f} | {got['overlap'][1]:.3f} | {got['overlap'][2]:.0f} of {got['overlap'][3]:.0f} (rank 0) | "
+                         f"{got['sync'][1]:.3f} | {got['overlap'][1]:.3f} | "
+                         f"{got['overlap'][2]:.0f} of {got['overlap'][3]:.0f} (rank 0) | "
                          f"{losses['sync'] == losses['overlap']} |")
     return "\n".join(lines)
 

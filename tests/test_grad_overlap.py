@@ -127,7 +127,8 @@ def test_overlapped_reduction_is_bitwise_the_synchronous_one(optimizer_runs):
             assert buckets == 4, (layout, mode, buckets)  # dense: 3 buckets (18 + 50, 90, 80), experts: 1
             assert in_bw_sync == [0] * STEPS
             assert in_bw_ovl == [buckets] * STEPS, (layout, mode, rank, in_bw_ovl, buckets)
-            assert all(torch.equal(torch.tensor(a), torch.tensor(b)) for a, b in zip(w_sync, w_ovl)), (layout, mode, rank)
+            same = [torch.equal(torch.tensor(a), torch.tensor(b)) for a, b in zip(w_sync, w_ovl)]
+            assert all(same), (layout, mode, rank, same)
             assert n_sync == n_ovl, (layout, mode, rank, n_sync, n_ovl)
             # the buckets sum what one all-reduce per part sums (another summation order over 4 ranks in fp32;
             # bf16 parameters round that to their own last bit at most)

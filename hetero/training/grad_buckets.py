@@ -24,9 +24,10 @@ under "full"; audio's self-attention block under "selective") gets one gradient 
 a data-dependent count. overlapped_modules() leaves an encoder with recompute to finish() (measured:
 radio_vit_tiny with full recompute got 3 gradients in a 2-microbatch step).
 
-A sequence without overlap runs the same buckets, in the same order, with the same collectives, all from finish(): the
-overlapped step is bitwise the synchronous one (tests/test_grad_overlap.py), and with one bucket per part
-(the default size, 40M elements, megatron's) both are the reduction this project had before buckets.
+A sequence without overlap runs the same buckets, in the same order, with the same collectives, all from
+finish(): the overlapped step is bitwise the synchronous one (tests/test_grad_overlap.py). With one bucket per
+part (the default size, 40M elements, megatron's) both make the collectives this project made before buckets,
+but for the TP sum of sequence-parallel weights, now one per part instead of one per module.
 
 Why not megatron-core's DistributedDataParallel (0.16.1), although its buckets and overlap do run on CPU gloo
 with a module's own process groups (checked: ProcessGroupCollection of the module's dp/dp_cp/expt_dp groups,
@@ -40,8 +41,8 @@ with a TransformerConfig(calculate_per_token_loss=True) per module (distributed_
 encoders that are no megatron modules included; (4) it learns when a gradient is final from the first step's
 counts under `no_sync()` around every backward but the last microbatch's (param_and_grad_buffer.py:174-210,
 distributed_data_parallel.py:451), a context the heterogeneous schedule (hetero/runtime/step_executor.py),
-whose backward of one microbatch runs in several ops and modules, would have to thread through. What it would
-add is the ~150 lines below.
+whose backward of one microbatch runs in several ops and modules, would have to thread through, and counts that
+an encoder with recompute does not repeat from step to step. What it would add is the ~150 lines below.
 """
 
 from __future__ import annotations

@@ -212,7 +212,8 @@ def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, h
     # included) and for gradient reductions after backward (what overlap_grad_reduce did not hide), and the largest
     # of each over the ranks: the rank that sets the pace or runs out of memory first
     mine = {"peak_memory_gib": peak_memory_gib(run.device), "data_wait_s": data_wait,
-            "boundary_s": sum(c.seconds for c in comms.values()) - boundary0, "grad_reduce_s": run.opt.reducer.exposed_s}
+            "boundary_s": sum(c.seconds for c in comms.values()) - boundary0,
+            "grad_reduce_s": run.opt.reducer.exposed_s}
     worst = torch.tensor(list(mine.values()), dtype=torch.float64, device=run.device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     dt = time.perf_counter() - t0
