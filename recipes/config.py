@@ -137,6 +137,11 @@ class TrainerConfig:
     # each restart re-resolves the layout for its world and resumes from the last checkpoint (recipes/elastic.py)
     elastic_min_nodes: int = 0
     elastic_max_restarts: int = 3           # restarts after a failure (torchrun --max-restarts; a node joining: none)
+    # gradients reduced in buckets of about grad_bucket_elements (megatron DDP's 40M default), each started while
+    # backward still runs once its gradients are final (megatron's overlap_grad_reduce); bitwise the same sums
+    # either way (hetero/training/grad_buckets.py). Off: every bucket reduced after backward (the full recipes: on)
+    overlap_grad_reduce: bool = False
+    grad_bucket_elements: int = 40_000_000
 
     def __post_init__(self):
         check_elastic(self.elastic_min_nodes, self.elastic_max_restarts)

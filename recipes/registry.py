@@ -177,7 +177,7 @@ def _full(name: str, gpus: int, llm: str, audio: str | None) -> run.Config[RunCo
         # saves every 1,000 steps and every hour (a 4-hour Slurm allocation at ~30 s a step keeps 3-4 checkpoints,
         # plus the one on its limit's SIGTERM), asynchronously; the newest 3 and every 5,000th step stay on disk
         trainer=run.Config(TrainerConfig, max_steps=20000, log_every=10, save_every=1000, save_interval_minutes=60,
-                           keep_last=3, keep_every=5000, async_save=True, timeout_s=1800),
+                           keep_last=3, keep_every=5000, async_save=True, timeout_s=1800, overlap_grad_reduce=True),
     )
 
 

@@ -4,6 +4,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_train.py --only-extra --layout "vision=tp4@0-3;audio=dp4@0-3;language=pp2,dp2@0-3"
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_train.py --saves --out bench_saves.json   # what a save costs
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_train.py --overlap     # boundary wait deferred vs in the op
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_train.py --grad-overlap   # grad reduction after vs in backward
 
 One spawn of 4 ranks (hetero.tools.spawn.run_on_ranks) trains every layout in sequence through the real entry
 point (recipes.train.train, as tests/test_train_hetero.py does): RADIO-tiny + FastConformer-tiny +
@@ -203,6 +204,45 @@ def measure_overlap(layouts: list[tuple[str, str]], steps: int = 12, warmup: int
     return "\n".join(lines)
 
 
+GRAD_LAYOUTS = [lay for lay in LAYOUTS if lay[0] in ("homogeneous", "coloc_cp2_dp2", "noncoloc_dp2")]
+
+
+def measure_grad_overlap(layouts: list[tuple[str, str]], bucket_elements: int, steps: int = 12, warmup: int = 2,
+                         repeats: int = 2) -> str:
+    """Exposed gradient communication per step (the slowest rank's seconds in ModuleOptimizers.sync_gradients
+    after backward: the metrics' grad_reduce_s) and step time per layout, every bucket reduced after backward
+    vs started during it (trainer.overlap_grad_reduce), alternating, in one spawn; losses must agree bitwise."""
+    from tessera.hetero.tools.spawn import run_on_ranks
+    from tessera.hetero.training.metrics import read_metrics
+
+    runs, kw = [], {}
+    for rep in range(repeats):
+        for name, spec in layouts:
+            for overlap in ((False, True) if rep % 2 == 0 else (True, False)):
+                run_name = f"{name}_{'overlap' if overlap else 'sync'}_{rep}"
+                runs.append((run_name, spec))
+                kw[run_name] = {"overlap_grad_reduce": overlap, "grad_bucket_elements": bucket_elements}
+    lines = ["| layout | exposed grad reduction s, after backward | overlapped | step s, after backward | overlapped "
+             "| buckets started in backward | same losses |", "|---|---:|---:|---:|---:|---:|---|"]
+    with tempfile.TemporaryDirectory(prefix="bench_grad_overlap_") as root:
+        run_on_ranks(WORLD, _train_all, root, runs, steps, 128, 4, 2, None, kw, timeout=3600)
+        for name, spec in layouts:
+            got, losses = {}, {}
+            for mode in ("sync", "overlap"):
+                recs = [read_metrics(Path(root) / f"{name}_{mode}_{rep}") for rep in range(repeats)]
+                losses[mode] = [[r["loss"] for r in rs] for rs in recs]
+                timed = [r for rs in recs for r in rs[warmup:]]
+                got[mode] = (statistics.median(r["max_over_ranks"]["grad_reduce_s"] for r in timed),
+                             statistics.median(r["step_time_s"] for r in timed),
+                             statistics.median(r["grad_buckets_in_backward"] for r in timed),
+                             statistics.median(r["grad_buckets"] for r in timed))
+            lines.append(f"| `{spec or '(every module dp4)'}` | {got['sync'][0]:.4f} | {got['overlap'][0]:.4f} | "
+                         f"{got['sync'][1]:.3f} | {got['overlap'][1]:.3f} | "
+                         f"{got['overlap'][2]:.0f} of {got['overlap'][3]:.0f} (rank 0) | "
+                         f"{losses['sync'] == losses['overlap']} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=20, help="steps per layout (the first --warmup are not timed)")
@@ -215,7 +255,18 @@ def main(argv=None) -> int:
     ap.add_argument("--saves", action="store_true", help="instead: what a checkpoint save costs, sync vs async")
     ap.add_argument("--overlap", action="store_true",
                     help="instead: exposed boundary time with the boundary's wait deferred vs inside the op")
+    ap.add_argument("--grad-overlap", action="store_true",
+                    help="instead: exposed gradient communication per step, reduced after backward vs during it")
+    ap.add_argument("--grad-bucket-elements", type=int, default=50_000,
+                    help="with --grad-overlap: trainer.grad_bucket_elements (the tiny models need small buckets)")
     args = ap.parse_args(argv)
+    if args.grad_overlap:
+        t0 = time.perf_counter()
+        print(measure_grad_overlap(GRAD_LAYOUTS, args.grad_bucket_elements))
+        print(f"\n{WORLD} gloo ranks, fp32, buckets of {args.grad_bucket_elements} elements, 12 steps per run, 2 "
+              f"alternating repeats, medians over steps 3-12 of the slowest rank's seconds; wall "
+              f"{time.perf_counter() - t0:.0f} s")
+        return 0
     if args.overlap:
         print(measure_overlap([lay for lay in LAYOUTS if lay[1]]))
         print(f"\n{WORLD} gloo ranks, 12 steps per run, 2 alternating repeats, medians over steps 3-12 of the slowest "

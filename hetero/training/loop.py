@@ -28,11 +28,14 @@ from tessera.data.loader import close_loader
 from tessera.data.pipeline import synthetic_kinds
 from tessera.hetero.runtime.device import current_device
 from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
+from tessera.hetero.plan.layout import LANGUAGE
+from tessera.hetero.plan.recompute import parse_recompute
 from tessera.hetero.plan.resolved_run import ResolvedRun
 from tessera.hetero.runtime.step_executor import hetero_step
 from tessera.hetero.runtime.tubelet_settle import TubeletSettle
 from tessera.hetero.training.checkpoint import (KeepPolicy, finish_async_saves, latest_checkpoint, load_checkpoint,
                                                 save_checkpoint)
+from tessera.hetero.training.grad_buckets import overlapped_modules
 from tessera.hetero.training.loader_state import decode_loader_state, encode_loader_state
 from tessera.hetero.training.lora import apply_lora
 from tessera.hetero.training.metrics import RunMetrics, peak_memory_gib
@@ -161,7 +164,12 @@ def _build_model(run: RunState) -> None:
     run.opt = ModuleOptimizers(run.modules, run.groups, {k: lrs[k] for k in run.layout.modules}, cfg.optim.clip_grad,
                                cfg.optim.weight_decay, cfg.optim.betas, cfg.optim.eps,
                                all_keys=list(run.layout.modules), param_dtype=run.dtype,
-                               distributed=cfg.optim.use_distributed_optimizer)
+                               distributed=cfg.optim.use_distributed_optimizer,
+                               overlap_modules=overlapped_modules(run.layout.modules, parse_recompute(
+                                   getattr(cfg.model, "recompute", "none")), LANGUAGE)
+                               if cfg.trainer.overlap_grad_reduce else (),
+                               bucket_elements=cfg.trainer.grad_bucket_elements,
+                               backwards_per_step=run.resolved.microbatches)
     o = cfg.optim
     run.lr_schedule = LRSchedule(o.lr_schedule, cfg.trainer.max_steps, o.warmup_steps, o.min_lr_ratio,
                                  o.lr_wsd_decay_steps, o.lr_wsd_decay_style)
@@ -201,10 +209,12 @@ def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, h
                         device=run.device)  # NCCL reduces device tensors only
     dist.all_reduce(sums)
     agreed = [bool(f > 0) for f in sums[3:].tolist()]  # any rank's request holds for all
-    # this rank's peak memory and seconds waiting for the loader and in boundary exchanges (its peers' waits
-    # included), and the largest of each over the ranks: the rank that sets the pace or runs out of memory first
+    # this rank's peak memory and seconds waiting for the loader, in boundary exchanges (its peers' waits
+    # included) and for gradient reductions after backward (what overlap_grad_reduce did not hide), and the largest
+    # of each over the ranks: the rank that sets the pace or runs out of memory first
     mine = {"peak_memory_gib": peak_memory_gib(run.device), "data_wait_s": data_wait,
-            "boundary_s": sum(c.seconds for c in comms.values()) - boundary0}
+            "boundary_s": sum(c.seconds for c in comms.values()) - boundary0,
+            "grad_reduce_s": run.opt.reducer.exposed_s}
     worst = torch.tensor(list(mine.values()), dtype=torch.float64, device=run.device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     dt = time.perf_counter() - t0
@@ -216,7 +226,8 @@ def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, h
             "tokens_per_s": rows * cfg.data.seq_length / dt, "samples_per_s": rows / dt,
             "real_tokens_per_s": sum(b.real_tokens() for b in batches) / dt, **flops, **mine,
             "max_over_ranks": dict(zip(mine, worst.tolist())), "target_tokens": total, "step_time_s": dt,
-            "boundary_bytes": int(sums[1]),
+            "boundary_bytes": int(sums[1]), "grad_buckets": run.opt.reducer.buckets,
+            "grad_buckets_in_backward": run.opt.reducer.last_started_in_backward,
             # bytes this rank's loader read from the shards (JSON, and the media it decodes), and all ranks'
             "data_read_bytes": read, "data_read_bytes_all_ranks": int(sums[2]),
             "skipped": sum(sum(b.skipped.values()) for b in batches),

@@ -9,7 +9,8 @@ their optimizer creates tensors on 'cuda' (optimizer.py:481/907) and clip_grads 
 (clip_grads.py:167); their grad norm combines only the groups of one model, while modules on disjoint rank
 sets need a norm across modules; and their sharded optimizer state is keyed by parameter identity, which
 our checkpoint's split of fused Mamba projections (hetero/training/checkpoint.py) cannot give. What they
-would do here is small: one all-reduce per module over a flat buffer, a norm, torch's AdamW.
+would do here is small: bucketed collectives per module, started during backward with overlap_grad_reduce
+(hetero/training/grad_buckets.py, which says why not megatron's DDP), a norm, torch's AdamW.
 
 Mixed precision (param_dtype=torch.bfloat16), as megatron does it (DDP grad buffers +
 Float16OptimizerWithFloat16Params): parameters and activations are bf16; each trainable parameter gets an
@@ -52,6 +53,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from tessera.hetero.runtime.groups import ModuleGroups
+from tessera.hetero.training.grad_buckets import DEFAULT_BUCKET_ELEMENTS, GradBucket, GradReducer, split_buckets
 from tessera.hetero.training.zero import ShardedPart
 
 
@@ -91,6 +93,13 @@ def reduce_gradients(modules: dict[str, torch.nn.Module], groups) -> None:
             dist.all_reduce(p.grad, group=pgs.expt_dp if is_expert_param(p) else pgs.dp_cp)
 
 
+def _grad_or_zeros(p: torch.nn.Parameter) -> torch.Tensor:
+    """p.grad, made zeros where backward left none (every rank of a group reduces the same tensors)."""
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
 def _accumulate_main_grad(p: torch.nn.Parameter) -> None:
     """Post-accumulate-grad hook (megatron DDP's backward post-hook): this microbatch's bf16 gradient into the
     fp32 main grad, then free it, so gradients accumulate across microbatches in fp32."""
@@ -103,10 +112,14 @@ class ModuleOptimizers:
     def __init__(self, modules: dict[str, torch.nn.Module], groups: dict[str, ModuleGroups],
                  lrs: dict[str, float], clip_grad: float = 1.0, weight_decay: float = 0.0,
                  betas=(0.9, 0.95), eps: float = 1e-8, all_keys: list[str] | None = None,
-                 param_dtype: torch.dtype | None = None, distributed: bool = False):
+                 param_dtype: torch.dtype | None = None, distributed: bool = False,
+                 overlap_modules=(), bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, backwards_per_step: int = 1):
         """param_dtype: cast the modules to it here; bfloat16 takes fp32 master weights first (the module
         docstring). None leaves the modules as they are (fp32 path). distributed: ZeRO-1, the fp32 masters and
-        Adam states sharded over each reduction group (hetero/training/zero.py); bf16 runs only."""
+        Adam states sharded over each reduction group (hetero/training/zero.py); bf16 runs only.
+        bucket_elements: gradients reduced in buckets of about that many elements; those of overlap_modules
+        each started as soon as backward made it final, i.e. gave it backwards_per_step (the step's
+        microbatches) gradients (hetero/training/grad_buckets.py); bitwise the same sums as after backward."""
         self.modules, self.groups, self.clip = modules, groups, clip_grad
         self.all_keys = sorted(all_keys or modules)  # every module of the model, hosted here or not
         # dense parameters first, routed experts last (stable): each part is reduced over its own DP group
@@ -122,6 +135,7 @@ class ModuleOptimizers:
                              "bf16 run: set model.dtype=bfloat16 (an fp32 run keeps its states on its parameters)")
         # module -> its ZeRO-1 parts, dense and routed experts (distributed optimizer only)
         self.zero: dict[str, list[ShardedPart]] = {}
+        self._zero_of: dict[str, list[list[ShardedPart]]] = {}  # module -> [dense parts, expert parts]
         # module -> fp32 master per entry of self.params[module] (mixed precision only)
         self.masters: dict[str, list[torch.Tensor]] = {}
         self._grad_buffers: dict[str, torch.Tensor] = {}  # module -> flat fp32 main-grad buffer
@@ -139,10 +153,12 @@ class ModuleOptimizers:
             params = self.params[key]
             for p in params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_main_grad))
-            if distributed:
+            if distributed:  # one ShardedPart per bucket, in parameter order; _zero_of: those of each part
                 n = self._n_dense[key]
-                self.zero[key] = [ShardedPart(ps, group, ms) for (ps, group), ms
-                                  in zip(self._reduce_parts(key), (masters[:n], masters[n:])) if ps]
+                self._zero_of[key] = [[ShardedPart(ps[r.start:r.stop], group, ms[r.start:r.stop])
+                                       for r in reversed(split_buckets([p.numel() for p in ps], bucket_elements))]
+                                      for (ps, group), ms in zip(self._reduce_parts(key), (masters[:n], masters[n:]))]
+                self.zero[key] = [part for parts in self._zero_of[key] for part in parts]
                 continue
             buf = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
             self._grad_buffers[key] = buf
@@ -153,6 +169,8 @@ class ModuleOptimizers:
                 offset += p.numel()
         if distributed:
             self.masters = {}  # whole-model masters dropped: each rank keeps its shards
+        # after the main-grad hooks: the reducer's hooks see each microbatch's gradient accumulated
+        self.reducer = GradReducer(self._bucket_sequences(bucket_elements, set(overlap_modules)), backwards_per_step)
         self.optimizers = {}
         for key, params in self.params.items():
             if not params:  # a frozen module gets no optimizer and no state
@@ -196,42 +214,69 @@ class ModuleOptimizers:
         pgs, params, n = self.groups[key].pgs, self.params[key], self._n_dense[key]
         return [(params[:n], pgs.dp_cp), (params[n:], pgs.expt_dp)]
 
-    def sync_gradients(self) -> None:
-        """Sum every module's gradients over its own DP x CP group (experts: expert-DP): one flat all-reduce
-        per module and part. First, under sequence parallelism, the gradients of weights every TP rank applies to
-        its own slice of the sequence (norms, router) are summed over TP (megatron: finalize_model_grads)."""
+    def _bucket_sequences(self, bucket_elements: int, overlapped: set[str]) -> list[tuple[list[GradBucket], bool]]:
+        """Per module and reduction part, its buckets in launch order and whether they start during backward
+        (the module in `overlapped`; hetero/training/grad_buckets.py): each sums
+        its sequence-parallel weights over TP first (megatron: finalize_model_grads), then reduces over the part's
+        group: a slice of the flat fp32 main-grad buffer (bf16), a ZeRO-1 part (one per bucket), or the flattened
+        fp32 `.grad`s."""
+        sequences = []
         for key in sorted(self.params):
-            sp = [p for p in self.params[key] if sums_over_tp(p, self.groups[key].pgs.tp.size())]
-            if sp:
-                grads = [self._grad(key, p) for p in sp]
-                if self.mixed:
-                    flat = _flatten_dense_tensors(grads)
-                    dist.all_reduce(flat, group=self.groups[key].pgs.tp)
-                    torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
-                else:
-                    self._all_reduce_grads(sp, self.groups[key].pgs.tp)
-            for part in self.zero.get(key, []):
-                part.reduce_scatter()
-            offset = 0
-            for params, group in ([] if key in self.zero else self._reduce_parts(key)):
-                size = sum(p.numel() for p in params)
-                if params and group.size() > 1:
-                    if key in self._grad_buffers:  # mixed precision: fp32 main grads are one flat buffer already
-                        dist.all_reduce(self._grad_buffers[key][offset:offset + size], group=group)
+            tp = self.groups[key].pgs.tp
+            start = 0  # of the part in the module's flat main-grad buffer
+            for i, (params, group) in enumerate(self._reduce_parts(key)):
+                ranges = split_buckets([p.numel() for p in params], bucket_elements)
+                zero = self._zero_of[key][i][::-1] if key in self._zero_of else [None] * len(ranges)
+                offsets = [start + sum(p.numel() for p in params[:j]) for j in range(len(params) + 1)]
+                seq = []
+                for r, part in zip(ranges, zero):
+                    ps = params[r.start:r.stop]
+                    if part is not None:
+                        start_dp, land = part.start_reduce_scatter, None
+                    elif key in self._grad_buffers:
+                        start_dp, land = self._all_reduce_start(
+                            self._grad_buffers[key][offsets[r.start]:offsets[r.stop]], group), None
                     else:
-                        self._all_reduce_grads(params, group)
-                offset += size
+                        start_dp, land = self._fp32_bucket(ps, group)
+                    seq.append(GradBucket(ps, self._reduced_grad, start_dp,
+                                          [p for p in ps if sums_over_tp(p, tp.size())], tp, land))
+                sequences.append((seq, key in overlapped))
+                start = offsets[-1]
+        return sequences
+
+    def _reduced_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """What a bucket reduces of p: the fp32 main grad (mixed precision), or p.grad (zeros where None)."""
+        return p.main_grad if self.mixed else _grad_or_zeros(p)
 
     @staticmethod
-    def _all_reduce_grads(params, group) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.copy_(g)
+    def _all_reduce_start(flat: torch.Tensor, group):
+        return lambda: dist.all_reduce(flat, group=group, async_op=True) if group.size() > 1 else None
+
+    @staticmethod
+    def _fp32_bucket(params, group):
+        """(start, land) of an fp32 bucket: its `.grad`s (zeros where None) flattened and all-reduced, then copied
+        back (a group of one: nothing)."""
+        held = {}
+
+        def start():
+            if group.size() == 1:
+                return None
+            grads = held["grads"] = [_grad_or_zeros(p) for p in params]
+            held["flat"] = _flatten_dense_tensors(grads)
+            return dist.all_reduce(held["flat"], group=group, async_op=True)
+
+        def land():
+            if held:
+                torch._foreach_copy_(held["grads"], _unflatten_dense_tensors(held["flat"], held["grads"]))
+                held.clear()
+        return start, land
+
+    def sync_gradients(self) -> None:
+        """Sum every module's gradients over its own DP x CP group (experts: expert-DP), bucket by bucket; under
+        sequence parallelism the gradients of weights every TP rank applies to its own slice of the sequence
+        (norms, router) are summed over TP first (megatron: finalize_model_grads). With overlap_grad_reduce most
+        buckets started during backward: this waits for them."""
+        self.reducer.finish()
 
     def grad_norm(self) -> float:
         """L2 norm of the whole model's gradient (every module, every shard once), known on every rank."""
@@ -241,9 +286,9 @@ class ModuleOptimizers:
             pgs = self.groups[key].pgs
             tp_rank = pgs.tp.rank()
             parts = []
-            for (part, group), shard in zip(self._reduce_parts(key), self._zero_parts(key)):
-                if shard is not None:  # ZeRO-1: this rank's shard, summed over the part's group
-                    parts.append(shard.sq_norm(lambda p: _counts_once(p, tp_rank)))
+            for (part, group), shards in zip(self._reduce_parts(key), self._zero_of.get(key, [None, None])):
+                if shards:  # ZeRO-1: this rank's shard of each bucket, summed over the part's group
+                    parts.append(sum(shard.sq_norm(lambda p: _counts_once(p, tp_rank)) for shard in shards))
                     dist.all_reduce(parts[-1], group=group)
                     continue
                 parts.append(sum((g.double().pow(2).sum() for p, g in ((p, self._grad(key, p)) for p in part)
@@ -258,11 +303,6 @@ class ModuleOptimizers:
         # members of one module agree on its value, non-members hold 0: MAX combines modules on any ranks
         dist.all_reduce(sq, op=dist.ReduceOp.MAX)
         return float(sq.sum().sqrt())
-
-    def _zero_parts(self, key: str) -> list[ShardedPart | None]:
-        """The ZeRO-1 part of each of _reduce_parts(key) (None: replicated optimizer, or an empty part)."""
-        parts = iter(self.zero.get(key, []))
-        return [next(parts) if key in self.zero and ps else None for ps, _ in self._reduce_parts(key)]
 
     def update_router_expert_bias(self) -> None:
         """Aux-loss-free load balancing, as megatron's finalize_model_grads does once per global batch

@@ -1,15 +1,17 @@
 """ZeRO-1, megatron's distributed optimizer: fp32 master weights and Adam states sharded over each DP group.
 
-    part = ShardedPart(params, group, masters)   # one per module and reduction group (dense: DP x CP, experts:
-    ...backward...                               #   expert-DP); params' main_grad become views of part.grad
-    part.reduce_scatter()                        # the summed gradient of this rank's shard only
+    part = ShardedPart(params, group, masters)   # one per gradient bucket of a module's reduction group (dense:
+    ...backward...                               #   DP x CP, experts: expert-DP; grad_buckets.py); params'
+    work = part.start_reduce_scatter()           #   main_grad become views of part.grad. Starts summing this
+    work.wait()                                  #   rank's shard only (work None: a group of one)
     sq = part.sq_norm(tp_rank)                   # this shard's share of the grad norm (sum over the group)
     AdamW(part.master_views) .step()             # fp32 masters and states of the shard only
     part.gather_params()                         # updated shard -> every rank's parameters (param dtype)
 
 A part's parameters share one flat fp32 main-grad buffer of N elements, padded to a multiple of the group size
-g; rank r owns elements [r*N/g, (r+1)*N/g). The reduce-scatter sums exactly what the replicated optimizer's
-all-reduce sums, and Adam is elementwise, so every element gets the replicated optimizer's arithmetic: steps
+g; rank r owns elements [r*N/g, (r+1)*N/g) (a part is one gradient bucket: several buckets are sharded each,
+as megatron shards per bucket). The reduce-scatter sums exactly what the replicated optimizer's all-reduce
+sums, and Adam is elementwise, so every element gets the replicated optimizer's arithmetic: steps
 equal it up to the collective's summation order, while optimizer memory falls from 12 to 12/g bytes per
 parameter (fp32 master + exp_avg + exp_avg_sq) plus the 4-byte main grad.
 
@@ -77,11 +79,13 @@ class ShardedPart:
         """The parameter of each master view (for weight-decay groups and the grad norm)."""
         return [self.params[i] for i, *_ in self.segments]
 
-    def reduce_scatter(self) -> None:
+    def start_reduce_scatter(self):
+        """Start summing the part's gradient over the group into this rank's shard; returns the Work to wait for
+        (None: a group of one, copied already)."""
         if self.group.size() == 1:
             self.grad_shard.copy_(self.grad)
-        else:
-            dist.reduce_scatter_tensor(self.grad_shard, self.grad, group=self.group)
+            return None
+        return dist.reduce_scatter_tensor(self.grad_shard, self.grad, group=self.group, async_op=True)
 
     def sq_norm(self, counts) -> torch.Tensor:
         """Squared L2 norm of this rank's gradient shard over the elements whose parameter `counts(p)`
