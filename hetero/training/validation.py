@@ -78,8 +78,10 @@ def validation_loss(run, path: str, steps: int, comms: dict, like: torch.Tensor,
             result = hetero_step(run.layout, run.groups, enc, lang, comms,
                                  boundary_batches(batches, run.layout, settle), like, forward_only=True)
     finally:
-        for m, training in modes.items():  # frozen modules stay in eval mode, the others train again
-            m.train(training)
+        # each part back in its own mode (frozen towers and LoRA bases stay in eval): set one by one, since train()
+        # recurses into children and a part reached from two parents would take the later parent's mode
+        for m, training in modes.items():
+            m.training = training
     loss = torch.tensor([float(result.loss) if hosts_loss else 0.0], dtype=torch.float64, device=run.device)
     dist.all_reduce(loss)
     return float(loss)
