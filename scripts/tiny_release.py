@@ -2,6 +2,7 @@
 
     .venv/bin/python -m tessera.scripts.tiny_release --out /tmp/omni_release              # vision + audio + MoE LLM
     .venv/bin/python -m tessera.scripts.tiny_release --out /tmp/omni_vl --no-audio --dense
+    .venv/bin/python -m tessera.scripts.tiny_release --out /tmp/omni_hub --hub-layout   # config.json as downloaded
 
 transformers' NemotronH_Omni_Reasoning_V3 with random weights and shapes unlike any Tessera registry entry
 (RADIO 48 wide on 8-px patches with a 10x10 position table and 3 prefix tokens; a Parakeet of 24 without
@@ -78,16 +79,46 @@ def omni_checkpoint(directory, audio: bool = True, seed: int = 0, text: dict = T
     return model
 
 
+# transformers' name -> the hub file's (NemotronH_Omni_Reasoning_V3_Config._legacy_field_names, reversed)
+HUB_OMNI_NAMES = {"text_config": "llm_config", "audio_config": "sound_config", "image_token_id": "img_context_token_id",
+                  "video_token_id": "video_context_token_id", "audio_token_id": "sound_context_token_id",
+                  "vision_hidden_size": "vit_hidden_size"}
+
+
+def hub_layout(directory, sound_model_type: str | None = None) -> dict:
+    """Rewrite DIR/config.json (transformers' nemotron_h_omni) as the released Omni's hub file names it: model_type
+    and architectures NemotronH_Nano_Omni_Reasoning_V3, the legacy field names, an auto_map to the remote code.
+    The weights stay as they are. Returns the new config. sound_model_type: sound_config's model_type as the hub
+    file sets it ("parakeet", which transformers 5.24's class cannot parse); None keeps transformers' own."""
+    import json
+    from pathlib import Path
+
+    path = Path(directory) / "config.json"
+    native = json.loads(path.read_text())
+    hub = {HUB_OMNI_NAMES.get(k, k): v for k, v in native.items()}
+    hub.update(model_type="NemotronH_Nano_Omni_Reasoning_V3", architectures=["NemotronH_Nano_Omni_Reasoning_V3"],
+               auto_map={"AutoConfig": "configuration_nemotron_h.NemotronH_Nano_Omni_Reasoning_V3_Config",
+                         "AutoModel": "modeling_nemotron_h.NemotronH_Nano_Omni_Reasoning_V3"})
+    if sound_model_type and hub.get("sound_config"):
+        hub["sound_config"]["model_type"] = sound_model_type
+    path.write_text(json.dumps(hub, indent=2))
+    return hub
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-audio", action="store_true", help="a vision-only checkpoint (audio_config None)")
     ap.add_argument("--dense", action="store_true", help="a dense hybrid LLM instead of the MoE one")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hub-layout", action="store_true", help="config.json in the hub's remote-code layout")
     args = ap.parse_args(argv)
     omni_checkpoint(args.out, audio=not args.no_audio, seed=args.seed, text=DENSE_TEXT if args.dense else TEXT,
                     tokenizer=True)
-    print(f"wrote a tiny NemotronH_Omni_Reasoning_V3 checkpoint (and its tokenizer) to {args.out}")
+    if args.hub_layout:
+        hub_layout(args.out)
+    print(f"wrote a tiny NemotronH_Omni_Reasoning_V3 checkpoint (and its tokenizer) to {args.out}"
+          + (" in the hub's config layout" if args.hub_layout else ""))
     return 0
 
 

@@ -27,7 +27,6 @@ The same verdict line ends it; video is left out (a line says so).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -144,11 +143,11 @@ def _init_world() -> None:
 
 def _is_multimodal(hf_dir: str) -> bool:
     """DIR's config.json is transformers' NemotronH_Omni_Reasoning_V3 (models/released.py's OMNI)."""
-    path = os.path.join(os.path.expanduser(hf_dir), "config.json")
-    if not os.path.isfile(path):
+    from tessera.models import released
+
+    if not os.path.isfile(os.path.join(os.path.expanduser(hf_dir), "config.json")):
         return False
-    with open(path) as f:
-        return json.load(f).get("model_type") == "nemotron_h_omni"
+    return released.read_config(hf_dir).get("model_type") == released.OMNI  # whatever layout the file is in
 
 
 def run(args) -> int:

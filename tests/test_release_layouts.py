@@ -1,0 +1,219 @@
+"""The releases' config.json as downloaded (issue 46 items 1, 4): the hub's remote-code layouts read as
+transformers' native one (models/release_layouts.py), and `model.checkpoint=ORG/NAME[@REV]` found in the local
+Hugging Face cache (models/hub_cache.py). Exact logits on the hub layout: tests/test_parity_multimodal.py.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_release_layouts.py -q -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tessera.models.encoders import encoder_config
+from tessera.models.released import (CheckpointConfigError, encoder_name, llm_fields_of, media_token_ids,
+                                     modalities_of, read_config)
+from tessera.scripts.tiny_release import DENSE_TEXT, HUB_OMNI_NAMES, hub_layout, omni_checkpoint
+
+
+@pytest.fixture(scope="module")
+def native_and_hub(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layouts")
+    native, hub = root / "native", root / "hub"
+    omni_checkpoint(native, tokenizer=True)
+    shutil.copytree(native, hub)
+    hub_layout(hub, sound_model_type="parakeet")  # as the hub file types its Parakeet
+    return native, hub
+
+
+def _encoders(directory) -> dict:
+    out = {}
+    for m in modalities_of(read_config(directory)):
+        cfg = encoder_config(encoder_name(directory, m))
+        cfg.pop("name")  # the directory's own
+        out[m] = cfg
+    return out
+
+
+def test_hub_omni_reads_as_transformers_native(native_and_hub):
+    """Only config.json differs (legacy names, hub model_type, auto_map, sound_config typed `parakeet`): the
+    LLM, both encoders and the media token ids Tessera reads are the native file's, field for field."""
+    native, hub = native_and_hub
+    raw = json.loads((hub / "config.json").read_text())
+    assert raw["model_type"] == "NemotronH_Nano_Omni_Reasoning_V3" and set(HUB_OMNI_NAMES.values()) <= set(raw)
+    assert not {"text_config", "audio_config", "image_token_id"} & set(raw)
+    a, b = read_config(native), read_config(hub)
+    assert llm_fields_of(b) == llm_fields_of(a)
+    assert modalities_of(b) == modalities_of(a) == ["vision", "audio"]
+    assert media_token_ids(b) == media_token_ids(a) and set(media_token_ids(b)) == {"image", "video", "audio"}
+    assert _encoders(hub) == _encoders(native)
+
+
+def test_hub_omni_every_tensor_consumed_and_exported_back(native_and_hub):
+    from test_released_checkpoint import _tessera_model
+    from safetensors.torch import load_file
+
+    from tessera.models.multimodal_hf import export_hf, import_hf
+
+    _, hub = native_and_hub
+    released = load_file(str(hub / "model.safetensors"))
+    model = _tessera_model(hub)
+    import_hf(model, released)
+    again = export_hf(model)
+    assert sorted(again) == sorted(released)
+    assert [k for k in released if not torch.equal(again[k], released[k])] == []
+
+
+def test_transformers_native_class_reads_the_hub_file_as_tessera_does(native_and_hub):
+    """The oracle side: transformers' class called directly on the hub file (legacy names remapped there) has
+    the token ids and sizes Tessera reads (sound_config typed as transformers writes it: 5.24 cannot parse
+    `parakeet`, which Tessera reads; tests above)."""
+    from transformers import NemotronH_Omni_Reasoning_V3_Config
+
+    _, hub = native_and_hub
+    raw = NemotronH_Omni_Reasoning_V3_Config._dict_from_json_file(hub / "config.json")  # transformers' reader
+    raw["sound_config"]["model_type"] = "parakeet_encoder"
+    ref = NemotronH_Omni_Reasoning_V3_Config(**{k: v for k, v in raw.items() if k != "model_type"})
+    ids = media_token_ids(read_config(hub))
+    assert (ref.image_token_id, ref.video_token_id, ref.audio_token_id) == (ids["image"], ids["video"], ids["audio"])
+    assert ref.text_config.hybrid_override_pattern == llm_fields_of(read_config(hub))["hybrid_override_pattern"]
+    assert ref.audio_config.hidden_size == _encoders(hub)["audio"]["hidden"]
+
+
+# ---- Nemotron Nano V2 VL as downloaded (NemotronH_Nano_VL_V2: no transformers class) --------------------------
+
+PREFIX_TOKENS = 4  # the checkpoint's cls_token rows: a remote RADIO's config does not state them
+
+
+def _nano_vl(directory, **over) -> dict:
+    """A NemotronH_Nano_VL_V2 config.json with the fields the public loaders read (vLLM nano_nemotron_vl.py,
+    Megatron-Bridge NemotronVLBridge), sizes tiny but for the ViT (a timm name: the smallest the loaders know),
+    and a safetensors holding the RADIO prefix-token table."""
+    config = dict(
+        model_type="NemotronH_Nano_VL_V2", architectures=["NemotronH_Nano_VL_V2"],
+        auto_map={"AutoConfig": "configuration.NemotronH_Nano_VL_V2_Config",
+                  "AutoModel": "modeling.NemotronH_Nano_VL_V2"},
+        llm_config=dict(DENSE_TEXT, model_type="nemotron_h", architectures=["NemotronHForCausalLM"]),
+        vision_config=dict(model_type="radio", patch_size=16, preferred_resolution=[512, 512],
+                           args=dict(model="vit_small_patch16_224", cpe_max_size=256, register_multiple=8,
+                                     teachers=[{"name": "a"}, {"name": "b"}], cls_token_per_teacher=True)),
+        force_image_size=64, patch_size=16, downsample_ratio=0.5, ps_version="v2", image_tag_type="internvl",
+        template="nemotron5", use_thumbnail=True, norm_mean=[0.48, 0.46, 0.41], norm_std=[0.27, 0.26, 0.28],
+        vit_hidden_size=384, projector_hidden_size=96, img_context_token_id=18)
+    config.update(over)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file({"vision_model.radio_model.model.patch_generator.cls_token.token": torch.zeros(PREFIX_TOKENS, 384)},
+              str(directory / "model.safetensors"))
+    return config
+
+
+def test_nano_vl_hub_config_gives_every_module_its_shape(tmp_path):
+    _nano_vl(tmp_path)
+    config = read_config(tmp_path)
+    assert modalities_of(config) == ["vision"] and media_token_ids(config) == {"image": 18}
+    llm = llm_fields_of(config)
+    assert {k: llm[k] for k in DENSE_TEXT} == DENSE_TEXT
+    v = encoder_config(encoder_name(tmp_path, "vision"))
+    # vit_small_patch16_224: 384 wide, 12 layers, 6 heads, MLP 1536; cpe_max_size 256 / 16-px patches = 16
+    assert (v["family"], v["hidden"], v["layers"], v["heads"], v["ffn"], v["patch"], v["pos_grid"]) == (
+        "radio", 384, 12, 6, 1536, 16, 16)
+    assert (v["prefix_tokens"], v["pixel_shuffle"], v["temporal_patch"], v["projector_hidden"], v["tile"]) == (
+        PREFIX_TOKENS, 2, 0, 96, 64)
+    assert (v["mean"], v["std"], v["final_norm"]) == ((0.48, 0.46, 0.41), (0.27, 0.26, 0.28), False)
+    # neither RadioModel buffer nor a layer scale is in these weights, so the model holds none
+    assert (v["summary_idxs"], v["input_conditioner"], v["layer_scale"]) == (None, False, None)
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(ps_version="v1"), r"ps_version 'v1'.*v2"),
+    (dict(llm_config=None), r"lacks llm_config"),
+    (dict(vit_hidden_size=1280), r"vit_hidden_size 1280 but args.model 'vit_small_patch16_224' is 384 wide"),
+    (dict(vision_config=dict(args=dict(model="eva02_large"))), r"args.model 'eva02_large' is not a ViT.*vit_huge"),
+    (dict(vision_config=dict(patch_size=16)), r"vision_config has no args.model"),
+])
+def test_nano_vl_bad_config_names_the_field(tmp_path, over, match):
+    _nano_vl(tmp_path, **over)
+    with pytest.raises(CheckpointConfigError, match=match):
+        read_config(tmp_path)
+
+
+def test_nano_vl_without_prefix_table_names_the_tensor(tmp_path):
+    _nano_vl(tmp_path)
+    save_file({"mlp1.0.weight": torch.zeros(4)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointConfigError, match=r"patch_generator.cls_token.token"):
+        read_config(tmp_path)
+
+
+def test_hub_omni_remote_radio_that_disagrees_is_refused(native_and_hub, tmp_path):
+    _, hub = native_and_hub
+    shutil.copytree(hub, tmp_path / "c")
+    raw = json.loads((tmp_path / "c" / "config.json").read_text())
+    raw["vision_config"]["args"] = {"model": "vit_huge_patch16_224"}  # the tiny fields say 48 wide
+    (tmp_path / "c" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointConfigError, match=r"vit_huge_patch16_224.*\(1280, 32, 16, 5120\).*\(48, 2, 4, 96\)"):
+        read_config(tmp_path / "c")
+
+
+def test_other_architecture_names_every_supported_layout(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "internvl_chat",
+                                                      "architectures": ["InternVLChatModel"]}))
+    with pytest.raises(CheckpointConfigError) as e:
+        read_config(tmp_path)
+    for name in ("internvl_chat", "InternVLChatModel", "NemotronH_Nano_Omni_Reasoning_V3", "NemotronH_Nano_VL_V2",
+                 "nemotron_h_omni", "nemotron_h"):
+        assert name in str(e.value)
+
+
+def test_hub_layout_with_a_missing_shard_names_the_file(native_and_hub, tmp_path):
+    from tessera.recipes.config import ModelConfig
+    from tessera.recipes.prelaunch import check_checkpoint
+
+    _, hub = native_and_hub
+    d = tmp_path / "sharded"
+    shutil.copytree(hub, d)
+    index = {"metadata": {}, "weight_map": {"mlp1.0.weight": "model-00001-of-00002.safetensors",
+                                            "mlp1.1.weight": "model-00002-of-00002.safetensors"}}
+    (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match=r"model-00002-of-00002.safetensors"):
+        check_checkpoint(ModelConfig(checkpoint=str(d)))
+
+
+# ---- hub ids through the local cache ---------------------------------------------------------------------------
+
+def _cache_snapshot(cache, repo: str, commit: str, refs: tuple[str, ...] = ("main",)):
+    """The layout `hf download` leaves in HF_HUB_CACHE: models--ORG--NAME/{refs/REF, snapshots/COMMIT/...}."""
+    base = cache / f"models--{repo.replace('/', '--')}"
+    snap = base / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (base / "refs").mkdir()
+    for ref in refs:
+        (base / "refs" / ref).write_text(commit)
+    return snap
+
+
+def test_hub_id_resolves_through_the_local_cache(tmp_path, monkeypatch):
+    from tessera.models.hub_cache import HubCacheMiss, local_checkpoint
+
+    cache, repo = tmp_path / "hub", "nvidia/Nemotron-Nano-VL-12B-V2"
+    main = _cache_snapshot(cache, repo, "a" * 40)
+    assert local_checkpoint(repo, cache) == str(main)
+    assert local_checkpoint(f"{repo}@{'a' * 40}", cache) == str(main)
+    with pytest.raises(HubCacheMiss) as e:
+        local_checkpoint(f"{repo}@v2", cache)  # a revision never downloaded
+    assert f"hf download {repo} --revision v2" in str(e.value) and str(cache) in str(e.value)
+    with pytest.raises(HubCacheMiss) as e:
+        local_checkpoint("nvidia/other", cache)
+    assert "`hf download nvidia/other`" in str(e.value) and f"cache {cache} holds no snapshot" in str(e.value)
+    # an existing local path of that spelling wins; a path that is no hub id is left to the checks after
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "nvidia" / "other").mkdir(parents=True)
+    assert local_checkpoint("nvidia/other", cache) == "nvidia/other"
+    assert local_checkpoint("./no/such", cache) == "./no/such"
+    assert local_checkpoint("/abs/no/such", cache) == "/abs/no/such"
