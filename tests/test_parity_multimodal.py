@@ -15,6 +15,7 @@ tool's test-only `perturb` hook).
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 
@@ -49,7 +50,13 @@ def releases(tmp_path_factory):
     root = tmp_path_factory.mktemp("omni_parity")
     _release(root / "omni", audio=True, image_token_id=IMAGE_ID, audio_token_id=AUDIO_ID, video_pruning_rate=0.5)
     _release(root / "omni_vl", audio=False)
-    return {"omni": str(root / "omni"), "omni_vl": str(root / "omni_vl")}
+    # the first release with config.json as the hub ships it (legacy names, hub model_type; weights untouched):
+    # transformers' class, called directly, stays the reference (it remaps the names itself)
+    from tessera.scripts.tiny_release import hub_layout
+
+    shutil.copytree(root / "omni", root / "omni_hub")
+    hub_layout(root / "omni_hub")
+    return {"omni": str(root / "omni"), "omni_vl": str(root / "omni_vl"), "omni_hub": str(root / "omni_hub")}
 
 
 def _verdict(out: str) -> tuple[str, float]:
@@ -99,9 +106,11 @@ def test_samples_and_batch_follow_the_config(releases):
     assert err == pytest.approx(0.5 / max(float(x.abs().max()) for x in ref), rel=1e-6)
 
 
-def test_one_rank_command(releases):
-    """`python -m tessera.hetero.tools.parity --hf-dir DIR`: one rank, every module on it."""
-    res = subprocess.run([sys.executable, "-m", "tessera.hetero.tools.parity", "--hf-dir", releases["omni"]],
+@pytest.mark.parametrize("release", ["omni", "omni_hub"])
+def test_one_rank_command(releases, release):
+    """`python -m tessera.hetero.tools.parity --hf-dir DIR`: one rank, every module on it; DIR's config.json in
+    transformers' layout or the hub's."""
+    res = subprocess.run([sys.executable, "-m", "tessera.hetero.tools.parity", "--hf-dir", releases[release]],
                          capture_output=True, text=True, timeout=300)
     out = res.stdout + res.stderr
     verdict, err = _verdict(out)
@@ -121,6 +130,8 @@ def _layouts(dirs: dict) -> list:
     for name, layout in LAYOUTS.items():
         out.append((name, *_run(compare_multimodal, dirs["omni"], layout)))
     out.append(("vision_only_dense", *_run(compare_multimodal, dirs["omni_vl"], VISION_ONLY_LAYOUT)))
+    out.append(("hub_layout_noncolocated_llm_cp2", *_run(compare_multimodal, dirs["omni_hub"],
+                                                         LAYOUTS["noncolocated_llm_cp2"])))
     # breaks on purpose (in these workers only; the files are untouched)
     forward = audio.SoundProjector.forward
     audio.SoundProjector.forward = lambda self, x: self.linear2(self.linear1(self.norm(x)))  # no ReLU^2
