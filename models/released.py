@@ -36,6 +36,30 @@ RADIO_LAYER_SCALE = "vision_model.radio_model.model.blocks.0.layer_scale1.lambda
 _LLM_ONLY_KEYS = ("architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "auto_map")
 
 
+# Tensors of a release that no module Tessera builds computes with: the multi-token-prediction layers (mtp.*;
+# HybridLM builds none, so they are not trained) and the Parakeet featurizer's mel filterbank and window (the
+# data side computes the mel front end). A run from the release carries them unchanged into its export
+# (hetero/training/hf_export.py), so the release's own loaders take it; the tensor check leaves them out.
+CARRIED = ("mtp.", "sound_encoder.encoder.feature_extractor.featurizer.")
+
+
+def is_carried(key: str) -> bool:
+    return key.startswith(CARRIED)
+
+
+def carried_tensors(directory: str | Path) -> dict:
+    """The checkpoint's CARRIED tensors, as stored (dtype included)."""
+    from safetensors import safe_open
+
+    from tessera.models.nemotron_h_hf import safetensors_files
+
+    out = {}
+    for f in safetensors_files(directory):
+        with safe_open(str(f), "pt") as st:
+            out.update({k: st.get_tensor(k) for k in st.keys() if is_carried(k)})
+    return out
+
+
 class CheckpointConfigError(ValueError):
     """config.json is missing, unreadable or of an architecture Tessera does not load."""
 

@@ -217,3 +217,60 @@ def test_hub_id_resolves_through_the_local_cache(tmp_path, monkeypatch):
     assert local_checkpoint("nvidia/other", cache) == "nvidia/other"
     assert local_checkpoint("./no/such", cache) == "./no/such"
     assert local_checkpoint("/abs/no/such", cache) == "/abs/no/such"
+
+
+# ---- tensors a release holds that no Tessera module computes with (MTP, the featurizer): carried -------------
+
+def _release_with_carried(directory) -> dict:
+    """A tiny hub-layout Omni whose LLM has one MTP layer (so transformers' model adds vision_final_layernorm),
+    with mtp.* and featurizer tensors added to its weights as the released file holds them; returns those."""
+    from safetensors.torch import load_file
+
+    from tessera.scripts.tiny_release import TEXT
+
+    omni_checkpoint(directory, text=dict(TEXT, num_nextn_predict_layers=1))
+    hub_layout(directory)
+    hidden = TEXT["hidden_size"]
+    g = torch.Generator().manual_seed(3)
+    carried = {"mtp.layers.0.enorm.weight": torch.randn(hidden, generator=g),
+               "mtp.layers.0.hnorm.weight": torch.randn(hidden, generator=g),
+               "mtp.layers.0.eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g),
+               "mtp.layers.0.mixer.q_proj.weight": torch.randn(hidden, hidden, generator=g).bfloat16(),
+               "sound_encoder.encoder.feature_extractor.featurizer.fb": torch.randn(1, 16, 257, generator=g),
+               "sound_encoder.encoder.feature_extractor.featurizer.window": torch.hann_window(400)}
+    path = str(directory / "model.safetensors")
+    save_file({**load_file(path), **carried}, path, metadata={"format": "pt"})
+    return carried
+
+
+def test_mtp_and_featurizer_tensors_are_carried_into_the_export_unchanged(tmp_path):
+    """The tensor check accepts them (no 'left over'), the model is built without them (HybridLM builds no MTP;
+    the vision final norm the MTP LLM implies is loaded), and the export holds every tensor of the release,
+    torch.equal and in its dtype, with the release's config.json."""
+    from _mcore_cpu import single_rank_world
+    from safetensors.torch import load_file
+
+    from test_released_checkpoint import _tessera_model
+    from tessera.hetero.training.hf_export import write_hf
+    from tessera.hetero.training.model_build import check_checkpoint_tensors
+    from tessera.models.multimodal_hf import export_hf, import_hf
+    from tessera.models.nemotron_h_hf import LazyCheckpoint
+    from tessera.models.released import is_carried
+    from tessera.recipes.config import ModelConfig
+
+    src = tmp_path / "release"
+    carried = _release_with_carried(src)
+    released = load_file(str(src / "model.safetensors"))
+    fields = llm_fields_of(read_config(src))
+    assert fields["num_nextn_predict_layers"] == 1
+    model_cfg = ModelConfig(checkpoint=str(src))
+    single_rank_world()
+    check_checkpoint_tensors(str(src), LazyCheckpoint(src), model_cfg, fields)
+    model = _tessera_model(src)
+    import_hf(model, {k: v for k, v in released.items() if not is_carried(k)})
+    out = write_hf(tmp_path / "export", export_hf(model), model_cfg, fields)
+    again = load_file(str(out / "model.safetensors"))
+    assert sorted(again) == sorted(released) and set(carried) <= set(again)
+    assert [k for k in released if not (torch.equal(again[k], released[k]) and again[k].dtype == released[k].dtype)
+            ] == []
+    assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
