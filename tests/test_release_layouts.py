@@ -219,6 +219,25 @@ def test_hub_id_resolves_through_the_local_cache(tmp_path, monkeypatch):
     assert local_checkpoint("/abs/no/such", cache) == "/abs/no/such"
 
 
+def test_the_cli_gives_every_rank_the_cached_directory(tmp_path, monkeypatch, capsys):
+    """Before any check reads it, `nemo tessera ... model.checkpoint=ORG/NAME` becomes the snapshot directory of
+    the cache huggingface_hub is configured with (HF_HOME / HF_HUB_CACHE)."""
+    from types import SimpleNamespace
+
+    from huggingface_hub import constants
+
+    from tessera.recipes import cli
+    from tessera.recipes.config import ModelConfig
+
+    repo = "nvidia/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16"
+    snap = _cache_snapshot(tmp_path / "hub", repo, "b" * 40, refs=("main", "v1"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    task = SimpleNamespace(model=ModelConfig(checkpoint=f"{repo}@v1"))
+    cli._resolve_hub_id(task, None)
+    assert task.model.checkpoint == str(snap)
+    assert f"model.checkpoint: {repo}@v1 -> {snap}" in capsys.readouterr().out
+
+
 # ---- tensors a release holds that no Tessera module computes with (MTP, the featurizer): carried -------------
 
 def _release_with_carried(directory) -> dict:
@@ -274,3 +293,30 @@ def test_mtp_and_featurizer_tensors_are_carried_into_the_export_unchanged(tmp_pa
     assert [k for k in released if not (torch.equal(again[k], released[k]) and again[k].dtype == released[k].dtype)
             ] == []
     assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+
+
+def test_hub_layout_release_tokenizer_that_disagrees_is_refused_before_launch(native_and_hub, tmp_path):
+    """The hub file's legacy id names are the ids the release's tokenizer must have, checked before launch also
+    with synthetic data (data.path unset): a config.json whose img_context_token_id is not its tokenizer's
+    <image> is refused naming both; the release as shipped passes."""
+    from types import SimpleNamespace
+
+    from tessera.data.run_tokenizer import TokenizerMismatch
+    from tessera.data.tokens import Tokenizer
+    from tessera.recipes import prelaunch
+    from tessera.recipes.config import DataConfig, ModelConfig
+
+    _, hub = native_and_hub
+    synthetic = DataConfig()
+    prelaunch.check_inputs(SimpleNamespace(model=ModelConfig(checkpoint=str(hub)), data=synthetic))
+    d = tmp_path / "wrong_ids"
+    shutil.copytree(hub, d)
+    raw = json.loads((d / "config.json").read_text())
+    image = Tokenizer(d / "tokenizer.json").special["<image>"]
+    raw["img_context_token_id"] = image + 1
+    (d / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(TokenizerMismatch) as e:
+        prelaunch.check_inputs(SimpleNamespace(model=ModelConfig(checkpoint=str(d)), data=synthetic))
+    msg = str(e.value)
+    assert f"image_token_id {image + 1} in config.json, but <image> is {image} in the tokenizer" in msg, msg
+    assert str(d / "tokenizer.json") in msg and f"the checkpoint {d}" in msg, msg
