@@ -88,6 +88,19 @@ def read_config(directory: str | Path) -> dict:
         raise CheckpointConfigError(str(e)) from None
 
 
+def file_layout(directory: str | Path) -> str | None:
+    """Which layout DIR/config.json is written in (models/release_layouts.LAYOUTS), as the file has it."""
+    from transformers import PretrainedConfig
+
+    return layout_of(PretrainedConfig._dict_from_json_file(Path(directory).expanduser() / "config.json"))
+
+
+def transformers_config(directory: str | Path):
+    """transformers' NemotronH_Omni_Reasoning_V3_Config of the tensors DIR holds, whatever its layout (also for
+    Nano V2 VL, whose own file no transformers class reads)."""
+    return _omni(read_config(directory))
+
+
 def is_released_checkpoint(directory: str | Path) -> bool:
     """An HF directory whose config.json defines the model: as released, not a Tessera export (those carry
     tessera.json with the run's own model config) nor a Tessera checkpoints/ directory."""

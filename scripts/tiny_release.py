@@ -105,6 +105,71 @@ def hub_layout(directory, sound_model_type: str | None = None) -> dict:
     return hub
 
 
+# Nemotron Nano V2 VL as downloaded (NemotronH_Nano_VL_V2, remote code): the fields vLLM's nano_nemotron_vl.py and
+# Megatron-Bridge's NemotronVLBridge read from the hub file. The remote RADIO names its ViT by timm name; the
+# smallest the loaders know is vit_small_patch16_224 (384 wide, 12 layers). 64-px tiles: 4x4 patches, 4 tokens.
+NANO_VL = dict(
+    model_type="NemotronH_Nano_VL_V2", architectures=["NemotronH_Nano_VL_V2"],
+    auto_map={"AutoConfig": "configuration.NemotronH_Nano_VL_V2_Config", "AutoModel": "modeling.NemotronH_Nano_VL_V2"},
+    llm_config=dict(DENSE_TEXT, model_type="nemotron_h", architectures=["NemotronHForCausalLM"]),
+    vision_config=dict(model_type="radio", patch_size=16, preferred_resolution=[512, 512],
+                       args=dict(model="vit_small_patch16_224", cpe_max_size=256, register_multiple=8,
+                                 teachers=[{"name": "a"}, {"name": "b"}], cls_token_per_teacher=True)),
+    force_image_size=64, patch_size=16, downsample_ratio=0.5, ps_version="v2", image_tag_type="internvl",
+    template="nemotron5", use_thumbnail=True, norm_mean=[0.48, 0.46, 0.41], norm_std=[0.27, 0.26, 0.28],
+    vit_hidden_size=384, projector_hidden_size=96, img_context_token_id=18)
+NANO_VL_PREFIX_TOKENS = 4  # rows of its RADIO's cls_token table (2 class tokens, one per teacher, + 2 registers)
+# what that release does not store (Megatron-Bridge's NemotronVLBridge maps no such tensor; vLLM loads the layer
+# scales as identity): no video embedder, no layer scales, no RadioModel buffers
+NOT_IN_NANO_VL = ("patch_generator.video_embedder.", ".layer_scale", "radio_model.summary_idxs",
+                  "radio_model.input_conditioner.")
+RADIO_CLS = "vision_model.radio_model.model.patch_generator.cls_token.token"
+
+
+def nano_vl_config(directory, **over) -> dict:
+    """DIR/config.json of a tiny Nano V2 VL (NANO_VL with `over`), and a model.safetensors holding only its RADIO's
+    prefix-token table (what a remote RADIO's config does not state); returns the config."""
+    import json
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    config = {**NANO_VL, **over}
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({RADIO_CLS: torch.zeros(NANO_VL_PREFIX_TOKENS, NANO_VL["vit_hidden_size"])}, str(d / "model.safetensors"))
+    return config
+
+
+def nano_vl_checkpoint(directory, seed: int = 0, prepare=None):
+    """A random tiny Nano V2 VL in the release's layout: nano_vl_config's config.json, and the weights of transformers'
+    RadioModel + RMSNorm/ReLU^2 projector + NemotronH (the Omni class of those tensors) saved under the released
+    names, less NOT_IN_NANO_VL. prepare: applied to that model before saving (e.g. re-drawn weights). Returns it."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import NemotronH_Omni_Reasoning_V3
+
+    from tessera.models.released import transformers_config
+
+    d = Path(directory)
+    nano_vl_config(d)
+    torch.manual_seed(seed)
+    model = NemotronH_Omni_Reasoning_V3(transformers_config(d)).eval()
+    if prepare is not None:
+        model = prepare(model)
+    model.save_pretrained(str(d / "saved"))
+    saved = load_file(str(d / "saved" / "model.safetensors"))
+    save_file({k: v for k, v in saved.items() if not any(p in k for p in NOT_IN_NANO_VL)},
+              str(d / "model.safetensors"), metadata={"format": "pt"})
+    shutil.rmtree(d / "saved")
+    return model
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)

@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 from tessera.models.encoders import encoder_config
 from tessera.models.released import (CheckpointConfigError, encoder_name, llm_fields_of, media_token_ids,
                                      modalities_of, read_config)
-from tessera.scripts.tiny_release import DENSE_TEXT, HUB_OMNI_NAMES, hub_layout, omni_checkpoint
+from tessera.scripts.tiny_release import (DENSE_TEXT, HUB_OMNI_NAMES, NANO_VL_PREFIX_TOKENS, NOT_IN_NANO_VL,
+                                          hub_layout, nano_vl_checkpoint, nano_vl_config, omni_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -86,34 +87,8 @@ def test_transformers_native_class_reads_the_hub_file_as_tessera_does(native_and
 
 # ---- Nemotron Nano V2 VL as downloaded (NemotronH_Nano_VL_V2: no transformers class) --------------------------
 
-PREFIX_TOKENS = 4  # the checkpoint's cls_token rows: a remote RADIO's config does not state them
-
-
-def _nano_vl(directory, **over) -> dict:
-    """A NemotronH_Nano_VL_V2 config.json with the fields the public loaders read (vLLM nano_nemotron_vl.py,
-    Megatron-Bridge NemotronVLBridge), sizes tiny but for the ViT (a timm name: the smallest the loaders know),
-    and a safetensors holding the RADIO prefix-token table."""
-    config = dict(
-        model_type="NemotronH_Nano_VL_V2", architectures=["NemotronH_Nano_VL_V2"],
-        auto_map={"AutoConfig": "configuration.NemotronH_Nano_VL_V2_Config",
-                  "AutoModel": "modeling.NemotronH_Nano_VL_V2"},
-        llm_config=dict(DENSE_TEXT, model_type="nemotron_h", architectures=["NemotronHForCausalLM"]),
-        vision_config=dict(model_type="radio", patch_size=16, preferred_resolution=[512, 512],
-                           args=dict(model="vit_small_patch16_224", cpe_max_size=256, register_multiple=8,
-                                     teachers=[{"name": "a"}, {"name": "b"}], cls_token_per_teacher=True)),
-        force_image_size=64, patch_size=16, downsample_ratio=0.5, ps_version="v2", image_tag_type="internvl",
-        template="nemotron5", use_thumbnail=True, norm_mean=[0.48, 0.46, 0.41], norm_std=[0.27, 0.26, 0.28],
-        vit_hidden_size=384, projector_hidden_size=96, img_context_token_id=18)
-    config.update(over)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    save_file({"vision_model.radio_model.model.patch_generator.cls_token.token": torch.zeros(PREFIX_TOKENS, 384)},
-              str(directory / "model.safetensors"))
-    return config
-
-
 def test_nano_vl_hub_config_gives_every_module_its_shape(tmp_path):
-    _nano_vl(tmp_path)
+    nano_vl_config(tmp_path)
     config = read_config(tmp_path)
     assert modalities_of(config) == ["vision"] and media_token_ids(config) == {"image": 18}
     llm = llm_fields_of(config)
@@ -123,7 +98,7 @@ def test_nano_vl_hub_config_gives_every_module_its_shape(tmp_path):
     assert (v["family"], v["hidden"], v["layers"], v["heads"], v["ffn"], v["patch"], v["pos_grid"]) == (
         "radio", 384, 12, 6, 1536, 16, 16)
     assert (v["prefix_tokens"], v["pixel_shuffle"], v["temporal_patch"], v["projector_hidden"], v["tile"]) == (
-        PREFIX_TOKENS, 2, 0, 96, 64)
+        NANO_VL_PREFIX_TOKENS, 2, 0, 96, 64)
     assert (v["mean"], v["std"], v["final_norm"]) == ((0.48, 0.46, 0.41), (0.27, 0.26, 0.28), False)
     # neither RadioModel buffer nor a layer scale is in these weights, so the model holds none
     assert (v["summary_idxs"], v["input_conditioner"], v["layer_scale"]) == (None, False, None)
@@ -137,13 +112,13 @@ def test_nano_vl_hub_config_gives_every_module_its_shape(tmp_path):
     (dict(vision_config=dict(patch_size=16)), r"vision_config has no args.model"),
 ])
 def test_nano_vl_bad_config_names_the_field(tmp_path, over, match):
-    _nano_vl(tmp_path, **over)
+    nano_vl_config(tmp_path, **over)
     with pytest.raises(CheckpointConfigError, match=match):
         read_config(tmp_path)
 
 
 def test_nano_vl_without_prefix_table_names_the_tensor(tmp_path):
-    _nano_vl(tmp_path)
+    nano_vl_config(tmp_path)
     save_file({"mlp1.0.weight": torch.zeros(4)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointConfigError, match=r"patch_generator.cls_token.token"):
         read_config(tmp_path)
@@ -322,31 +297,19 @@ def test_hub_layout_release_tokenizer_that_disagrees_is_refused_before_launch(na
     assert str(d / "tokenizer.json") in msg and f"the checkpoint {d}" in msg, msg
 
 
-# Nano V2 VL's RADIO stores none of these (Megatron-Bridge's NemotronVLBridge maps no such tensor; vLLM loads the
-# layer scales as identity): no video embedder, no layer scales, no RadioModel buffers
-NOT_IN_NANO_VL = ("patch_generator.video_embedder.", ".layer_scale", "radio_model.summary_idxs",
-                  "radio_model.input_conditioner.")
-
-
 def test_nano_vl_release_every_tensor_consumed_and_exported_back(tmp_path):
     """A tiny Nano V2 VL in the release's key layout (transformers' RadioModel + NemotronHForCausalLM + mlp1 saved
     under the released names, less what that release does not store): Tessera builds exactly its tensors from
     the hub config.json, imports them and exports them back torch.equal."""
     from _mcore_cpu import single_rank_world
     from safetensors.torch import load_file
-    from transformers import NemotronH_Omni_Reasoning_V3
 
     from test_released_checkpoint import _tessera_model
     from tessera.models.multimodal_hf import export_hf, import_hf
-    from tessera.models.released import _omni
 
-    _nano_vl(tmp_path / "vl")
-    torch.manual_seed(0)
-    NemotronH_Omni_Reasoning_V3(_omni(read_config(tmp_path / "vl"))).save_pretrained(str(tmp_path / "saved"))
-    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
-    released = {k: v for k, v in saved.items() if not any(p in k for p in NOT_IN_NANO_VL)}
-    assert len(released) < len(saved) and "mlp1.1.weight" in released
-    save_file(released, str(tmp_path / "vl" / "model.safetensors"), metadata={"format": "pt"})
+    nano_vl_checkpoint(tmp_path / "vl")
+    released = load_file(str(tmp_path / "vl" / "model.safetensors"))
+    assert "mlp1.1.weight" in released and not [k for k in released if any(p in k for p in NOT_IN_NANO_VL)]
     single_rank_world()
     model = _tessera_model(tmp_path / "vl")
     import_hf(model, released)
