@@ -16,8 +16,9 @@ transformers' own config classes parse the result. An encoder taken from a check
 planner) resolves to the same config, so the data side sizes placeholders from the very encoder it feeds.
 
 What the config cannot say comes from the registry family it belongs to: the tile size of the fixed-tile
-data path (512, the Nano V2 VL convention; native-resolution Omni inputs are issue 15's input parity) and
-the mel front end of the audio encoder (NeMo's, at the checkpoint's mel bins).
+data path (Nano V2 VL's force_image_size; else 512, that release's; native-resolution Omni inputs are issue 15's
+input parity) and the mel front end of the audio encoder (NeMo's, at the checkpoint's mel bins). RADIO's layer
+scales and buffers (summary_idxs, input conditioner) are held exactly when the checkpoint stores them.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ import copy
 import functools
 from pathlib import Path
 
-PREFIX = "hf:"  # an encoder named `hf:<dir>#<modality>` is the one <dir>/config.json describes
 from tessera.models.release_layouts import (HUB_OMNI, HUB_VL, NEMOTRON_H, OMNI, ReleaseLayoutError, layout_of,
                                             native_layout)
 
+PREFIX = "hf:"  # an encoder named `hf:<dir>#<modality>` is the one <dir>/config.json describes
 RADIO_CONDITIONER = "vision_model.radio_model.input_conditioner.norm_mean"
 RADIO_SUMMARY = "vision_model.radio_model.summary_idxs"
 RADIO_LAYER_SCALE = "vision_model.radio_model.model.blocks.0.layer_scale1.lambda1"
