@@ -316,3 +316,37 @@ def test_nano_vl_release_every_tensor_consumed_and_exported_back(tmp_path):
     again = export_hf(model)
     assert sorted(again) == sorted(released)
     assert [k for k in released if not torch.equal(again[k], released[k])] == []
+
+
+def _release_tile_grid(width: int, height: int, max_num: int, image_size: int, use_thumbnail: bool):
+    """Nano V2 VL's fixed-tile rule as its processor publishes it, reimplemented (InternVL's dynamic_preprocess /
+    find_closest_aspect_ratio, which vLLM's transformers_utils/processors/nano_nemotron_vl.py tiles with through
+    get_internvl_target_ratios; InternVL2.5 model card "Inference with Transformers"): every (i, j) grid of
+    min_num=1..max_num tiles sorted by tile count, the aspect ratio closest to the image's, an exact tie going
+    to the later grid only if the image's area exceeds half the grid's; a thumbnail when more than one tile."""
+    aspect = width / height
+    ratios = sorted({(i, j) for n in range(1, max_num + 1) for i in range(1, n + 1) for j in range(1, n + 1)
+                     if 1 <= i * j <= max_num}, key=lambda x: x[0] * x[1])
+    best_diff, best = float("inf"), (1, 1)
+    for ratio in ratios:
+        diff = abs(aspect - ratio[0] / ratio[1])
+        if diff < best_diff:
+            best_diff, best = diff, ratio
+        elif diff == best_diff and width * height > 0.5 * image_size * image_size * ratio[0] * ratio[1]:
+            best = ratio
+    return best[0], best[1], use_thumbnail and best[0] * best[1] != 1
+
+
+def test_nano_vl_tiles_follow_the_release_rule():
+    """Tessera's tile grid (data/media.choose_grid, which the fixed-tile data path cuts with) is the release's for
+    every image shape: 512-px tiles, at most 12, a thumbnail beside more than one (sizes from 1 px to 8k, and the
+    exact aspect ratios of every grid, where the tie rule decides)."""
+    from tessera.data.media import choose_grid
+
+    sizes = {(w, h) for w in range(16, 8200, 397) for h in range(16, 8200, 411)}
+    sizes |= {(c * k, r * k) for c in range(1, 13) for r in range(1, 13) if c * r <= 12 for k in (100, 256, 512, 700)}
+    sizes |= {(c * k, r * k) for c, r in ((1, 1), (2, 1), (1, 3)) for k in range(100, 2100, 37)}  # ties by area
+    sizes |= {(1, 1), (1, 4000), (4000, 1), (2 * 512, 1 * 512 + 1)}
+    for w, h in sorted(sizes):
+        g = choose_grid(w, h, 12, True, 512)
+        assert (g.cols, g.rows, g.thumbnail) == _release_tile_grid(w, h, 12, 512, True), (w, h)
