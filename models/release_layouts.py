@@ -14,8 +14,9 @@ configuration_nemotron_h_omni.py):
                                    remote-code vision_config (`args.model` a timm ViT name, `args.cpe_max_size`,
                                    patch_size), force_image_size (the tile), downsample_ratio, ps_version,
                                    norm_mean/std, vit_hidden_size, projector_hidden_size, img_context_token_id,
-                                   use_thumbnail; written as the Omni config of the same tensors (no audio) plus
-                                   Tessera's `tile`, `use_thumbnail` and `video_embedder` (False: none)
+                                   use_thumbnail (true: Tessera's tiles have the thumbnail); written as the Omni
+                                   config of the same tensors (no audio) plus Tessera's `tile` and
+                                   `video_embedder` (False: none)
 The prefix-token table of a remote-code RADIO is not in its config (the ViT's class and register tokens depend
 on the teachers it was distilled from): its size is read from the checkpoint's own cls_token tensor.
 """
@@ -125,6 +126,9 @@ def _nano_vl(config: dict, directory: str | Path) -> dict:
     if config.get("ps_version", "v2") != "v2":
         raise ReleaseLayoutError(f"{where}: ps_version {config['ps_version']!r}: Tessera's pixel shuffle is v2's "
                                  f"(v1 leaves the feature grid transposed)")
+    if not config.get("use_thumbnail", True):
+        raise ReleaseLayoutError(f"{where}: use_thumbnail false: Tessera's fixed-tile path adds the whole image as a "
+                                 f"thumbnail beside more than one tile (the released Nano V2 VL does)")
     hidden, layers, heads, ffn = dims
     if config.get("vit_hidden_size", hidden) != hidden:
         raise ReleaseLayoutError(f"{where}: vit_hidden_size {config['vit_hidden_size']} but args.model "
@@ -143,7 +147,7 @@ def _nano_vl(config: dict, directory: str | Path) -> dict:
     return dict(model_type=OMNI, text_config=dict(config["llm_config"]), vision_config=radio, audio_config=None,
                 vision_hidden_size=hidden, downsample_ratio=config.get("downsample_ratio", 0.5),
                 projector_hidden_size=config["projector_hidden_size"], image_token_id=config["img_context_token_id"],
-                force_image_size=tile, tile=tile, use_thumbnail=bool(config.get("use_thumbnail", True)),
+                force_image_size=tile, tile=tile,
                 # no video embedder (frames are tiles); transformers' class cannot say so (its temporal patch is an
                 # int both configs must share), so Tessera's own key does
                 video_embedder=False)

@@ -116,7 +116,7 @@ def _omni(config: dict):
 
 
 # release_layouts' fields that transformers' class has not
-_TESSERA_KEYS = ("model_type", "tile", "use_thumbnail", "video_embedder")
+_TESSERA_KEYS = ("model_type", "tile", "video_embedder")
 
 
 def llm_fields_of(config: dict) -> dict:

@@ -106,6 +106,7 @@ def test_nano_vl_hub_config_gives_every_module_its_shape(tmp_path):
 
 @pytest.mark.parametrize("over, match", [
     (dict(ps_version="v1"), r"ps_version 'v1'.*v2"),
+    (dict(use_thumbnail=False), r"use_thumbnail false.*thumbnail"),
     (dict(llm_config=None), r"lacks llm_config"),
     (dict(vit_hidden_size=1280), r"vit_hidden_size 1280 but args.model 'vit_small_patch16_224' is 384 wide"),
     (dict(vision_config=dict(args=dict(model="eva02_large"))), r"args.model 'eva02_large' is not a ViT.*vit_huge"),
