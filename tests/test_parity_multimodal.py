@@ -145,7 +145,10 @@ def _layouts(dirs: dict) -> list:
     for name, layout in LAYOUTS.items():
         out.append((name, *_run(compare_multimodal, dirs["omni"], layout)))
     out.append(("vision_only_dense", *_run(compare_multimodal, dirs["omni_vl"], VISION_ONLY_LAYOUT)))
-    out.append(("nano_vl_noncolocated_llm_tp2", *_run(compare_multimodal, dirs["nano_vl"], VISION_ONLY_LAYOUT)))
+    for name, layout in (("nano_vl_noncolocated_llm_tp2", VISION_ONLY_LAYOUT),
+                         ("nano_vl_noncolocated_llm_cp2", "vision=dp2@0-1;language=cp2@2-3"),
+                         ("nano_vl_colocated_vision_pp2", "vision=pp2,dp2@0-3;language=tp2,dp2@0-3")):
+        out.append((name, *_run(compare_multimodal, dirs["nano_vl"], layout)))
     out.append(("hub_layout_noncolocated_llm_cp2", *_run(compare_multimodal, dirs["omni_hub"],
                                                          LAYOUTS["noncolocated_llm_cp2"])))
     # breaks on purpose (in these workers only; the files are untouched)
