@@ -266,6 +266,23 @@ def omni_forward_inputs(tokens, images: list, clips: list, vcfg: dict | None, au
     return inputs
 
 
+def release_reference_model(hf_dir: str):
+    """transformers' NemotronH_Omni_Reasoning_V3 of DIR in float32. A config.json transformers' class reads (its
+    own layout, or the Omni hub layout, whose legacy names it remaps itself) is read by it. Nano V2 VL has no
+    transformers class: its tensors load into the same class built from the config of those tensors
+    (models/released.transformers_config) - transformers' RadioModel, pixel shuffle, RMSNorm/ReLU^2 projector and
+    NemotronH as that release wires them per tile (vLLM nano_nemotron_vl.py: extract_feature, ps_version v2,
+    mlp1), no video embedder, its layer scales the identity the release has (it stores none)."""
+    from transformers import NemotronH_Omni_Reasoning_V3
+
+    from tessera.models.released import HUB_VL, file_layout, transformers_config
+
+    if file_layout(hf_dir) == HUB_VL:
+        return NemotronH_Omni_Reasoning_V3.from_pretrained(hf_dir, config=transformers_config(hf_dir),
+                                                           dtype=torch.float32)
+    return NemotronH_Omni_Reasoning_V3.from_pretrained(hf_dir, dtype=torch.float32)
+
+
 def omni_reference_logits(hf_dir: str, samples: list[OmniSample], model=None) -> list[torch.Tensor]:
     """transformers' NemotronH_Omni_Reasoning_V3 (float32) on every sample alone: logits [n_i, vocab]. `model`:
     one built by the caller from DIR (e.g. wrapped by PEFT with adapters) instead of DIR's own.
@@ -273,14 +290,13 @@ def omni_reference_logits(hf_dir: str, samples: list[OmniSample], model=None) ->
     Eval mode except the Parakeet conformer's BatchNorm: Tessera encodes each clip alone in a training step, so
     it normalises a clip with the clip's own statistics; in eval transformers would use the running statistics
     (another function). Same choice as tests/test_released_loss.py."""
-    from transformers import NemotronH_Omni_Reasoning_V3
 
     from tessera.models.audio import AUDIO_FAMILIES
     from tessera.models.encoders import encoder_config
     from tessera.models.released import encoder_name
 
     if model is None:
-        model = NemotronH_Omni_Reasoning_V3.from_pretrained(hf_dir, dtype=torch.float32)
+        model = release_reference_model(hf_dir)
     model.eval()
     for m in model.modules():
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):

@@ -45,8 +45,10 @@ def hybrid_config_from_hf(source: str | Path | dict, tp: int = 1, pp: int = 1, e
         c = NemotronHConfig(**source)
     else:
         c = NemotronHConfig.from_pretrained(str(source))
-    if c.moe_latent_size is not None or c.num_nextn_predict_layers:
-        raise ValueError("MoE latent projections and MTP layers are not supported by HybridLM")
+    if c.moe_latent_size is not None:
+        raise ValueError("MoE latent projections are not supported by HybridLM")
+    # MTP layers (num_nextn_predict_layers) are not built: the main model's logits do not depend on them, and a
+    # release's mtp.* tensors are carried unchanged into the export (models/released.CARRIED)
     if c.mlp_hidden_act != "relu2" or c.use_bias or c.mlp_bias or c.attention_bias or c.tie_word_embeddings:
         raise ValueError("HybridLM implements Nemotron-H as released: relu2, no biases, untied embeddings")
     moe = "E" in c.hybrid_override_pattern

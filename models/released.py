@@ -4,19 +4,21 @@
     cfg = encoder_config("hf:/ckpt/dir#vision")      # models/encoders.py resolves such names here
 
 Fine-tuning `model.checkpoint=DIR` builds the model DIR describes - any size, any hybrid pattern, with or
-without audio - instead of the recipe's registry names (those are for from-scratch runs). Two layouts:
+without audio - instead of the recipe's registry names (those are for from-scratch runs). read_config gives
+every layout a release comes in (models/release_layouts.py: the hub's remote-code NemotronH_Nano_Omni_Reasoning_V3
+and NemotronH_Nano_VL_V2, transformers' own) as transformers' native one, so nothing past it sees which:
   nemotron_h        NemotronHForCausalLM: the LLM alone
   nemotron_h_omni   transformers' NemotronH_Omni_Reasoning_V3 (Nemotron 3 Nano Omni): text_config (NemotronH),
                     vision_config (RadioConfig), audio_config (ParakeetEncoderConfig, optional), the projector
                     widths, the pixel-shuffle ratio and the video temporal patch
-transformers' own config classes parse the file, so legacy field names (`llm_config`, `sound_config`,
-`vit_hidden_size`, ...) mean here what they mean there. An encoder taken from a checkpoint is named
+transformers' own config classes parse the result. An encoder taken from a checkpoint is named
 `hf:<absolute dir>#<modality>`: a plain string that every process (launcher, ranks, loader workers, the
 planner) resolves to the same config, so the data side sizes placeholders from the very encoder it feeds.
 
 What the config cannot say comes from the registry family it belongs to: the tile size of the fixed-tile
-data path (512, the Nano V2 VL convention; native-resolution Omni inputs are issue 15's input parity) and
-the mel front end of the audio encoder (NeMo's, at the checkpoint's mel bins).
+data path (Nano V2 VL's force_image_size; else 512, that release's; native-resolution Omni inputs are issue 15's
+input parity) and the mel front end of the audio encoder (NeMo's, at the checkpoint's mel bins). RADIO's layer
+scales and buffers (summary_idxs, input conditioner) are held exactly when the checkpoint stores them.
 """
 
 from __future__ import annotations
@@ -25,10 +27,38 @@ import copy
 import functools
 from pathlib import Path
 
+from tessera.models.release_layouts import (HUB_OMNI, HUB_VL, NEMOTRON_H, OMNI, ReleaseLayoutError, layout_of,
+                                            native_layout)
+
 PREFIX = "hf:"  # an encoder named `hf:<dir>#<modality>` is the one <dir>/config.json describes
-OMNI, NEMOTRON_H = "nemotron_h_omni", "nemotron_h"
 RADIO_CONDITIONER = "vision_model.radio_model.input_conditioner.norm_mean"
+RADIO_SUMMARY = "vision_model.radio_model.summary_idxs"
+RADIO_LAYER_SCALE = "vision_model.radio_model.model.blocks.0.layer_scale1.lambda1"
 _LLM_ONLY_KEYS = ("architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "auto_map")
+
+
+# Tensors of a release that no module Tessera builds computes with: the multi-token-prediction layers (mtp.*;
+# HybridLM builds none, so they are not trained) and the Parakeet featurizer's mel filterbank and window (the
+# data side computes the mel front end). A run from the release carries them unchanged into its export
+# (hetero/training/hf_export.py), so the release's own loaders take it; the tensor check leaves them out.
+CARRIED = ("mtp.", "sound_encoder.encoder.feature_extractor.featurizer.")
+
+
+def is_carried(key: str) -> bool:
+    return key.startswith(CARRIED)
+
+
+def carried_tensors(directory: str | Path) -> dict:
+    """The checkpoint's CARRIED tensors, as stored (dtype included)."""
+    from safetensors import safe_open
+
+    from tessera.models.nemotron_h_hf import safetensors_files
+
+    out = {}
+    for f in safetensors_files(directory):
+        with safe_open(str(f), "pt") as st:
+            out.update({k: st.get_tensor(k) for k in st.keys() if is_carried(k)})
+    return out
 
 
 class CheckpointConfigError(ValueError):
@@ -36,6 +66,7 @@ class CheckpointConfigError(ValueError):
 
 
 def read_config(directory: str | Path) -> dict:
+    """DIR/config.json in transformers' native layout (module docstring), whatever layout the file is in."""
     path = Path(directory).expanduser() / "config.json"
     from transformers import PretrainedConfig
 
@@ -46,12 +77,29 @@ def read_config(directory: str | Path) -> dict:
                                     f"its *.safetensors (as save_pretrained writes them)") from None
     except (OSError, ValueError) as e:
         raise CheckpointConfigError(f"{path} is unreadable ({type(e).__name__}: {e})") from None
-    if config.get("model_type") not in (OMNI, NEMOTRON_H):
+    if layout_of(config) is None:
         raise CheckpointConfigError(
             f"{path}: model_type {config.get('model_type')!r} (architectures {config.get('architectures')}) is not "
-            f"a checkpoint Tessera loads; it loads {NEMOTRON_H!r} (NemotronHForCausalLM) and {OMNI!r} "
-            f"(NemotronH_Omni_Reasoning_V3, Nemotron 3 Nano Omni)")
-    return config
+            f"a checkpoint Tessera loads; it loads {HUB_OMNI!r} (Nemotron 3 Nano Omni as downloaded), {HUB_VL!r} "
+            f"(Nemotron Nano V2 VL as downloaded), {OMNI!r} (transformers' NemotronH_Omni_Reasoning_V3) and "
+            f"{NEMOTRON_H!r} (NemotronHForCausalLM, the LLM alone)")
+    try:
+        return native_layout(config, path.parent)
+    except ReleaseLayoutError as e:
+        raise CheckpointConfigError(str(e)) from None
+
+
+def file_layout(directory: str | Path) -> str | None:
+    """Which layout DIR/config.json is written in (models/release_layouts.LAYOUTS), as the file has it."""
+    from transformers import PretrainedConfig
+
+    return layout_of(PretrainedConfig._dict_from_json_file(Path(directory).expanduser() / "config.json"))
+
+
+def transformers_config(directory: str | Path):
+    """transformers' NemotronH_Omni_Reasoning_V3_Config of the tensors DIR holds, whatever its layout (also for
+    Nano V2 VL, whose own file no transformers class reads)."""
+    return _omni(read_config(directory))
 
 
 def is_released_checkpoint(directory: str | Path) -> bool:
@@ -64,7 +112,11 @@ def is_released_checkpoint(directory: str | Path) -> bool:
 def _omni(config: dict):
     from transformers import NemotronH_Omni_Reasoning_V3_Config
 
-    return NemotronH_Omni_Reasoning_V3_Config(**{k: v for k, v in config.items() if k != "model_type"})
+    return NemotronH_Omni_Reasoning_V3_Config(**{k: v for k, v in config.items() if k not in _TESSERA_KEYS})
+
+
+# release_layouts' fields that transformers' class has not
+_TESSERA_KEYS = ("model_type", "tile", "video_embedder")
 
 
 def llm_fields_of(config: dict) -> dict:
@@ -119,7 +171,7 @@ def _derived(name: str) -> dict:
         raise CheckpointConfigError(f"encoder {name!r}: {directory}/config.json has no {modality} encoder "
                                     f"(it has {modalities_of(config) or 'none'})")
     omni = _omni(config)
-    cfg = _vision(omni, directory) if modality == "vision" else _audio(omni)
+    cfg = _vision(omni, directory, config) if modality == "vision" else _audio(omni)
     cfg["name"] = name
     return cfg
 
@@ -138,7 +190,7 @@ def _stores(directory: str, key: str) -> bool:
 
 
 # Every field of a models/encoders.py entry is set below (encoders.encoder_config checks the key sets agree).
-def _vision(omni, directory: str) -> dict:
+def _vision(omni, directory: str, config: dict) -> dict:
     v = omni.vision_config
     if v.use_swiglu_ffn or not v.qkv_bias or v.hidden_act != "gelu":
         raise CheckpointConfigError(f"vision_config: Tessera's RADIO has a GELU MLP and QKV bias "
@@ -152,14 +204,19 @@ def _vision(omni, directory: str) -> dict:
         heads=v.num_attention_heads, ffn=int(v.hidden_size * v.mlp_ratio), eps=v.layer_norm_eps, act="gelu",
         prefix_tokens=v.num_cls_tokens + v.num_registers, pos_grid=v.max_img_size // v.patch_size,
         pos_interp="bilinear", pos_resize="cpe", pixel_shuffle=shuffle,
-        temporal_patch=v.video_temporal_patch_size or 0, mean=tuple(v.norm_mean), std=tuple(v.norm_std),
+        temporal_patch=(v.video_temporal_patch_size or 0) if config.get("video_embedder", True) else 0,
+        mean=tuple(v.norm_mean), std=tuple(v.norm_std),
         projector_hidden=omni.projector_hidden_size,
-        # the fixed-tile data path: 512-px tiles as the released VL models, or the position table's extent
-        # when that is smaller (tiny test checkpoints)
-        tile=min(512, v.max_img_size),
+        # the fixed-tile data path: the release's (Nano V2 VL: force_image_size), else 512-px tiles as the
+        # released VL models, or the position table's extent when that is smaller (tiny test checkpoints)
+        tile=config.get("tile") or min(512, v.max_img_size),
         # the Omni model's vision_final_layernorm exists only when its LLM has MTP layers
-        final_norm=bool(omni.text_config.num_nextn_predict_layers), layer_scale=v.layerscale_value,
-        summary_idxs=tuple(v.summary_idxs), input_conditioner=_stores(directory, RADIO_CONDITIONER))
+        final_norm=bool(omni.text_config.num_nextn_predict_layers),
+        # as the checkpoint stores them: transformers' RadioLayer has layer scales (identity at 1.0), Nano V2 VL's
+        # RADIO none (Megatron-Bridge's NemotronVLBridge maps no such tensor); RadioModel's buffers likewise
+        layer_scale=v.layerscale_value if _stores(directory, RADIO_LAYER_SCALE) else None,
+        summary_idxs=tuple(v.summary_idxs) if _stores(directory, RADIO_SUMMARY) else None,
+        input_conditioner=_stores(directory, RADIO_CONDITIONER))
 
 
 def _audio(omni) -> dict:

@@ -38,6 +38,20 @@ NAMESPACE = "tessera"
 
 
 
+def _resolve_hub_id(task, executor) -> None:
+    """model.checkpoint=ORG/NAME[@REV] -> its snapshot in the local HF cache (models/hub_cache.py), before anything
+    reads it: every rank gets the directory. A cluster's paths (an SSH-tunnelled executor) are not looked up here."""
+    from tessera.models.hub_cache import local_checkpoint
+
+    model = getattr(task, "model", None)
+    if model is None or not getattr(model, "checkpoint", None) or prelaunch._remote(executor):
+        return
+    path = local_checkpoint(model.checkpoint)
+    if path != model.checkpoint:
+        print(f"model.checkpoint: {model.checkpoint} -> {path} (the local Hugging Face cache)", flush=True)
+        model.checkpoint = path
+
+
 @dataclass(kw_only=True)
 class TesseraRunContext(RunContext):
     """nemo-run's RunContext plus Tessera's pre-launch checks and executor sizing."""
@@ -46,6 +60,7 @@ class TesseraRunContext(RunContext):
         _check_factory(fn, self.factory)
         checks.check_overrides(fn, args)
         task = _exported_task(fn, self.yaml, self.factory, args) or super().parse_fn(fn, args, **default_kwargs)
+        _resolve_hub_id(task, getattr(self, "executor", None))
         checks.check_names(task.model)
         if fn.__name__ == "plan":  # nothing is launched: no executor to size
             return task

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m tessera.scripts.tiny_release --out /tmp/omni_release              # vision + audio + MoE LLM
     .venv/bin/python -m tessera.scripts.tiny_release --out /tmp/omni_vl --no-audio --dense
+    .venv/bin/python -m tessera.scripts.tiny_release --out /tmp/omni_hub --hub-layout   # config.json as downloaded
 
 transformers' NemotronH_Omni_Reasoning_V3 with random weights and shapes unlike any Tessera registry entry
 (RADIO 48 wide on 8-px patches with a 10x10 position table and 3 prefix tokens; a Parakeet of 24 without
@@ -78,16 +79,111 @@ def omni_checkpoint(directory, audio: bool = True, seed: int = 0, text: dict = T
     return model
 
 
+# transformers' name -> the hub file's (NemotronH_Omni_Reasoning_V3_Config._legacy_field_names, reversed)
+HUB_OMNI_NAMES = {"text_config": "llm_config", "audio_config": "sound_config", "image_token_id": "img_context_token_id",
+                  "video_token_id": "video_context_token_id", "audio_token_id": "sound_context_token_id",
+                  "vision_hidden_size": "vit_hidden_size"}
+
+
+def hub_layout(directory, sound_model_type: str | None = None) -> dict:
+    """Rewrite DIR/config.json (transformers' nemotron_h_omni) as the released Omni's hub file names it: model_type
+    and architectures NemotronH_Nano_Omni_Reasoning_V3, the legacy field names, an auto_map to the remote code.
+    The weights stay as they are. Returns the new config. sound_model_type: sound_config's model_type as the hub
+    file sets it ("parakeet", which transformers 5.24's class cannot parse); None keeps transformers' own."""
+    import json
+    from pathlib import Path
+
+    path = Path(directory) / "config.json"
+    native = json.loads(path.read_text())
+    hub = {HUB_OMNI_NAMES.get(k, k): v for k, v in native.items()}
+    hub.update(model_type="NemotronH_Nano_Omni_Reasoning_V3", architectures=["NemotronH_Nano_Omni_Reasoning_V3"],
+               auto_map={"AutoConfig": "configuration_nemotron_h.NemotronH_Nano_Omni_Reasoning_V3_Config",
+                         "AutoModel": "modeling_nemotron_h.NemotronH_Nano_Omni_Reasoning_V3"})
+    if sound_model_type and hub.get("sound_config"):
+        hub["sound_config"]["model_type"] = sound_model_type
+    path.write_text(json.dumps(hub, indent=2))
+    return hub
+
+
+# Nemotron Nano V2 VL as downloaded (NemotronH_Nano_VL_V2, remote code): the fields vLLM's nano_nemotron_vl.py and
+# Megatron-Bridge's NemotronVLBridge read from the hub file. The remote RADIO names its ViT by timm name; the
+# smallest the loaders know is vit_small_patch16_224 (384 wide, 12 layers). 64-px tiles: 4x4 patches, 4 tokens.
+NANO_VL = dict(
+    model_type="NemotronH_Nano_VL_V2", architectures=["NemotronH_Nano_VL_V2"],
+    auto_map={"AutoConfig": "configuration.NemotronH_Nano_VL_V2_Config", "AutoModel": "modeling.NemotronH_Nano_VL_V2"},
+    llm_config=dict(DENSE_TEXT, model_type="nemotron_h", architectures=["NemotronHForCausalLM"]),
+    vision_config=dict(model_type="radio", patch_size=16, preferred_resolution=[512, 512],
+                       args=dict(model="vit_small_patch16_224", cpe_max_size=256, register_multiple=8,
+                                 teachers=[{"name": "a"}, {"name": "b"}], cls_token_per_teacher=True)),
+    force_image_size=64, patch_size=16, downsample_ratio=0.5, ps_version="v2", image_tag_type="internvl",
+    template="nemotron5", use_thumbnail=True, norm_mean=[0.48, 0.46, 0.41], norm_std=[0.27, 0.26, 0.28],
+    vit_hidden_size=384, projector_hidden_size=96, img_context_token_id=18)
+NANO_VL_PREFIX_TOKENS = 4  # rows of its RADIO's cls_token table (2 class tokens, one per teacher, + 2 registers)
+# what that release does not store (Megatron-Bridge's NemotronVLBridge maps no such tensor; vLLM loads the layer
+# scales as identity): no video embedder, no layer scales, no RadioModel buffers
+NOT_IN_NANO_VL = ("patch_generator.video_embedder.", ".layer_scale", "radio_model.summary_idxs",
+                  "radio_model.input_conditioner.")
+RADIO_CLS = "vision_model.radio_model.model.patch_generator.cls_token.token"
+
+
+def nano_vl_config(directory, **over) -> dict:
+    """DIR/config.json of a tiny Nano V2 VL (NANO_VL with `over`), and a model.safetensors holding only its RADIO's
+    prefix-token table (what a remote RADIO's config does not state); returns the config."""
+    import json
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    config = {**NANO_VL, **over}
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({RADIO_CLS: torch.zeros(NANO_VL_PREFIX_TOKENS, NANO_VL["vit_hidden_size"])}, str(d / "model.safetensors"))
+    return config
+
+
+def nano_vl_checkpoint(directory, seed: int = 0, prepare=None):
+    """A random tiny Nano V2 VL in the release's layout: nano_vl_config's config.json, and the weights of transformers'
+    RadioModel + RMSNorm/ReLU^2 projector + NemotronH (the Omni class of those tensors) saved under the released
+    names, less NOT_IN_NANO_VL. prepare: applied to that model before saving (e.g. re-drawn weights). Returns it."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import NemotronH_Omni_Reasoning_V3
+
+    from tessera.models.released import transformers_config
+
+    d = Path(directory)
+    nano_vl_config(d)
+    torch.manual_seed(seed)
+    model = NemotronH_Omni_Reasoning_V3(transformers_config(d)).eval()
+    if prepare is not None:
+        model = prepare(model)
+    model.save_pretrained(str(d / "saved"))
+    saved = load_file(str(d / "saved" / "model.safetensors"))
+    save_file({k: v for k, v in saved.items() if not any(p in k for p in NOT_IN_NANO_VL)},
+              str(d / "model.safetensors"), metadata={"format": "pt"})
+    shutil.rmtree(d / "saved")
+    return model
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-audio", action="store_true", help="a vision-only checkpoint (audio_config None)")
     ap.add_argument("--dense", action="store_true", help="a dense hybrid LLM instead of the MoE one")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hub-layout", action="store_true", help="config.json in the hub's remote-code layout")
     args = ap.parse_args(argv)
     omni_checkpoint(args.out, audio=not args.no_audio, seed=args.seed, text=DENSE_TEXT if args.dense else TEXT,
                     tokenizer=True)
-    print(f"wrote a tiny NemotronH_Omni_Reasoning_V3 checkpoint (and its tokenizer) to {args.out}")
+    if args.hub_layout:
+        hub_layout(args.out)
+    print(f"wrote a tiny NemotronH_Omni_Reasoning_V3 checkpoint (and its tokenizer) to {args.out}"
+          + (" in the hub's config layout" if args.hub_layout else ""))
     return 0
 
 

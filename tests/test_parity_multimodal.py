@@ -15,6 +15,7 @@ tool's test-only `perturb` hook).
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 
@@ -49,7 +50,16 @@ def releases(tmp_path_factory):
     root = tmp_path_factory.mktemp("omni_parity")
     _release(root / "omni", audio=True, image_token_id=IMAGE_ID, audio_token_id=AUDIO_ID, video_pruning_rate=0.5)
     _release(root / "omni_vl", audio=False)
-    return {"omni": str(root / "omni"), "omni_vl": str(root / "omni_vl")}
+    # the first release with config.json as the hub ships it (legacy names, hub model_type; weights untouched):
+    # transformers' class, called directly, stays the reference (it remaps the names itself)
+    from tessera.scripts.tiny_release import hub_layout, nano_vl_checkpoint
+
+    shutil.copytree(root / "omni", root / "omni_hub")
+    hub_layout(root / "omni_hub")
+    # Nemotron Nano V2 VL as downloaded (no transformers class: models/hf_reference.release_reference_model)
+    nano_vl_checkpoint(root / "nano_vl", prepare=unit_gain_)
+    return {"omni": str(root / "omni"), "omni_vl": str(root / "omni_vl"), "omni_hub": str(root / "omni_hub"),
+            "nano_vl": str(root / "nano_vl")}
 
 
 def _verdict(out: str) -> tuple[str, float]:
@@ -99,9 +109,11 @@ def test_samples_and_batch_follow_the_config(releases):
     assert err == pytest.approx(0.5 / max(float(x.abs().max()) for x in ref), rel=1e-6)
 
 
-def test_one_rank_command(releases):
-    """`python -m tessera.hetero.tools.parity --hf-dir DIR`: one rank, every module on it."""
-    res = subprocess.run([sys.executable, "-m", "tessera.hetero.tools.parity", "--hf-dir", releases["omni"]],
+@pytest.mark.parametrize("release", ["omni", "omni_hub"])
+def test_one_rank_command(releases, release):
+    """`python -m tessera.hetero.tools.parity --hf-dir DIR`: one rank, every module on it; DIR's config.json in
+    transformers' layout or the hub's."""
+    res = subprocess.run([sys.executable, "-m", "tessera.hetero.tools.parity", "--hf-dir", releases[release]],
                          capture_output=True, text=True, timeout=300)
     out = res.stdout + res.stderr
     verdict, err = _verdict(out)
@@ -110,6 +122,18 @@ def test_one_rank_command(releases):
     # the omni release's video (after the audio sample's clip): 5 frames in tubelets of 2, EVS at its 0.5 rate
     assert "samples image, audio_video, mixed, mixed_audio_first" in out and "video: compared" in out
     assert "stand in" not in out  # this config sets its image/audio token ids
+
+
+def test_nano_vl_one_rank_command(releases):
+    """The hub-layout Nano V2 VL through the command: its tiles (two, and one in each mixed sample) as the release
+    encodes them, against transformers' RadioModel + projector + NemotronH of its tensors."""
+    res = subprocess.run([sys.executable, "-m", "tessera.hetero.tools.parity", "--hf-dir", releases["nano_vl"]],
+                         capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    verdict, err = _verdict(out)
+    print(f"\nnano vl one rank: {verdict} max_rel_err={err:.3e}")
+    assert res.returncode == 0 and verdict == "PASS" and err <= TOL, out[-3000:]
+    assert "samples image, text, mixed, mixed_audio_first" in out
 
 
 def _layouts(dirs: dict) -> list:
@@ -121,6 +145,12 @@ def _layouts(dirs: dict) -> list:
     for name, layout in LAYOUTS.items():
         out.append((name, *_run(compare_multimodal, dirs["omni"], layout)))
     out.append(("vision_only_dense", *_run(compare_multimodal, dirs["omni_vl"], VISION_ONLY_LAYOUT)))
+    for name, layout in (("nano_vl_noncolocated_llm_tp2", VISION_ONLY_LAYOUT),
+                         ("nano_vl_noncolocated_llm_cp2", "vision=dp2@0-1;language=cp2@2-3"),
+                         ("nano_vl_colocated_vision_pp2", "vision=pp2,dp2@0-3;language=tp2,dp2@0-3")):
+        out.append((name, *_run(compare_multimodal, dirs["nano_vl"], layout)))
+    out.append(("hub_layout_noncolocated_llm_cp2", *_run(compare_multimodal, dirs["omni_hub"],
+                                                         LAYOUTS["noncolocated_llm_cp2"])))
     # breaks on purpose (in these workers only; the files are untouched)
     forward = audio.SoundProjector.forward
     audio.SoundProjector.forward = lambda self, x: self.linear2(self.linear1(self.norm(x)))  # no ReLU^2

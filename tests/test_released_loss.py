@@ -282,13 +282,19 @@ def oracle_loss(ckpt: str, batch) -> tuple[float, int, dict]:
 
 
 @pytest.mark.multiproc
-def test_first_step_loss_equals_transformers_omni(tmp_path):
-    """(and the trained model's export loads in transformers as the release does)"""
+@pytest.mark.parametrize("config_layout", ["transformers", "hub"])
+def test_first_step_loss_equals_transformers_omni(tmp_path, config_layout):
+    """(and the trained model's export loads in transformers as the release does); config.json in transformers'
+    layout or as the hub ships it (scripts/tiny_release.hub_layout: transformers' class, called directly, remaps
+    the legacy names itself)"""
     from tessera.hetero.tools.spawn import run_on_ranks
     from tessera.hetero.training.metrics import read_metrics
+    from tessera.scripts.tiny_release import hub_layout
 
     data_path, ckpt = tmp_path / "data", tmp_path / "released"
     _checkpoint(ckpt, _dataset(data_path))
+    if config_layout == "hub":
+        hub_layout(ckpt)
     out = tmp_path / "export"
     run_on_ranks(4, _first_step, str(ckpt), str(data_path), str(tmp_path / "run"), str(out), timeout=300)
     (record,) = read_metrics(tmp_path / "run")

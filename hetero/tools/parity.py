@@ -15,8 +15,9 @@ models/hf_reference.py holds the single-device parts (batch, transformers' logit
 groups, the TP/PP/CP forward of HybridLM and the comparison. `compare(hf_dir, pg_collection)` only uses the
 groups it is given, so tests call it from their own gloo worlds.
 
-A released multimodal checkpoint (config.json of transformers' NemotronH_Omni_Reasoning_V3, e.g. what
-scripts/tiny_release.py writes) is compared in a heterogeneous layout instead (hetero/tools/parity_multimodal.py:
+A released multimodal checkpoint (config.json of transformers' NemotronH_Omni_Reasoning_V3, or of the hub's
+NemotronH_Nano_Omni_Reasoning_V3 / NemotronH_Nano_VL_V2 as downloaded, e.g. what scripts/tiny_release.py writes)
+is compared in a heterogeneous layout instead (hetero/tools/parity_multimodal.py:
 image, audio and mixed samples through the trainer's own modules, boundary and step, against the Omni model):
     python -m tessera.hetero.tools.parity --hf-dir OMNI_DIR                                   # one rank
     torchrun --nproc-per-node 4 -m tessera.hetero.tools.parity --hf-dir OMNI_DIR \
@@ -27,7 +28,6 @@ The same verdict line ends it; video is left out (a line says so).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -143,12 +143,13 @@ def _init_world() -> None:
 
 
 def _is_multimodal(hf_dir: str) -> bool:
-    """DIR's config.json is transformers' NemotronH_Omni_Reasoning_V3 (models/released.py's OMNI)."""
-    path = os.path.join(os.path.expanduser(hf_dir), "config.json")
-    if not os.path.isfile(path):
+    """DIR's config.json is a multimodal release in any layout it comes in (transformers' NemotronH_Omni_Reasoning_V3,
+    the hub's Omni or Nano V2 VL: models/released.read_config reads each as the first)."""
+    from tessera.models import released
+
+    if not os.path.isfile(os.path.join(os.path.expanduser(hf_dir), "config.json")):
         return False
-    with open(path) as f:
-        return json.load(f).get("model_type") == "nemotron_h_omni"
+    return released.read_config(hf_dir).get("model_type") == released.OMNI  # whatever layout the file is in
 
 
 def run(args) -> int:

@@ -6,7 +6,9 @@ The model is rebuilt with every module on one rank and dist_checkpointing reshar
   OUT/model.safetensors      the whole model in the NemotronH_Nano_VL_V2 / Omni key layout
                              (language_model.*, vision_model.*, mlp1.*, sound_encoder.*, sound_projection.*);
                              above --max-shard-size sharded as the releases are: model-0000i-of-0000n.safetensors
-                             + model.safetensors.index.json (huggingface_hub's sharding, what save_pretrained uses)
+                             + model.safetensors.index.json (huggingface_hub's sharding, what save_pretrained uses);
+                             from a release, also its tensors no module computes with (mtp.*, the Parakeet
+                             featurizer's), copied unchanged (models/released.CARRIED)
   OUT/tokenizer.json|.model  the tokenizer the run trained with (its saved config names it, loop._resolve); when
                              that is the release's own (model.checkpoint=DIR), DIR's tokenizer files, chat template,
                              processor configs and generation_config.json as they are (data/run_tokenizer.py);
@@ -87,9 +89,11 @@ def write_hf(out: Path, full: dict, model_cfg, hf_fields: dict, tokenizer: str |
     from tessera.models import released
 
     out.mkdir(parents=True, exist_ok=True)
-    save_weights(full, out, max_shard_size)
     source = getattr(model_cfg, "checkpoint", None)
-    if source and released.is_released_checkpoint(source):
+    from_release = bool(source) and released.is_released_checkpoint(source)
+    # the release's tensors no module computes with (released.CARRIED: MTP layers, featurizer), as it has them
+    save_weights({**full, **released.carried_tensors(source)} if from_release else full, out, max_shard_size)
+    if from_release:
         # the same architecture as the released checkpoint it was fine-tuned from: its config.json describes
         # these tensors (transformers loads OUT as it loads the release; so does model.checkpoint=OUT)
         (out / "config.json").write_text((Path(source).expanduser() / "config.json").read_text())

@@ -31,6 +31,7 @@ from tessera.models.multimodal import MultimodalModel, build_media_module
 from tessera.models.multimodal_hf import (PROJECTOR_ROOT, export_hf, media_to_hf, sound_from_hf, vision_from_hf,
                                           _load_params, _params_only)
 from tessera.models.nemotron_h_hf import PrefixView, hybrid_config_from_hf, load_into
+from tessera.models.released import is_carried
 from tessera.hetero.training.run_modules import encoder_names, module_specs
 from tessera.data.pipeline import video_temporal
 
@@ -89,7 +90,8 @@ def check_checkpoint_tensors(source: str, full: dict[str, torch.Tensor], model_c
     """Every tensor of the checkpoint is one the model holds, with its shape, and none is missing: otherwise
     one error listing every difference (key, shapes), before any weight is loaded."""
     shape = getattr(full, "shape", lambda k: tuple(full[k].shape))  # a LazyCheckpoint: from the file headers
-    want, got = hf_shapes(model_cfg, hf_fields), {k: shape(k) for k in full}
+    # a release's tensors no module computes with (mtp.*, the featurizer's) are carried to the export, not loaded
+    want, got = hf_shapes(model_cfg, hf_fields), {k: shape(k) for k in full if not is_carried(k)}
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     wrong = [f"{k}: checkpoint {got[k]}, model {want[k]}" for k in sorted(set(want) & set(got)) if want[k] != got[k]]
     if missing or extra or wrong:
