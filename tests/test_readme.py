@@ -66,7 +66,7 @@ COMMANDS = [
         covered_by=("tests/test_finetune.py::test_finetune_hf_checkpoint_with_frozen_encoder_and_export",)),
     Row(r"model\.checkpoint=/tmp/hf_tiny model\.lora", "dryrun",
         covered_by=("tests/test_lora.py::test_lora_run_learns_keeps_base_frozen_and_resumes_exactly",)),
-    Row(r"tiny_release --out /tmp/omni_release --dense", "run",
+    Row(r"tiny_release --out /tmp/omni_release --dense --hub-layout", "run",
         expect=r"wrote a tiny NemotronH_Omni_Reasoning_V3 checkpoint"),
     # a real `nemo ... --yes` launch, one step: the fine-tune of the tiny release, exported for the next row
     Row(r"model\.checkpoint=/tmp/omni_release layout=", "run", short=TRAIN_STEP, expect=r"done: steps=1 "),
@@ -87,6 +87,11 @@ COMMANDS = [
     Row(r"prepare_data\.py --manifest data\.jsonl", "run", expect=r"\[prepare\] wrote 2 samples"),
     Row(r"data\.path=/data/mine", "dryrun",
         covered_by=("tests/test_data_end_to_end.py::test_prepared_data_trains_a_tiny_multimodal_model",)),
+    Row(r"^energon prepare /data/coco", "standin", why="energon's own CLI on the user's COCO shards (not shipped)",
+        covered_by=("tests/test_energon_sample_types.py::"
+                    "test_sample_type_gives_the_ids_mask_and_media_of_the_same_conversation",)),
+    Row(r"data\.path=/data/coco", "dryrun", covered_by=(
+        "tests/test_energon_sample_types.py::test_blend_of_an_energon_set_and_a_prepared_set_trains_in_a_heterogeneous_layout",)),
     Row(r"recipes\.verify --recipe nemotron_omni_tiny layout=", "standin",
         why="minutes: each layout trained on 4 ranks and again on one",
         covered_by=("tests/test_verify_trainer.py::test_verify_trains_a_heterogeneous_layout_and_matches_one_device",)),
