@@ -157,9 +157,12 @@ def _scan_check(pgs, dev, docs: torch.Tensor | None) -> str:
     x, B, C = torch.randn(b, s, h, p), torch.randn(b, s, g, n), torch.randn(b, s, g, n)
     dt = torch.nn.functional.softplus(torch.randn(b, s, h) - 3)
     A = -torch.exp(cpu.A_log.detach().float())
+    from tessera.hetero.parallel.kernel_choice import ieee_fp32_dots
+
     on_gpu = {} if docs is None else {"doc_ids": docs.to(dev)}
-    out = gpu.scan(*(t.to(dev) for t in (x, dt, A, B, C)), **on_gpu)
-    return _verdict(rel_err(out, cpu.scan(x, dt, A, B, C, doc_ids=docs)), TOL["fp32"])
+    with ieee_fp32_dots():  # Triton's fp32 dots are TF32 by default (1.45e-3 off torch's); both sides IEEE
+        out = gpu.scan(*(t.to(dev) for t in (x, dt, A, B, C)), **on_gpu)
+        return _verdict(rel_err(out, cpu.scan(x, dt, A, B, C, doc_ids=docs)), TOL["fp32"])
 
 
 def check_mamba_ssm_scan(pgs, dev) -> str:
@@ -173,9 +176,11 @@ def check_mamba_ssm_scan_docs(pgs, dev) -> str:
 
 
 def check_mamba_mixer(pgs, dev) -> str:
+    from tessera.hetero.parallel.kernel_choice import ieee_fp32_dots
+
     cfg, cpu, gpu = _mixers(pgs, dev)
     hidden = torch.randn(512, 2, cfg.hidden_size)
-    with torch.no_grad():
+    with torch.no_grad(), ieee_fp32_dots():  # both sides IEEE fp32, as _scan_check
         return _verdict(rel_err(gpu(hidden.to(dev))[0], cpu(hidden)[0]), TOL["fp32"])
 
 
@@ -214,7 +219,8 @@ def layer_tflops(pgs, dev, name: str, symbol: str, seq: int, batch: int, iters: 
 
     cfg = llm_config(name, symbol)
     kernels = select_kernels(pgs, dtype=torch.bfloat16)
-    layer = HybridLM(cfg, pgs, core_attention=kernels.core_attention, mamba_mixer=kernels.mamba_mixer).layers[0]
+    layer = HybridLM(cfg, pgs, core_attention=kernels.core_attention, mamba_mixer=kernels.mamba_mixer,
+                     moe_experts=kernels.moe_experts).layers[0]
     layer = layer.to(dev, torch.bfloat16)
     x = torch.randn(seq, batch, cfg.hidden_size, device=dev, dtype=torch.bfloat16, requires_grad=True)
 

@@ -197,6 +197,74 @@ def select_ok(kernel_choice) -> str:
     return kernel_choice.select_kernels(_PGs(1), gpu=True).line.split("mamba=")[1].split()[0]
 
 
+def _fake_mamba_ssm(monkeypatch, conv: bool):
+    """mamba_ssm importable (its Triton scan replaced by the torch SSD scan, seq_idx read as documents, which is
+    what the kernel does with it); causal_conv1d importable only when `conv`. Triton cannot run on this CPU."""
+    import types
+
+    from tessera.models.mamba2 import document_starts, ssd_chunk_scan
+
+    def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, initial_states=None, seq_idx=None):
+        assert x.is_contiguous() and (seq_idx is None or seq_idx.dtype == torch.int32)
+        return ssd_chunk_scan(x, dt, A, B, C, chunk_size, initial_states, resets=document_starts(seq_idx))[0]
+
+    names = ["mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton", "mamba_ssm.ops.triton.ssd_combined"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules[names[-1]].mamba_chunk_scan_combined = mamba_chunk_scan_combined
+    fake_conv = types.ModuleType("causal_conv1d")
+    fake_conv.causal_conv1d_fn = None
+    monkeypatch.setitem(sys.modules, "causal_conv1d", fake_conv if conv else None)  # None: ImportError
+
+
+def test_fused_mamba_scan_whenever_mamba_ssm_imports_conv_chosen_on_its_own(monkeypatch):
+    """mamba_ssm without causal_conv1d (a MAMBA_SKIP_CUDA_BUILD wheel, no nvcc for causal_conv1d): the fused scan
+    with torch's conv, not the torch scan; with both, both fused; the `kernels:` line names each."""
+    from tessera.hetero.parallel import kernel_choice as kc
+
+    moe = SimpleNamespace(num_moe_experts=4)
+    for conv, one_rank, head_parallel, name in [
+            (False, kc.MambaSSMScanMixer, kc.HeadParallelMambaSSMScanMixer, "mamba_ssm+torch-conv"),
+            (True, kc.MambaSSMMixer, kc.HeadParallelMambaSSMMixer, "mamba_ssm+causal_conv1d")]:
+        _fake_mamba_ssm(monkeypatch, conv)
+        kc.installed.cache_clear()
+        try:
+            gpu = kc.select_kernels(_PGs(1), gpu=True, config=moe)
+            assert gpu.mamba_mixer is one_rank, (conv, gpu.line)
+            assert gpu.line == f"kernels: attention=torch-sdpa mamba={name} experts=torch-grouped-mm device=cuda"
+            cp = kc.select_kernels(_PGs(2), gpu=True, config=HEADS)
+            assert cp.mamba_mixer is head_parallel and f"mamba=head-parallel(cp=2)+{name} " in cp.line, cp.line
+            assert kc.select_kernels(_PGs(1), gpu=False).mamba_mixer is kc.Mamba2Mixer  # no GPU: torch's scan
+        finally:
+            kc.installed.cache_clear()
+
+
+def test_fused_scan_mixer_with_torch_conv_equals_the_torch_mixer(monkeypatch):
+    """MambaSSMScanMixer's call into mamba_chunk_scan_combined (layouts, packed documents as int32 seq_idx) against
+    the torch mixer, the kernel faked by the torch scan: what is left to differ on a GPU is the kernel itself
+    (scripts/gpu_check.py mamba_ssm_scan, both sides in IEEE fp32)."""
+    from _mcore_cpu import single_rank_world
+    from megatron.core.models.backends import LocalSpecProvider
+
+    from tessera.hetero.parallel.kernel_choice import MambaSSMScanMixer
+    from tessera.models import configs
+    from tessera.models.mamba2 import Mamba2Mixer, Mamba2Submodules
+    from tessera.models.nemotron_h_hf import hybrid_config_from_hf
+
+    pgs = single_rank_world()
+    _fake_mamba_ssm(monkeypatch, conv=False)
+    cfg = hybrid_config_from_hf(configs.TINY_DENSE)
+    backend = LocalSpecProvider()
+    sub = Mamba2Submodules(in_proj=backend.column_parallel_linear(), out_proj=backend.row_parallel_linear())
+    torch.manual_seed(0)
+    ref, fused = Mamba2Mixer(cfg, sub, pg_collection=pgs), MambaSSMScanMixer(cfg, sub, pg_collection=pgs)
+    fused.load_state_dict(ref.state_dict())
+    hidden = torch.randn(20, 2, cfg.hidden_size)
+    doc_ids = torch.tensor([[0] * 7 + [1] * 13, [0] * 20])
+    for kwargs in ({}, {"doc_ids": doc_ids}):
+        assert torch.equal(fused(hidden, **kwargs)[0], ref(hidden, **kwargs)[0]), kwargs
+
+
 def test_local_rank_is_checked_against_the_gpus(monkeypatch):
     from tessera.hetero.runtime import device
 

@@ -1,0 +1,88 @@
+"""Routed MoE experts as two grouped GEMMs (torch's `_grouped_mm`), parameter for parameter megatron's
+SequentialMLP, which stays the oracle.
+
+    experts: GroupedGemmExperts (this file)  - fc1 of every local expert in one grouped GEMM, the activation
+             and router weight once over all tokens, fc2 in a second grouped GEMM; no host sync on the
+             token counts (SequentialMLP's tokens_per_expert.tolist() is one per layer and microbatch)
+    oracle:  SequentialMLP (megatron)        - one MLP per local expert over its slice of the tokens
+
+The parameters are SequentialMLP's own (local_experts.J.linear_fc1/linear_fc2, [ffn/etp, h] and [h, ffn/etp]),
+so the HF import and export, checkpoints, seeded init, LoRA targets and the EP/expert-TP sharding read the
+same names; the grouped GEMM stacks them per call ([E, ffn, h], a copy of the expert weights: the price of
+keeping one parameter layout, one place for every tool that reads experts by name). Expert compute is
+rank-local in megatron (explicit_expert_comm: the token dispatcher does the EP all-to-all/all-gather and the
+expert-TP reduce), so nothing here communicates and TP, EP and the dropless dispatch are unchanged.
+
+`_grouped_mm` (torch 2.13) takes fp32/bf16/fp16 on CPU and int32 offsets, and refuses operands whose row
+stride is not a multiple of 16 bytes ("strides should be multiple of 16 bytes", forward and backward): a width
+that is not (4 fp32 / 8 bf16 elements) is zero-padded, which is exact (grouped_linear). On CUDA its fast kernel is bf16 (what
+the GPU runs); other dtypes and cases the grouped path does not cover run SequentialMLP's loop, each with the
+reason in `grouped_gemm_unsupported`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+ALIGN_BYTES = 16  # _grouped_mm's row-stride rule
+GROUPED_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
+
+
+def grouped_mm_available() -> bool:
+    """torch has the grouped GEMM op (torch >= 2.8; the project pins 2.13)."""
+    return hasattr(torch, "_grouped_mm")
+
+
+def _aligned(width: int, element_size: int) -> int:
+    step = ALIGN_BYTES // element_size
+    return -(-width // step) * step
+
+
+def grouped_linear(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows offsets[j-1]:offsets[j] of x [T, K] times weights[j].T ([E, N, K], nn.Linear layout) -> [T, N].
+    K and N are zero-padded to _grouped_mm's 16-byte rows (its backward multiplies by both): padded columns of x
+    and w add exact zeros, padded output columns are sliced off (so their gradient is zero)."""
+    n, k = weights.shape[1:]
+    n_pad, k_pad = _aligned(n, x.element_size()) - n, _aligned(k, x.element_size()) - k
+    if n_pad or k_pad:
+        x, weights = F.pad(x, (0, k_pad)), F.pad(weights, (0, k_pad, 0, n_pad))
+    out = torch._grouped_mm(x, weights.transpose(1, 2), offs=offsets)
+    return out[:, :n] if n_pad else out
+
+
+class GroupedGemmExperts(SequentialMLP):
+    """megatron's SequentialMLP computed as grouped GEMMs; forward(permuted tokens [T, h], tokens_per_expert [E],
+    permuted probs [T]) -> ([T, h], None) as SequentialMLP, equal to its loop (tests/test_moe_experts.py)."""
+
+    def grouped_gemm_unsupported(self, hidden: torch.Tensor) -> str | None:
+        """Why this call runs the per-expert loop instead (None: it runs grouped)."""
+        cfg = self.config
+        if not grouped_mm_available():
+            return f"torch {torch.__version__} has no _grouped_mm"
+        if hidden.dtype not in GROUPED_DTYPES.get(hidden.device.type, ()):
+            return f"_grouped_mm on {hidden.device.type} takes {GROUPED_DTYPES.get(hidden.device.type, ())}"
+        if cfg.fp8 or cfg.fp4:
+            return "fp8/fp4 experts pad tokens per expert for quantisation (SequentialMLP does)"
+        if cfg.gated_linear_unit or cfg.add_bias_linear or cfg.moe_apply_probs_on_input:
+            return "gated, biased or probs-on-input experts: only the Nemotron-H expert (no GLU, no bias) is grouped"
+        for expert in self.local_experts:
+            for linear in (expert.linear_fc1, expert.linear_fc2):
+                if linear._forward_hooks or linear._forward_pre_hooks:  # e.g. LoRA's adapter hook
+                    return "an expert linear has forward hooks (LoRA adapters) that the grouped GEMM would skip"
+        return None
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor):
+        hidden = permuted_local_hidden_states
+        if self.grouped_gemm_unsupported(hidden) is not None:
+            return super().forward(hidden, tokens_per_expert, permuted_probs)
+        counts = torch.as_tensor(tokens_per_expert, device=hidden.device)
+        offsets = counts.cumsum(0).to(torch.int32)
+        fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, ffn/etp, h]
+        fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, h, ffn/etp]
+        inter = grouped_linear(hidden, fc1, offsets)
+        # MLP's unfused path with a per-token scale: act(x) * probs, back to the activations' dtype
+        inter = (self.local_experts[0].activation_func(inter) * permuted_probs.unsqueeze(-1)).to(inter.dtype)
+        return grouped_linear(inter, fc2, offsets), None
