@@ -212,17 +212,20 @@ def _verdict(err: float, tol: float) -> str:
 
 # ---- per-layer TFLOPS ---------------------------------------------------------------------------------
 
-def layer_tflops(pgs, dev, name: str, symbol: str, seq: int, batch: int, iters: int) -> tuple[float, float]:
-    """(ms per forward+backward, TFLOPS) of one `symbol` layer of model `name` in bf16."""
+def layer_tflops(pgs, dev, name: str, symbol: str, seq: int, batch: int, iters: int,
+                 dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
+    """(ms per forward+backward, TFLOPS) of one `symbol` layer of model `name` in `dtype` on `dev` (the kernels
+    select_kernels picks there; scripts/gpu_step.py's CPU smoke runs it at tiny shapes)."""
     from tessera.hetero.parallel.kernel_choice import select_kernels
     from tessera.models.hybrid_llm import HybridLM
 
-    cfg = llm_config(name, symbol)
-    kernels = select_kernels(pgs, dtype=torch.bfloat16)
+    cfg = llm_config(name, symbol, dtype)
+    kernels = select_kernels(pgs, dtype=dtype, config=cfg)
     layer = HybridLM(cfg, pgs, core_attention=kernels.core_attention, mamba_mixer=kernels.mamba_mixer,
                      moe_experts=kernels.moe_experts).layers[0]
-    layer = layer.to(dev, torch.bfloat16)
-    x = torch.randn(seq, batch, cfg.hidden_size, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    layer = layer.to(dev, dtype)
+    x = torch.randn(seq, batch, cfg.hidden_size, device=dev, dtype=dtype, requires_grad=True)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def once():
         out = layer(x, attention_mask=None)[0]
@@ -230,11 +233,11 @@ def layer_tflops(pgs, dev, name: str, symbol: str, seq: int, batch: int, iters: 
 
     for _ in range(2):
         once()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(iters):
         once()
-    torch.cuda.synchronize()
+    sync()
     dt = (time.perf_counter() - t0) / iters
     return 1e3 * dt, 3 * layer_flops(name, symbol, seq, batch) / dt / 1e12
 

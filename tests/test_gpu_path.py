@@ -9,6 +9,7 @@ a step with the language stage's move and the media module's move taken out, and
 
 from __future__ import annotations
 
+import importlib
 import re
 import subprocess
 import sys
@@ -239,6 +240,34 @@ def test_fused_mamba_scan_whenever_mamba_ssm_imports_conv_chosen_on_its_own(monk
             kc.installed.cache_clear()
 
 
+def test_mamba_ssm_built_without_cuda_extensions_gives_its_triton_scan(tmp_path, monkeypatch):
+    """A MAMBA_SKIP_CUDA_BUILD=TRUE build (README: shipped to a cluster without package access) has no
+    selective_scan_cuda, which mamba_ssm/__init__.py imports; its Triton scan still imports and is picked."""
+    from tessera.hetero.parallel import kernel_choice as kc
+
+    triton_dir = tmp_path / "mamba_ssm" / "ops" / "triton"
+    triton_dir.mkdir(parents=True)
+    (tmp_path / "mamba_ssm" / "__init__.py").write_text("import selective_scan_cuda  # as mamba_ssm 2.x does\n")
+    (tmp_path / "mamba_ssm" / "ops" / "__init__.py").write_text("")
+    (triton_dir / "__init__.py").write_text("")
+    (triton_dir / "ssd_combined.py").write_text("def mamba_chunk_scan_combined(*args, **kwargs):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [n for n in sys.modules if n == "mamba_ssm" or n.startswith("mamba_ssm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "causal_conv1d", None)  # not shipped: torch's conv
+    kc.installed.cache_clear()
+    try:
+        with pytest.raises(ImportError, match="selective_scan_cuda"):
+            importlib.import_module("mamba_ssm.ops.triton.ssd_combined")  # what a plain import does
+        assert kc.installed("mamba_ssm")
+        chosen = kc.select_kernels(_PGs(1), gpu=True)
+        assert chosen.mamba_mixer is kc.MambaSSMScanMixer and "mamba=mamba_ssm+torch-conv" in chosen.line
+    finally:
+        kc.installed.cache_clear()
+        for name in [n for n in sys.modules if n == "mamba_ssm" or n.startswith("mamba_ssm.")]:
+            del sys.modules[name]
+
+
 def test_fused_scan_mixer_with_torch_conv_equals_the_torch_mixer(monkeypatch):
     """MambaSSMScanMixer's call into mamba_chunk_scan_combined (layouts, packed documents as int32 seq_idx) against
     the torch mixer, the kernel faked by the torch scan: what is left to differ on a GPU is the kernel itself
@@ -325,3 +354,23 @@ def test_gpu_check_dry_run_and_no_gpu_message():
     if not torch.cuda.is_available():
         real = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert real.returncode == 2 and "no CUDA GPU" in real.stderr, real.stderr
+
+
+def test_gpu_step_smoke_runs_the_layer_table_and_the_trainer(capsys):
+    """scripts/gpu_step.py --smoke: the per-layer table and one slice's trainer run at tiny shapes on this CPU, the
+    same functions the GPU run uses (the trainer's own FLOP count read back from its metrics.jsonl)."""
+    from tessera.scripts import gpu_step
+
+    assert gpu_step.main(["--recipes", "nemotron_omni_30b_a3b"]) == 2  # no GPU here: says so, runs nothing
+    assert "no CUDA GPU" in capsys.readouterr().err
+    res = subprocess.run([sys.executable, "-m", "tessera.scripts.gpu_step", "--smoke", "--recipes",
+                          "nemotron_omni_30b_a3b", "--iters", "1"], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    layers = {ln.split()[1]: ln.split() for ln in lines if ln.startswith("nemotron_h_tiny_moe ")}
+    assert set(layers) == {"M", "*", "E"}, res.stdout
+    assert all(float(row[4]) > 0 for row in layers.values()), res.stdout  # TFLOPS of a real forward+backward
+    step = [ln.split() for ln in lines if ln.startswith("nemotron_omni_30b_a3b ")]
+    assert len(step) == 1 and step[0][1] == "nemotron_h_tiny_moe" and step[0][2] == "1", res.stdout
+    assert float(step[0][4]) > 0 and "experts=torch-grouped-mm" in lines[-1], res.stdout
+

@@ -33,8 +33,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -177,12 +179,28 @@ PROBES = {
 HALF = (torch.bfloat16, torch.float16)
 
 
+def import_kernel_module(name: str):
+    """importlib.import_module, except that mamba_ssm built with MAMBA_SKIP_CUDA_BUILD=TRUE (pure Python + Triton:
+    the build a cluster without nvcc or package access gets shipped, README "CPU and GPU paths") still gives its
+    Triton ops. Its package __init__ imports selective_scan_cuda, the Mamba-1 CUDA extension such a build lacks and
+    the SSD scan never calls, so the ops are imported below the package left unexecuted (same files, same path)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        if not name.startswith("mamba_ssm.") or e.name != "selective_scan_cuda":
+            raise
+    spec = importlib.util.find_spec("mamba_ssm")
+    sys.modules["mamba_ssm"] = importlib.util.module_from_spec(spec)  # __path__ set, __init__ not run
+    log.info("kernels: mamba_ssm has no selective_scan_cuda (a MAMBA_SKIP_CUDA_BUILD build): Triton ops only")
+    return importlib.import_module(name)
+
+
 @functools.cache
 def installed(module: str) -> bool:
     """True when `module`'s probes (PROBES) import and expose the names we call; a failure is logged once."""
     for name, attr in PROBES.get(module, [(module, None)]):
         try:
-            mod = importlib.import_module(name)
+            mod = import_kernel_module(name)
             if attr is not None:
                 getattr(mod, attr)
         except Exception as e:  # ImportError, OSError (undefined symbol), RuntimeError from the extension's init
