@@ -13,11 +13,12 @@ keeping one parameter layout, one place for every tool that reads experts by nam
 rank-local in megatron (explicit_expert_comm: the token dispatcher does the EP all-to-all/all-gather and the
 expert-TP reduce), so nothing here communicates and TP, EP and the dropless dispatch are unchanged.
 
-`_grouped_mm` (torch 2.13) takes fp32/bf16/fp16 on CPU and int32 offsets, and refuses operands whose row
-stride is not a multiple of 16 bytes ("strides should be multiple of 16 bytes", forward and backward): a width
-that is not (4 fp32 / 8 bf16 elements) is zero-padded, which is exact (grouped_linear). On CUDA its fast kernel is bf16 (what
-the GPU runs); other dtypes and cases the grouped path does not cover run SequentialMLP's loop, each with the
-reason in `grouped_gemm_unsupported`.
+`_grouped_mm` (torch 2.13) takes fp32/bf16/fp16 on CPU (not fp64) and int32 offsets only, and refuses operands
+whose row stride is not a multiple of 16 bytes ("strides should be multiple of 16 bytes", forward and backward):
+a width that is not (4 fp32 / 8 bf16 elements) is zero-padded, which is exact (grouped_linear). On CUDA its
+kernel is bf16 on Hopper and newer (what the GPU recipes run); other dtypes, older GPUs and the cases the grouped
+path does not cover run SequentialMLP's loop, each with the reason in `grouped_gemm_unsupported`. Not yet run on
+a GPU (none was lent to the session that wrote it).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class GroupedGemmExperts(SequentialMLP):
             return f"torch {torch.__version__} has no _grouped_mm"
         if hidden.dtype not in GROUPED_DTYPES.get(hidden.device.type, ()):
             return f"_grouped_mm on {hidden.device.type} takes {GROUPED_DTYPES.get(hidden.device.type, ())}"
+        if hidden.device.type == "cuda" and torch.cuda.get_device_capability(hidden.device) < (9, 0):
+            return "_grouped_mm's CUDA kernel is for Hopper (sm90) and newer"
         if cfg.fp8 or cfg.fp4:
             return "fp8/fp4 experts pad tokens per expert for quantisation (SequentialMLP does)"
         if cfg.gated_linear_unit or cfg.add_bias_linear or cfg.moe_apply_probs_on_input:

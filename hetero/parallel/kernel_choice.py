@@ -3,7 +3,7 @@ and this rank's context-parallel group, logged in one line.
 
     kernels = select_kernels(pg_collection)          # logs e.g. "kernels: attention=... mamba=..."
     model = HybridLM(config, pg_collection, core_attention=kernels.core_attention,
-                     mamba_mixer=kernels.mamba_mixer)
+                     mamba_mixer=kernels.mamba_mixer, moe_experts=kernels.moe_experts)
 
 Rules (GPU kernels are an optional extra, never required):
   one-rank kernels (what runs at CP = 1, and on the whole sequence of a rank's heads at CP > 1):
