@@ -41,7 +41,7 @@ except ImportError:
     sys.modules["numpy"] = types.ModuleType("numpy")
 
 from tessera.hetero.parallel.cp_gather_attention import masked_attention
-from tessera.hetero.parallel.kernel_choice import ieee_fp32_dots
+from tessera.hetero.parallel.kernel_choice import ieee_fp32_dots, import_kernel_module
 from tessera.models.mamba2 import causal_depthwise_conv1d, document_starts, ssd_chunk_scan
 
 MAMBA = dict(heads=128, dim=80, groups=8, state=128, chunk=128, conv=4)
@@ -58,8 +58,8 @@ def fused_scan(autotune_configs: int = 0):
 
             full = triton.autotune
             triton.autotune = lambda configs, *a, **k: full(configs[:autotune_configs], *a, **k)
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-        return mamba_chunk_scan_combined, ""
+        # a MAMBA_SKIP_CUDA_BUILD build imports too (kernel_choice.import_kernel_module)
+        return import_kernel_module("mamba_ssm.ops.triton.ssd_combined").mamba_chunk_scan_combined, ""
     except Exception as e:  # noqa: BLE001 - ImportError, no triton, no GPU driver...
         return None, f"{type(e).__name__}: {e}"
 

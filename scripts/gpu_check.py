@@ -129,10 +129,11 @@ def check_te_attention_thd(pgs, dev) -> str:
 
 
 def _mixers(pgs, dev):
-    """(CPU Mamba2Mixer, GPU MambaSSMMixer) with the same weights at a 12B-like width, fp32."""
+    """(CPU Mamba2Mixer, GPU mixer) with the same weights at a 12B-like width, fp32; the GPU mixer has mamba_ssm's
+    scan and causal_conv1d's conv, or torch's conv where causal_conv1d is not installed (as select_kernels picks)."""
     from megatron.core.models.backends import LocalSpecProvider
 
-    from tessera.hetero.parallel.kernel_choice import MambaSSMMixer
+    from tessera.hetero.parallel.kernel_choice import MambaSSMMixer, MambaSSMScanMixer, installed
     from tessera.models.mamba2 import Mamba2Mixer, Mamba2Submodules
 
     cfg = llm_config("nemotron_nano_12b_v2", "M", torch.float32)
@@ -140,13 +141,17 @@ def _mixers(pgs, dev):
     sub = Mamba2Submodules(in_proj=backend.column_parallel_linear(), out_proj=backend.row_parallel_linear())
     torch.manual_seed(0)
     cpu = Mamba2Mixer(cfg, sub, pg_collection=pgs)
-    gpu = MambaSSMMixer(cfg, sub, pg_collection=pgs)
+    gpu = (MambaSSMMixer if installed("causal_conv1d") else MambaSSMScanMixer)(cfg, sub, pg_collection=pgs)
     gpu.load_state_dict(cpu.state_dict())
     return cfg, cpu, gpu.to(dev)
 
 
 def check_causal_conv1d(pgs, dev) -> str:
+    from tessera.hetero.parallel.kernel_choice import MambaSSMMixer
+
     _, cpu, gpu = _mixers(pgs, dev)
+    if not isinstance(gpu, MambaSSMMixer):  # torch's conv on both sides would compare nothing
+        raise ImportError("causal_conv1d is not installed (the trainer runs torch's conv)")
     xbc = torch.randn(2, 512, cpu.conv_dim)
     return _verdict(rel_err(gpu.conv(xbc.to(dev)), cpu.conv(xbc)), TOL["fp32"])
 

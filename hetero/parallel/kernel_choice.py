@@ -63,8 +63,7 @@ class MambaSSMScanMixer(Mamba2Mixer):
     scan_keeps_intermediates = False
 
     def scan(self, x, dt, A, B, C, initial_state=None, doc_ids=None) -> torch.Tensor:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-
+        mamba_chunk_scan_combined = import_kernel_module("mamba_ssm.ops.triton.ssd_combined").mamba_chunk_scan_combined
         # dt arrives softplus'ed and clamped, so the kernel's own dt_bias/softplus/limit stay off.
         # Packed documents: doc_ids [b, s] become the kernel's seq_idx (int32 [b, s], a new id = a new sequence:
         # the scan restarts its state), as megatron's MambaMixer does for THD.
