@@ -8,8 +8,9 @@ SequentialMLP, which stays the oracle.
 
 The parameters are SequentialMLP's own (local_experts.J.linear_fc1/linear_fc2, [ffn/etp, h] and [h, ffn/etp]),
 so the HF import and export, checkpoints, seeded init, LoRA targets and the EP/expert-TP sharding read the
-same names; the grouped GEMM stacks them per call ([E, ffn, h], a copy of the expert weights: the price of
-keeping one parameter layout, one place for every tool that reads experts by name). Expert compute is
+same names. So that the grouped GEMM reads them as one [E, ffn, h] operand without copying the expert weights
+every call, each weight is a row of one tensor per projection (`_pack`, redone after every .to()/.cuda()); where
+something re-homes a weight anyway, the call stacks a copy (`stacked_weights`), same numbers. Expert compute is
 rank-local in megatron (explicit_expert_comm: the token dispatcher does the EP all-to-all/all-gather and the
 expert-TP reduce), so nothing here communicates and TP, EP and the dropless dispatch are unchanged.
 
@@ -53,9 +54,54 @@ def grouped_linear(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor
     return out[:, :n] if n_pad else out
 
 
+class _StackedView(torch.autograd.Function):
+    """[E, out, in] view of E same-shaped weights that lie back to back in one storage: no copy forward; backward,
+    each weight's gradient is its row of the stacked gradient."""
+
+    @staticmethod
+    def forward(ctx, *weights):
+        first = weights[0]
+        return first.as_strided((len(weights), *first.shape), (first.numel(), *first.stride()))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.unbind(0)
+
+
+def _back_to_back(weights: list[torch.Tensor]) -> bool:
+    """The weights are contiguous rows of one storage, in order (what _pack leaves)."""
+    first = weights[0]
+    base, step = first.untyped_storage().data_ptr(), first.numel()
+    return all(w.is_contiguous() and w.shape == first.shape and w.untyped_storage().data_ptr() == base
+               and w.storage_offset() == first.storage_offset() + j * step for j, w in enumerate(weights))
+
+
 class GroupedGemmExperts(SequentialMLP):
     """megatron's SequentialMLP computed as grouped GEMMs; forward(permuted tokens [T, h], tokens_per_expert [E],
     permuted probs [T]) -> ([T, h], None) as SequentialMLP, equal to its loop (tests/test_moe_experts.py)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._pack()
+
+    def _pack(self) -> None:
+        """Re-home every local expert's fc1 (fc2) weight as a row of one [E, out, in] tensor: parameters, names and
+        values unchanged, their storage shared (in-place updates, copy_ and load_state_dict keep it)."""
+        with torch.no_grad():
+            for name in ("linear_fc1", "linear_fc2"):
+                weights = [getattr(e, name).weight for e in self.local_experts]
+                for w, row in zip(weights, torch.stack([w.data for w in weights])):
+                    w.data = row
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)  # .to()/.cuda()/.half() give every weight its own new tensor: pack them again
+        self._pack()
+        return self
+
+    def stacked_weights(self, name: str) -> torch.Tensor:
+        """[E, out, in] of every local expert's `name` weight: a view where packed, else a stacked copy."""
+        weights = [getattr(e, name).weight for e in self.local_experts]
+        return _StackedView.apply(*weights) if _back_to_back(weights) else torch.stack(weights)
 
     def grouped_gemm_unsupported(self, hidden: torch.Tensor) -> str | None:
         """Why this call runs the per-expert loop instead (None: it runs grouped)."""
@@ -83,9 +129,7 @@ class GroupedGemmExperts(SequentialMLP):
             return super().forward(hidden, tokens_per_expert, permuted_probs)
         counts = torch.as_tensor(tokens_per_expert, device=hidden.device)
         offsets = counts.cumsum(0).to(torch.int32)
-        fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, ffn/etp, h]
-        fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, h, ffn/etp]
-        inter = grouped_linear(hidden, fc1, offsets)
+        inter = grouped_linear(hidden, self.stacked_weights("linear_fc1"), offsets)  # [E, ffn/etp, h]
         # MLP's unfused path with a per-token scale: act(x) * probs, back to the activations' dtype
         inter = (self.local_experts[0].activation_func(inter) * permuted_probs.unsqueeze(-1)).to(inter.dtype)
-        return grouped_linear(inter, fc2, offsets), None
+        return grouped_linear(inter, self.stacked_weights("linear_fc2"), offsets), None  # [E, h, ffn/etp]

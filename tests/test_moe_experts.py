@@ -73,6 +73,28 @@ def test_grouped_experts_equal_the_loop_fp32(pg, hidden, ffn):
     assert grads[names.index("local_experts.1.linear_fc1.weight")].abs().max() == 0
 
 
+def test_expert_weights_are_read_in_place_and_stay_packed_through_casts(pg):
+    """The grouped GEMM reads the experts' weights as one tensor without copying them (GroupedGemmExperts._pack),
+    also after the dtype casts the trainer does; a weight re-homed by hand falls back to a stacked copy, same numbers."""
+    grouped = _experts(pg, GroupedGemmExperts, 4, 64, 32)
+    for dtype in (torch.bfloat16, torch.float32):
+        grouped.to(dtype)
+        for name in ("linear_fc1", "linear_fc2"):
+            weights = [getattr(e, name).weight for e in grouped.local_experts]
+            stacked = grouped.stacked_weights(name)
+            assert stacked.dtype == dtype and stacked.data_ptr() == weights[0].data_ptr()  # a view, not a copy
+            assert all(torch.equal(stacked[j], w) for j, w in enumerate(weights))
+    loop = _experts(pg, SequentialMLP, 4, 64, 32)
+    loop.load_state_dict(grouped.state_dict())
+    moved = grouped.local_experts[1].linear_fc2.weight
+    moved.data = moved.data.clone()
+    assert grouped.stacked_weights("linear_fc2").data_ptr() != grouped.local_experts[0].linear_fc2.weight.data_ptr()
+    x, c, probs, go = _inputs([3, 0, 6, 5], 64)
+    (out, grads), (ref, ref_grads) = _run(grouped, x, c, probs, go), _run(loop, x, c, probs, go)
+    assert _rel(out, ref) <= 1e-5
+    assert all((a - b).abs().max() <= 1e-5 * b.abs().max().clamp(min=1) for a, b in zip(grads, ref_grads))
+
+
 def test_unaligned_width_is_what_grouped_mm_refuses_unpadded():
     """The padding is needed: _grouped_mm itself refuses a 6-wide fp32 row (24 bytes); grouped_linear pads it."""
     x, w, offs = torch.randn(5, 6), torch.randn(2, 4, 6), torch.tensor([2, 5], dtype=torch.int32)
