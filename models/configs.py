@@ -62,6 +62,18 @@ BENCH_100M = dict(  # ~100M-parameter Nemotron-H shape for CPU throughput runs (
     hybrid_override_pattern="M-M-M-M*-M-M-M*-M-",
 )
 
+def _slice(release: dict, pattern: str) -> dict:
+    """A real-width slice of a released LLM: its widths, heads, experts and vocabulary, only `pattern`'s layers (one
+    GPU trains it with the release's encoders: scripts/gpu_step.py measures TFLOPS/GPU and MFU on it)."""
+    return {k: v for k, v in release.items() if k != "published_params"} | {"hybrid_override_pattern": pattern}
+
+
+# ~2.5B parameters (1.34B of them embedding and output layer): 3 Mamba-2 + 3 MLP + 1 attention, the 12B's mix
+NEMOTRON_NANO_12B_V2_SLICE = _slice(NEMOTRON_NANO_12B_V2, "M-M*-M-")
+# ~2.1B parameters: 2 Mamba-2, 1 attention, 1 MoE layer of all 128 experts (1.3B); with ViT-H, Parakeet and
+# mixed-precision Adam ~60 GB before activations, so one 80 GB GPU holds it
+NEMOTRON_3_NANO_30B_A3B_SLICE = _slice(NEMOTRON_3_NANO_30B_A3B, "M*EM")
+
 REGISTRY = {
     "nemotron_h_tiny_dense": TINY_DENSE,
     "nemotron_h_tiny_moe": TINY_MOE,
@@ -69,6 +81,8 @@ REGISTRY = {
     "nemotron_nano_12b_v2": NEMOTRON_NANO_12B_V2,
     "nemotron_nano_9b_v2": NEMOTRON_NANO_9B_V2,
     "nemotron_3_nano_30b_a3b": NEMOTRON_3_NANO_30B_A3B,
+    "nemotron_nano_12b_v2_slice": NEMOTRON_NANO_12B_V2_SLICE,
+    "nemotron_3_nano_30b_a3b_slice": NEMOTRON_3_NANO_30B_A3B_SLICE,
 }
 
 

@@ -46,6 +46,7 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -164,10 +165,12 @@ class MambaLayer(MegatronModule):
 
 
 def build_hybrid_layer_specs(config: HybridConfig, core_attention=SDPACoreAttention,
-                             mamba_mixer=Mamba2Mixer) -> dict[str, ModuleSpec]:
+                             mamba_mixer=Mamba2Mixer, moe_experts=SequentialMLP) -> dict[str, ModuleSpec]:
     """One layer spec per pattern symbol, all from megatron's local backend. `core_attention` and
     `mamba_mixer` are the pluggable sequence kernels (context-parallel or GPU ones come from hetero/);
-    a mixer class takes (config, submodules, layer_number, pg_collection=...) like Mamba2Mixer."""
+    a mixer class takes (config, submodules, layer_number, pg_collection=...) like Mamba2Mixer.
+    `moe_experts` computes the routed experts: megatron's SequentialMLP or a subclass with its parameters
+    (models/moe_experts.GroupedGemmExperts)."""
     backend = LocalSpecProvider()
     norm = RMSNorm
     column, row = backend.column_parallel_linear(), backend.row_parallel_linear()
@@ -198,12 +201,23 @@ def build_hybrid_layer_specs(config: HybridConfig, core_attention=SDPACoreAttent
         ),
     }
     if config.num_moe_experts:
-        moe = get_moe_module_spec_for_backend(backend=backend, num_experts=config.num_moe_experts)
+        moe = moe_spec(config.num_moe_experts, moe_experts)
         specs[MOE] = ModuleSpec(
             module=TransformerLayer,
             submodules=TransformerLayerSubmodules(pre_mlp_layernorm=norm, mlp=moe, mlp_bda=get_bias_dropout_add),
         )
     return specs
+
+
+def moe_spec(num_experts: int, experts=SequentialMLP) -> ModuleSpec:
+    """megatron's local MoELayer spec (router, token dispatcher, shared expert) with `experts` computing the
+    routed experts: SequentialMLP (megatron's loop) or a subclass taking the same submodules and parameters."""
+    if not issubclass(experts, SequentialMLP):
+        raise TypeError(f"moe_experts={experts.__name__}: use megatron's SequentialMLP or a subclass of it "
+                        "(its parameter names are what the HF import, checkpoints and LoRA read)")
+    spec = get_moe_module_spec_for_backend(backend=LocalSpecProvider(), num_experts=num_experts)
+    spec.submodules.experts.module = experts
+    return spec
 
 
 def vocab_embedding(config: HybridConfig, tp_group) -> tensor_parallel.VocabParallelEmbedding:
@@ -229,7 +243,7 @@ class HybridLM(MegatronModule):
     TransformerConfig fields on a copy of `config`; "none" keeps the config's own recompute fields."""
 
     def __init__(self, config: HybridConfig, pg_collection, core_attention=SDPACoreAttention,
-                 mamba_mixer=Mamba2Mixer, cross_entropy=None, recompute: str = "none"):
+                 mamba_mixer=Mamba2Mixer, cross_entropy=None, recompute: str = "none", moe_experts=SequentialMLP):
         config = with_recompute(config, recompute)
         super().__init__(config=config)
         # (logits [.., V/tp], target) -> per-token loss. It must reduce over *this* module's TP group
@@ -255,7 +269,7 @@ class HybridLM(MegatronModule):
 
         if self.pre_process:
             self.embedding = vocab_embedding(config, tp_group)
-        specs = build_hybrid_layer_specs(config, core_attention, mamba_mixer)
+        specs = build_hybrid_layer_specs(config, core_attention, mamba_mixer, moe_experts)
         # layer_number is 1-based and stage-local, as megatron's TransformerBlock passes it
         # (TransformerLayer adds the stage offset itself).
         self.layers = torch.nn.ModuleList(

@@ -41,6 +41,7 @@ except ImportError:
     sys.modules["numpy"] = types.ModuleType("numpy")
 
 from tessera.hetero.parallel.cp_gather_attention import masked_attention
+from tessera.hetero.parallel.kernel_choice import ieee_fp32_dots, import_kernel_module
 from tessera.models.mamba2 import causal_depthwise_conv1d, document_starts, ssd_chunk_scan
 
 MAMBA = dict(heads=128, dim=80, groups=8, state=128, chunk=128, conv=4)
@@ -57,8 +58,8 @@ def fused_scan(autotune_configs: int = 0):
 
             full = triton.autotune
             triton.autotune = lambda configs, *a, **k: full(configs[:autotune_configs], *a, **k)
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-        return mamba_chunk_scan_combined, ""
+        # a MAMBA_SKIP_CUDA_BUILD build imports too (kernel_choice.import_kernel_module)
+        return import_kernel_module("mamba_ssm.ops.triton.ssd_combined").mamba_chunk_scan_combined, ""
     except Exception as e:  # noqa: BLE001 - ImportError, no triton, no GPU driver...
         return None, f"{type(e).__name__}: {e}"
 
@@ -100,21 +101,19 @@ def check_numerics(device, fused) -> list[tuple[str, float | None, str]]:
     else:
         (x, dt, A, B, C), go = mamba_inputs(length, h, p, g, n, torch.float32, device)
         ins = [x, dt, B, C]
-        ref = ssd_chunk_scan(x, dt, A, B, C, q, resets=document_starts(doc_ids))[0]
-        ref_g = torch.autograd.grad(ref, ins, go)
-        saved = os.environ.get("TRITON_F32_DEFAULT")
-        os.environ["TRITON_F32_DEFAULT"] = saved or "ieee"  # fp32 tl.dot would be tf32 (~1e-3) by default
-        try:  # these fp32 kernels compile now; the bf16 benchmark kernels later, with the default restored
-            y = fused(x, dt, A, B, C, q, seq_idx=doc_ids.to(torch.int32))
-            y_g = torch.autograd.grad(y, ins, go)
-            out.append(("mamba fused vs torch scan: y (3 docs)", rel_err(y, ref), ""))
-            out += [(f"mamba fused vs torch scan: d{k}", rel_err(a, b), "")
-                    for k, a, b in zip(("x", "dt", "B", "C"), y_g, ref_g)]
-        except Exception as e:  # noqa: BLE001 - report a kernel that fails to compile or run, go on
-            out.append(("mamba fused vs torch scan", None, error_text(e)))
-        finally:
-            if saved is None:
-                del os.environ["TRITON_F32_DEFAULT"]
+        # both sides in IEEE fp32 (ieee_fp32_dots says why); these fp32 kernels compile now, the bf16 benchmark
+        # kernels later, with the defaults restored
+        with ieee_fp32_dots():
+            ref = ssd_chunk_scan(x, dt, A, B, C, q, resets=document_starts(doc_ids))[0]
+            ref_g = torch.autograd.grad(ref, ins, go)
+            try:
+                y = fused(x, dt, A, B, C, q, seq_idx=doc_ids.to(torch.int32))
+                y_g = torch.autograd.grad(y, ins, go)
+                out.append(("mamba fused vs torch scan: y (3 docs)", rel_err(y, ref), ""))
+                out += [(f"mamba fused vs torch scan: d{k}", rel_err(a, b), "")
+                        for k, a, b in zip(("x", "dt", "B", "C"), y_g, ref_g)]
+            except Exception as e:  # noqa: BLE001 - report a kernel that fails to compile or run, go on
+                out.append(("mamba fused vs torch scan", None, error_text(e)))
     hq, hkv, d = 8, 2, 64
     qkv = [torch.randn(1, hh, length, d, device=device, requires_grad=True) for hh in (hq, hkv, hkv)]
     go = torch.randn(1, hq, length, d, device=device)

@@ -53,7 +53,7 @@ def bench_model(fields: dict, pg, kernels, batch: int, seq: int, iters: int) -> 
     """(parameter count, forward+backward tokens/s) of one HybridLM."""
     torch.manual_seed(0)
     model = HybridLM(hybrid_config_from_hf(fields), pg, core_attention=kernels.core_attention,
-                     mamba_mixer=kernels.mamba_mixer).train()
+                     mamba_mixer=kernels.mamba_mixer, moe_experts=kernels.moe_experts).train()
     ids = torch.randint(0, fields["vocab_size"], (batch, seq + 1))
 
     def step():

@@ -129,10 +129,11 @@ def check_te_attention_thd(pgs, dev) -> str:
 
 
 def _mixers(pgs, dev):
-    """(CPU Mamba2Mixer, GPU MambaSSMMixer) with the same weights at a 12B-like width, fp32."""
+    """(CPU Mamba2Mixer, GPU mixer) with the same weights at a 12B-like width, fp32; the GPU mixer has mamba_ssm's
+    scan and causal_conv1d's conv, or torch's conv where causal_conv1d is not installed (as select_kernels picks)."""
     from megatron.core.models.backends import LocalSpecProvider
 
-    from tessera.hetero.parallel.kernel_choice import MambaSSMMixer
+    from tessera.hetero.parallel.kernel_choice import MambaSSMMixer, MambaSSMScanMixer, installed
     from tessera.models.mamba2 import Mamba2Mixer, Mamba2Submodules
 
     cfg = llm_config("nemotron_nano_12b_v2", "M", torch.float32)
@@ -140,13 +141,17 @@ def _mixers(pgs, dev):
     sub = Mamba2Submodules(in_proj=backend.column_parallel_linear(), out_proj=backend.row_parallel_linear())
     torch.manual_seed(0)
     cpu = Mamba2Mixer(cfg, sub, pg_collection=pgs)
-    gpu = MambaSSMMixer(cfg, sub, pg_collection=pgs)
+    gpu = (MambaSSMMixer if installed("causal_conv1d") else MambaSSMScanMixer)(cfg, sub, pg_collection=pgs)
     gpu.load_state_dict(cpu.state_dict())
     return cfg, cpu, gpu.to(dev)
 
 
 def check_causal_conv1d(pgs, dev) -> str:
+    from tessera.hetero.parallel.kernel_choice import MambaSSMMixer
+
     _, cpu, gpu = _mixers(pgs, dev)
+    if not isinstance(gpu, MambaSSMMixer):  # torch's conv on both sides would compare nothing
+        raise ImportError("causal_conv1d is not installed (the trainer runs torch's conv)")
     xbc = torch.randn(2, 512, cpu.conv_dim)
     return _verdict(rel_err(gpu.conv(xbc.to(dev)), cpu.conv(xbc)), TOL["fp32"])
 
@@ -157,9 +162,12 @@ def _scan_check(pgs, dev, docs: torch.Tensor | None) -> str:
     x, B, C = torch.randn(b, s, h, p), torch.randn(b, s, g, n), torch.randn(b, s, g, n)
     dt = torch.nn.functional.softplus(torch.randn(b, s, h) - 3)
     A = -torch.exp(cpu.A_log.detach().float())
+    from tessera.hetero.parallel.kernel_choice import ieee_fp32_dots
+
     on_gpu = {} if docs is None else {"doc_ids": docs.to(dev)}
-    out = gpu.scan(*(t.to(dev) for t in (x, dt, A, B, C)), **on_gpu)
-    return _verdict(rel_err(out, cpu.scan(x, dt, A, B, C, doc_ids=docs)), TOL["fp32"])
+    with ieee_fp32_dots():  # Triton's fp32 dots are TF32 by default (1.45e-3 off torch's); both sides IEEE
+        out = gpu.scan(*(t.to(dev) for t in (x, dt, A, B, C)), **on_gpu)
+        return _verdict(rel_err(out, cpu.scan(x, dt, A, B, C, doc_ids=docs)), TOL["fp32"])
 
 
 def check_mamba_ssm_scan(pgs, dev) -> str:
@@ -173,9 +181,11 @@ def check_mamba_ssm_scan_docs(pgs, dev) -> str:
 
 
 def check_mamba_mixer(pgs, dev) -> str:
+    from tessera.hetero.parallel.kernel_choice import ieee_fp32_dots
+
     cfg, cpu, gpu = _mixers(pgs, dev)
     hidden = torch.randn(512, 2, cfg.hidden_size)
-    with torch.no_grad():
+    with torch.no_grad(), ieee_fp32_dots():  # both sides IEEE fp32, as _scan_check
         return _verdict(rel_err(gpu(hidden.to(dev))[0], cpu(hidden)[0]), TOL["fp32"])
 
 
@@ -207,16 +217,20 @@ def _verdict(err: float, tol: float) -> str:
 
 # ---- per-layer TFLOPS ---------------------------------------------------------------------------------
 
-def layer_tflops(pgs, dev, name: str, symbol: str, seq: int, batch: int, iters: int) -> tuple[float, float]:
-    """(ms per forward+backward, TFLOPS) of one `symbol` layer of model `name` in bf16."""
+def layer_tflops(pgs, dev, name: str, symbol: str, seq: int, batch: int, iters: int,
+                 dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
+    """(ms per forward+backward, TFLOPS) of one `symbol` layer of model `name` in `dtype` on `dev` (the kernels
+    select_kernels picks there; scripts/gpu_step.py's CPU smoke runs it at tiny shapes)."""
     from tessera.hetero.parallel.kernel_choice import select_kernels
     from tessera.models.hybrid_llm import HybridLM
 
-    cfg = llm_config(name, symbol)
-    kernels = select_kernels(pgs, dtype=torch.bfloat16)
-    layer = HybridLM(cfg, pgs, core_attention=kernels.core_attention, mamba_mixer=kernels.mamba_mixer).layers[0]
-    layer = layer.to(dev, torch.bfloat16)
-    x = torch.randn(seq, batch, cfg.hidden_size, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    cfg = llm_config(name, symbol, dtype)
+    kernels = select_kernels(pgs, dtype=dtype, config=cfg)
+    layer = HybridLM(cfg, pgs, core_attention=kernels.core_attention, mamba_mixer=kernels.mamba_mixer,
+                     moe_experts=kernels.moe_experts).layers[0]
+    layer = layer.to(dev, dtype)
+    x = torch.randn(seq, batch, cfg.hidden_size, device=dev, dtype=dtype, requires_grad=True)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def once():
         out = layer(x, attention_mask=None)[0]
@@ -224,11 +238,11 @@ def layer_tflops(pgs, dev, name: str, symbol: str, seq: int, batch: int, iters: 
 
     for _ in range(2):
         once()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(iters):
         once()
-    torch.cuda.synchronize()
+    sync()
     dt = (time.perf_counter() - t0) / iters
     return 1e3 * dt, 3 * layer_flops(name, symbol, seq, batch) / dt / 1e12
 

@@ -9,6 +9,7 @@ a step with the language stage's move and the media module's move taken out, and
 
 from __future__ import annotations
 
+import importlib
 import re
 import subprocess
 import sys
@@ -197,6 +198,102 @@ def select_ok(kernel_choice) -> str:
     return kernel_choice.select_kernels(_PGs(1), gpu=True).line.split("mamba=")[1].split()[0]
 
 
+def _fake_mamba_ssm(monkeypatch, conv: bool):
+    """mamba_ssm importable (its Triton scan replaced by the torch SSD scan, seq_idx read as documents, which is
+    what the kernel does with it); causal_conv1d importable only when `conv`. Triton cannot run on this CPU."""
+    import types
+
+    from tessera.models.mamba2 import document_starts, ssd_chunk_scan
+
+    def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, initial_states=None, seq_idx=None):
+        assert x.is_contiguous() and (seq_idx is None or seq_idx.dtype == torch.int32)
+        return ssd_chunk_scan(x, dt, A, B, C, chunk_size, initial_states, resets=document_starts(seq_idx))[0]
+
+    names = ["mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton", "mamba_ssm.ops.triton.ssd_combined"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules[names[-1]].mamba_chunk_scan_combined = mamba_chunk_scan_combined
+    fake_conv = types.ModuleType("causal_conv1d")
+    fake_conv.causal_conv1d_fn = None
+    monkeypatch.setitem(sys.modules, "causal_conv1d", fake_conv if conv else None)  # None: ImportError
+
+
+def test_fused_mamba_scan_whenever_mamba_ssm_imports_conv_chosen_on_its_own(monkeypatch):
+    """mamba_ssm without causal_conv1d (a MAMBA_SKIP_CUDA_BUILD wheel, no nvcc for causal_conv1d): the fused scan
+    with torch's conv, not the torch scan; with both, both fused; the `kernels:` line names each."""
+    from tessera.hetero.parallel import kernel_choice as kc
+
+    moe = SimpleNamespace(num_moe_experts=4)
+    for conv, one_rank, head_parallel, name in [
+            (False, kc.MambaSSMScanMixer, kc.HeadParallelMambaSSMScanMixer, "mamba_ssm+torch-conv"),
+            (True, kc.MambaSSMMixer, kc.HeadParallelMambaSSMMixer, "mamba_ssm+causal_conv1d")]:
+        _fake_mamba_ssm(monkeypatch, conv)
+        kc.installed.cache_clear()
+        try:
+            gpu = kc.select_kernels(_PGs(1), gpu=True, config=moe)
+            assert gpu.mamba_mixer is one_rank, (conv, gpu.line)
+            assert gpu.line == f"kernels: attention=torch-sdpa mamba={name} experts=torch-grouped-mm device=cuda"
+            cp = kc.select_kernels(_PGs(2), gpu=True, config=HEADS)
+            assert cp.mamba_mixer is head_parallel and f"mamba=head-parallel(cp=2)+{name} " in cp.line, cp.line
+            assert kc.select_kernels(_PGs(1), gpu=False).mamba_mixer is kc.Mamba2Mixer  # no GPU: torch's scan
+        finally:
+            kc.installed.cache_clear()
+
+
+def test_mamba_ssm_built_without_cuda_extensions_gives_its_triton_scan(tmp_path, monkeypatch):
+    """A MAMBA_SKIP_CUDA_BUILD=TRUE build (README: shipped to a cluster without package access) has no
+    selective_scan_cuda, which mamba_ssm/__init__.py imports; its Triton scan still imports and is picked."""
+    from tessera.hetero.parallel import kernel_choice as kc
+
+    triton_dir = tmp_path / "mamba_ssm" / "ops" / "triton"
+    triton_dir.mkdir(parents=True)
+    (tmp_path / "mamba_ssm" / "__init__.py").write_text("import selective_scan_cuda  # as mamba_ssm 2.x does\n")
+    (tmp_path / "mamba_ssm" / "ops" / "__init__.py").write_text("")
+    (triton_dir / "__init__.py").write_text("")
+    (triton_dir / "ssd_combined.py").write_text("def mamba_chunk_scan_combined(*args, **kwargs):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [n for n in sys.modules if n == "mamba_ssm" or n.startswith("mamba_ssm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "causal_conv1d", None)  # not shipped: torch's conv
+    kc.installed.cache_clear()
+    try:
+        with pytest.raises(ImportError, match="selective_scan_cuda"):
+            importlib.import_module("mamba_ssm.ops.triton.ssd_combined")  # what a plain import does
+        assert kc.installed("mamba_ssm")
+        chosen = kc.select_kernels(_PGs(1), gpu=True)
+        assert chosen.mamba_mixer is kc.MambaSSMScanMixer and "mamba=mamba_ssm+torch-conv" in chosen.line
+    finally:
+        kc.installed.cache_clear()
+        for name in [n for n in sys.modules if n == "mamba_ssm" or n.startswith("mamba_ssm.")]:
+            del sys.modules[name]
+
+
+def test_fused_scan_mixer_with_torch_conv_equals_the_torch_mixer(monkeypatch):
+    """MambaSSMScanMixer's call into mamba_chunk_scan_combined (layouts, packed documents as int32 seq_idx) against
+    the torch mixer, the kernel faked by the torch scan: what is left to differ on a GPU is the kernel itself
+    (scripts/gpu_check.py mamba_ssm_scan, both sides in IEEE fp32)."""
+    from _mcore_cpu import single_rank_world
+    from megatron.core.models.backends import LocalSpecProvider
+
+    from tessera.hetero.parallel.kernel_choice import MambaSSMScanMixer
+    from tessera.models import configs
+    from tessera.models.mamba2 import Mamba2Mixer, Mamba2Submodules
+    from tessera.models.nemotron_h_hf import hybrid_config_from_hf
+
+    pgs = single_rank_world()
+    _fake_mamba_ssm(monkeypatch, conv=False)
+    cfg = hybrid_config_from_hf(configs.TINY_DENSE)
+    backend = LocalSpecProvider()
+    sub = Mamba2Submodules(in_proj=backend.column_parallel_linear(), out_proj=backend.row_parallel_linear())
+    torch.manual_seed(0)
+    ref, fused = Mamba2Mixer(cfg, sub, pg_collection=pgs), MambaSSMScanMixer(cfg, sub, pg_collection=pgs)
+    fused.load_state_dict(ref.state_dict())
+    hidden = torch.randn(20, 2, cfg.hidden_size)
+    doc_ids = torch.tensor([[0] * 7 + [1] * 13, [0] * 20])
+    for kwargs in ({}, {"doc_ids": doc_ids}):
+        assert torch.equal(fused(hidden, **kwargs)[0], ref(hidden, **kwargs)[0]), kwargs
+
+
 def test_local_rank_is_checked_against_the_gpus(monkeypatch):
     from tessera.hetero.runtime import device
 
@@ -257,3 +354,23 @@ def test_gpu_check_dry_run_and_no_gpu_message():
     if not torch.cuda.is_available():
         real = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert real.returncode == 2 and "no CUDA GPU" in real.stderr, real.stderr
+
+
+def test_gpu_step_smoke_runs_the_layer_table_and_the_trainer(capsys):
+    """scripts/gpu_step.py --smoke: the per-layer table and one slice's trainer run at tiny shapes on this CPU, the
+    same functions the GPU run uses (the trainer's own FLOP count read back from its metrics.jsonl)."""
+    from tessera.scripts import gpu_step
+
+    assert gpu_step.main(["--recipes", "nemotron_omni_30b_a3b"]) == 2  # no GPU here: says so, runs nothing
+    assert "no CUDA GPU" in capsys.readouterr().err
+    res = subprocess.run([sys.executable, "-m", "tessera.scripts.gpu_step", "--smoke", "--recipes",
+                          "nemotron_omni_30b_a3b", "--iters", "1"], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    layers = {ln.split()[1]: ln.split() for ln in lines if ln.startswith("nemotron_h_tiny_moe ")}
+    assert set(layers) == {"M", "*", "E"}, res.stdout
+    assert all(float(row[4]) > 0 for row in layers.values()), res.stdout  # TFLOPS of a real forward+backward
+    step = [ln.split() for ln in lines if ln.startswith("nemotron_omni_30b_a3b ")]
+    assert len(step) == 1 and step[0][1] == "nemotron_h_tiny_moe" and step[0][2] == "1", res.stdout
+    assert float(step[0][4]) > 0 and "experts=torch-grouped-mm" in lines[-1], res.stdout
+

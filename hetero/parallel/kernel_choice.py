@@ -3,15 +3,22 @@ and this rank's context-parallel group, logged in one line.
 
     kernels = select_kernels(pg_collection)          # logs e.g. "kernels: attention=... mamba=..."
     model = HybridLM(config, pg_collection, core_attention=kernels.core_attention,
-                     mamba_mixer=kernels.mamba_mixer)
+                     mamba_mixer=kernels.mamba_mixer, moe_experts=kernels.moe_experts)
 
 Rules (GPU kernels are an optional extra, never required):
   one-rank kernels (what runs at CP = 1, and on the whole sequence of a rank's heads at CP > 1):
     attention: GPU + Transformer Engine + a bf16/fp16 model -> megatron's TEDotProductAttention (packed
                documents as THD); otherwise models' SDPACoreAttention. fp32 never gets TE: its flash/fused
                backends take only fp16/bf16.
-    mamba:     GPU + mamba_ssm + causal_conv1d -> MambaSSMMixer (fused Triton scan, CUDA conv); otherwise the
-               pure-torch Mamba2Mixer.
+    mamba:     GPU + mamba_ssm -> mamba_ssm's fused Triton scan, its conv chosen on its own: causal_conv1d's CUDA
+               conv where that imports (MambaSSMMixer), torch's conv otherwise (MambaSSMScanMixer: mamba_ssm
+               ships as pure Python + Triton when built with MAMBA_SKIP_CUDA_BUILD, causal_conv1d needs nvcc);
+               no GPU or no mamba_ssm -> the pure-torch Mamba2Mixer. The line says both: mamba=mamba_ssm+torch-conv.
+  MoE experts (with `config` of an MoE LLM): models/moe_experts.GroupedGemmExperts (torch's _grouped_mm, on
+               every device: the same code on CPU and GPU, equal to the loop), megatron's SequentialMLP loop where
+               torch lacks the op. megatron's own GroupedMLP/TEGroupedMLP are not picked even where grouped_gemm
+               or Transformer Engine is installed: their parameters (weight1/weight2, linear_fc1.weightJ) are not
+               the local_experts.J.linear_fc1 names the HF import, checkpoints and LoRA read.
   CP > 1, per layer kind, by the rule of hetero/plan/cp_path.py (the planner prices the same):
     heads split over tp x cp -> head-parallel (hetero/parallel/cp_heads.py): all-to-all to whole sequences
                of 1/cp of the heads, the one-rank kernel above there, all-to-all back;
@@ -23,9 +30,13 @@ Rules (GPU kernels are an optional extra, never required):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import importlib.util
 import logging
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -34,22 +45,39 @@ from tessera.hetero.parallel.cp_attention_module import ZigzagCPCoreAttention
 from tessera.hetero.parallel.cp_heads import HeadParallelMamba2Mixer, head_parallel_attention
 from tessera.hetero.parallel.cp_mamba import ZigzagCPMamba2Mixer
 from tessera.hetero.plan.cp_path import attention_path, mamba_path
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+from tessera.models.moe_experts import GroupedGemmExperts, grouped_mm_available
 from tessera.models.sdpa_attention import SDPACoreAttention
 from tessera.models.mamba2 import Mamba2Mixer
 
 log = logging.getLogger("tessera.kernels")
 
 
-class MambaSSMMixer(Mamba2Mixer):
-    """Mamba2Mixer with mamba_ssm's fused SSD scan and causal_conv1d's conv (GPU). Same parameters, so
-    checkpoints and the HF import are shared with the CPU mixer."""
+class MambaSSMScanMixer(Mamba2Mixer):
+    """Mamba2Mixer with mamba_ssm's fused SSD scan (GPU, Triton) and torch's conv: what runs where mamba_ssm imports
+    but causal_conv1d does not. Same parameters, so checkpoints and the HF import are shared with the CPU mixer."""
 
     # mamba_chunk_scan_combined saves about its inputs and output for backward: selective recompute of the
     # scan would buy no memory, only a second scan (models/recompute.py)
     scan_keeps_intermediates = False
 
-    # Packed documents: doc_ids [b, s] become the kernels' seq_idx (int32 [b, s], a new id = a new sequence:
-    # the conv zeroes taps of other ids, the scan restarts its state), as megatron's MambaMixer does for THD.
+    def scan(self, x, dt, A, B, C, initial_state=None, doc_ids=None) -> torch.Tensor:
+        mamba_chunk_scan_combined = import_kernel_module("mamba_ssm.ops.triton.ssd_combined").mamba_chunk_scan_combined
+        # dt arrives softplus'ed and clamped, so the kernel's own dt_bias/softplus/limit stay off.
+        # Packed documents: doc_ids [b, s] become the kernel's seq_idx (int32 [b, s], a new id = a new sequence:
+        # the scan restarts its state), as megatron's MambaMixer does for THD.
+        seq_idx = doc_ids.to(torch.int32).contiguous() if doc_ids is not None else None
+        y = mamba_chunk_scan_combined(x.contiguous(), dt.contiguous(), A, B.contiguous(), C.contiguous(),
+                                      chunk_size=self.config.mamba_chunk_size, initial_states=initial_state,
+                                      seq_idx=seq_idx)
+        return y.float()
+
+
+class MambaSSMMixer(MambaSSMScanMixer):
+    """MambaSSMScanMixer with causal_conv1d's CUDA conv: both fused kernels (GPU)."""
+
+    # doc_ids as seq_idx: the conv zeroes taps of other ids
     def conv(self, xbc: torch.Tensor, doc_ids: torch.Tensor | None = None, weight=None, bias=None) -> torch.Tensor:
         from causal_conv1d import causal_conv1d_fn
 
@@ -61,20 +89,35 @@ class MambaSSMMixer(Mamba2Mixer):
                                    seq_idx=doc_ids.to(torch.int32).contiguous())
         return out.transpose(1, 2)
 
-    def scan(self, x, dt, A, B, C, initial_state=None, doc_ids=None) -> torch.Tensor:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
-        # dt arrives softplus'ed and clamped, so the kernel's own dt_bias/softplus/limit stay off.
-        seq_idx = doc_ids.to(torch.int32).contiguous() if doc_ids is not None else None
-        y = mamba_chunk_scan_combined(x.contiguous(), dt.contiguous(), A, B.contiguous(), C.contiguous(),
-                                      chunk_size=self.config.mamba_chunk_size, initial_states=initial_state,
-                                      seq_idx=seq_idx)
-        return y.float()
+class HeadParallelMambaSSMScanMixer(HeadParallelMamba2Mixer, MambaSSMScanMixer):
+    """Head-parallel CP (hetero/parallel/cp_heads.py) with mamba_ssm's scan and torch's conv on the whole sequence
+    of this rank's heads."""
 
 
 class HeadParallelMambaSSMMixer(HeadParallelMamba2Mixer, MambaSSMMixer):
     """Head-parallel CP (hetero/parallel/cp_heads.py) with mamba_ssm's scan and causal_conv1d's conv on the whole
     sequence of this rank's heads: the fused kernels at CP > 1."""
+
+
+@contextlib.contextmanager
+def ieee_fp32_dots():
+    """fp32 matmuls in IEEE fp32 on both sides of a fused-vs-torch comparison. Triton's fp32 tl.dot runs as TF32
+    unless TRITON_F32_DEFAULT says otherwise (read when a kernel compiles), and torch may be set to TF32
+    (set_float32_matmul_precision): a TF32 side differs by ~1e-3 (1.45e-3 seen between mamba_ssm's scan and
+    torch's on an H200) and would hide a real bug under the rounding; both in IEEE agree to ~1e-6 (6.3e-7).
+    Kernels compiled inside keep the setting they compiled with, so enter this before the first call."""
+    saved_env, saved_torch = os.environ.get("TRITON_F32_DEFAULT"), torch.get_float32_matmul_precision()
+    os.environ["TRITON_F32_DEFAULT"] = "ieee"
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved_torch)
+        if saved_env is None:
+            del os.environ["TRITON_F32_DEFAULT"]
+        else:
+            os.environ["TRITON_F32_DEFAULT"] = saved_env
 
 
 def thd_cu_seqlens(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -120,6 +163,7 @@ class Kernels:
     core_attention: type
     mamba_mixer: type
     line: str  # the one log line naming what was chosen
+    moe_experts: type = SequentialMLP
 
 
 # What must import for an extra to count as installed: the exact modules and names we call. A build against
@@ -134,12 +178,28 @@ PROBES = {
 HALF = (torch.bfloat16, torch.float16)
 
 
+def import_kernel_module(name: str):
+    """importlib.import_module, except that mamba_ssm built with MAMBA_SKIP_CUDA_BUILD=TRUE (pure Python + Triton:
+    the build a cluster without nvcc or package access gets shipped, README "CPU and GPU paths") still gives its
+    Triton ops. Its package __init__ imports selective_scan_cuda, the Mamba-1 CUDA extension such a build lacks and
+    the SSD scan never calls, so the ops are imported below the package left unexecuted (same files, same path)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        if not name.startswith("mamba_ssm.") or e.name != "selective_scan_cuda":
+            raise
+    spec = importlib.util.find_spec("mamba_ssm")
+    sys.modules["mamba_ssm"] = importlib.util.module_from_spec(spec)  # __path__ set, __init__ not run
+    log.info("kernels: mamba_ssm has no selective_scan_cuda (a MAMBA_SKIP_CUDA_BUILD build): Triton ops only")
+    return importlib.import_module(name)
+
+
 @functools.cache
 def installed(module: str) -> bool:
     """True when `module`'s probes (PROBES) import and expose the names we call; a failure is logged once."""
     for name, attr in PROBES.get(module, [(module, None)]):
         try:
-            mod = importlib.import_module(name)
+            mod = import_kernel_module(name)
             if attr is not None:
                 getattr(mod, attr)
         except Exception as e:  # ImportError, OSError (undefined symbol), RuntimeError from the extension's init
@@ -147,6 +207,13 @@ def installed(module: str) -> bool:
                         module, name, type(e).__name__, e)
             return False
     return True
+
+
+def moe_experts_kernel() -> tuple[type, str]:
+    """(class, name) of the routed experts' compute on this machine (the rule in the module docstring)."""
+    if grouped_mm_available():
+        return GroupedGemmExperts, "torch-grouped-mm"
+    return SequentialMLP, "megatron-sequential"
 
 
 def _size(group) -> int:
@@ -166,7 +233,11 @@ def select_kernels(pg_collection=None, gpu: bool | None = None, have=installed,
     fused_attention = gpu and dtype in HALF and have("transformer_engine")
     one_rank_attention, one_rank_attention_name = ((te_document_attention(), "transformer_engine")
                                                    if fused_attention else (SDPACoreAttention, "torch-sdpa"))
-    fused_mamba = gpu and have("mamba_ssm") and have("causal_conv1d")
+    fused_scan = gpu and have("mamba_ssm")
+    conv_name = "causal_conv1d" if fused_scan and have("causal_conv1d") else "torch-conv"
+    one_rank_mamba = {"causal_conv1d": MambaSSMMixer, "torch-conv": MambaSSMScanMixer}[conv_name]
+    head_parallel_mamba = {"causal_conv1d": HeadParallelMambaSSMMixer,
+                           "torch-conv": HeadParallelMambaSSMScanMixer}[conv_name]
     notes = []
     attention_cp = attention_path(config.num_attention_heads, config.num_query_groups, tp, cp) if cp > 1 else None
     if attention_cp is None:
@@ -178,16 +249,20 @@ def select_kernels(pg_collection=None, gpu: bool | None = None, have=installed,
         attention, attention_name = ZigzagCPCoreAttention, f"zigzag-allgather(cp={cp})+torch"
         notes.append(f"attention {attention_cp.reason}")
     mamba_cp = mamba_path(config.mamba_num_heads, config.mamba_num_groups, tp, cp) if cp > 1 else None
+    fused_name = f"mamba_ssm+{conv_name}"
     if mamba_cp is None:
-        mamba, mamba_name = (MambaSSMMixer, "mamba_ssm") if fused_mamba else (Mamba2Mixer, "torch-ssd")
+        mamba, mamba_name = (one_rank_mamba, fused_name) if fused_scan else (Mamba2Mixer, "torch-ssd")
     elif mamba_cp.head_parallel:
-        mamba, mamba_name = ((HeadParallelMambaSSMMixer, f"head-parallel(cp={cp})+mamba_ssm") if fused_mamba
+        mamba, mamba_name = ((head_parallel_mamba, f"head-parallel(cp={cp})+{fused_name}") if fused_scan
                              else (HeadParallelMamba2Mixer, f"head-parallel(cp={cp})+torch-ssd"))
     else:
         mamba, mamba_name = ZigzagCPMamba2Mixer, f"zigzag-state-passing(cp={cp})+torch"
         notes.append(f"mamba {mamba_cp.reason}")
-    line = (f"kernels: attention={attention_name} mamba={mamba_name} device={'cuda' if gpu else 'cpu'}"
+    experts, experts_name = moe_experts_kernel()
+    moe = getattr(config, "num_moe_experts", None)
+    line = (f"kernels: attention={attention_name} mamba={mamba_name}" + (f" experts={experts_name}" if moe else "")
+            + f" device={'cuda' if gpu else 'cpu'}"
             + ("" if dtype == torch.float32 else f" dtype={str(dtype).removeprefix('torch.')}")
             + (f" (zigzag because {'; '.join(notes)})" if notes else ""))
     log.info(line)
-    return Kernels(attention, mamba, line)
+    return Kernels(attention, mamba, line, experts)

@@ -60,6 +60,7 @@ def build_model(hf_dir: str, pg_collection: ProcessGroupCollection, kernels=None
     config = hybrid_config_from_hf(hf_dir, tp=tp, pp=pp, cp=cp)
     kernels = kernels or select_kernels(pg_collection, dtype=config.params_dtype, config=config)
     model = HybridLM(config, pg_collection, core_attention=kernels.core_attention, mamba_mixer=kernels.mamba_mixer,
+                     moe_experts=kernels.moe_experts,
                      cross_entropy=vocab_parallel_cross_entropy_for(pg_collection.tp))
     load_into(model, LazyCheckpoint(hf_dir), pg_collection.tp.rank(), pg_collection.pp.rank(), pg_collection.ep.rank())
     return model.to(current_device())

@@ -12,7 +12,8 @@ top-k renormalised, aux-loss-free expert bias):
 with E routed experts and one shared expert, no biases (megatron's shared expert has none). The expert bias
 is drawn with the weights and never trained here (megatron updates it from token counts between steps).
 
-The parallel side is megatron's MoELayer from get_moe_module_spec_for_backend(LocalSpecProvider()) with the
+The parallel side is megatron's MoELayer from models.hybrid_llm.moe_spec with the routed experts the trainer
+runs (hetero.parallel.kernel_choice.moe_experts_kernel: grouped GEMMs where torch has them), the
 allgather token dispatcher, the module's process groups injected (ep, expt_tp = tp, tp_ep, expt_dp). Routed
 expert j on EP rank r is global expert r * E/ep + j, its fc1 rows / fc2 columns sliced over expert-TP. With
 TP > 1 the LLM runs sequence parallel (tessera.hetero.plan.layout.llm_sequence_parallel): see ParallelLanguage.
@@ -27,10 +28,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.activations import squared_relu
-from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from tessera.hetero.parallel.kernel_choice import moe_experts_kernel
+from tessera.models.hybrid_llm import moe_spec
 
 LLMS = ("dense", "moe")
 EXPERT_BIAS_SCALE = 0.1  # large enough that the bias changes some tokens' choice (sigmoid scores lie in (0, 1))
@@ -112,7 +114,7 @@ class ParallelMoE(torch.nn.Module):
 
     def __init__(self, w, prefix: str, config: TransformerConfig, pgs, layer_number: int = 1):
         super().__init__()
-        spec = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=config.num_moe_experts)
+        spec = moe_spec(config.num_moe_experts, moe_experts_kernel()[0])  # the experts the trainer runs
         self.layer = build_module(spec, config=config, layer_number=layer_number, pg_collection=pgs)
         router = self.layer.router
         _load(router, w, prefix + ".router", 0, 1, 0)

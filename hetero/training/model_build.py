@@ -126,7 +126,7 @@ def build_rank_modules(model_cfg, layout: HeteroLayout, groups: dict[str, Module
             # the dtype the run computes in (modules are built fp32 and cast by the loop): TE only in bf16
             kernels = select_kernels(g.pgs, dtype=getattr(torch, model_cfg.dtype), config=configs[key])
             out[key] = HybridLM(configs[key], g.pgs, core_attention=kernels.core_attention,
-                                mamba_mixer=kernels.mamba_mixer,
+                                mamba_mixer=kernels.mamba_mixer, moe_experts=kernels.moe_experts,
                                 cross_entropy=vocab_parallel_cross_entropy_for(g.pgs.tp), recompute=modes[LANGUAGE])
             if specs[LANGUAGE].freeze:
                 out[key].requires_grad_(False)
