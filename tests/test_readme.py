@@ -9,8 +9,8 @@ COMMANDS below is the table: one row per README command (matched by a regular ex
            and layout validated, executor sized), and `covered_by` names the tests that train the same path.
   standin  needs a GPU, a real cluster or minutes: `covered_by` names the tests that cover its logic, `why` says why.
 A README command with no row, or with two, fails; so does a row that matches no command (a stale row) and a
-`covered_by` that names no test. The benches' rows run in tests/test_readme_benches.py (a second file, so that
-pytest-xdist runs the two halves side by side)."""
+`covered_by` that names no test. The release chain's rows run in tests/test_readme_release.py and the benches' in
+tests/test_readme_benches.py (files of their own, so that pytest-xdist runs them side by side)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ class Row:
     short: str = ""                 # run: arguments appended (a short mode of a long command)
     covered_by: tuple[str, ...] = ()  # dryrun / standin: tests (file::function) that run its logic
     why: str = ""                   # standin: what it needs that CI has not
-    bench: bool = False             # run in tests/test_readme_benches.py
+    group: str = "tools"            # which file runs it: tools (this one), release (test_readme_release.py),
+                                    # bench (test_readme_benches.py): each under 3 minutes, side by side under xdist
 
 
 TRAIN_STEP = "trainer.max_steps=1 trainer.progress=false trainer.tensorboard=false data.val_path=None"
@@ -66,12 +67,14 @@ COMMANDS = [
         covered_by=("tests/test_finetune.py::test_finetune_hf_checkpoint_with_frozen_encoder_and_export",)),
     Row(r"model\.checkpoint=/tmp/hf_tiny model\.lora", "dryrun",
         covered_by=("tests/test_lora.py::test_lora_run_learns_keeps_base_frozen_and_resumes_exactly",)),
-    Row(r"tiny_release --out /tmp/omni_release --dense --hub-layout", "run",
+    Row(r"tiny_release --out /tmp/omni_release --dense --hub-layout", "run", group="release",
         expect=r"wrote a tiny NemotronH_Omni_Reasoning_V3 checkpoint"),
     # a real `nemo ... --yes` launch, one step: the fine-tune of the tiny release, exported for the next row
-    Row(r"model\.checkpoint=/tmp/omni_release layout=", "run", short=TRAIN_STEP, expect=r"done: steps=1 "),
-    Row(r"M\.from_pretrained\('/tmp/omni_tuned'\)", "run"),
-    Row(r"tools\.parity --hf-dir /tmp/omni_release --layout", "run", expect=r"parity: PASS max_rel_err="),
+    Row(r"model\.checkpoint=/tmp/omni_release layout=", "run", short=TRAIN_STEP, group="release",
+        expect=r"done: steps=1 "),
+    Row(r"M\.from_pretrained\('/tmp/omni_tuned'\)", "run", group="release"),
+    Row(r"tools\.parity --hf-dir /tmp/omni_release --layout", "run", group="release",
+        expect=r"parity: PASS max_rel_err="),
     Row(r"model\.vision=siglip_tiny", "dryrun",
         covered_by=("tests/test_encoders_multimodal.py::test_tiny_multimodal_forward_backward",)),
     Row(r"model\.audio=parakeet_hf_tiny", "dryrun",
@@ -81,7 +84,7 @@ COMMANDS = [
     Row(r"tessera plan --factory nemotron_vl_12b", "run", expect=r"top layouts on 64 x h100"),
     Row(r"scripts\.dryrun --recipe nemotron_vl_12b --world 1024", "run", expect=r"dry run: PASS"),
     Row(r"scripts\.bench_dryrun", "run", short="--worlds 1024 --auto 64 --recipes nemotron_vl_12b",
-        expect=r"load average", bench=True),
+        expect=r"load average", group="bench"),
     Row(r"nemotron_vl_tiny layout=auto", "dryrun",
         covered_by=("tests/test_recipes.py::test_cli_layout_auto_prints_the_layout_it_chose_before_launch",)),
     Row(r"prepare_data\.py --manifest data\.jsonl", "run", expect=r"\[prepare\] wrote 2 samples"),
@@ -102,18 +105,18 @@ COMMANDS = [
     Row(r"hetero\.tools\.verify --llm moe", "run", expect=r"verify: PASS max_rel_err="),
     # the LLM alone against transformers' NemotronH at CP 2, on tiny dense and MoE checkpoints (DIR, made here)
     Row(r"tools\.parity --hf-dir DIR --cp 2", "run", expect=r"parity: PASS max_rel_err="),
-    Row(r"bench_boundary\.py", "run", short="--iters 1 --seq 128 --hidden 64", bench=True,
+    Row(r"bench_boundary\.py", "run", short="--iters 1 --seq 128 --hidden 64", group="bench",
         expect=r"bytes = minimum on every row: True"),
-    Row(r"bench_llm\.py", "run", short="--iters 1 --seq 64 --batch 1", bench=True, expect=r"mamba mixer"),
+    Row(r"bench_llm\.py", "run", short="--iters 1 --seq 64 --batch 1", group="bench", expect=r"mamba mixer"),
     Row(r"bench_loader\.py", "run", short="--media small --kinds image --window 0.5 --repeat 1 --samples 6 "
-        "--warmup 2 --out {ws}/bench_media", bench=True, expect=r"samples/s"),
+        "--warmup 2 --out {ws}/bench_media", group="bench", expect=r"samples/s"),
     Row(r"bench_reads\.py", "run", short="--media small --steps 1 --rows 2 --samples 6 --out {ws}/bench_media "
-        "--layouts vision=dp2@0-1;language=dp2@0-1", bench=True, expect=r"counted"),
+        "--layouts vision=dp2@0-1;language=dp2@0-1", group="bench", expect=r"counted"),
     Row(r"bench_train\.py", "standin", why="minutes: 4 ranks train every layout",
         covered_by=("tests/test_bench_train.py::test_summary_uses_median_after_warmup_and_ratio_to_homogeneous",
                     "tests/test_train_hetero.py::test_loss_and_grad_norm_match_homogeneous_at_every_step")),
-    Row(r"bench_cp\.py", "run", short="--seqs 256 --cps 2 --repeat 1", bench=True, expect=r"\| 256 \| 2 \| mamba \|"),
-    Row(r"bench_cp_kernels", "run", short="--device cpu --seqs 512 --cps 2 --tp 16 --repeat 1", bench=True,
+    Row(r"bench_cp\.py", "run", short="--seqs 256 --cps 2 --repeat 1", group="bench", expect=r"\| 256 \| 2 \| mamba \|"),
+    Row(r"bench_cp_kernels", "run", short="--device cpu --seqs 512 --cps 2 --tp 16 --repeat 1", group="bench",
         expect=r"\| 512 \| 2 \| head \| conv1d"),
     Row(r"calibrate_planner\.py", "standin", why="minutes: 10 layouts trained on 4 ranks, 5 repeats",
         covered_by=("tests/test_planner_calibrate.py::test_fit_recovers_the_generating_constants",)),
@@ -151,7 +154,7 @@ def test_every_readme_command_has_one_row():
                                      f"has {len(rows_of(c))}: {c}"
     for r in COMMANDS:
         assert any(re.search(r.match, c) for c in commands), f"stale row (no README command matches): {r.match}"
-        assert r.how in ("run", "dryrun", "standin"), r
+        assert r.how in ("run", "dryrun", "standin") and r.group in ("tools", "release", "bench"), r
         assert r.how == "run" or r.covered_by, f"{r.match}: a {r.how} row names the tests that cover it"
         assert r.how != "standin" or r.why, f"{r.match}: a standin row says why CI cannot run it"
         assert r.how == "dryrun" or not r.match.startswith(".venv/bin/nemo"), r
@@ -219,13 +222,13 @@ def as_run_here(command: str, row: Row, ws: Path) -> list[list[str]]:
     return [args]
 
 
-def run_rows(bench: bool, ws: Path) -> list[str]:
-    """Runs every `run` row of this half in README order; the failures, each with its output's tail."""
+def run_rows(group: str, ws: Path) -> list[str]:
+    """Runs every `run` row of `group` in README order; the failures, each with its output's tail."""
     failures = []
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
     for command in readme_commands():
         row = rows_of(command)[0]
-        if row.how != "run" or row.bench != bench:
+        if row.how != "run" or row.group != group:
             continue
         for argv in as_run_here(command, row, ws):
             t0 = time.monotonic()
@@ -240,5 +243,5 @@ def run_rows(bench: bool, ws: Path) -> list[str]:
 
 @pytest.mark.multiproc
 def test_readme_commands_run_as_written(tmp_path):
-    failures = run_rows(False, workspace(tmp_path))
+    failures = run_rows("tools", workspace(tmp_path))
     assert not failures, "\n\n".join(failures)
