@@ -188,3 +188,52 @@ def test_ids_are_the_release_chat_templates(prepared, tmp_path):
     assert prompt.tokens.tolist() == hf(expanded, add_special_tokens=False).input_ids
     want = [i for a in (A1, A2) for i in hf(a + "<|im_end|>", add_special_tokens=False).input_ids]
     assert prompt.tokens[prompt.target].tolist() == want
+
+
+def test_unusable_records_are_counted_and_named(media, tmp_path, capsys):
+    """Each unusable record is a counted skip naming file:line, the field and what was expected, never a bare
+    KeyError/StopIteration; the good records around them are prepared."""
+    good = _llava_records()[1]
+    lines = [json.dumps(good), "{not json", json.dumps({"foo": 1}),
+             json.dumps({"image": "a.jpg", "conversations": [{"from": "human", "value": "<image><image> Two?"},
+                                                             {"from": "gpt", "value": "One."}]}),
+             json.dumps({"image": "gone.jpg", "conversations": [{"from": "human", "value": "<image>"},
+                                                                {"from": "gpt", "value": "Gone."}]}),
+             json.dumps({"messages": [{"role": "user", "content": [{"type": "image", "image": "https://x.org/a.jpg"}]},
+                                      {"role": "assistant", "content": "Far."}]}),
+             json.dumps({"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]}),
+             json.dumps({"conversations": [{"from": "human", "value": "<video>" + QV}], "video": "clip.mp4"}),
+             json.dumps({"image": "a.jpg", "caption": "A red circle."})]
+    manifest = media / "mixed.jsonl"
+    manifest.write_text("\n".join(lines) + "\n")
+    assert prepare(["--manifest", str(manifest), "--out", str(tmp_path / "ds")]) == 0
+    err, out = capsys.readouterr()[::-1]
+    assert "format llava (4), messages (2), caption (1): wrote 2 samples" in out, out
+    assert ("skipped 7 {'bad_json': 1, 'unknown_format': 1, 'placeholder_mismatch': 1, 'missing_media': 1, "
+            "'url_media': 1, 'malformed_turn': 1, 'no_assistant_turn': 1}") in out, out
+    for line, words in [(2, "bad_json"), (3, "formats tried: tessera, caption, llava, messages"),
+                        (4, "'conversations': expected one <image> per image item: 2 placeholder(s) for 1"),
+                        (5, f"an existing file: {media / 'gone.jpg'} does not exist"),
+                        (6, "the URL https://x.org/a.jpg"), (7, "'messages[0].role': expected one of"),
+                        (8, "no_assistant_turn")]:
+        assert re.search(rf"skip {re.escape(str(manifest))}:{line}: .*{re.escape(words)}", err), (line, err)
+    assert "Traceback" not in err and "StopIteration" not in err
+
+
+def test_nothing_usable_exits_naming_the_format_and_first_reasons(media, tmp_path, capsys):
+    bad = {"image": ["a.jpg", "b.png"], "conversations": [{"from": "human", "value": "<image>"},
+                                                           {"from": "gpt", "value": "One tag, two images."}]}
+    array = media / "array.jsonl"  # a JSON array where JSONL was expected: read as the array
+    array.write_text(json.dumps([bad] * 4))
+    assert prepare(["--manifest", str(array), "--out", str(tmp_path / "ds")]) == 1
+    err = capsys.readouterr().err
+    assert f"no usable samples in {array} (read as JSON array; detected format: llava)" in err, err
+    first = err.split("the first reasons:\n", 1)[1].splitlines()
+    assert [l.split(" at ")[0].strip() for l in first[:3]] == ["placeholder_mismatch"] * 3, err
+    assert [f"{array}[{i}]" in first[i] for i in range(3)] == [True] * 3 and not list((tmp_path / "ds").glob("*.tar"))
+    # a parquet file is no manifest, and a split the dataset lacks is named with the ones it has
+    parquet = _hf_llava_parquet(tmp_path, media) / "train-00000-of-00001.parquet"
+    assert prepare(["--manifest", str(parquet), "--out", str(tmp_path / "ds")]) == 2
+    assert "--hf" in capsys.readouterr().err
+    assert prepare(["--hf", str(parquet), "--split", "test", "--out", str(tmp_path / "ds")]) == 2
+    assert "no parquet file of split 'test' (found ['train'] by file name): pass --split NAME" in capsys.readouterr().err
