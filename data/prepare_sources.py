@@ -96,7 +96,9 @@ class HFSource:
 
 
 def _open_hf(path: str, split: str):
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a dataset id is read from the local cache only
+    # a dataset id is read from the local cache only; datasets reads these when imported, which on the command
+    # line is here (nothing imports it earlier)
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import datasets
 

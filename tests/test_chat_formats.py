@@ -237,3 +237,28 @@ def test_nothing_usable_exits_naming_the_format_and_first_reasons(media, tmp_pat
     assert "--hf" in capsys.readouterr().err
     assert prepare(["--hf", str(parquet), "--split", "test", "--out", str(tmp_path / "ds")]) == 2
     assert "no parquet file of split 'test' (found ['train'] by file name): pass --split NAME" in capsys.readouterr().err
+
+
+def test_a_dataset_id_is_read_from_the_local_cache(prepared, media, tmp_path, monkeypatch, capsys):
+    """--hf ID: the dataset as an earlier online load_dataset("someone/tiny_vlm") left it in the HF cache (config
+    `default`, files named after the dataset), read offline."""
+    import datasets
+    import huggingface_hub
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    cache = tmp_path / "hf-cache"
+    parquet = next((media / "llava_pq").glob("*.parquet"))
+    Parquet(cache_dir=str(cache), dataset_name="someone___tiny_vlm", hash="0123abcd",
+            data_files={"train": [str(parquet)]}).download_and_prepare()
+    built = next((cache / "someone___tiny_vlm").glob("default-*"))
+    built.rename(built.with_name("default"))
+    for f in (cache / "someone___tiny_vlm" / "default").rglob("someone___tiny_vlm-*.arrow"):
+        f.rename(f.with_name(f.name.replace("someone___", "")))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    # imported by this module before prepare_data set the offline switches: no hub request from a test
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert prepare(["--hf", "someone/tiny_vlm", "--out", str(tmp_path / "ds")]) == 0, capsys.readouterr().err
+    assert _samples(tmp_path / "ds") == _samples(prepared["own"][0])
+    assert prepare(["--hf", "someone/not_cached", "--out", str(tmp_path / "ds2")]) == 2
+    assert "--hf someone/not_cached (split 'train') does not open" in capsys.readouterr().err
