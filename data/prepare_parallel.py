@@ -18,6 +18,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqdm import tqdm
+
 from tessera.data.chat_formats import RecordError, detect, to_conversation
 from tessera.data.prepare import remove_stale_shards, write_part
 from tessera.data.prepare_sources import media_bytes
@@ -79,7 +81,7 @@ def prepare_part(source, part: int, parts: int, out: Path, shard_size: int, tick
                 result.skipped[e.reason] += 1
                 if len(result.reasons) < FIRST_REASONS:
                     result.reasons.append(f"{e.reason} at {where}: {e}")
-                print(f"[prepare] skip {where}: {e.reason}: {e}", file=sys.stderr)
+                tqdm.write(f"[prepare] skip {where}: {e.reason}: {e}", file=sys.stderr)  # above the bar
                 continue
             if len(result.texts) < TEXTS_PER_WORKER:
                 result.texts.extend(t["content"] for t in turns)
@@ -104,8 +106,6 @@ def _worker(source, part, parts, out, shard_size, done, results):
 def prepare_source(source, out: Path, shard_size: int, workers: int = 1) -> Prepared:
     """Every record of `source` into shards in `out` by `workers` processes, with a progress bar on stderr; the
     shards of an earlier run that this one did not write are removed."""
-    from tqdm import tqdm
-
     out.mkdir(parents=True, exist_ok=True)
     result = Prepared()
     # on a terminal only (disable=None): in a log, the skip lines and the summary say it all

@@ -131,11 +131,13 @@ def _encode(tok, conversation, items, template="omni"):
 def prepared(media, tmp_path_factory):
     """Each format's source, prepared: {name: (output folder, exit status)}."""
     out = tmp_path_factory.mktemp("prepared")
+    (media / "llava.json").write_text(json.dumps(_llava_records(), indent=2))  # pretty-printed, as LLaVA ships it
     sources = {
         "own": ["--manifest", _own(media)],
         "llava_json": ["--manifest", media / "llava.json"],
         "llava_jsonl": ["--manifest", _jsonl(media / "llava.jsonl", _llava_records())],
-        "messages_paths": ["--manifest", _jsonl(media / "msgs.jsonl", [{"messages": m} for m in _messages(True)])],
+        "messages_paths": ["--manifest", _jsonl(media / "msgs.jsonl", [{"messages": m} for m in _messages(True)]),
+                           "--workers", "2"],  # JSONL lines dealt to 2 workers
         "messages_lists": ["--manifest", _jsonl(media / "trl.jsonl", [
             {"messages": [dict(t, content="".join(p.get("text") or f"<{p['type']}>" for p in t["content"])
                                if isinstance(t["content"], list) else t["content"]) for t in m], **lists}
@@ -144,7 +146,6 @@ def prepared(media, tmp_path_factory):
         "hf_trl_disk": ["--hf", _hf_trl(media, media), "--workers", "2"],
         "hf_llava_parquet": ["--hf", _hf_llava_parquet(media, media)],
     }
-    (media / "llava.json").write_text(json.dumps(_llava_records(), indent=2))  # pretty-printed, as LLaVA ships it
     return {name: (out / name, prepare([*map(str, args), "--out", str(out / name), "--shard-size", "1"]))
             for name, args in sources.items()}
 
