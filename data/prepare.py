@@ -1,6 +1,7 @@
-"""Dataset preparation as library code: a JSONL manifest, a media folder or a synthetic generator in,
-webdataset shards + energon's index out. scripts/prepare_data.py is its command line; the training loop's
-synthetic data set (data/pipeline.py) calls make_synthetic directly.
+"""Dataset preparation as library code: samples (a manifest's or a Hugging Face dataset's records, turned into
+conversations by data/chat_formats.py and written by data/prepare_parallel.py; a media folder; a synthetic
+generator) in, webdataset shards + energon's index out. scripts/prepare_data.py is its command line; the training
+loop's synthetic data set (data/pipeline.py) calls make_synthetic directly.
 
 Each sample becomes KEY.json ({"conversation", "media": [{"kind", "field", "bytes", "crc32", "probe"}]}: each
 item's header facts, data/media_meta.py) plus one member per media item (KEY.img0.jpg, KEY.vid0.mp4,
