@@ -21,6 +21,7 @@ what was expected and the formats tried; tags that do not match the media list a
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 from tessera.data.tokens import MEDIA_TAGS
@@ -31,6 +32,8 @@ KINDS = tuple(MEDIA_TAGS)
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 ROLES = ("system", "user", "assistant")
 _KEYS = {"tessera": "conversation", "llava": "conversations", "messages": "messages"}
+_TAGS = re.compile("|".join(re.escape(t) for t in MEDIA_TAGS.values()))
+_KIND_OF_TAG = {t: k for k, t in MEDIA_TAGS.items()}
 #: the user turn of a caption-only record (a caption record, a media folder's .txt)
 PROMPTS = {"image": "<image>\nDescribe the image.", "video": "<video>\nWhat happens in this video?",
            "audio": "<audio>\nTranscribe or describe the audio."}
@@ -65,7 +68,7 @@ def to_conversation(rec: dict, fmt: str) -> tuple[list[dict], list[tuple[str, ob
     if not any(t["role"] == "assistant" and t["content"].strip() for t in turns):
         raise RecordError("no_assistant_turn", _KEYS.get(fmt, "caption"), "at least one assistant turn with text "
                           "(the training target)", fmt)
-    tags = Counter({k: sum(t["content"].count(MEDIA_TAGS[k]) for t in turns) for k in KINDS})
+    tags = Counter(_KIND_OF_TAG[t] for t in _TAGS.findall("".join(t["content"] for t in turns)))
     items = Counter(k for k, _ in media)
     for kind in KINDS:
         if tags[kind] != items[kind]:

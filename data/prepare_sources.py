@@ -163,9 +163,11 @@ def media_bytes(kind: str, source, root: Path) -> tuple[str, str, bytes]:
         if not path:
             raise RecordError("missing_media", kind, "a path or bytes, got neither")
         file = root / path
-        if not file.is_file():
-            raise RecordError("missing_media", kind, f"an existing file: {file} does not exist")
-        data = file.read_bytes()
+        try:
+            data = file.read_bytes()
+        except OSError as e:  # one system call where a check first would be two
+            raise RecordError("missing_media", kind, f"an existing file: {file} does not exist" if isinstance(
+                e, FileNotFoundError) else f"a readable file: {file} ({type(e).__name__}: {e.strerror})") from e
     ext = Path(path).suffix.lower().lstrip(".") if path else ""
     return kind, (ext.replace("jpeg", "jpg") or _sniffed_ext(kind, data)), data
 
