@@ -21,10 +21,9 @@ what was expected and the formats tried; tags that do not match the media list a
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 
-from tessera.data.tokens import MEDIA_TAGS
+from tessera.data.tokens import _KIND_OF_TAG, _TAG_RE, MEDIA_TAGS  # the tag grammar encode_conversation reads
 
 FORMATS = ("tessera", "caption", "llava", "messages")
 KINDS = tuple(MEDIA_TAGS)
@@ -32,8 +31,6 @@ KINDS = tuple(MEDIA_TAGS)
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 ROLES = ("system", "user", "assistant")
 _KEYS = {"tessera": "conversation", "llava": "conversations", "messages": "messages"}
-_TAGS = re.compile("|".join(re.escape(t) for t in MEDIA_TAGS.values()))
-_KIND_OF_TAG = {t: k for k, t in MEDIA_TAGS.items()}
 #: the user turn of a caption-only record (a caption record, a media folder's .txt)
 PROMPTS = {"image": "<image>\nDescribe the image.", "video": "<video>\nWhat happens in this video?",
            "audio": "<audio>\nTranscribe or describe the audio."}
@@ -68,7 +65,7 @@ def to_conversation(rec: dict, fmt: str) -> tuple[list[dict], list[tuple[str, ob
     if not any(t["role"] == "assistant" and t["content"].strip() for t in turns):
         raise RecordError("no_assistant_turn", _KEYS.get(fmt, "caption"), "at least one assistant turn with text "
                           "(the training target)", fmt)
-    tags = Counter(_KIND_OF_TAG[t] for t in _TAGS.findall("".join(t["content"] for t in turns)))
+    tags = Counter(_KIND_OF_TAG[t] for t in _TAG_RE.findall("".join(t["content"] for t in turns)))
     items = Counter(k for k, _ in media)
     for kind in KINDS:
         if tags[kind] != items[kind]:
