@@ -11,7 +11,8 @@ line with webdataset's ShardWriter (no format detection, no conversion, no probe
 plain's; `probe share` is the part of the run's CPU time spent in data/media_meta.item_entry (the header probes and
 CRC the loader needs), timed inside the run (one worker), and `vs plain without probes` the ratio with that removed. Rates are per CPU second of the run
 (its process and its workers: what the other loads of a shared machine do not move; wall samples/s beside them), so
-per worker. Each run is its own process, imports outside the timing: peak RSS is its ru_maxrss (imports included). The energon index and the tokenizer, once per dataset after the shards, are not timed.
+per worker. Each run is its own process, imports outside the timing: peak RSS is its own ru_maxrss (imports, ~560 MiB,
+included; with --workers > 1 the workers' are not in it). The energon index and the tokenizer, once per dataset after the shards, are not timed.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def run_one(source: str, path: Path, root: Path, out: Path, workers: int, shard_
         done = prepare_source(src, out, shard_size, workers)
         samples = done.counts["samples"]
     seconds, cpu = time.perf_counter() - t0, _cpu() - c0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    # this process's own peak: RUSAGE_CHILDREN holds a subprocess an import runs (270 MiB), not only the workers
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"samples": samples, "seconds": seconds, "cpu_seconds": cpu, "rss_mib": peak / 1024,
             "probe_share": probe[0] / cpu if workers == 1 else None}
 
