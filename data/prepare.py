@@ -1,6 +1,7 @@
-"""Dataset preparation as library code: a JSONL manifest, a media folder or a synthetic generator in,
-webdataset shards + energon's index out. scripts/prepare_data.py is its command line; the training loop's
-synthetic data set (data/pipeline.py) calls make_synthetic directly.
+"""Dataset preparation as library code: samples (a manifest's or a Hugging Face dataset's records, turned into
+conversations by data/chat_formats.py and written by data/prepare_parallel.py; a media folder; a synthetic
+generator) in, webdataset shards + energon's index out. scripts/prepare_data.py is its command line; the training
+loop's synthetic data set (data/pipeline.py) calls make_synthetic directly.
 
 Each sample becomes KEY.json ({"conversation", "media": [{"kind", "field", "bytes", "crc32", "probe"}]}: each
 item's header facts, data/media_meta.py) plus one member per media item (KEY.img0.jpg, KEY.vid0.mp4,
@@ -29,37 +30,16 @@ import soundfile as sf
 import webdataset as wds
 from PIL import Image, ImageDraw
 
+from tessera.data.chat_formats import caption_chat  # noqa: F401  (re-exported: tests and benchmarks use it)
 from tessera.data.media_meta import PART_FILTER, has_facts, item_entry
 
 KIND_OF_EXT = {".jpg": "image", ".jpeg": "image", ".png": "image", ".webp": "image", ".mp4": "video",
                ".mkv": "video", ".webm": "video", ".wav": "audio", ".flac": "audio", ".ogg": "audio"}
-PROMPTS = {"image": "<image>\nDescribe the image.", "video": "<video>\nWhat happens in this video?",
-           "audio": "<audio>\nTranscribe or describe the audio."}
 FIELD_PREFIX = {"image": "img", "video": "vid", "audio": "aud"}
 
 
 def _media_item(kind: str, path: Path) -> tuple[str, str, bytes]:
     return kind, path.suffix.lower().lstrip(".").replace("jpeg", "jpg"), path.read_bytes()
-
-
-def records_from_manifest(manifest: Path, skipped: Counter):
-    """Yield (key, conversation, [(kind, ext, bytes)]) per usable manifest line; count the rest."""
-    root = manifest.parent
-    for n, line in enumerate(manifest.read_text().splitlines()):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            key = str(rec.get("id", f"{manifest.stem}_{n:07d}"))
-            if "conversation" in rec:
-                media = [_media_item(m["kind"], root / m["path"]) for m in rec.get("media", [])]
-                yield key, rec["conversation"], media
-            else:
-                kind = next(k for k in ("image", "video", "audio") if k in rec)
-                yield key, caption_chat(kind, rec["caption"]), [_media_item(kind, root / rec[kind])]
-        except (OSError, KeyError, StopIteration, ValueError, TypeError) as e:
-            skipped[f"{type(e).__name__}"] += 1
-            print(f"[prepare] skip line {n + 1} of {manifest}: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def records_from_folder(folder: Path, skipped: Counter):
@@ -78,20 +58,27 @@ def records_from_folder(folder: Path, skipped: Counter):
         yield key, caption_chat(kind, caption.read_text().strip()), [_media_item(kind, path)]
 
 
-def caption_chat(kind: str, caption: str) -> list[dict]:
-    return [{"role": "user", "content": PROMPTS[kind]}, {"role": "assistant", "content": caption}]
-
-
 def write_shards(records, out: Path, shard_size: int, media_meta: bool = True) -> Counter:
     """Write samples with webdataset's ShardWriter; returns counts by media kind. media_meta: each item's probe
-    facts, byte length and CRC in the JSON member (data/media_meta.py; False: a dataset as written before them)."""
+    facts, byte length and CRC in the JSON member (data/media_meta.py; False: a dataset as written before them).
+    Shards of an earlier run that this one did not write are removed (remove_stale_shards)."""
+    counts, written = write_part(records, out, shard_size, media_meta)
+    for p in remove_stale_shards(out, written):
+        print(f"[prepare] removed {p} (left by an earlier run, not written by this one)", file=sys.stderr)
+    return counts
+
+
+def write_part(records, out: Path, shard_size: int, media_meta: bool = True,
+               pattern: str = "shard-%06d.tar") -> tuple[Counter, set[str]]:
+    """write_shards' writing, into shards named `pattern` (one per worker, data/prepare_parallel.py): returns the
+    counts by media kind and the names of the shards written."""
     out.mkdir(parents=True, exist_ok=True)
     counts: Counter = Counter()
     written: set[str] = set()
     # an integer mtime: webdataset's default (time.time(), a float) makes tarfile add a PAX extended header to
     # every member, which energon's random-access reader then parses per sample (~0.3 ms, 10% of a small
     # audio sample's loader time, scripts/bench_loader.py)
-    with wds.ShardWriter(str(out / "shard-%06d.tar"), maxcount=shard_size, verbose=0, mtime=int(time.time()),
+    with wds.ShardWriter(str(out / pattern), maxcount=shard_size, verbose=0, mtime=int(time.time()),
                          post=lambda fname: written.add(Path(fname).name)) as sink:
         for key, conversation, media in records:
             sample, fields = {"__key__": key}, []
@@ -103,9 +90,11 @@ def write_shards(records, out: Path, shard_size: int, media_meta: bool = True) -
             sample["json"] = json.dumps({"conversation": conversation, "media": fields}).encode()
             sink.write(sample)
             counts["samples"] += 1
-    for p in remove_stale_shards(out, written):
-        print(f"[prepare] removed {p} (left by an earlier run, not written by this one)", file=sys.stderr)
-    return counts
+    if not counts["samples"]:  # ShardWriter opens its first shard before any sample: an empty tar, not a shard
+        for name in written:
+            (out / name).unlink(missing_ok=True)
+        written = set()
+    return counts, written
 
 
 class ShardError(ValueError):

@@ -2,14 +2,21 @@
 
 Turn a JSONL manifest, a folder, or a synthetic generator into webdataset shards + energon's index.
 
-    python scripts/prepare_data.py --manifest data.jsonl --out DIR [--shard-size 100]
+    python scripts/prepare_data.py --manifest data.jsonl --out DIR [--shard-size 100] [--workers 4]
+    python scripts/prepare_data.py --manifest llava.json --out DIR   # a JSON array: LLaVA's own files
+    python scripts/prepare_data.py --hf DATASET --split train --out DIR [--workers 4]
     python scripts/prepare_data.py --folder photos/ --out DIR      # x.jpg|png|mp4|wav|flac + x.txt caption
     python scripts/prepare_data.py --synthetic --out DIR [--samples 96] [--seed 0]
     ... [--val-ratio 0.1]     # hold out a share of the shards as energon's val split (validated on by default)
 
-Manifest lines are either a caption record {"image"|"video"|"audio": path, "caption": text} or a chat
-record {"conversation": [{"role", "content"}...], "media": [{"kind": "image", "path": p}, ...]} whose
-content holds <image>/<video>/<audio> tags; relative paths resolve against the manifest's folder.
+A manifest is JSONL or a JSON array; each record's format is detected from its keys (data/chat_formats.py):
+Tessera's own chat record {"conversation": [{"role", "content"}...], "media": [{"kind": "image", "path": p}, ...]}
+whose content holds <image>/<video>/<audio> tags, a caption record {"image"|"video"|"audio": path, "caption":
+text}, LLaVA / ShareGPT ({"conversations": [{"from", "value"}...], "image": path or list}) or OpenAI / TRL
+{"messages": [{"role", "content": str or [{"type": "text"|"image"|..., ...}]}]}; relative paths resolve against
+the manifest's folder. --hf takes a Hugging Face dataset (a save_to_disk folder, a parquet file or folder, or a
+dataset id in the local cache; data/prepare_sources.py) whose rows are records of those formats (TRL's `images` +
+`messages`, `image` + `conversations`, ...), media columns read undecoded. --workers N prepares N parts at once.
 Each sample becomes KEY.json ({"conversation", "media": [{"kind", "field", "bytes", "crc32", "probe"}]}: each
 item's header facts, so the global stream reads no media bytes, data/media_meta.py) plus one member per media
 item (KEY.img0.jpg, KEY.vid0.mp4, KEY.aud0.flac). Then `energon prepare` (run in-process) writes
@@ -22,9 +29,10 @@ training from scratch.
     python scripts/prepare_data.py --index --out DIR [--tokenizer PATH]   # tars already in DIR: index only
 (--index also writes the media metadata into a dataset prepared without it: data/media_meta.py; a dataset energon
 prepared keeps its dataset.yaml and split, and one of energon's typed samples trains as it is: --index refuses it.)
-Items that cannot be read are skipped and reported with their reason; the process never stops on one. A
-shard that is cut off or unreadable (interrupted write, full disk, partial copy) is reported by name with
-what to do, and the exit status is 2 (1: no usable samples).
+Records and items that cannot be used are skipped, counted by reason and named (file:line or row, the field,
+what was expected); the process never stops on one. The detected format is printed with the counts. A shard that
+is cut off or unreadable (interrupted write, full disk, partial copy) is reported by name with what to do, and the
+exit status is 2 (1: no usable samples, with the detected format and the first three reasons).
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from collections import Counter
 from pathlib import Path
 
 from tessera.data.prepare import (ShardError, add_media_metadata, energon_prepare, index_in_place, make_synthetic,
-                                  records_from_folder, records_from_manifest, write_shards)
+                                  records_from_folder, write_shards)
 
 
 def _texts(records, into: list):
@@ -70,10 +78,34 @@ def _tokenizer(out: Path, given: Path | None, texts: list[str]) -> str:
             f"--tokenizer ITS tokenizer.json or .model, or train with model.checkpoint=DIR holding it)")
 
 
+def _prepare_records(args):
+    """--manifest / --hf: (counts, skipped, texts, detected format), or the exit status when nothing is usable."""
+    from tessera.data.prepare_parallel import prepare_source
+    from tessera.data.prepare_sources import HFSource, ManifestSource, SourceError
+
+    if args.workers < 1:
+        print(f"[prepare] --workers {args.workers}: give 1 or more processes", file=sys.stderr)
+        return 2
+    try:
+        source = ManifestSource(args.manifest) if args.manifest else HFSource(args.hf, args.split)
+    except SourceError as e:
+        print(f"[prepare] {e}", file=sys.stderr)
+        return 2
+    done = prepare_source(source, args.out, args.shard_size, args.workers)
+    if done.counts["samples"] == 0:
+        print(f"[prepare] no usable samples in {args.manifest or args.hf} (read as {source.kind}; detected format: "
+              f"{done.format}); skipped {dict(done.skipped)}; the first reasons:\n"
+              + "\n".join(f"  {r}" for r in done.reasons), file=sys.stderr)
+        return 1
+    return done.counts, done.skipped, done.texts, done.format
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--manifest", type=Path, help="JSONL manifest (caption or chat records)")
+    src.add_argument("--manifest", type=Path, help="JSONL or JSON array of records (Tessera's, caption, LLaVA / "
+                     "ShareGPT or OpenAI / TRL messages)")
+    src.add_argument("--hf", help="Hugging Face dataset: save_to_disk folder, parquet file or folder, or cached id")
     src.add_argument("--folder", type=Path, help="folder of media files with same-name .txt captions")
     src.add_argument("--synthetic", action="store_true", help="generate a small realistic dataset")
     src.add_argument("--index", action="store_true", help="only index the webdataset tars already in --out")
@@ -81,6 +113,8 @@ def main(argv=None) -> int:
                     "OUT/tokenizer.model or OUT/tokenizer.json (default: train one on the dataset's texts)")
     ap.add_argument("--out", type=Path, required=True, help="output folder for shard-*.tar and .nv-meta")
     ap.add_argument("--shard-size", type=int, default=16, help="samples per tar shard")
+    ap.add_argument("--split", default="train", help="--hf: the split to prepare")
+    ap.add_argument("--workers", type=int, default=1, help="--manifest/--hf: processes preparing parts at once")
     ap.add_argument("--samples", type=int, default=96, help="--synthetic: number of samples")
     ap.add_argument("--seed", type=int, default=0, help="--synthetic: generator seed")
     ap.add_argument("--val-ratio", type=float, default=0.0, help="share of the shards held out as energon's val "
@@ -122,13 +156,17 @@ def main(argv=None) -> int:
                 print(f"[prepare] added media metadata to {rewritten} shard(s) in {args.out}", file=sys.stderr)
             index_in_place(args.out)  # an energon-prepared dataset keeps its dataset.yaml and split
             counts = Counter()
-        else:
-            records = (records_from_manifest(args.manifest, skipped) if args.manifest
-                       else records_from_folder(args.folder, skipped))
-            counts = write_shards(_texts(records, texts), args.out, args.shard_size)
+        elif args.folder:
+            counts = write_shards(_texts(records_from_folder(args.folder, skipped), texts), args.out, args.shard_size)
             if counts["samples"] == 0:
                 print(f"[prepare] no usable samples; skipped {dict(skipped)}", file=sys.stderr)
                 return 1
+            energon_prepare(args.out, media_meta=True, val_ratio=args.val_ratio)
+        else:
+            done = _prepare_records(args)
+            if isinstance(done, int):
+                return done
+            counts, skipped, texts, fmt = done
             energon_prepare(args.out, media_meta=True, val_ratio=args.val_ratio)
     except ShardError as e:
         print(f"[prepare] {e}", file=sys.stderr)
@@ -145,6 +183,8 @@ def main(argv=None) -> int:
            if args.synthetic and args.tokenizer is None else _tokenizer(args.out, args.tokenizer, texts))
     shards = len(list(args.out.glob("*.tar")))
     what = "indexed" if args.index else f"wrote {counts['samples']} samples in"
+    if args.manifest or args.hf:
+        what = f"format {fmt}: {what}"
     print(f"[prepare] {what} {shards} shards in {args.out} "
           + ("" if args.index else f"(image={counts['image']} video={counts['video']} audio={counts['audio']}); "
                                    f"skipped {sum(skipped.values())}" + (f" {dict(skipped)}" if skipped else ""))

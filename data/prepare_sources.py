@@ -1,0 +1,192 @@
+"""Where scripts/prepare_data.py's records come from, and their media bytes.
+
+A source is split into contiguous parts, one per worker (data/prepare_parallel.py), each read on its own:
+
+  ManifestSource  a JSONL file, one record a line, streamed; or a JSON array (LLaVA's .json, whatever the file is
+                  called: the first character decides), parsed once before the workers start, which share it.
+  HFSource        a Hugging Face dataset: a save_to_disk folder, a parquet file or folder, or a dataset id in the
+                  local cache (offline), one split. Arrow tables are memory-mapped: nothing is held whole. Media
+                  columns (Image, Audio, Video, or lists of them) are read with decode=False, as {"bytes", "path"}:
+                  data/media.py decodes them (datasets 5 decodes audio through torchcodec, not installed here).
+
+Each record comes with `where` (file:line, file[index] or dataset[split][row]) for the skip messages.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+from pathlib import Path
+
+from tessera.data.chat_formats import RecordError
+
+SPLIT_NAMES = ("train", "validation", "val", "test")
+
+
+class SourceError(ValueError):
+    """A source that cannot be opened at all; the message names it and what to pass instead."""
+
+
+def part_range(total: int, part: int, parts: int) -> range:
+    """Rows [start, end) of contiguous part `part` of `parts` (sizes differ by at most one)."""
+    size, extra = divmod(total, parts)
+    start = part * size + min(part, extra)
+    return range(start, start + size + (part < extra))
+
+
+class ManifestSource:
+    def __init__(self, path: Path):
+        self.path, self.root, self.name = Path(path), Path(path).parent, Path(path).stem
+        if not self.path.is_file():
+            raise SourceError(f"--manifest {path}: no such file")
+        with open(self.path, "rb") as f:
+            head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+        self.array = None
+        if head.startswith(b"["):  # a JSON array, also where JSONL was expected: read as the array
+            try:
+                self.array = json.loads(self.path.read_text(encoding="utf-8-sig"))
+            except (ValueError, UnicodeDecodeError) as e:
+                raise SourceError(f"--manifest {path}: starts with '[' but is not a JSON array ({e})") from e
+        elif head[:1] not in (b"{", b""):
+            raise SourceError(f"--manifest {path}: neither JSONL (an object per line) nor a JSON array (it starts "
+                              f"with {head[:16]!r}); a parquet file or a Hugging Face dataset goes to --hf")
+
+    @property
+    def kind(self) -> str:
+        return "JSON array" if self.array is not None else "JSONL"
+
+    @property
+    def total(self) -> int | None:
+        """The number of records when known without reading the file (a JSONL file's is not)."""
+        return None if self.array is None else len(self.array)
+
+    def records(self, part: int = 0, parts: int = 1):
+        """(index, where, record or RecordError) of part `part`."""
+        if self.array is not None:
+            for i in part_range(len(self.array), part, parts):
+                yield i, f"{self.path}[{i}]", self.array[i]
+            return
+        with open(self.path, encoding="utf-8-sig") as f:
+            for n, line in enumerate(f):
+                if n % parts != part or not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError as e:
+                    rec = RecordError("bad_json", "(line)", f"one JSON object per line ({e})")
+                yield n, f"{self.path}:{n + 1}", rec
+
+
+class HFSource:
+    def __init__(self, path: str, split: str = "train"):
+        here = Path(path)  # relative media paths in rows resolve against the dataset's folder
+        self.root = (here if here.is_dir() else here.parent) if here.exists() else Path.cwd()
+        self.split, self.path = split, path
+        self.name = re.sub(r"[^A-Za-z0-9_-]", "_", Path(path).stem if Path(path).exists() else path)
+        self.dataset = _open_hf(path, split)
+        self.kind = f"Hugging Face dataset ({len(self.dataset)} rows of split {split!r})"
+        self.total = len(self.dataset)
+
+    def records(self, part: int = 0, parts: int = 1):
+        rows = part_range(len(self.dataset), part, parts)
+        for i, row in zip(rows, self.dataset.select(rows)):
+            yield i, f"{self.path}[{self.split}][{i}]", row
+
+
+def _open_hf(path: str, split: str):
+    # a dataset id is read from the local cache only; datasets reads these when imported, which on the command
+    # line is here (nothing imports it earlier)
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import datasets
+
+    p = Path(path)
+    try:
+        if p.is_dir() and any((p / f).is_file() for f in ("state.json", "dataset_dict.json")):
+            ds = datasets.load_from_disk(str(p))
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise SourceError(f"--hf {path}: no split {split!r}; it has {sorted(ds)}: pass --split NAME")
+                ds = ds[split]
+        elif p.suffix == ".parquet" or p.is_dir():
+            ds = datasets.load_dataset("parquet", data_files={split: _parquet_files(p, split)}, split=split)
+        else:
+            ds = datasets.load_dataset(path, split=split)
+    except SourceError:
+        raise
+    except Exception as e:  # datasets' own errors are many classes; say which input and what it accepts
+        raise SourceError(f"--hf {path} (split {split!r}) does not open as a Hugging Face dataset ({type(e).__name__}: "
+                          f"{str(e)[:300]}); give a save_to_disk folder, a parquet file or folder, or the id of a "
+                          f"dataset in the local cache") from e
+    return _undecoded(ds)
+
+
+def _parquet_files(p: Path, split: str) -> list[str]:
+    files = [p] if p.is_file() else sorted(p.rglob("*.parquet"))
+    if not files:
+        raise SourceError(f"--hf {p}: no .parquet files in it, and no save_to_disk state.json")
+
+    def split_of(f: Path) -> str | None:  # the Hub's layouts: train-00000-of-00002.parquet, data/test/*.parquet
+        rel = str(f.relative_to(p)) if p.is_dir() else f.name
+        return next((s for s in SPLIT_NAMES if re.search(rf"(^|[/_.-]){s}([/_.-]|$)", rel)), None)
+
+    named = {f: split_of(f) for f in files}
+    if split in named.values():
+        return [str(f) for f, s in named.items() if s == split]
+    if any(named.values()) or split != "train":
+        raise SourceError(f"--hf {p}: no parquet file of split {split!r} (found "
+                          f"{sorted({s for s in named.values() if s})} by file name): pass --split NAME")
+    return [str(f) for f in files]
+
+
+def _undecoded(ds):
+    """`ds` with every media column (Image, Audio, Video, or a list of them) read as {"bytes", "path"}."""
+    import datasets
+
+    media = (datasets.Image, datasets.Audio, datasets.Video)
+    for name, feature in ds.features.items():
+        inner = getattr(feature, "feature", None) if isinstance(feature, (datasets.List, datasets.LargeList)) else None
+        if isinstance(feature, media):
+            ds = ds.cast_column(name, type(feature)(decode=False))
+        elif isinstance(inner, media):
+            ds = ds.cast_column(name, type(feature)(type(inner)(decode=False)))
+    return ds
+
+
+def media_bytes(kind: str, source, root: Path) -> tuple[str, str, bytes]:
+    """(kind, extension, bytes) of one media item: a path (relative to `root`) or a Hugging Face cell {bytes, path}."""
+    path = source if isinstance(source, str) else source.get("path")
+    data = None if isinstance(source, str) else source.get("bytes")
+    if data is None:
+        if not path:
+            raise RecordError("missing_media", kind, "a path or bytes, got neither")
+        file = root / path
+        try:
+            data = file.read_bytes()
+        except OSError as e:  # one system call where a check first would be two
+            raise RecordError("missing_media", kind, f"an existing file: {file} does not exist" if isinstance(
+                e, FileNotFoundError) else f"a readable file: {file} ({type(e).__name__}: {e.strerror})") from e
+    ext = Path(path).suffix.lower().lstrip(".") if path else ""
+    return kind, (ext.replace("jpeg", "jpg") or _sniffed_ext(kind, data)), data
+
+
+def _sniffed_ext(kind: str, data: bytes) -> str:
+    """The usual extension of bytes without a file name (an HF cell holds only bytes); the loader decodes by content,
+    this only names the tar member."""
+    if kind == "image":
+        from PIL import Image
+
+        try:
+            return {"JPEG": "jpg"}.get(fmt := Image.open(io.BytesIO(data)).format, (fmt or "img").lower())
+        except Exception:
+            return "img"
+    if kind == "audio":
+        import soundfile as sf
+
+        try:
+            return sf.info(io.BytesIO(data)).format.lower()
+        except Exception:
+            return "audio"
+    return "mp4"
