@@ -87,7 +87,7 @@ COMMANDS = [
         expect=r"load average", group="bench"),
     Row(r"nemotron_vl_tiny layout=auto", "dryrun",
         covered_by=("tests/test_recipes.py::test_cli_layout_auto_prints_the_layout_it_chose_before_launch",)),
-    Row(r"prepare_data\.py --manifest data\.jsonl", "run", expect=r"\[prepare\] wrote 2 samples"),
+    Row(r"prepare_data\.py --manifest data\.jsonl", "run", expect=r"\[prepare\] format caption: wrote 2 samples"),
     Row(r"data\.path=/data/mine", "dryrun",
         covered_by=("tests/test_data_end_to_end.py::test_prepared_data_trains_a_tiny_multimodal_model",)),
     Row(r"^energon prepare /data/coco", "standin", why="energon's own CLI on the user's COCO shards (not shipped)",
