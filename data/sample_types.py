@@ -13,7 +13,7 @@ stream (data/loader.py), and decoding pixels there would cost every rank the who
 have no media metadata, so every rank reads each sample's media bytes (logged once per dataset).
 
 How each type becomes a conversation (user turn, assistant turn; the media tag first unless the text has one):
-  CaptioningSample      user: data.caption_prompt (None: the project's caption prompt, data/prepare.PROMPTS)
+  CaptioningSample      user: data.caption_prompt (None: the project's caption prompt, data/chat_formats.PROMPTS)
                         assistant: caption
   VQASample             user: context; assistant: the answer of the largest answer_weight (the first without)
   MultiChoiceVQASample  user: context and the choices as "A. ...", one a line; assistant: "X. correct choice"
@@ -116,7 +116,7 @@ def _media(value, field: str, sample) -> bytes:
 
 def conversation_of(sample, caption_prompt: str | None = None) -> tuple[list[dict], list[tuple[str, bytes]]]:
     """(turns, [(kind, bytes)]) of one of energon's typed samples (module docstring); SampleTypeError."""
-    from tessera.data.prepare import PROMPTS
+    from tessera.data.chat_formats import PROMPTS
 
     name = type(sample).__name__
     kind = MEDIA_OF_TYPE.get(name)

@@ -18,7 +18,8 @@ import torch
 from _energon_sets import energon_set, jpeg
 
 from tessera.data.loader import ChatTaskEncoder, build_loader
-from tessera.data.prepare import PROMPTS, energon_prepare, synth_video, write_shards
+from tessera.data.chat_formats import PROMPTS
+from tessera.data.prepare import energon_prepare, synth_video, write_shards
 from tessera.data.sample_types import UnsupportedSampleType, check_sample_types
 from tessera.data.tokens import EncoderTokens, Tokenizer, train_sentencepiece
 
@@ -172,7 +173,7 @@ def test_a_sample_type_without_a_conversation_is_refused_before_launch(tok, tmp_
     check_data(DataConfig(path=str(good), tokenizer=str(tok.path)))
 
 
-# ---- a blend of an energon CaptioningSample set and a prepare_data set, trained in a heterogeneous layout ----------
+# ---- a blend of an energon CaptioningSample set and a LLaVA set prepared by prepare_data, in a heterogeneous layout
 
 HOMOGENEOUS, COLOCATED = "", "vision=dp4@0-3;language=tp2,dp2@0-3"  # COLOCATED: nemotron_vl_tiny's layout
 STEPS = 2
@@ -193,7 +194,7 @@ def _train_blend(root: str) -> None:
 
 
 @pytest.mark.multiproc
-def test_blend_of_an_energon_set_and_a_prepared_set_trains_in_a_heterogeneous_layout(tmp_path):
+def test_blend_of_an_energon_set_and_a_prepared_llava_set_trains_in_a_heterogeneous_layout(tmp_path):
     from tessera.hetero.tools.spawn import run_on_ranks
     from tessera.hetero.training.metrics import read_metrics
     from tessera.recipes.config import DataConfig
@@ -204,13 +205,16 @@ def test_blend_of_an_energon_set_and_a_prepared_set_trains_in_a_heterogeneous_la
     energon_set(tmp_path / "theirs", [{"__key__": f"t{i:03d}", "jpg": img, "txt": text}
                                       for i, (img, text) in enumerate(imgs[:12])],
                 "CaptioningSample", {"image": "jpg", "caption": "txt"})
-    folder = tmp_path / "folder"
+    folder = tmp_path / "llava"  # the user's other set: LLaVA's own JSON array, as its repository ships it
     folder.mkdir()
+    records = []
     for i, (img, text) in enumerate(imgs[12:]):
         (folder / f"o{i:03d}.jpg").write_bytes(img)
-        (folder / f"o{i:03d}.txt").write_text(text)
-    assert prepare_data.main(["--folder", str(folder), "--out", str(tmp_path / "ours"), "--shard-size", "4",
-                              "--val-ratio", "0.3"]) == 0  # its last shard of three held out
+        records.append({"id": f"o{i:03d}", "image": f"o{i:03d}.jpg", "conversations": [
+            {"from": "human", "value": "<image>\nDescribe the image."}, {"from": "gpt", "value": text}]})
+    (folder / "llava.json").write_text(json.dumps(records, indent=2))
+    assert prepare_data.main(["--manifest", str(folder / "llava.json"), "--out", str(tmp_path / "ours"),
+                              "--shard-size", "4", "--val-ratio", "0.3"]) == 0  # its last shard of three held out
     (tmp_path / "blend.yaml").write_text(
         "__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
         "      - weight: 1\n        path: theirs\n      - weight: 1\n        path: ours\n  val:\n    path: ours\n")

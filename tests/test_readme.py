@@ -94,7 +94,8 @@ COMMANDS = [
         covered_by=("tests/test_energon_sample_types.py::"
                     "test_sample_type_gives_the_ids_mask_and_media_of_the_same_conversation",)),
     Row(r"data\.path=/data/coco", "dryrun", covered_by=(
-        "tests/test_energon_sample_types.py::test_blend_of_an_energon_set_and_a_prepared_set_trains_in_a_heterogeneous_layout",)),
+        "tests/test_energon_sample_types.py::"
+        "test_blend_of_an_energon_set_and_a_prepared_llava_set_trains_in_a_heterogeneous_layout",)),
     Row(r"recipes\.verify --recipe nemotron_omni_tiny layout=", "standin",
         why="minutes: each layout trained on 4 ranks and again on one",
         covered_by=("tests/test_verify_trainer.py::test_verify_trains_a_heterogeneous_layout_and_matches_one_device",)),
