@@ -68,7 +68,8 @@ SKIP_EXAMPLES = 3
 @edataclass
 class RawSample(Sample):
     members: dict  # tar member suffix (e.g. "json", "img0.jpg") -> bytes (text members decoded: TEXT_DECODER)
-    member_bytes: int  # what the reader read for it, before decoding
+    # what the reader read for it, before decoding (cook_raw's count); None for a sample built in code: its members'
+    member_bytes: int | None = None
 
 
 @stateless
@@ -232,7 +233,8 @@ class ChatTaskEncoder(TaskEncoder):
             turns, items = meta["conversation"], meta.get("media", [])
         except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
             self._skip(sample, "corrupt_member", f"json member unreadable ({type(e).__name__}: {e})")
-        self._read += sample.member_bytes
+        self._read += (sample.member_bytes if sample.member_bytes is not None else
+                       sum(len(v) for v in m.values() if isinstance(v, (bytes, str))))
         raw = []
         for it in items:
             if it.get("kind") not in MEDIA_TAGS:

@@ -29,6 +29,7 @@ import webdataset
 import yaml
 from megatron.energon.flavors.webdataset.sample_decoder import SampleDecoder
 
+from tessera.data.chat_formats import PROMPTS
 from tessera.data.tokens import MEDIA_TAGS
 
 #: the project's own schema (data/prepare.py), read by the loader's cooker
@@ -116,8 +117,6 @@ def _media(value, field: str, sample) -> bytes:
 
 def conversation_of(sample, caption_prompt: str | None = None) -> tuple[list[dict], list[tuple[str, bytes]]]:
     """(turns, [(kind, bytes)]) of one of energon's typed samples (module docstring); SampleTypeError."""
-    from tessera.data.chat_formats import PROMPTS
-
     name = type(sample).__name__
     kind = MEDIA_OF_TYPE.get(name)
     if name == "CaptioningSample":

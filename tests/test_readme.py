@@ -110,7 +110,7 @@ COMMANDS = [
         expect=r"bytes = minimum on every row: True"),
     Row(r"bench_llm\.py", "run", short="--iters 1 --seq 64 --batch 1", group="bench", expect=r"mamba mixer"),
     Row(r"bench_loader\.py", "run", short="--media small --kinds image --window 0.5 --repeat 1 --samples 6 "
-        "--warmup 2 --out {ws}/bench_media", group="bench", expect=r"samples/s"),
+        "--warmup 2 --out {ws}/bench_media", group="bench", expect=r"plain/s +loader/s +ratio"),
     Row(r"bench_reads\.py", "run", short="--media small --steps 1 --rows 2 --samples 6 --out {ws}/bench_media "
         "--layouts vision=dp2@0-1;language=dp2@0-1", group="bench", expect=r"counted"),
     Row(r"bench_train\.py", "standin", why="minutes: 4 ranks train every layout",

@@ -43,6 +43,8 @@ def dataset(tmp_path_factory) -> Path:
     <image> id is not the release's."""
     d = tmp_path_factory.mktemp("data") / "ds"
     (d / ".nv-meta").mkdir(parents=True)
+    # the dataset.yaml energon prepare writes for the project's schema (the sample type is checked before launch)
+    (d / ".nv-meta" / "dataset.yaml").write_text("__module__: megatron.energon\n__class__: CrudeWebdataset\n")
     train_sentencepiece(TOKENIZER_TEXTS * 4, d / "tokenizer", vocab_size=120)
     return d
 
