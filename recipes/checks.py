@@ -17,14 +17,14 @@ import dataclasses
 import re
 import typing
 
-from tessera.hetero.plan.layout import ENCODER_KEYS, HeteroLayout, LayoutError
+from tessera.hetero.plan.layout import ENCODER_KEYS
 from tessera.hetero.plan.recompute import parse_recompute
 from tessera.hetero.plan.resolved_run import ResolvedRun
 from tessera.hetero.plan.retention import KeepPolicy
 from tessera.hetero.planner.run_layout import layout_proposals, price_run
-from tessera.hetero.training.run_modules import module_specs, resolve_config
+from tessera.hetero.runspec.modules import module_specs, resolve_config
 from tessera.models import configs, encoders
-from tessera.recipes.config import check_elastic
+from tessera.hetero.runspec.config import check_elastic
 
 MODALITIES = ENCODER_KEYS  # the encoder module keys of a ModelConfig and of a layout
 
@@ -59,52 +59,6 @@ def _memory_problem(cfg, spec: str) -> str:
     it prices (media per row) is an estimate, its other verdicts are the trainer's to make."""
     pred = price_run(cfg, spec)
     return pred.reason if not pred.feasible and pred.reason.startswith("memory") else ""
-
-
-class WorldTooSmall(ValueError):
-    """An elastic job's world on which no layout of the run trains and fits, nor on any smaller world (ranks left
-    as spares); the message names the worlds that do."""
-
-
-PLANNED_SPARE_WORLDS = 8  # smaller worlds the planner searches for a restart with spares (each a whole search)
-
-
-def resolve_restart(cfg, world: int, ranks_per_node: int, llm_fields: dict | None = None) -> ResolvedRun:
-    """An elastic job's run resolved on the `world` ranks its agents re-rendezvoused with (resolve(elastic=True)).
-    When nothing this run can train fits that world: the largest smaller world that it trains on, its lowest ranks
-    training and the rest left as spares (ResolvedRun.spares; they wait, recipes/train.py): 128 rows cannot go over
-    DP 15, so a 128-GPU job that lost a node trains on 96 of its 120. Smaller worlds are whole nodes fewer (single
-    ranks within one node), scaled by DP from the run's layout, or from the planner for the first
-    PLANNED_SPARE_WORLDS of them. When none trains: WorldTooSmall naming the smallest larger world of whole nodes
-    that does (up to the run's own layout's world, or 4x this one for layout=auto/"")."""
-    try:
-        return resolve(cfg, world, llm_fields, elastic=True)
-    except LayoutError as e:
-        first = e
-    node = max(ranks_per_node, 1)
-    step = node if world > node else 1
-    for i, w in enumerate(range(world - step, 0, -step)):
-        try:
-            run = resolve(cfg, w, llm_fields, elastic=True, planner=i < PLANNED_SPARE_WORLDS)
-            return dataclasses.replace(run, spares=world - w)
-        except LayoutError:
-            continue
-
-    def trains(w: int) -> bool:
-        try:
-            resolve(cfg, w, llm_fields, elastic=True)
-            return True
-        except LayoutError:
-            return False
-
-    spec = (cfg.layout or "").strip()
-    top = HeteroLayout.parse(spec).world_size if spec not in ("", "auto") else 4 * world
-    larger = next((w for w in range(world + node, max(top, world) + 1, node) if trains(w)), None)
-    where = (f"the smallest world that fits is {larger} ranks ({larger // node} nodes of {node})" if larger
-             else f"no world of up to {top} ranks fits either")
-    raise WorldTooSmall(f"{first}.\nelastic: this run cannot train on {world} ranks nor on fewer of them (the rest "
-                        f"left as spares): {where}. The checkpoint is intact; the job resumes from it when the agents "
-                        f"re-rendezvous with enough ranks (or set layout=... / trainer.elastic_min_nodes)") from first
 
 
 def check_run(cfg, world_size: int) -> ResolvedRun:

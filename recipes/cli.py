@@ -31,7 +31,7 @@ from nemo_run.cli.api import RunContext
 
 from tessera.hetero.plan.layout import HeteroLayout
 from tessera.recipes import checks, elastic, executors, prelaunch, registry
-from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
 from tessera.recipes.overrides import apply_overrides  # noqa: F401  (also teaches nemo-run's parser our field types)
 
 NAMESPACE = "tessera"
@@ -78,7 +78,7 @@ class TesseraRunContext(RunContext):
             print(f"layout: {layout} ({world} ranks{', chosen by the planner' if spec == 'auto' else ''})",
                   flush=True)
             task.layout = str(layout)
-        _check_elastic(task, getattr(self, "executor", None), world)
+        elastic.check_launch(task, getattr(self, "executor", None), world)
         if resolved.cp_line():  # which LLM layers run head-parallel (fused kernels) and which stay on torch kernels
             print(resolved.cp_line(), flush=True)
         prelaunch.check_inputs(task, getattr(self, "executor", None), dryrun=self.dryrun)
@@ -143,20 +143,6 @@ class TesseraRunContext(RunContext):
         mine = [a for a in args if re.split(r"[-+*/|&]?=", a, maxsplit=1)[0] in params]
         cfg = fdl.build(cli_parser.parse_cli_args(factory, mine, output_type=run.Partial))()
         return cli_parser.parse_cli_args(cfg, [a for a in args if a not in mine])
-
-
-def _check_elastic(task, executor, world: int) -> None:
-    """trainer.elastic_min_nodes > 0: the executor launches elastically (recipes/elastic.py), and the run must train
-    on MIN nodes, as a restart there would resolve it (else refused here, naming the worlds that fit)."""
-    min_nodes = task.trainer.elastic_min_nodes
-    if not min_nodes:
-        return
-    lo, hi = elastic.make_elastic(executor, min_nodes, task.trainer.elastic_max_restarts)
-    per_node = world // hi
-    smallest = checks.resolve_restart(task, lo * per_node, per_node)
-    spares = f" on {smallest.world} of them ({smallest.spares} wait as spares)" if smallest.spares else ""
-    print(f"elastic: {lo}-{hi} nodes, {per_node} ranks a node; on {lo * per_node} ranks the run trains in "
-          f"{smallest.layout}{spares}", flush=True)
 
 
 def _exported_task(fn, yaml, factory, args) -> run.Partial | None:
@@ -246,7 +232,7 @@ def plan(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: Trai
     """Print the top layouts for `gpus` GPUs of `cluster` (0: the recipe's own layout size) with the
     predicted gain over the best homogeneous layout; nothing is launched."""
     from tessera.hetero.planner.run_layout import plan_table_for_run
-    from tessera.recipes.config import RunConfig
+    from tessera.hetero.runspec.config import RunConfig
 
     cfg = RunConfig(name, layout, model, data, optim, trainer)
     gpus = gpus or (HeteroLayout.parse(layout).world_size if layout and layout != "auto" else 8)

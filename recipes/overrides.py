@@ -12,13 +12,13 @@ import nemo_run as run
 from nemo_run.cli import cli_parser
 
 from tessera.recipes import checks
-from tessera.recipes.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+from tessera.hetero.runspec.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
 
 def _teach_parser(*classes) -> None:
     """Let nemo-run parse overrides of these dataclasses' fields.
 
-    nemo-run 0.11.1 parses a value by its field's annotation object. recipes/config.py has
+    nemo-run 0.11.1 parses a value by its field's annotation object. hetero/runspec/config.py has
     `from __future__ import annotations`, so every annotation is a *string* ("int", "str | None"), which the
     parser refuses in strict mode (`trainer.max_steps=20` -> "Unsupported type: int"); and it knows
     typing.Union but not PEP 604's types.UnionType. So: register, for each annotation string, a parser

@@ -1,7 +1,7 @@
 """Checks of a run's *inputs* before anything is launched: data, tokenizer, checkpoint to start from.
 
     from tessera.recipes.prelaunch import check_inputs
-    check_inputs(task)            # task.model / task.data / task.trainer as in recipes/config.py; ValueError
+    check_inputs(task)            # task.model / task.data / task.trainer as in hetero/runspec/config.py; ValueError
 
 recipes/cli.py calls it at the end of TesseraRunContext.parse_fn, so a missing tokenizer or a checkpoint
 directory without weights fails in a second on the submitting machine, with the fix named, instead of on
@@ -247,7 +247,7 @@ def check_save_schedule(task, executor, dryrun: bool = False) -> None:
     if not isinstance(executor, run.SlurmExecutor) or not executor.gpus_per_node or not task.layout:
         return  # CPU jobs: the planner prices GPUs, its step time says nothing about them
     from tessera.hetero.planner.run_layout import price_run
-    from tessera.recipes.config import RunConfig
+    from tessera.hetero.runspec.config import RunConfig
     from tessera.recipes.slurm_signal import slurm_time_s
 
     pred = price_run(RunConfig(task.name, task.layout, task.model, task.data, task.optim, task.trainer), task.layout)

@@ -25,9 +25,9 @@ from typing import Callable
 import nemo_run as run
 
 from tessera.hetero.plan.layout import HeteroLayout, rows_multiple, scale_layout
-from tessera.hetero.training.run_modules import ENCODER_KEYS
+from tessera.hetero.runspec.modules import ENCODER_KEYS
 from tessera.recipes.full_size import RECIPES as PLANNED  # the planner's layout per full-size recipe
-from tessera.recipes.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+from tessera.hetero.runspec.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
 GPU_COUNTS = (8, 16, 32, 64)
 GLOBAL_BATCH = 128  # sequences per optimizer step when the planner gives none

@@ -19,7 +19,7 @@ to runs/<name>-elastic<torchrun's run id>, the same for every restart of its wor
 
 Elastic (issue 36, recipes/elastic.py launches it): torchrun's agents restart the workers when a node is lost or
 joins, with the new WORLD_SIZE; each restarted rank resolves the run again for that world before joining it
-(recipes/checks.resolve_restart: the layout scaled by DP, else the planner's best trainable one, else on fewer
+(recipes/elastic.resolve_restart: the layout scaled by DP, else the planner's best trainable one, else on fewer
 ranks, the step's rows kept), prints what it chose, and resumes from the last complete checkpoint. Ranks beyond
 the world it trains on are spares: they join no process group and wait until rank 0 releases them at the run's
 end (hetero/runtime/world.py). A world on which nothing fits exits non-zero naming the worlds that do, the
@@ -45,8 +45,7 @@ if os.environ.get("RANK", "0") != "0" or not torch.cuda.is_available():
 if not torch.cuda.is_available():
     warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true but no accelerator")
 
-from tessera.hetero.plan.layout import HeteroLayout
-from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
 
 REAPER_TOKEN = "TESSERA_REAPER_TOKEN"  # set by a rank for its descendants: "<rank pid>-<random>"
@@ -118,8 +117,9 @@ def _run_dir(name: str, trainer: TrainerConfig) -> Path:
         # under Slurm the job id, not the time: a requeued job (same id) resumes from its own checkpoints
         stamp = f"slurm{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID") else time.strftime(
             "%Y%m%d-%H%M%S")
-        if not os.environ.get("SLURM_JOB_ID") and trainer.elastic_min_nodes and os.environ.get("TORCHELASTIC_RUN_ID"):
-            stamp = f"elastic{os.environ['TORCHELASTIC_RUN_ID']}"  # every restart of the workers finds its checkpoints
+        from tessera.recipes.elastic import run_dir_stamp
+
+        stamp = run_dir_stamp(trainer) or stamp  # an elastic job: one directory over its restarts
         choice[0] = trainer.run_dir or str(Path("runs") / f"{name}-{stamp}")
     dist.broadcast_object_list(choice, src=0)
     path = Path(choice[0]).resolve()
@@ -149,7 +149,7 @@ def _step_flops(cfg):
     peak of the device this rank computes on for MFU (none on CPU: FLOPs/s only)."""
     from tessera.hetero.planner.flops import StepFlops
     from tessera.hetero.runtime.device import current_device
-    from tessera.hetero.training.run_modules import encoder_names
+    from tessera.hetero.runspec.modules import encoder_names
 
     device = current_device()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -158,44 +158,31 @@ def _step_flops(cfg):
 
 
 def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if not torch.cuda.is_available():
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    from tessera.hetero.runtime.world import join_world, release_spares, wait_as_spare
+    from tessera.hetero.runtime.world import process_world, release_spares
+    from tessera.recipes.elastic import resolve_on_world, restart_before_joining
     from tessera.hetero.training.preemption import EXIT_STOPPED
 
     cfg = RunConfig(name, layout, model, data, optim, trainer)
-    # an elastic restart is resolved before the world is joined (pure and deterministic: every rank alike), since on
-    # a world that no layout of the run tiles the highest ranks stay out of it and wait as spares
-    restart = _resolve_restart(cfg) if trainer.elastic_min_nodes else None
-    if restart is not None and int(os.environ.get("RANK", "0")) >= restart.world:
-        status = wait_as_spare(trainer.timeout_s)
-        print(f"elastic: rank {os.environ['RANK']} waited as a spare until the run's end (exit status {status})",
-              flush=True)
-        raise SystemExit(status)
-    created = join_world(trainer.timeout_s, restart.world if restart else None)  # the device bound first
-    rank = dist.get_rank()
-    run_dir = _run_dir(name, trainer)
-    if rank == 0:
-        print(f"run_dir: {run_dir}", flush=True)
-        from tessera.recipes.prelaunch import full_size_warnings
+    # an elastic restart is resolved before the world is joined, since on a world that no layout of the run tiles
+    # the highest ranks stay out of it and wait as spares (recipes/elastic.py)
+    restart = restart_before_joining(cfg)
+    # threads, megatron-core's CPU shims, the device bound, then the world (an elastic restart's lowest ranks)
+    with process_world(trainer.timeout_s, restart.world if restart else None):
+        rank = dist.get_rank()
+        run_dir = _run_dir(name, trainer)
+        if rank == 0:
+            print(f"run_dir: {run_dir}", flush=True)
+            from tessera.recipes.prelaunch import full_size_warnings
 
-        for line in full_size_warnings(model, data):
-            print(line, file=sys.stderr, flush=True)
-    from tessera.hetero.runtime.cpu_shims import apply_cpu_shims  # heavy imports only after the first line is out
+            for line in full_size_warnings(model, data):
+                print(line, file=sys.stderr, flush=True)
+        from tessera.hetero.training.loop import run_training
 
-    apply_cpu_shims()
-    from tessera.hetero.training.loop import run_training
-
-    try:
         # the run resolved once on this world (every rank alike: pure and deterministic; layout=auto asks the planner)
-        resolved = _describe_restart(cfg, restart) if restart else _resolve_world(cfg)
+        resolved = resolve_on_world(cfg, restart)
         summary = run_training(cfg, resolved, run_dir, stop, step_flops=_step_flops(cfg))
         if rank == 0:
             release_spares(resolved.spares, EXIT_STOPPED if summary.get("stopped_by") else 0)
-    finally:
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
     if summary.get("stopped_by"):
         if rank == 0:
             print(f"stopped by {summary['stopped_by']} after step {summary['steps']}: checkpoint step "
@@ -206,61 +193,6 @@ def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
         print(f"done: steps={summary['steps']} first_loss={summary['first_loss']:.4f} "
               f"last_loss={summary['last_loss']:.4f} layout={summary['layout']}", flush=True)
     return summary
-
-
-def _resolve_world(cfg):
-    """The run on this world, as configured. A layout fixed to another world under torchrun's elastic agent (a
-    restart on the nodes that are left, with trainer.elastic_min_nodes unset) says so and ends the agent: no
-    retry on that world can train."""
-    from tessera.hetero.plan.layout import LayoutError
-    from tessera.recipes.checks import resolve
-    from tessera.recipes.elastic import fixed_layout_message, stop_elastic_agent, torchelastic_restarts
-
-    world, spec = dist.get_world_size(), (cfg.layout or "").strip()
-    try:
-        return resolve(cfg, world)
-    except LayoutError:
-        restarts = torchelastic_restarts()
-        layout_world = HeteroLayout.parse(spec).world_size if spec not in ("", "auto") else world
-        if restarts is None or layout_world == world:
-            raise
-        message = fixed_layout_message(world, spec, layout_world, restarts[0])
-        if restarts[0] < restarts[1]:
-            stop_elastic_agent()
-        raise SystemExit(message if dist.get_rank() == 0 else 1) from None
-
-
-def _resolve_restart(cfg):
-    """An elastic job's run on whatever world its agents (re)started it with (WORLD_SIZE), before joining it: the
-    layout scaled by DP, else the planner's best, else on fewer ranks with the rest as spares; a world too small
-    exits non-zero with the message (rank 0 prints it)."""
-    from tessera.recipes.checks import WorldTooSmall, resolve_restart
-
-    world, per_node = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    try:
-        return resolve_restart(cfg, world, per_node)
-    except WorldTooSmall as e:  # one message, every rank non-zero
-        raise SystemExit(str(e) if os.environ.get("RANK", "0") == "0" else 1) from None
-
-
-def _describe_restart(cfg, resolved):
-    """Rank 0's line on an elastic start on another world than the layout's: which layout and why, and the spares."""
-    from tessera.hetero.plan.resolved_run import scaled_for_restart
-
-    spec, world = (cfg.layout or "").strip(), resolved.world
-    launched = world + resolved.spares
-    if dist.get_rank() == 0 and (resolved.spares or spec not in ("", "auto") and
-                                 HeteroLayout.parse(spec).world_size != world):
-        scaled, why = scaled_for_restart(spec, world, None) if spec not in ("", "auto") else ("", "")
-        how = ("the run's layout scaled by data parallelism" if scaled and HeteroLayout.parse(scaled) == resolved.layout
-               else f"the planner's best layout this run trains on {world} ranks ({why or 'the scaled one does not'})")
-        has = f" (the run's layout has {HeteroLayout.parse(spec).world_size})" if spec not in ("", "auto") else ""
-        spare = (f"; no layout of the run tiles {launched} ranks: ranks {world}-{launched - 1} wait as spares"
-                 if resolved.spares else "")
-        on = f" on ranks 0-{world - 1}" if resolved.spares else ""
-        print(f"elastic: {launched} ranks{has}: layout {resolved.layout}{on}, {how}{spare}; "
-              f"{resolved.rows_per_microbatch} rows x {resolved.microbatches} microbatches per step", flush=True)
-    return resolved
 
 
 def main(argv: list[str]) -> int:

@@ -118,15 +118,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from tessera.hetero.runtime.world import join_world
+    from tessera.hetero.runtime.world import process_world
     from tessera.hetero.training.metrics import read_metrics
     from tessera.recipes.checks import resolve
-    from tessera.recipes.config import RunConfig
+    from tessera.hetero.runspec.config import RunConfig
     from tessera.recipes.registry import build_recipe_kwargs
     from tessera.recipes.train import train
 
-    created = join_world()
-    try:
+    with process_world():  # the launcher's world, the device bound, megatron's CPU shims
         out = [args.out or (tempfile.mkdtemp(prefix="tessera_verify_") if dist.get_rank() == 0 else None)]
         dist.broadcast_object_list(out)
         out = Path(out[0])
@@ -152,9 +151,6 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(out, ignore_errors=True)
         dist.broadcast_object_list(verdict)
         return 0 if verdict[0][0] else 1
-    finally:
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

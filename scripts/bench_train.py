@@ -48,7 +48,7 @@ def _train_all(root: str, layouts: list[tuple[str, str]], steps: int, seq: int, 
                pre=None, trainer_kw: dict | None = None):
     """Every rank: pre() first when given (a microbenchmark), then train each layout for `steps` steps into
     root/<name> (trainer_kw: TrainerConfig fields per run name); returns (pre's result, the run summaries)."""
-    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
     before = pre() if pre is not None else None

@@ -60,7 +60,7 @@ CPU_BOUNDS = {"eff_llm": (1e-4, 1.0), "eff_vit": (1e-4, 1.0), "eff_conformer": (
 def check_trainable(spec: str) -> None:
     """The layout as training resolves it (the one resolution, trainability rule included), or a LayoutError."""
     from tessera.recipes.checks import resolve
-    from tessera.recipes.config import DataConfig, ModelConfig, RunConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig, RunConfig
 
     cfg = RunConfig(layout=spec, model=ModelConfig(llm=LLM, **MODEL),
                     data=DataConfig(seq_length=SEQ, rows_per_microbatch=ROWS, microbatches=MICROBATCHES))

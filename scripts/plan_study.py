@@ -30,7 +30,7 @@ from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout  # noqa: E402
 from tessera.hetero.planner import Workload, cluster, predict, search  # noqa: E402
 from tessera.recipes import full_size as defaults  # noqa: E402
 from tessera.hetero.plan.trainable import untrainable_reasons  # noqa: E402
-from tessera.hetero.training.run_modules import run_model  # noqa: E402
+from tessera.hetero.runspec.modules import run_model  # noqa: E402
 from tessera.recipes import registry  # noqa: E402
 from tessera.models import encoders  # noqa: E402
 

@@ -84,7 +84,7 @@ def test_slurm_signal_and_time_limit_parsing():
 
 
 def _trainer(**kw):
-    from tessera.recipes.config import TrainerConfig
+    from tessera.hetero.runspec.config import TrainerConfig
 
     return TrainerConfig(**kw)
 

@@ -15,7 +15,7 @@ import fiddle as fdl
 import pytest
 
 from tessera.recipes import executors, prelaunch
-from tessera.recipes.config import DataConfig, ModelConfig, TrainerConfig
+from tessera.hetero.runspec.config import DataConfig, ModelConfig, TrainerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 NEMO = ROOT / ".venv" / "bin" / "nemo"

@@ -130,7 +130,7 @@ STEPS, SAVE_AT = 10, 5
 
 
 def _train(run_dir: str, steps: int, distributed: bool, layout: str = LAYOUT, save_every: int = 0):
-    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
     model = ModelConfig(llm="nemotron_h_tiny_moe", vision="radio_vit_tiny", dtype="bfloat16")
@@ -195,7 +195,7 @@ def test_zero1_training_follows_the_replicated_curve_and_resumes(trained):
 
 def test_distributed_optimizer_needs_bf16():
     from tessera.recipes.checks import check_run
-    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
     cfg = RunConfig("x", "", ModelConfig(), DataConfig(), OptimConfig(use_distributed_optimizer=True), TrainerConfig())
     with pytest.raises(ValueError, match="model.dtype=bfloat16"):

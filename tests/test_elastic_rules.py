@@ -21,8 +21,9 @@ from nemo_run.config import get_nemorun_home, set_nemorun_home
 from tessera.hetero.plan.layout import HeteroLayout, LayoutError, scale_layout
 from tessera.hetero.training.metrics import RunMetrics, read_metrics
 from tessera.recipes import elastic, executors
-from tessera.recipes.checks import WorldTooSmall, resolve, resolve_restart
-from tessera.recipes.config import TrainerConfig
+from tessera.recipes.checks import resolve
+from tessera.recipes.elastic import WorldTooSmall, resolve_restart
+from tessera.hetero.runspec.config import TrainerConfig
 from tessera.recipes.registry import recipe
 
 

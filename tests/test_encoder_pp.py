@@ -48,7 +48,7 @@ RESUMES = {"pp_into_reference": ("non_colocated_pp2", REFERENCE), "reference_int
 
 
 def _train(run_dir: str, layout: str, fields: dict, steps: int = STEPS):
-    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
     model = ModelConfig(**{"vision": "radio_vit_tiny", "llm": "nemotron_h_tiny_dense", **fields})

@@ -152,7 +152,7 @@ def test_unusable_typed_samples_are_skipped_and_counted(tok, tmp_path):
 
 
 def test_a_sample_type_without_a_conversation_is_refused_before_launch(tok, tmp_path):
-    from tessera.recipes.config import DataConfig
+    from tessera.hetero.runspec.config import DataConfig
     from tessera.recipes.prelaunch import check_data
 
     (img, _), = _images(1, 11)
@@ -181,7 +181,7 @@ STEPS = 2
 
 def _train_blend(root: str) -> None:
     """Both layouts, one launch, from the same seeded weights (hetero/training/seeded_init.py)."""
-    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
     for name, layout in (("homogeneous", HOMOGENEOUS), ("colocated", COLOCATED)):
@@ -197,7 +197,7 @@ def _train_blend(root: str) -> None:
 def test_blend_of_an_energon_set_and_a_prepared_llava_set_trains_in_a_heterogeneous_layout(tmp_path):
     from tessera.hetero.tools.spawn import run_on_ranks
     from tessera.hetero.training.metrics import read_metrics
-    from tessera.recipes.config import DataConfig
+    from tessera.hetero.runspec.config import DataConfig
     from tessera.recipes.prelaunch import check_data
     from tessera.scripts import prepare_data
 

@@ -20,7 +20,7 @@ LAYOUT = "vision=dp2@0-1;language=tp2@2-3"  # non-colocated, LLM TP2: the export
 
 
 def _finetune(hf_dir: str, run_dir: str, export: str):
-    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
     model = ModelConfig(llm="nemotron_h_tiny_dense", vision="radio_vit_tiny", freeze_vision=True, checkpoint=hf_dir)

@@ -24,7 +24,7 @@ PROJECTORS = ("mlp1.", "sound_projection.")  # a frozen encoder's projector stil
 
 
 def _model_cfg(lora=False, **freeze):
-    from tessera.recipes.config import LoraConfig, ModelConfig
+    from tessera.hetero.runspec.config import LoraConfig, ModelConfig
 
     return ModelConfig(llm="nemotron_h_tiny_moe", vision="radio_vit_tiny", audio="fastconformer_tiny",
                        lora=LoraConfig(rank=4, alpha=8.0) if lora else None, **freeze)
@@ -34,7 +34,7 @@ def _runs(root: str):
     """Each run: 3 steps from the seed, exported, with the seed's weights (the base) written beside the export.
     Rows of 512 tokens: shorter ones leave the synthetic audio clips out, and the conformer would never run."""
     from tessera.hetero.training.seeded_init import full_hf_state
-    from tessera.recipes.config import DataConfig, OptimConfig, TrainerConfig
+    from tessera.hetero.runspec.config import DataConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
     for name, kw in RUNS.items():

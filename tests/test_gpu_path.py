@@ -34,9 +34,10 @@ def _audited_steps(run_dir: str) -> dict:
     from _device_audit import RUN, DeviceAudit
     from tessera.data.loader import close_loader
     from tessera.hetero.training import loop, stages
-    from tessera.hetero.training.step_parts import step_context
+    from tessera.hetero.training.run_state import build_run
+    from tessera.hetero.training.step_parts import run_loader, step_context
     from tessera.models import multimodal
-    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
     cfg = RunConfig("gpu_path", LAYOUT, ModelConfig(vision="radio_vit_tiny", audio="fastconformer_tiny"),
                     # 192: both steps hold images and audio clips (the audit must reach every module)
@@ -44,16 +45,13 @@ def _audited_steps(run_dir: str) -> dict:
                     TrainerConfig(max_steps=3, run_dir=run_dir, progress=False, tensorboard=False))
     from tessera.recipes.checks import resolve
 
-    run = loop.RunState(cfg, resolve(cfg, dist.get_world_size()), Path(run_dir), dist.get_rank(),
-                        dist.get_world_size(), RUN, torch.float32)
-    loop._resolve(run)
     out = {}
     with DeviceAudit(RUN) as audit:
-        loop._build_model(run)
-        loader = loop._build_loader(run)
-        comms, like, hosts_loss = step_context(run)
+        run = build_run(cfg, resolve(cfg, dist.get_world_size()), Path(run_dir), RUN)
+        loader = run_loader(run, run.data_path)
+        ctx = step_context(run)
         it = audit.host_batches(iter(loader))
-        record, _ = loop._train_step(run, 0, it, comms, like, hosts_loss)
+        record, _ = loop._train_step(run, 0, it, ctx)
         out["clean"] = list(audit.violations)
         out["loss"], out["checked"] = record["loss"], dict(audit.checked)
         out["collectives"], out["modules"] = sorted(audit.collectives), sorted(audit.modules)
@@ -64,7 +62,7 @@ def _audited_steps(run_dir: str) -> dict:
         stages.LanguageStage._local = lambda self, t: t[self.rows][:, self.pos]
         multimodal.MediaModule.device = property(lambda self: torch.device("cpu"))
         try:
-            loop._train_step(run, 1, it, comms, like, hosts_loss)
+            loop._train_step(run, 1, it, ctx)
         except Exception as e:  # a host tensor may also break an op further on; the audit names it first
             out["mutant_error"] = repr(e)
         finally:
@@ -310,11 +308,12 @@ def test_local_rank_is_checked_against_the_gpus(monkeypatch):
 
 
 def test_launchers_bind_the_device_before_the_process_group():
-    """Every real world (hetero/runtime/world.py's join_world / one_rank_world, spawn.py's ranks) calls
-    bind_local_device before init_process_group; the trainer and the parity tool join through world.py."""
+    """Every real world (hetero/runtime/world.py: process_world, join_world, one_rank_world) calls
+    bind_local_device before init_process_group; every entry point (the trainer, verify, parity, spawn's ranks,
+    the recipe check) joins through process_world, the one bootstrap, and creates no group itself."""
     import ast
 
-    for path in ("hetero/runtime/world.py", "hetero/tools/spawn.py"):
+    for path in ("hetero/runtime/world.py",):
         tree = ast.parse((ROOT / path).read_text())
         for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
             text = ast.unparse(fn)
@@ -322,9 +321,10 @@ def test_launchers_bind_the_device_before_the_process_group():
             if init >= 0 and "'fake'" not in text[init:init + 40]:
                 # bound on the path that reaches init: after any early return
                 assert text.rfind("bind_local_device(", 0, init) > text.rfind("return", 0, init), (path, fn.name)
-    for path in ("recipes/train.py", "hetero/tools/parity.py"):
+    for path in ("recipes/train.py", "hetero/tools/parity.py", "hetero/tools/verify.py", "hetero/tools/spawn.py",
+                 "recipes/verify.py"):
         text = (ROOT / path).read_text()
-        assert "init_process_group(" not in text and "join_world(" in text, path
+        assert "init_process_group(" not in text and "join_world(" not in text and "process_world(" in text, path
 
 
 def test_gpu_extra_pins_megatron_cores_ranges():

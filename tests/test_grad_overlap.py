@@ -153,7 +153,7 @@ TRAINER_RUNS = {  # name: (layout, model.recompute)
 
 
 def _train(run_dir: str, overlap: bool, layout: str, recompute: str):
-    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
     model = ModelConfig(llm="nemotron_h_tiny_moe", vision="radio_vit_tiny", dtype="bfloat16", recompute=recompute)

@@ -16,8 +16,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("hetero", "models", "data", "recipes", "scripts")
 # lower number = lower layer; an import may only point to the same or a lower layer
-LAYERS = [("tessera.hetero.plan", 0), ("tessera.models", 1), ("tessera.data", 2), ("tessera.hetero", 3),
-          ("tessera.recipes", 4), ("tessera.scripts", 5)]
+# hetero/runspec (a run's config and its resolution) sits above the pure plan, models and data, below training,
+# the planner, the runtime and recipes
+LAYERS = [("tessera.hetero.plan", 0), ("tessera.models", 1), ("tessera.data", 2), ("tessera.hetero.runspec", 2.5),
+          ("tessera.hetero", 3), ("tessera.recipes", 4), ("tessera.scripts", 5)]
 MODULE_STRING = re.compile(r"^tessera(\.[A-Za-z_]\w*)+$")
 
 
@@ -136,3 +138,17 @@ def test_the_planner_only_proposes_training_never_imports_it():
     bad = [f"{mod} -> {dst} at line {line}" for mod, targets in edges().items() if mod.startswith(below)
            for dst, line in targets if dst.startswith("tessera.hetero.planner")]
     assert not bad, "the planner is above training, runtime and parallel code:\n" + "\n".join(sorted(bad))
+
+
+def test_the_run_package_sits_above_plan_and_models_and_below_its_users():
+    # hetero/runspec turns a config into a run (module specs, the resolved layout) once; training, the planner and
+    # recipes call it, it calls none of them, and it builds no process group
+    graph = edges()
+    runspec = {m for m in graph if m.startswith("tessera.hetero.runspec")}
+    users = ("tessera.hetero.training", "tessera.hetero.planner", "tessera.recipes")
+    for prefix in users:
+        assert any(d in runspec for m in graph if m.startswith(prefix) for d, _ in graph[m]), prefix
+    bad = [f"{m} -> {d}" for m in runspec for d, _ in graph[m] if layer(d) >= layer("tessera.hetero")]
+    bad += [f"{m}: {name}" for m in runspec for _, name in imports_of(tessera_modules()[m])
+            if name.startswith("torch.distributed")]
+    assert not bad, "hetero/runspec reaches up or builds process groups:\n" + "\n".join(bad)

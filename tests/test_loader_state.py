@@ -122,7 +122,7 @@ def test_an_unknown_state_type_fails_at_save_time():
 
 
 def _train(run_dir: str, steps: int):
-    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
     trainer = TrainerConfig(max_steps=steps, run_dir=run_dir, save_every=1, progress=False, tensorboard=False)

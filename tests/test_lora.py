@@ -36,7 +36,7 @@ VIT_LAYERS = encoder_config("radio_vit_tiny")["layers"]
 
 
 def _model_cfg(targets=None, vision="radio_vit_tiny", audio="fastconformer_tiny", llm="nemotron_h_tiny_dense"):
-    from tessera.recipes.config import LoraConfig, ModelConfig
+    from tessera.hetero.runspec.config import LoraConfig, ModelConfig
 
     lora = LoraConfig(rank=RANK, alpha=ALPHA, **({"targets": targets} if targets else {}))
     return ModelConfig(llm=llm, vision=vision, audio=audio, lora=lora)
@@ -45,7 +45,7 @@ def _model_cfg(targets=None, vision="radio_vit_tiny", audio="fastconformer_tiny"
 # ---- config ----------------------------------------------------------------------------------------------
 
 def test_lora_config_errors_name_the_field_and_list_the_valid_targets():
-    from tessera.recipes.config import LoraConfig
+    from tessera.hetero.runspec.config import LoraConfig
 
     with pytest.raises(ValueError, match=r"unknown \['qkv'\]; valid targets: linear_qkv, linear_proj"):
         LoraConfig(rank=8, targets=("qkv",))
@@ -377,7 +377,7 @@ STEPS, SAVE = 6, 3
 
 
 def _train(run_dir: str, layout: str, export: str | None = None, targets=RUN_TARGETS, steps: int = STEPS):
-    from tessera.recipes.config import DataConfig, OptimConfig, TrainerConfig
+    from tessera.hetero.runspec.config import DataConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
     trainer = TrainerConfig(max_steps=steps, run_dir=run_dir, save_every=SAVE, progress=False, tensorboard=False,

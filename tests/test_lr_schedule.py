@@ -64,7 +64,7 @@ def test_other_megatron_styles(style):
 
 
 def test_unknown_schedule_is_refused_when_the_config_is_built():
-    from tessera.recipes.config import OptimConfig
+    from tessera.hetero.runspec.config import OptimConfig
 
     with pytest.raises(ValueError, match="optim.lr_schedule='cosin': choose one of cosine, linear"):
         OptimConfig(lr_schedule="cosin")

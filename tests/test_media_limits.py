@@ -29,7 +29,7 @@ from tessera.data.tokens import train_sentencepiece
 from tessera.hetero.tools.spawn import run_on_ranks
 from tessera.hetero.training.metrics import read_metrics
 from tessera.models.media_tokens import EncoderTokens
-from tessera.recipes.config import DataConfig
+from tessera.hetero.runspec.config import DataConfig
 
 ENCODERS = {"vision": "radio_vit_tiny", "audio": "fastconformer_tiny"}
 SEQ = 96
@@ -166,7 +166,7 @@ def test_the_conformer_cannot_train_on_one_frame_and_can_on_a_padded_clip():
 
 
 def _train(run_dir: str, data: str, tok: str):
-    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
     return train(ModelConfig(**ENCODERS), DataConfig(path=data, tokenizer=tok, seq_length=SEQ, rows_per_microbatch=2,

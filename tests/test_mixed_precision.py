@@ -105,7 +105,7 @@ BF16_REL_TOL = 2.0 ** -9
 
 
 def _train(run_dir: str, dtype: str, steps: int, save_every: int = 0, layout: str = LAYOUT):
-    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
     model = ModelConfig(vision="radio_vit_tiny", dtype=dtype)
@@ -121,9 +121,9 @@ def _reshard(src_run: str, dst_root: str) -> None:
     from megatron.core import dist_checkpointing
 
     from tessera.hetero.runtime.groups import destroy_module_groups
-    from tessera.hetero.training import loop
+    from tessera.hetero.training.run_state import build_run
     from tessera.hetero.training.checkpoint import latest_checkpoint, save_checkpoint
-    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
     cfg = RunConfig("mp", OTHER_LAYOUT, ModelConfig(vision="radio_vit_tiny", dtype="bfloat16"),
                     DataConfig(seq_length=128, rows_per_microbatch=4, microbatches=2),
@@ -131,11 +131,7 @@ def _reshard(src_run: str, dst_root: str) -> None:
                     TrainerConfig(max_steps=RESUME_TO, run_dir=src_run, progress=False, tensorboard=False))
     from tessera.recipes.checks import resolve
 
-    run = loop.RunState(cfg, resolve(cfg, dist.get_world_size()), Path(src_run), dist.get_rank(),
-                        dist.get_world_size(), torch.device("cpu"), torch.bfloat16)
-    loop._resolve(run)
-    loop._build_model(run)
-    loop._resume(run)
+    run = build_run(cfg, resolve(cfg, dist.get_world_size()), Path(src_run), torch.device("cpu"))
     assert run.start == SAVE_AT and run.groups["language"].pgs.tp.size() == 2
     common = dist_checkpointing.load_common_state_dict(str(latest_checkpoint(src_run + "/checkpoints")))["common"]
     save_checkpoint(dst_root, SAVE_AT, run.modules, run.opt, run.groups, run.configs,

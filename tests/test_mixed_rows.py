@@ -226,7 +226,7 @@ def _batch(hf_dir: str, rate: float):
     from tessera.data.pipeline import chat_task_encoder
     from tessera.data.tokens import Tokenizer
     from tessera.hetero.tools.parity_multimodal import model_config
-    from tessera.hetero.training.run_modules import encoder_names
+    from tessera.hetero.runspec.modules import encoder_names
 
     te = chat_task_encoder(Tokenizer(f"{hf_dir}/tokenizer.json"), encoder_names(model_config(hf_dir)), 1024,
                            video_frames=FRAMES, video_pruning=rate)
@@ -245,20 +245,20 @@ def _tessera_logits(hf_dir: str, batch) -> torch.Tensor:
     from tessera.hetero.runtime.step_executor import hetero_step
     from tessera.hetero.tools.parity_multimodal import _LogitsOnly, _LogitsStage, release_run
     from tessera.hetero.training.stages import MediaEncoderStage
-    from tessera.hetero.training.step_parts import boundary_batches, step_context, tubelet_settle
+    from tessera.hetero.training.step_parts import boundary_batches, step_context
 
     single_rank_world()
     run = release_run(hf_dir, "", len(batch.keys), batch.seq_length)  # as compare_multimodal builds it
     layout, device = run.layout, run.device
-    comms, like, _ = step_context(run)
-    settle = tubelet_settle(run)
+    ctx = step_context(run)
+    settle = ctx.settle
     enc = {k: MediaEncoderStage(run.modules[k], k, layout[k], run.groups[k].coord, [batch], device,
                                 run.groups[k].pgs.cp) for k in run.modules if k != LANGUAGE}
     lang = _LogitsStage(_LogitsOnly(run.modules[LANGUAGE]), layout[LANGUAGE], run.groups[LANGUAGE].coord, [batch], 1,
                         device, settle)
     try:
-        (logits,) = hetero_step(layout, run.groups, enc, lang, comms, boundary_batches([batch], layout, settle),
-                                like).outputs
+        (logits,) = hetero_step(layout, run.groups, enc, lang, ctx.comms,
+                                boundary_batches([batch], layout, settle), ctx.like).outputs
         with torch.no_grad():
             return run.modules[LANGUAGE].full_vocab_logits(logits).float()
     finally:

@@ -46,7 +46,7 @@ AUX_LAYOUTS = {"aux_ep1": "", "aux_tp2_ep2_sp": "vision=dp4@0-3;language=tp2,dp2
 
 def _train(run_dir: str, layout: str, steps: int, save_every: int = 0, export: bool = False, aux: float = 0.0,
            recompute: str = "none"):
-    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
     model = ModelConfig(llm="nemotron_h_tiny_moe", vision="radio_vit_tiny", moe_aux_loss_coeff=aux,

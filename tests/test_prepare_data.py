@@ -52,7 +52,7 @@ def test_manifest_dataset_gets_a_tokenizer(tmp_path):
 
     Tokenizer(tmp_path / "ds" / "tokenizer.model")  # loads, with the template and media tokens
     from tessera.recipes import prelaunch
-    from tessera.recipes.config import DataConfig
+    from tessera.hetero.runspec.config import DataConfig
 
     prelaunch.check_data(DataConfig(path=str(tmp_path / "ds")))
     # --tokenizer copies the given one instead

@@ -167,7 +167,7 @@ def _tessera_batch(hf_dir: str):
     from tessera.data.pipeline import chat_task_encoder
     from tessera.data.tokens import Tokenizer
     from tessera.hetero.tools.parity_multimodal import model_config
-    from tessera.hetero.training.run_modules import encoder_names
+    from tessera.hetero.runspec.modules import encoder_names
 
     te = chat_task_encoder(Tokenizer(f"{hf_dir}/tokenizer.json"), encoder_names(model_config(hf_dir)), 1024,
                            video_frames=VIDEO_FRAMES, video_pruning=0.0)
@@ -188,20 +188,20 @@ def _tessera_loss(hf_dir: str, batch) -> tuple[float, torch.Tensor]:
     from tessera.hetero.runtime.step_executor import hetero_step
     from tessera.hetero.tools.parity_multimodal import release_run
     from tessera.hetero.training.stages import LanguageStage, MediaEncoderStage
-    from tessera.hetero.training.step_parts import boundary_batches, step_context, tubelet_settle
+    from tessera.hetero.training.step_parts import boundary_batches, step_context
 
     single_rank_world()
     run = release_run(hf_dir, "", len(batch.keys), batch.seq_length)  # as compare_multimodal builds it
     layout, device = run.layout, run.device
-    comms, like, _ = step_context(run)
-    assert tubelet_settle(run) is None  # no EVS: nothing settles at the boundary
+    ctx = step_context(run)
+    assert ctx.settle is None  # no EVS: nothing settles at the boundary
     enc = {k: MediaEncoderStage(run.modules[k], k, layout[k], run.groups[k].coord, [batch], device,
                                 run.groups[k].pgs.cp) for k in run.modules if k != LANGUAGE}
     lang = LanguageStage(run.modules[LANGUAGE], layout[LANGUAGE], run.groups[LANGUAGE].coord, [batch],
                          int((batch.labels != IGNORE).sum()), device)
     try:
         with torch.no_grad():
-            result = hetero_step(layout, run.groups, enc, lang, comms, boundary_batches([batch], layout, None), like,
+            result = hetero_step(layout, run.groups, enc, lang, ctx.comms, boundary_batches([batch], layout, None), ctx.like,
                                  forward_only=True)
         (per_token,) = result.outputs
         return float(result.loss), per_token

@@ -16,10 +16,10 @@ import pytest
 import nemo_run as run
 from tessera.hetero.plan.layout import HeteroLayout, LayoutError
 from tessera.recipes.full_size import RECIPES as PLANNED
-from tessera.hetero.training.run_modules import run_model
+from tessera.hetero.runspec.modules import run_model
 from tessera.recipes import checks, executors, registry
 from tessera.recipes.cli import ENTRYPOINTS, TesseraRunContext, factories_of
-from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
 NEMO = Path(sys.executable).with_name("nemo")
 FULL = {"nemotron_vl_12b", "nemotron_video_12b", "nemotron_omni_30b_a3b"}
@@ -315,7 +315,7 @@ def test_the_planner_prices_the_microbatches_the_trainer_runs(name, gpus):
     the step (ResolvedRun: rows per microbatch and microbatches), not at a split of the planner's own."""
     from tessera.hetero.planner.run_layout import ranked_for_run
     from tessera.hetero.plan.layout import LayoutError
-    from tessera.hetero.training.run_modules import resolve_config
+    from tessera.hetero.runspec.modules import resolve_config
 
     cfg = fdl.build(registry.recipe(name))
     compared = 0

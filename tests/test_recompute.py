@@ -209,7 +209,7 @@ def test_bad_recompute_values_name_the_field_and_the_choices(value, bad):
     import fiddle as fdl
 
     from tessera.recipes import checks
-    from tessera.recipes.config import ModelConfig
+    from tessera.hetero.runspec.config import ModelConfig
     from tessera.recipes.overrides import apply_overrides
     from tessera.recipes.registry import recipe
 

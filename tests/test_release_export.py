@@ -31,7 +31,7 @@ def _export(tmp_path, llm: str, vision: str | None, audio: str | None, tokenizer
     from tessera.hetero.training.hf_export import write_hf
     from tessera.hetero.training.model_build import llm_fields
     from tessera.hetero.training.seeded_init import full_hf_state
-    from tessera.recipes.config import ModelConfig
+    from tessera.hetero.runspec.config import ModelConfig
 
     cfg = ModelConfig(llm=llm, vision=vision, audio=audio)
     fields = llm_fields(cfg, 0)

@@ -146,7 +146,7 @@ def test_other_architecture_names_every_supported_layout(tmp_path):
 
 
 def test_hub_layout_with_a_missing_shard_names_the_file(native_and_hub, tmp_path):
-    from tessera.recipes.config import ModelConfig
+    from tessera.hetero.runspec.config import ModelConfig
     from tessera.recipes.prelaunch import check_checkpoint
 
     _, hub = native_and_hub
@@ -203,7 +203,7 @@ def test_the_cli_gives_every_rank_the_cached_directory(tmp_path, monkeypatch, ca
     from huggingface_hub import constants
 
     from tessera.recipes import cli
-    from tessera.recipes.config import ModelConfig
+    from tessera.hetero.runspec.config import ModelConfig
 
     repo = "nvidia/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16"
     snap = _cache_snapshot(tmp_path / "hub", repo, "b" * 40, refs=("main", "v1"))
@@ -251,7 +251,7 @@ def test_mtp_and_featurizer_tensors_are_carried_into_the_export_unchanged(tmp_pa
     from tessera.models.multimodal_hf import export_hf, import_hf
     from tessera.models.nemotron_h_hf import LazyCheckpoint
     from tessera.models.released import is_carried
-    from tessera.recipes.config import ModelConfig
+    from tessera.hetero.runspec.config import ModelConfig
 
     src = tmp_path / "release"
     carried = _release_with_carried(src)
@@ -280,7 +280,7 @@ def test_hub_layout_release_tokenizer_that_disagrees_is_refused_before_launch(na
     from tessera.data.run_tokenizer import TokenizerMismatch
     from tessera.data.tokens import Tokenizer
     from tessera.recipes import prelaunch
-    from tessera.recipes.config import DataConfig, ModelConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig
 
     _, hub = native_and_hub
     synthetic = DataConfig()

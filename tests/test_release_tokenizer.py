@@ -26,7 +26,7 @@ import torch
 
 from tessera.data.run_tokenizer import RELEASE_FILES, TokenizerMismatch, disagreements, run_tokenizer
 from tessera.data.tokens import Tokenizer, train_sentencepiece
-from tessera.recipes.config import DataConfig, ModelConfig, RunConfig
+from tessera.hetero.runspec.config import DataConfig, ModelConfig, RunConfig
 from tessera.scripts.tiny_release import DENSE_TEXT, TOKENIZER_TEXTS, omni_checkpoint
 
 
@@ -50,11 +50,11 @@ def dataset(tmp_path_factory) -> Path:
 
 
 def test_a_run_from_a_release_uses_its_tokenizer_unless_told(release, dataset):
-    from tessera.hetero.training import loop
+    from tessera.hetero.training import run_state
 
     assert (release / "tokenizer.json").is_file() and (dataset / "tokenizer.model").is_file()
     cfg = RunConfig(model=ModelConfig(checkpoint=str(release)), data=DataConfig(path=str(dataset)))
-    path, choice = loop._dataset(cfg, rank=0)  # the trainer's choice (a given data.path: no world needed)
+    path, choice = run_state._dataset(cfg, rank=0)  # the trainer's choice (a given data.path: no world needed)
     assert (path, choice.path) == (str(dataset), str(release / "tokenizer.json"))
     assert choice.source == f"model.checkpoint={release}"
     # data.tokenizer still wins; without a checkpoint the dataset's own is used
@@ -66,18 +66,17 @@ def test_a_run_from_a_release_uses_its_tokenizer_unless_told(release, dataset):
 
 
 def test_the_trainer_resolves_the_release_tokenizer_and_records_it(release, dataset, tmp_path):
-    from tessera.hetero.training import loop
+    from tessera.hetero.training.run_state import resolve_inputs
 
     cfg = RunConfig(model=ModelConfig(checkpoint=str(release)), data=DataConfig(path=str(dataset)))
-    run = loop.RunState(cfg, None, tmp_path, 0, 1, torch.device("cpu"), torch.float32)
-    loop._resolve(run)
+    run = resolve_inputs(cfg, rank=0)
     assert run.tok_path == str(release / "tokenizer.json")
     # the saved config (what the export reads) names it; the caller's config is left as given
     assert run.cfg.data.tokenizer == run.tok_path and cfg.data.tokenizer is None
     refused = RunConfig(model=ModelConfig(checkpoint=str(release)),
                         data=DataConfig(path=str(dataset), tokenizer=str(dataset / "tokenizer.model")))
     with pytest.raises(TokenizerMismatch, match=r"image_token_id"):
-        loop._resolve(loop.RunState(refused, None, tmp_path, 0, 1, torch.device("cpu"), torch.float32))
+        resolve_inputs(refused, rank=0)
 
 
 def test_a_disagreeing_tokenizer_is_refused_before_launch_naming_both(release, dataset):

@@ -84,7 +84,7 @@ def test_wrong_checkpoint_lists_every_mismatch_with_shapes(tmp_path):
     """A checkpoint whose tensors are not the model's: one error naming missing, left-over and wrong-shape
     tensors with their shapes, before anything is loaded."""
     from tessera.hetero.training.model_build import check_checkpoint_tensors
-    from tessera.recipes.config import ModelConfig
+    from tessera.hetero.runspec.config import ModelConfig
 
     single_rank_world()
     omni_checkpoint(tmp_path)

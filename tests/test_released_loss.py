@@ -9,7 +9,7 @@ The run: a tiny random Omni checkpoint (save_pretrained, image/audio token ids =
 text+image conversations, one step on 4 gloo ranks (vision and audio dp2 on ranks 0-1, the LLM tp2 on
 ranks 2-3); the loss of step 1 is computed before the update.
 The oracle: the same first microbatch rebuilt in this process by the trainer's loader (same data set, seed
-and arguments as hetero/training/loop._build_loader, every row decoded); every packed document on its own
+and arguments as hetero/training/step_parts.run_loader, every row decoded); every packed document on its own
 (packing restarts attention and Mamba state at each document) through the Omni model's forward:
   input_ids       the document's tokens, media placeholders being the config's image/audio token ids
   pixel_values    every tile Tessera encoded as one image of (tile/patch)^2 patches, normalised with the
@@ -173,7 +173,7 @@ def _checkpoint(directory, tok, **config) -> None:
 
 
 def _configs(ckpt: str, data_path: str, video_pruning: float = 0.0):
-    from tessera.recipes.config import DataConfig, ModelConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig
 
     return ModelConfig(checkpoint=ckpt, video_pruning=video_pruning), DataConfig(
         path=data_path, seq_length=SEQ, rows_per_microbatch=ROWS, microbatches=1, seed=LOADER_SEED,
@@ -182,7 +182,7 @@ def _configs(ckpt: str, data_path: str, video_pruning: float = 0.0):
 
 def _first_step(ckpt: str, data_path: str, run_dir: str, export: str, video_pruning: float = 0.0):
     """On every rank: one training step from the checkpoint in LAYOUT, then the HF export."""
-    from tessera.recipes.config import OptimConfig, TrainerConfig
+    from tessera.hetero.runspec.config import OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
     model, data = _configs(ckpt, data_path, video_pruning)
@@ -191,12 +191,12 @@ def _first_step(ckpt: str, data_path: str, run_dir: str, export: str, video_prun
 
 
 def _first_batch(model, data):
-    """The trainer's first microbatch (hetero/training/loop._build_loader's arguments on the CPU), with the
+    """The trainer's first microbatch (hetero/training/step_parts.run_loader's arguments on the CPU), with the
     media of every row decoded (decode=None) instead of this rank's share."""
     from tessera.data.loader import close_loader
     from tessera.data.pipeline import build_train_loader
     from tessera.data.run_tokenizer import run_tokenizer
-    from tessera.hetero.training.run_modules import encoder_names
+    from tessera.hetero.runspec.modules import encoder_names
 
     tok = run_tokenizer(data.tokenizer, model.checkpoint, data.path).path  # the release's, as the trainer takes
     loader = build_train_loader(data.path, tok, encoder_names(model), data.seq_length, data.rows_per_microbatch,

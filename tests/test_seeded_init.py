@@ -33,7 +33,7 @@ def setup():
     single_rank_world()
     from tessera.hetero.training.model_build import llm_fields
     from tessera.hetero.training.seeded_init import full_hf_state
-    from tessera.recipes.config import ModelConfig
+    from tessera.hetero.runspec.config import ModelConfig
 
     cfg = ModelConfig(llm="nemotron_h_tiny_moe", vision="radio_vit_tiny", audio="fastconformer_tiny")
     fields = dict(llm_fields(cfg, 0), hybrid_override_pattern=PATTERN)
@@ -242,7 +242,7 @@ def test_seeded_init_draws_every_parameter_kind_by_the_references_rules(big_fiel
     """Every LLM tensor of the seeded state is of one kind, drawn as the table says: the rule of transformers and
     megatron where Tessera follows them, its own where it differs (see KINDS)."""
     from tessera.hetero.training.seeded_init import full_hf_state
-    from tessera.recipes.config import ModelConfig
+    from tessera.hetero.runspec.config import ModelConfig
 
     state = full_hf_state(ModelConfig(llm="nemotron_h_tiny_moe", vision=None, audio=None), big_fields, seed=7)
     seen = set()

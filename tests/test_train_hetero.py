@@ -22,7 +22,7 @@ STEPS = 30
 
 
 def _train(run_dir: str, layout: str, steps: int, save_every: int = 0, resume: bool = True):
-    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
     model = ModelConfig(vision="radio_vit_tiny", audio="fastconformer_tiny")

@@ -57,7 +57,7 @@ def schedule(step: int) -> float:
 
 
 def _configs(run_dir: str):
-    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
 
     return dict(
         model=ModelConfig(vision=ENCODERS["vision"], audio=ENCODERS["audio"]),

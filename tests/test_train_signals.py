@@ -94,7 +94,7 @@ def test_sigterm_saves_the_step_exits_nonzero_and_resumes_bitwise(tmp_path):
 # ---- (b) async saves, bounded disk ------------------------------------------------------------------------
 
 def _train(run_dir: str, steps: int, **trainer):
-    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
     model = ModelConfig(llm="nemotron_h_tiny_dense", vision="radio_vit_tiny")

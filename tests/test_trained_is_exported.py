@@ -48,7 +48,7 @@ def _release(directory: Path) -> None:
 
 def _runs() -> dict:
     from tessera.hetero.plan.lora import DEFAULT_LORA_TARGETS
-    from tessera.recipes.config import LoraConfig
+    from tessera.hetero.runspec.config import LoraConfig
 
     return {"lora": LoraConfig(rank=RANK, alpha=ALPHA, targets=DEFAULT_LORA_TARGETS + ("vision",)), "full": None}
 
@@ -79,7 +79,7 @@ def _train_and_read(release: str, root: str) -> dict:
     from tessera.hetero.runtime.groups import destroy_module_groups
     from tessera.hetero.training.hf_export import load_trained
     from tessera.models.hf_reference import omni_samples
-    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 
     samples, out = omni_samples(release), {}

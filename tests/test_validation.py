@@ -25,7 +25,7 @@ LAYOUTS = {"homogeneous": "", "colocated": "vision=tp2,dp2@0-3;audio=dp4@0-3;lan
 
 
 def _config(run_dir: str, layout: str, **trainer):
-    from tessera.recipes.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
+    from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
     return RunConfig("val", layout, ModelConfig(vision="radio_vit_tiny", audio="fastconformer_tiny"),
                      DataConfig(seq_length=128, rows_per_microbatch=4, microbatches=2, val_path="synthetic"),
@@ -38,20 +38,16 @@ def _validate_layouts(root: str) -> dict:
     import torch.distributed as dist
 
     from tessera.hetero.runtime.groups import destroy_module_groups
-    from tessera.hetero.training import loop
-    from tessera.hetero.training.step_parts import step_context, tubelet_settle
+    from tessera.hetero.training.run_state import build_run
+    from tessera.hetero.training.step_parts import step_context
     from tessera.hetero.training.validation import resolve_val_sets, validate
     from tessera.recipes.checks import resolve
 
     out = {}
     for name, layout in LAYOUTS.items():
         cfg = _config(str(Path(root) / name), layout)
-        run = loop.RunState(cfg, resolve(cfg, dist.get_world_size()), Path(root) / name, dist.get_rank(),
-                            dist.get_world_size(), torch.device("cpu"), torch.float32)
-        loop._resolve(run)
-        loop._build_model(run)
-        comms, like, hosts_loss = step_context(run)
-        settle = tubelet_settle(run)
+        run = build_run(cfg, resolve(cfg, dist.get_world_size()), Path(root) / name, torch.device("cpu"))
+        ctx = step_context(run)
         sets = resolve_val_sets(cfg.data.val_path, run.rank)
         before = {k: {n: t.clone() for n, t in m.state_dict().items() if torch.is_tensor(t)}
                   for k, m in run.modules.items()}
@@ -62,8 +58,8 @@ def _validate_layouts(root: str) -> dict:
                 m.training = m.training and i % 2 == 0
         modes = {(k, n): m.training for k, mod in run.modules.items() for n, m in mod.named_modules()}
         assert len(set(modes.values())) == 2, "the start has parts in train and in eval mode"
-        first = validate(run, sets, 2, comms, like, hosts_loss, settle)
-        second = validate(run, sets, 2, comms, like, hosts_loss, settle)
+        first = validate(run, sets, 2, ctx)
+        second = validate(run, sets, 2, ctx)
         changed = [f"{k}.{n}" for k, m in run.modules.items() for n, t in m.state_dict().items()
                    if torch.is_tensor(t) and not torch.equal(t, before[k][n])]
         flipped = [k for k, mod in run.modules.items() for n, m in mod.named_modules() if m.training != modes[(k, n)]]

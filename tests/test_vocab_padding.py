@@ -163,7 +163,7 @@ def _recipe_rank(root: str, vocab: int) -> dict:
     from tessera.hetero.training.seeded_init import full_hf_state
     from tessera.hetero.training.model_build import (build_rank_modules, llm_fields,
                                                      load_full_state, module_configs)
-    from tessera.recipes.config import ModelConfig
+    from tessera.hetero.runspec.config import ModelConfig
 
     model_cfg = ModelConfig(llm="nemotron_h_tiny_dense", vision=None)
     fields = dict(llm_fields(model_cfg, 0), vocab_size=vocab)

@@ -1,6 +1,6 @@
 """LoRA settings as data: the valid target names and the one validation every entry point shares.
 
-Pure (no torch): recipes/config.py validates `model.lora` with it when the config is made, and
+Pure (no torch): hetero/runspec/config.py validates `model.lora` with it when the config is made, and
 hetero/training/lora.py again when a saved config (a plain dict) comes back for export.
 """
 

@@ -1,6 +1,6 @@
 """Activation recompute settings as data: `model.recompute` parsed into one mode per module.
 
-Pure (no torch): recipes/config.py validates `model.recompute` with it when the config is made, recipes/checks.py
+Pure (no torch): hetero/runspec/config.py validates `model.recompute` with it when the config is made, recipes/checks.py
 again before launch (the CLI holds a run.Config, which builds no dataclass), and model building reads the
 per-module modes from it. What each mode recomputes per layer type is in models/recompute.py.
 

@@ -18,7 +18,7 @@ the trainer (its state, decode plan, stages, boundary plan), the dry run and the
   checks    heads vs TP, seq_length vs 2*cp (zigzag), rows vs DP, and the one trainability rule (trainable.py).
 Every error is a LayoutError naming the module, the field and the fix, raised before any process group exists.
 
-Pure: the caller describes the model (RunModel: built from its registries by hetero/training/run_modules.run_model).
+Pure: the caller describes the model (RunModel: built from its registries by hetero/runspec/modules.run_model).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def decode_rows(layout: HeteroLayout, rank: int, rows_per_microbatch: int) -> di
 
 @dataclass(frozen=True)
 class RunModel:
-    """What resolution needs to know about a run's model (pure data; run_modules.run_model builds it).
+    """What resolution needs to know about a run's model (pure data; hetero/runspec/modules.run_model builds it).
 
     keys: module keys, encoders first, then LANGUAGE; heads / kv_heads: attention heads per module (TP must
     divide them); encoder_tp: per encoder, whether it has tensor-parallel layers; video_pruned: EVS prunes

@@ -94,7 +94,7 @@ class StepFlops:
 
     def __init__(self, model_cfg, hf_fields: dict, device_name: str = "cpu", dtype: str = "float32",
                  encoders: dict[str, str] | None = None):
-        """encoders: module key -> encoder registry name (run_modules.encoder_names: a released checkpoint's own
+        """encoders: module key -> encoder registry name (runspec/modules.encoder_names: a released checkpoint's own
         encoders when fine-tuning one); None: the config's vision/audio names."""
         from tessera.data.pipeline import encoder_tokens
         from tessera.hetero.planner.model import describe_model
@@ -111,7 +111,7 @@ class StepFlops:
         mod = next((m for m in self.desc.modules if m.key == module), None)
         if mod is None:
             raise KeyError(f"StepFlops prices {[m.key for m in self.desc.modules]}, not encoder '{module}': build it "
-                           f"with the run's encoders (run_modules.encoder_names)")
+                           f"with the run's encoders (runspec/modules.encoder_names)")
         return media_item_flops(mod, self.tok, kind, units)
 
     def step_flops(self, batches: list) -> dict[str, float]:

@@ -30,12 +30,12 @@ import math
 import time
 import traceback
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 from torch import nn
 
 from tessera.hetero.plan.layout import ENCODER_KEYS, LANGUAGE, HeteroLayout
+from tessera.hetero.runspec.config import ModelConfig
 from tessera.models.meta_device import meta_build, skip_init
 
 
@@ -281,11 +281,10 @@ def measure_activations(key: str, module: nn.Module, batch: Batch, shard: Shard,
     shard.act_note, shard.per_layer = "measured", dict(acc.per_layer)
 
 
-def model_config(names: dict[str, str], frozen: set[str] = frozenset(), dtype: str = "bfloat16"):
-    """A recipes.config.ModelConfig stand-in with what build_rank_modules reads."""
-    return SimpleNamespace(llm=names[LANGUAGE], **{k: names.get(k) for k in ENCODER_KEYS}, dtype=dtype,
-                           checkpoint=None, video_pruning=0.0, lora=None, freeze_llm=LANGUAGE in frozen,
-                           **{f"freeze_{k}": k in frozen for k in ENCODER_KEYS})
+def model_config(names: dict[str, str], frozen: set[str] = frozenset(), dtype: str = "bfloat16") -> ModelConfig:
+    """The ModelConfig of a model with these registry names (module key -> name) and frozen modules."""
+    return ModelConfig(llm=names[LANGUAGE], **{k: names.get(k) for k in ENCODER_KEYS}, dtype=dtype,
+                       freeze_llm=LANGUAGE in frozen, **{f"freeze_{k}": k in frozen for k in ENCODER_KEYS})
 
 
 def representative_ranks(layout: HeteroLayout) -> list[int]:

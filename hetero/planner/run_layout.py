@@ -4,7 +4,7 @@
     proposals = layout_proposals(run_cfg, world=64)                     # layout=auto, in the planner's order
 
 The planner only proposes: a run is resolved (its layout, batch split, every check) by one function,
-hetero/plan/resolved_run.resolve_run (through hetero/training/run_modules.resolve_config), which takes the first
+hetero/plan/resolved_run.resolve_run (through hetero/runspec/modules.resolve_config), which takes the first
 proposal this run can train. The workload the planner prices comes from the run's `data` config: row length,
 rows per step, and media per row (`data.tiles_per_row` ..., set by the full-size recipes; else max_tiles +
 thumbnail tiles, video frames, 30 s of audio), never from the run's name.
@@ -18,7 +18,7 @@ from tessera.hetero.planner.cluster import Workload, cluster
 from tessera.hetero.planner.model import describe_model
 from tessera.hetero.planner.search import format_table, price_layout, search
 from tessera.hetero.planner.straggler import MIXED_SPREAD
-from tessera.hetero.training.run_modules import checkpoint_llm_fields, encoder_names, resolve_config
+from tessera.hetero.runspec.modules import checkpoint_llm_fields, encoder_names, resolve_config
 
 
 def workload_for_run(cfg) -> Workload:

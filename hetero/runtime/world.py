@@ -1,5 +1,7 @@
 """How a process joins a world: the one place the default process group is created.
 
+    with process_world(timeout_s=600) as created:   # every entry point: threads, CPU shims, device, the world
+        ...                                          # (trainer, verify, parity, spawn's ranks)
     created = join_world(timeout_s=600)     # torchrun's / Slurm's world (RANK set), else a one-rank world
     exit(wait_as_spare()) / release_spares(n)  # an elastic restart's ranks left out of the world, and rank 0's end
     created = one_rank_world()              # a one-rank world in this process (exports, tools, benches, tests)
@@ -17,12 +19,14 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
-from tessera.hetero.runtime.cpu_shims import default_backend
+from tessera.hetero.runtime.cpu_shims import apply_cpu_shims, default_backend
 from tessera.hetero.runtime.device import bind_local_device
 
 
@@ -55,6 +59,35 @@ def join_world(timeout_s: float | None = None, world_size: int | None = None) ->
     subset = {"world_size": world_size, "rank": int(os.environ["RANK"])} if world_size else {}
     dist.init_process_group(default_backend(), **_timeout(timeout_s), **subset)
     return True
+
+
+@contextmanager
+def process_world(timeout_s: float | None = None, world_size: int | None = None, *, rank: int | None = None,
+                  store: str | None = None) -> Iterator[bool]:
+    """Every entry point's bootstrap, in the order each needs: CPU threads (OMP_NUM_THREADS, default one per rank:
+    ranks share the machine's cores), megatron-core's CPU shims (hetero/runtime/cpu_shims.py), the rank's device
+    bound, then the default group: rank `rank` of `world_size` over the file `store` (the test launcher,
+    hetero/tools/spawn.py), else the launcher's world (torchrun, Slurm; its lowest `world_size` ranks when given),
+    else one rank. Yields whether it created the group, and destroys the group it created on exit."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if not torch.cuda.is_available():
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    apply_cpu_shims()
+    if store is not None:
+        if rank is None or world_size is None:
+            raise ValueError("a file-store world needs rank and world_size")
+        os.environ["LOCAL_RANK"] = str(rank)  # one node: what torchrun would set
+        bind_local_device(rank)  # with GPUs: rank r on cuda:r (raises when world > GPUs), before NCCL
+        dist.init_process_group(default_backend(), init_method=f"file://{store}", rank=rank, world_size=world_size,
+                                **_timeout(timeout_s))
+        created = True
+    else:
+        created = join_world(timeout_s, world_size)
+    try:
+        yield created
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 # A spare (an elastic restart whose world no layout tiles leaves the highest ranks out) holds no process group:

@@ -39,10 +39,9 @@ from tessera.hetero.parallel.cp_gather_attention import gather_rows
 from tessera.hetero.parallel.vocab_parallel_ce import vocab_parallel_cross_entropy_for
 from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
 from tessera.hetero.plan.zigzag import zigzag_shard, zigzag_unshard
-from tessera.hetero.runtime.cpu_shims import apply_cpu_shims
 from tessera.hetero.runtime.device import current_device
 from tessera.hetero.runtime.groups import build_module_groups
-from tessera.hetero.runtime.world import join_world
+from tessera.hetero.runtime.world import process_world
 from tessera.hetero.parallel.kernel_choice import select_kernels
 from tessera.models.hybrid_llm import HybridLM
 from tessera.models.nemotron_h_hf import LazyCheckpoint, hybrid_config_from_hf, load_into
@@ -132,17 +131,6 @@ def init_groups(tp: int = 1, pp: int = 1, cp: int = 1) -> ProcessGroupCollection
     return build_module_groups(HeteroLayout.parse(f"{LANGUAGE}=tp{tp},cp{cp},pp{pp}@0-{tp * cp * pp - 1}"))[LANGUAGE].pgs
 
 
-def _init_from_env(tp: int, pp: int, cp: int) -> ProcessGroupCollection:
-    """gloo (or NCCL) world from torchrun's environment, or a one-rank world for a plain `python -m`."""
-    _init_world()
-    return init_groups(tp, pp, cp)
-
-
-def _init_world() -> None:
-    apply_cpu_shims()
-    join_world()  # torchrun's world, or one rank; the device bound first
-
-
 def _is_multimodal(hf_dir: str) -> bool:
     """DIR's config.json is a multimodal release in any layout it comes in (transformers' NemotronH_Omni_Reasoning_V3,
     the hub's Omni or Nano V2 VL: models/released.read_config reads each as the first)."""
@@ -154,14 +142,22 @@ def _is_multimodal(hf_dir: str) -> bool:
 
 
 def run(args) -> int:
-    """The command after argument parsing."""
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if _is_multimodal(args.hf_dir):
-        return run_multimodal(args)
-    if args.layout is not None:
+    """The command after argument parsing, in the world hetero/runtime/world.process_world joins (torchrun's, or
+    one rank for a plain `python -m`)."""
+    multimodal = _is_multimodal(args.hf_dir)
+    if not multimodal and args.layout is not None:
         raise SystemExit(f"--layout is for multimodal (NemotronH_Omni_Reasoning_V3) checkpoints; {args.hf_dir} holds "
                          f"an LLM alone: use --tp/--pp/--cp")
-    pg_collection = _init_from_env(args.tp, args.pp, args.cp)
+    if multimodal and (args.tp, args.pp, args.cp) != (1, 1, 1):
+        raise SystemExit("a multimodal checkpoint takes --layout (e.g. "
+                         "'vision=dp2@0-1;audio=dp2@0-1;language=tp2@2-3'), not --tp/--pp/--cp")
+    with process_world():
+        return run_multimodal(args) if multimodal else run_llm(args)
+
+
+def run_llm(args) -> int:
+    """An LLM alone (NemotronH) at --tp/--pp/--cp against transformers' NemotronHForCausalLM."""
+    pg_collection = init_groups(args.tp, args.pp, args.cp)
     # The fp32 model's kernels; at CP > 1 each layer kind's CP path follows the checkpoint's heads.
     config = hybrid_config_from_hf(args.hf_dir, tp=args.tp, pp=args.pp, cp=args.cp)
     kernels = select_kernels(pg_collection, dtype=torch.float32, config=config)
@@ -172,7 +168,6 @@ def run(args) -> int:
         print(f"tp={args.tp} cp={args.cp} pp={args.pp} batch={BATCH}x{seq_length(args.cp)}", flush=True)
         verdict = "PASS" if ok else "FAIL"
         print(f"parity: {verdict} max_rel_err={err:.3e}" + ("" if ok else f" > {args.tol}"), flush=True)
-    dist.destroy_process_group()
     return 0 if ok else 1
 
 
@@ -180,10 +175,6 @@ def run_multimodal(args) -> int:
     """A released Omni checkpoint in a heterogeneous layout (hetero/tools/parity_multimodal.py)."""
     from tessera.hetero.tools.parity_multimodal import VIDEO_NOTE, compare_multimodal
 
-    if (args.tp, args.pp, args.cp) != (1, 1, 1):
-        raise SystemExit("a multimodal checkpoint takes --layout (e.g. "
-                         "'vision=dp2@0-1;audio=dp2@0-1;language=tp2@2-3'), not --tp/--pp/--cp")
-    _init_world()
     res = compare_multimodal(args.hf_dir, args.layout or "")
     ok = res["max_rel_err"] <= args.tol  # NaN fails
     if dist.get_rank() == 0:
@@ -195,7 +186,6 @@ def run_multimodal(args) -> int:
         print(VIDEO_NOTE, flush=True)
         verdict = "PASS" if ok else "FAIL"
         print(f"parity: {verdict} max_rel_err={res['max_rel_err']:.3e}" + ("" if ok else f" > {args.tol}"), flush=True)
-    dist.destroy_process_group()
     return 0 if ok else 1
 
 

@@ -20,7 +20,7 @@ config's image/audio token ids (or, when the config sets none, the last vocabula
 placeholder counts are the encoders' own token arithmetic. One sample per row, no packing.
 
 Tessera's side is the trainer's, not a re-implementation: the layout resolved as a run resolves it
-(hetero/training/run_modules.resolve_config), the module groups, this rank's modules built and loaded from
+(hetero/runspec/modules.resolve_config), the module groups, this rank's modules built and loaded from
 DIR as a fine-tuning run builds them (hetero/training/model_build: build_rank_modules, check_checkpoint_tensors,
 load_full_state on a LazyCheckpoint), the boundary communicators of hetero/training/loop, the stages of
 hetero/training/stages.py and one hetero_step (hetero/runtime/step_executor.py) on a fixed PackedBatch. The only
@@ -50,7 +50,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -62,11 +61,12 @@ from tessera.hetero.plan.layout import LANGUAGE
 from tessera.hetero.runtime.device import current_device
 from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
 from tessera.hetero.runtime.step_executor import hetero_step
-from tessera.hetero.training.loop import RunState
-from tessera.hetero.training.step_parts import boundary_batches, step_context, tubelet_settle
+from tessera.hetero.training.run_state import RunState
+from tessera.hetero.training.step_parts import boundary_batches, step_context
 from tessera.hetero.training.model_build import (build_rank_modules, check_checkpoint_tensors, load_full_state,
                                                  module_configs)
-from tessera.hetero.training.run_modules import checkpoint_llm_fields, resolve_config
+from tessera.hetero.runspec.config import DataConfig, ModelConfig, RunConfig
+from tessera.hetero.runspec.modules import checkpoint_llm_fields, module_specs, resolve_config
 from tessera.hetero.training.stages import LanguageStage, MediaEncoderStage
 from tessera.models.hf_reference import (OMNI_SEED, OmniSample, omni_reference_logits, omni_samples,
                                          omni_token_ids, video_pruning_rate)
@@ -79,13 +79,11 @@ VIDEO_NOTE = ("video: compared when the model encodes it as the release does (tu
 SEQ_MULTIPLE = 32
 
 
-def model_config(hf_dir: str) -> SimpleNamespace:
-    """A recipes.config.ModelConfig stand-in (hetero/ sits below recipes/) for fine-tuning DIR in fp32: the
-    encoders and the LLM's shape come from DIR's config.json (hetero/training/run_modules.released_encoders)."""
-    return SimpleNamespace(llm="nemotron_h_tiny_dense", vision=None, audio=None, freeze_vision=False,
-                           freeze_audio=False, freeze_llm=False, video_pruning=video_pruning_rate(hf_dir),
-                           checkpoint=str(hf_dir),
-                           dtype="float32", moe_aux_loss_coeff=0.0, lora=None, recompute="none")
+def model_config(hf_dir: str) -> ModelConfig:
+    """The ModelConfig of fine-tuning DIR in fp32: the encoders and the LLM's shape come from DIR's config.json
+    (hetero/runspec/modules.released_encoders), not from these registry names."""
+    return ModelConfig(vision=None, audio=None, video_pruning=video_pruning_rate(hf_dir), checkpoint=str(hf_dir),
+                       dtype="float32")
 
 
 def seq_length_for(samples: list[OmniSample], multiple: int = SEQ_MULTIPLE) -> int:
@@ -181,7 +179,7 @@ def _reference(hf_dir: str, seed: int) -> tuple[torch.Tensor, ...]:
 def _video_temporal(hf_dir: str) -> int:
     """Frames per tubelet as the trainer's model build encodes DIR's video (0: frame by frame, not the release's
     function: no video sample)."""
-    from tessera.hetero.training.run_modules import encoder_names
+    from tessera.hetero.runspec.modules import encoder_names
 
     t = video_temporal(encoder_names(model_config(hf_dir)))
     return t if t > 1 else 0
@@ -196,27 +194,28 @@ def _eval_but_batchnorm(module: torch.nn.Module) -> None:
 
 def release_run(hf_dir: str, layout: str, rows: int, seq: int, perturb: dict[str, float] | None = None) -> RunState:
     """This rank's modules of the release at hf_dir in `layout` over one microbatch of `rows` rows of `seq` tokens,
-    built and loaded as a fine-tuning run from DIR builds and loads them (hetero/training/loop._build_model), in
+    built and loaded as a fine-tuning run from DIR builds and loads them (hetero/training/run_state.build_run), in
     fp32, in eval mode but for BatchNorm (each clip's own statistics, as in a training step); `perturb` scales
     loaded weights by name (a break the comparison must see)."""
     rank, world, device = dist.get_rank(), dist.get_world_size(), current_device()
     model_cfg, hf_fields = model_config(hf_dir), checkpoint_llm_fields(hf_dir)
-    cfg = SimpleNamespace(layout=layout, model=model_cfg,
-                          data=SimpleNamespace(seq_length=seq, rows_per_microbatch=rows, microbatches=1))
+    cfg = RunConfig(layout=layout, model=model_cfg, data=DataConfig(seq_length=seq, rows_per_microbatch=rows,
+                                                                    microbatches=1))
     resolved = resolve_config(cfg, world, hf_fields)
     if (resolved.rows_per_microbatch, resolved.microbatches) != (rows, 1):
         raise ValueError(f"layout {resolved.layout}: its DP sizes do not divide the {rows} sample rows")
-    run = RunState(cfg, resolved, Path("."), rank, world, device, torch.float32, hf_fields=hf_fields)
-    run.groups = build_module_groups(resolved.layout)
-    run.configs = module_configs(resolved.layout, hf_fields)
-    run.modules = build_rank_modules(model_cfg, resolved.layout, run.groups, run.configs)
+    groups = build_module_groups(resolved.layout)
+    configs = module_configs(resolved.layout, hf_fields)
+    modules = build_rank_modules(model_cfg, resolved.layout, groups, configs)
     full = LazyCheckpoint(hf_dir)
     check_checkpoint_tensors(hf_dir, full, model_cfg, hf_fields)
-    load_full_state(run.modules, _Scaled(full, perturb) if perturb else full, run.groups)
-    for m in run.modules.values():
+    load_full_state(modules, _Scaled(full, perturb) if perturb else full, groups)
+    for m in modules.values():
         m.to(device=device, dtype=torch.float32)
         _eval_but_batchnorm(m)
-    return run
+    # forward only: no data set, tokenizer or optimizer (the samples are built from DIR's config)
+    return RunState(cfg, resolved, Path("."), rank, world, device, torch.float32, "", "", hf_fields,
+                    module_specs(model_cfg), groups, configs, modules, opt=None, lr_schedule=None)
 
 
 def compare_multimodal(hf_dir: str, layout: str = "", perturb: dict[str, float] | None = None,
@@ -231,14 +230,14 @@ def compare_multimodal(hf_dir: str, layout: str = "", perturb: dict[str, float] 
     run = release_run(hf_dir, layout, len(samples), seq, perturb)
     hetero, device, rank, world, hf_fields = run.layout, run.device, run.rank, run.world, run.hf_fields
     batch = packed_batch(samples, seq)
-    comms, like, _ = step_context(run)
-    settle = tubelet_settle(run)  # EVS: the video's tubelet chunks settle at the boundary, as in training
+    ctx = step_context(run)
+    settle = ctx.settle  # EVS: the video's tubelet chunks settle at the boundary, as in training
     enc = {k: MediaEncoderStage(run.modules[k], k, hetero[k], run.groups[k].coord, [batch], device,
                                  run.groups[k].pgs.cp)
            for k in run.modules if k != LANGUAGE}
     lang = (_LogitsStage(_LogitsOnly(run.modules[LANGUAGE]), hetero[LANGUAGE], run.groups[LANGUAGE].coord, [batch],
                          1, device, settle) if LANGUAGE in run.modules else None)
-    result = hetero_step(hetero, run.groups, enc, lang, comms, boundary_batches([batch], hetero, settle), like)
+    result = hetero_step(hetero, run.groups, enc, lang, ctx.comms, boundary_batches([batch], hetero, settle), ctx.like)
 
     payload = None
     lg = run.groups[LANGUAGE]

@@ -48,23 +48,16 @@ def _fork_started_checkpoint_queue() -> None:
 def _worker(rank, world, store, fn, args, queue, environ):
     os.environ.clear()
     os.environ.update(environ)
-    import torch
     import torch.distributed as dist
 
-    from tessera.hetero.runtime.cpu_shims import apply_cpu_shims, default_backend
-    from tessera.hetero.runtime.device import bind_local_device
+    from tessera.hetero.runtime.world import process_world
 
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    apply_cpu_shims()
+    os.environ["OMP_NUM_THREADS"] = "1"  # ranks share the machine's cores
     _fork_started_checkpoint_queue()
     try:
-        os.environ["LOCAL_RANK"] = str(rank)  # one node: what torchrun would set
-        bind_local_device(rank)  # with GPUs: rank r on cuda:r (raises when world > GPUs), before NCCL
-        dist.init_process_group(default_backend(), init_method=f"file://{store}", rank=rank, world_size=world)
-        result = fn(*args)
-        dist.barrier()
-        dist.destroy_process_group()
+        with process_world(rank=rank, world_size=world, store=store):
+            result = fn(*args)
+            dist.barrier()
         queue.put((rank, "ok", result))
     except BaseException:  # report, never hang the parent
         queue.put((rank, "error", traceback.format_exc()))

@@ -42,7 +42,7 @@ from tessera.hetero.runtime.boundary import BoundaryCommunicator
 from tessera.hetero.plan.boundary_plan import BoundaryBatch, source_shard
 from tessera.hetero.plan.encoder_balance import balanced_assignment
 from tessera.hetero.plan.zigzag import zigzag_multiple, zigzag_positions
-from tessera.hetero.runtime.cpu_shims import apply_cpu_shims, default_backend
+from tessera.hetero.runtime.world import process_world
 from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
 from tessera.hetero.runtime.step_executor import hetero_step
 from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout, LayoutError, ModelShapes, rows_multiple
@@ -314,22 +314,16 @@ def main(argv=None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"verify: FAIL invalid layout: {e}", file=sys.stderr)
         return 2
-    apply_cpu_shims()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(default_backend())
-    rank = dist.get_rank()
-    torch.set_num_threads(1)
-    res = run_verify(args.layout, args.seed, microbatches=args.microbatches, documents=args.documents, llm=args.llm,
-                     balance=args.balance)
-    if rank == 0:
-        print(f"layout: {args.layout} ({res['placement']}, world {dist.get_world_size()}, fp32, llm {args.llm})")
-        for name, err in sorted(res["errors"].items()):
-            print(f"  rank0 {name:32s} rel_err={err:.3e}")
-        verdict = "PASS" if res["ok"] else "FAIL"
-        print(f"verify: {verdict} max_rel_err={res['max_rel_err']:.3e} bytes={res['bytes']} "
-              f"min_bytes={res['min_bytes']}", flush=True)
-    dist.destroy_process_group()
+    with process_world():
+        res = run_verify(args.layout, args.seed, microbatches=args.microbatches, documents=args.documents,
+                         llm=args.llm, balance=args.balance)
+        if dist.get_rank() == 0:
+            print(f"layout: {args.layout} ({res['placement']}, world {dist.get_world_size()}, fp32, llm {args.llm})")
+            for name, err in sorted(res["errors"].items()):
+                print(f"  rank0 {name:32s} rel_err={err:.3e}")
+            verdict = "PASS" if res["ok"] else "FAIL"
+            print(f"verify: {verdict} max_rel_err={res['max_rel_err']:.3e} bytes={res['bytes']} "
+                  f"min_bytes={res['min_bytes']}", flush=True)
     return 0 if res["ok"] else 1
 
 

@@ -48,10 +48,10 @@ from tessera.hetero.runtime.groups import ModuleGroups
 from tessera.hetero.plan.flat_boxes import flat_boxes
 from tessera.hetero.plan.layout import LANGUAGE
 from tessera.hetero.plan.retention import KeepPolicy
+from tessera.hetero.runspec.checkpoints import LATEST, latest_checkpoint  # noqa: F401  (its readers import it here too)
 from tessera.hetero.training.zero import FlatSlice
 from tessera.models.nemotron_h_hf import _mamba_parts
 
-LATEST = "latest"
 VOCAB_ROWS = (f"{LANGUAGE}.embedding.weight", f"{LANGUAGE}.output_layer.weight")  # padded to TP
 
 
@@ -165,15 +165,6 @@ def _sharded_state(modules, opt, groups, configs, rank, world, with_rng=True) ->
     if with_rng:
         state["rng"] = ShardedObject("rng", {"torch": torch.get_rng_state()}, (world,), (rank,), replica_id=0)
     return state
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The last complete checkpoint under root (what `latest` names), or None."""
-    marker = Path(root) / LATEST
-    if not marker.exists():
-        return None
-    path = Path(root) / marker.read_text().strip()
-    return path if path.is_dir() else None
 
 
 def _maybe_fail_in_save(step: int, rank: int) -> None:

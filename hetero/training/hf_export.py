@@ -9,7 +9,7 @@ The model is rebuilt with every module on one rank and dist_checkpointing reshar
                              + model.safetensors.index.json (huggingface_hub's sharding, what save_pretrained uses);
                              from a release, also its tensors no module computes with (mtp.*, the Parakeet
                              featurizer's), copied unchanged (models/released.CARRIED)
-  OUT/tokenizer.json|.model  the tokenizer the run trained with (its saved config names it, loop._resolve); when
+  OUT/tokenizer.json|.model  the tokenizer the run trained with (its saved config names it, hetero/training/run_state.resolve_inputs); when
                              that is the release's own (model.checkpoint=DIR), DIR's tokenizer files, chat template,
                              processor configs and generation_config.json as they are (data/run_tokenizer.py);
                              else tokenizer_config.json + chat_template.jinja of the turns Tessera trains
@@ -64,7 +64,7 @@ def _single_rank_model(model_cfg, hf_fields: dict):
     from tessera.hetero.runtime.groups import build_module_groups
     from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
     from tessera.hetero.training.model_build import build_rank_modules, module_configs
-    from tessera.hetero.training.run_modules import encoder_names
+    from tessera.hetero.runspec.modules import encoder_names
 
     keys = sorted(encoder_names(model_cfg)) + [LANGUAGE]
     layout = HeteroLayout.parse(";".join(f"{k}=dp1@0-0" for k in keys))
@@ -177,7 +177,7 @@ def _write_release_config(out: Path, full: dict, model_cfg, hf_fields: dict) -> 
     when that architecture computes it alike; else a line saying why there is none."""
     from transformers import NemotronH_Omni_Reasoning_V3_Config
 
-    from tessera.hetero.training.run_modules import release_config
+    from tessera.hetero.runspec.modules import release_config
 
     config, why = release_config(model_cfg, hf_fields, {k: tuple(v.shape) for k, v in full.items()})
     (out / "config.json").unlink(missing_ok=True)
@@ -189,7 +189,7 @@ def _write_release_config(out: Path, full: dict, model_cfg, hf_fields: dict) -> 
 
 
 def trained_tokenizer(saved: dict) -> str | None:
-    """The tokenizer a run trained with, from its saved config: named there (loop._resolve), or for a checkpoint
+    """The tokenizer a run trained with, from its saved config: named there (hetero/training/run_state.resolve_inputs), or for a checkpoint
     saved before it was, chosen by the rule (data/run_tokenizer.run_tokenizer); None when it is gone."""
     from tessera.data.run_tokenizer import TokenizerMismatch, run_tokenizer
 

@@ -1,4 +1,5 @@
-"""The training loop: layout -> groups -> this rank's modules -> loader -> steps -> checkpoints and metrics.
+"""The training loop: the rank's run (hetero/training/run_state.build_run) -> loader -> steps -> checkpoints and
+metrics.
 
 Called by recipes/train.py once torch.distributed is up and the run directory is known (every rank).
 Reads top to bottom in the order a step happens; the pieces live next to it in hetero/training/.
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -26,46 +27,19 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 
 from tessera.data.loader import close_loader
 from tessera.data.pipeline import synthetic_kinds
-from tessera.hetero.runtime.device import current_device
-from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
-from tessera.hetero.plan.layout import LANGUAGE
-from tessera.hetero.plan.recompute import parse_recompute
 from tessera.hetero.plan.resolved_run import ResolvedRun
+from tessera.hetero.runspec.modules import encoder_names
+from tessera.hetero.runtime.device import current_device
+from tessera.hetero.runtime.groups import destroy_module_groups
 from tessera.hetero.runtime.step_executor import hetero_step
-from tessera.hetero.runtime.tubelet_settle import TubeletSettle
-from tessera.hetero.training.checkpoint import (KeepPolicy, finish_async_saves, latest_checkpoint, load_checkpoint,
-                                                save_checkpoint)
-from tessera.hetero.training.grad_buckets import overlapped_modules
-from tessera.hetero.training.loader_state import decode_loader_state, encode_loader_state
-from tessera.hetero.training.lora import apply_lora
+from tessera.hetero.training.checkpoint import KeepPolicy, finish_async_saves, save_checkpoint
+from tessera.hetero.training.loader_state import encode_loader_state
 from tessera.hetero.training.metrics import RunMetrics, peak_memory_gib
-from tessera.hetero.training.run_modules import checkpoint_llm_fields, encoder_names, module_specs
-from tessera.hetero.training.model_build import (build_rank_modules, check_checkpoint_tensors,
-                                                 llm_fields, load_full_state, module_configs)
-from tessera.hetero.training.lr_schedule import LRSchedule
-from tessera.hetero.training.optim import ModuleOptimizers
 from tessera.hetero.training.preemption import StopSignals, shield_checkpoint_queue, signal_name
-from tessera.hetero.training.seeded_init import SeededState
+from tessera.hetero.training.run_state import RunState, build_run
+from tessera.hetero.training.step_parts import StepContext, boundary_batches, rank_stages, run_loader, step_context
 from tessera.hetero.training.tracking import make_tracker
-from tessera.hetero.training.step_parts import (boundary_batches, rank_stages, run_loader, step_context,
-                                                tubelet_settle)
 from tessera.hetero.training.validation import describe_val_sets, resolve_val_sets, validate
-
-
-def _dataset(cfg, rank: int):
-    """(dataset path, TokenizerChoice): the configured dataset, or the synthetic one (made by rank 0), and the
-    tokenizer data/run_tokenizer.run_tokenizer picks (data.tokenizer, else the checkpoint's, else the dataset's)."""
-    from tessera.data.pipeline import synthetic_dataset, synthetic_root
-    from tessera.data.run_tokenizer import run_tokenizer
-
-    path = cfg.data.path
-    if path is None:
-        root, kinds = synthetic_root(), synthetic_kinds(encoder_names(cfg.model))  # only the model's media
-        if rank == 0:
-            synthetic_dataset(root, kinds=kinds)
-        dist.barrier()
-        path = str(synthetic_dataset(root, kinds=kinds)[0])
-    return path, run_tokenizer(cfg.data.tokenizer, cfg.model.checkpoint, path)
 
 
 def _export_hf(ckpt_root: Path, out: str) -> None:
@@ -86,125 +60,20 @@ def _maybe_fail(step: int, rank: int) -> None:
             os._exit(17)  # an abrupt death: no cleanup, no collective goodbye
 
 
-@dataclass
-class RunState:
-    """What one rank trains with, built in the order below and read by every step."""
-
-    cfg: object
-    resolved: ResolvedRun  # the run's layout and batch split on this world (hetero/plan/resolved_run.py)
-    run_dir: Path
-    rank: int
-    world: int
-    device: torch.device
-    dtype: torch.dtype
-    data_path: str = ""
-    tok_path: str = ""
-    hf_fields: dict = field(default_factory=dict)
-    groups: dict = field(default_factory=dict)
-    configs: dict = field(default_factory=dict)
-    modules: dict = field(default_factory=dict)
-    opt: object = None
-    start: int = 0
-    saved_on: tuple | None = None  # (world, layout) the resumed checkpoint was saved on; None without one
-    loader_state: object = None
-    step_flops: object = None  # hetero/planner/flops.StepFlops of the run, or None (no FLOPs in the metrics)
-    lr_schedule: object = None  # hetero/training/lr_schedule.LRSchedule: step -> multiplier of the peak LRs
-
-    @property
-    def layout(self):
-        return self.resolved.layout
-
-    @property
-    def ckpt_root(self) -> Path:
-        return self.run_dir / "checkpoints"
-
-
-def _resolve(run: RunState) -> None:
-    """Data set, tokenizer (refused when it disagrees with the checkpoint's ids or vocabulary) and the LLM's
-    shape (from the checkpoint when fine-tuning)."""
-    from dataclasses import replace
-
-    from tessera.data.run_tokenizer import check_agreement
-    from tessera.data.tokens import Tokenizer
-
-    cfg = run.cfg
-    run.data_path, choice = _dataset(cfg, run.rank)
-    run.tok_path, tok = choice.path, Tokenizer(choice.path)
-    run.hf_fields = checkpoint_llm_fields(cfg.model.checkpoint) or llm_fields(cfg.model, tok.vocab_size)
-    check_agreement(tok, cfg.model.checkpoint, run.hf_fields["vocab_size"], choice.source)
-    # the saved config names the tokenizer the run trained with, so its export ships that one (hf_export.py)
-    run.cfg = replace(cfg, data=replace(cfg.data, tokenizer=choice.path))
-
-
-def _build_model(run: RunState) -> None:
-    """Groups, this rank's modules with their initial weights (checkpoint or seed), and the optimizers."""
-    cfg = run.cfg
-    run.groups = build_module_groups(run.layout)
-    run.configs = module_configs(run.layout, run.hf_fields, cfg.model.moe_aux_loss_coeff)
-    run.modules = build_rank_modules(cfg.model, run.layout, run.groups, run.configs)
-    if cfg.model.checkpoint and latest_checkpoint(cfg.model.checkpoint) is not None:
-        load_checkpoint(latest_checkpoint(cfg.model.checkpoint), run.modules, None, run.groups, run.configs)
-    else:
-        if cfg.model.checkpoint:
-            from tessera.models.nemotron_h_hf import LazyCheckpoint
-
-            full = LazyCheckpoint(cfg.model.checkpoint)  # each rank reads only the tensors of its shards
-            check_checkpoint_tensors(cfg.model.checkpoint, full, cfg.model, run.hf_fields)
-        else:  # from the seed: only the units this rank's shards read are built, one at a time
-            full = SeededState(cfg.model, run.hf_fields, cfg.trainer.seed)
-        load_full_state(run.modules, full, run.groups)
-        del full
-    # LoRA (model.lora.rank > 0): base weights frozen, adapters on the targeted layers; only they get
-    # optimizer state and gradients, and checkpoints store them next to the (unchanged) base weights
-    apply_lora(run.modules, run.groups, cfg.model, cfg.trainer.seed)
-    for m in run.modules.values():
-        m.to(device=run.device).train()
-    lrs = {k: spec.lr for k, spec in module_specs(cfg.model, cfg.optim).items()}
-    # casts the modules to run.dtype; bf16 keeps fp32 master weights (taken before the cast) and fp32 grads
-    run.opt = ModuleOptimizers(run.modules, run.groups, {k: lrs[k] for k in run.layout.modules}, cfg.optim.clip_grad,
-                               cfg.optim.weight_decay, cfg.optim.betas, cfg.optim.eps,
-                               all_keys=list(run.layout.modules), param_dtype=run.dtype,
-                               distributed=cfg.optim.use_distributed_optimizer,
-                               overlap_modules=overlapped_modules(run.layout.modules, parse_recompute(
-                                   getattr(cfg.model, "recompute", "none")), LANGUAGE)
-                               if cfg.trainer.overlap_grad_reduce else (),
-                               bucket_elements=cfg.trainer.grad_bucket_elements,
-                               backwards_per_step=run.resolved.microbatches)
-    o = cfg.optim
-    run.lr_schedule = LRSchedule(o.lr_schedule, cfg.trainer.max_steps, o.warmup_steps, o.min_lr_ratio,
-                                 o.lr_wsd_decay_steps, o.lr_wsd_decay_style)
-
-
-def _resume(run: RunState) -> None:
-    """Continue from the run directory's last complete checkpoint (model, optimizer, loader position)."""
-    last = latest_checkpoint(run.ckpt_root) if run.cfg.trainer.resume else None
-    if last is not None:
-        common = load_checkpoint(last, run.modules, run.opt, run.groups, run.configs)
-        run.start, run.loader_state = common["step"], decode_loader_state(common["loader"])
-        run.saved_on = (common["world"], common["layout"])
-        if run.rank == 0:
-            print(f"resumed from {last} (step {run.start}, saved in layout {common['layout']})", flush=True)
-
-
-def _build_loader(run: RunState):
-    return run_loader(run, run.data_path, state=run.loader_state)
-
-
-def _train_step(run: RunState, step: int, it, comms: dict, like: torch.Tensor, hosts_loss: bool,
-                settle: TubeletSettle | None = None, flags=lambda: [0.0, 0.0]) -> tuple[dict, list[bool]]:
+def _train_step(run: RunState, step: int, it, ctx: StepContext, flags=lambda: [0.0, 0.0]) -> tuple[dict, list[bool]]:
     """One optimizer step over the run's microbatches (ResolvedRun.microbatches); returns the metrics record
     (every rank) and `flags()` (this rank's stop requests, read just before the step's one all-reduce, which
     carries them: hetero/training/preemption.py) as the world agreed on them."""
-    cfg, layout, groups = run.cfg, run.layout, run.groups
+    cfg, layout, groups, comms = run.cfg, run.layout, run.groups, ctx.comms
     t0 = time.perf_counter()
     batches = [next(it) for _ in range(run.resolved.microbatches)]
     data_wait = time.perf_counter() - t0  # the loader's workers not keeping up (plus decoding at num_workers=0)
-    enc, lang, total = rank_stages(run, batches, settle)
+    enc, lang, total = rank_stages(run, batches, ctx.settle)
     read = sum(b.read_bytes for b in batches)  # data/loader.py counts them per batch
     sent0, boundary0 = sum(c.bytes_sent for c in comms.values()), sum(c.seconds for c in comms.values())
-    result = hetero_step(layout, groups, enc, lang, comms, boundary_batches(batches, layout, settle), like)
+    result = hetero_step(layout, groups, enc, lang, comms, boundary_batches(batches, layout, ctx.settle), ctx.like)
     stats = run.opt.step(run.lr_schedule(step))
-    sums = torch.tensor([float(result.loss) if hosts_loss else 0.0,
+    sums = torch.tensor([float(result.loss) if ctx.hosts_loss else 0.0,
                          sum(c.bytes_sent for c in comms.values()) - sent0, read, *flags()], dtype=torch.float64,
                         device=run.device)  # NCCL reduces device tensors only
     dist.all_reduce(sums)
@@ -267,21 +136,15 @@ def run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals,
     handed in by recipes/train.py: training code never imports the cost model."""
     if resolved.world != dist.get_world_size():
         raise ValueError(f"the run was resolved for {resolved.world} ranks but the world has {dist.get_world_size()}")
-    run = RunState(cfg, resolved, run_dir, dist.get_rank(), resolved.world, device or current_device(),
-               {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype])
     keep = KeepPolicy(cfg.trainer.keep_last, cfg.trainer.keep_every)  # a bad policy fails before any work
     shield_checkpoint_queue()  # a stop signal to the rank's process group leaves the checkpoint writer alive
-    _resolve(run)
-    run.step_flops = step_flops(run.hf_fields) if step_flops is not None else None
-    val_sets = resolve_val_sets(cfg.data.val_path, run.rank, cfg.data.path,  # {} without data.val_path
-                                synthetic_kinds(encoder_names(cfg.model)))
-    if run.rank == 0:
+    val_sets = resolve_val_sets(cfg.data.val_path, dist.get_rank(), cfg.data.path,  # {} without data.val_path
+                                synthetic_kinds(encoder_names(cfg.model)))  # a bad val_path fails before any build
+    if dist.get_rank() == 0:
         print(describe_val_sets(cfg.data.val_path, cfg.data.path, val_sets), flush=True)
-    _build_model(run)
-    _resume(run)
-    loader = _build_loader(run)
-    comms, like, hosts_loss = step_context(run)
-    settle = tubelet_settle(run)
+    run = build_run(cfg, resolved, run_dir, device or current_device(), step_flops)
+    loader = run_loader(run, run.data_path, state=run.loader_state)
+    ctx = step_context(run)
     metrics = RunMetrics(run_dir, cfg.trainer.max_steps, run.start, cfg.trainer.progress, cfg.trainer.tensorboard,
                          cfg.trainer.log_every, make_tracker(cfg.trainer, run_dir, cfg.name, asdict(cfg))
                          ) if run.rank == 0 else None
@@ -293,13 +156,12 @@ def run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals,
     loop_start, blocked, saves = time.perf_counter(), 0.0, 0  # what saves cost the steps (scripts/bench_train.py)
     for step in range(run.start, cfg.trainer.max_steps):
         _maybe_fail(step, run.rank)
-        record, (stop_now, time_due) = _train_step(run, step, it, comms, like, hosts_loss, settle,
-                                                   lambda: stop.local_flags(last_save))
+        record, (stop_now, time_due) = _train_step(run, step, it, ctx, lambda: stop.local_flags(last_save))
         first_loss = record["loss"] if first_loss is None else first_loss
         if metrics is not None:
             metrics.log(record)
         if val_sets and _val_due(cfg.trainer, step + 1) and not stop_now:  # a stop saves first, at once
-            last_val = validate(run, val_sets, cfg.trainer.val_steps, comms, like, hosts_loss, settle)
+            last_val = validate(run, val_sets, cfg.trainer.val_steps, ctx)
             if metrics is not None:
                 metrics.log_val(step + 1, last_val)
         t = time.perf_counter()
@@ -321,8 +183,8 @@ def run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals,
     if cfg.trainer.export_hf and run.rank == 0 and not stopped:
         _export_hf(run.ckpt_root, cfg.trainer.export_hf)
     dist.barrier()
-    if settle is not None:
-        settle.close()
+    if ctx.settle is not None:
+        ctx.settle.close()
     destroy_module_groups(run.groups)
     return {"run_dir": str(run_dir), "layout": str(run.layout),
             "steps": stopped[1] if stopped else cfg.trainer.max_steps, "stopped_by": stopped[0] if stopped else None,

@@ -12,21 +12,13 @@ step trains at 1/warmup of the peak rather than at init_lr = 0, and after it at 
 
 from __future__ import annotations
 
-LR_SCHEDULES = ("cosine", "linear", "constant", "inverse-square-root", "WSD")
-WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
-
-
-def check_lr_schedule(style: str, wsd_decay_style: str) -> None:
-    if style not in LR_SCHEDULES:
-        raise ValueError(f"optim.lr_schedule={style!r}: choose one of {', '.join(LR_SCHEDULES)}")
-    if wsd_decay_style not in WSD_DECAY_STYLES:
-        raise ValueError(f"optim.lr_wsd_decay_style={wsd_decay_style!r}: choose one of {', '.join(WSD_DECAY_STYLES)}")
+from tessera.hetero.runspec.config import check_lr_schedule
 
 
 class LRSchedule:
     def __init__(self, style: str, max_steps: int, warmup: int, min_ratio: float,
                  wsd_decay_steps: int | None = None, wsd_decay_style: str = "linear"):
-        import torch  # here, so that recipes/config.py checks a schedule's name without importing torch
+        import torch  # here, so that hetero/runspec/config.py checks a schedule's name without importing torch
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         check_lr_schedule(style, wsd_decay_style)

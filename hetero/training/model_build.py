@@ -32,7 +32,7 @@ from tessera.models.multimodal_hf import (PROJECTOR_ROOT, export_hf, media_to_hf
                                           _load_params, _params_only)
 from tessera.models.nemotron_h_hf import PrefixView, hybrid_config_from_hf, load_into
 from tessera.models.released import is_carried
-from tessera.hetero.training.run_modules import encoder_names, module_specs
+from tessera.hetero.runspec.modules import encoder_names, module_specs
 from tessera.data.pipeline import video_temporal
 
 _single_rank_pgs: ProcessGroupCollection | None = None

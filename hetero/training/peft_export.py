@@ -92,7 +92,7 @@ def peft_adapters(modules) -> dict:
 def adapter_model(model_cfg, hf_fields: dict) -> str | None:
     """Which transformers model the adapter files name modules of: "omni", "llm" or None (module docstring)."""
     from tessera.hetero.training.model_build import hf_shapes
-    from tessera.hetero.training.run_modules import encoder_names, release_config
+    from tessera.hetero.runspec.modules import encoder_names, release_config
     from tessera.models import released
 
     if not encoder_names(model_cfg):

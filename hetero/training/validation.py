@@ -20,7 +20,8 @@ import torch.distributed as dist
 from tessera.data.loader import close_loader
 from tessera.data.pipeline import SYNTHETIC_VAL_SET, synthetic_root
 from tessera.hetero.runtime.step_executor import hetero_step
-from tessera.hetero.training.step_parts import boundary_batches, rank_stages, run_loader
+from tessera.hetero.training.run_state import RunState
+from tessera.hetero.training.step_parts import StepContext, boundary_batches, rank_stages, run_loader
 
 
 def resolve_val_sets(spec: str | None, rank: int, train_path: str | None = None,
@@ -54,7 +55,7 @@ def describe_val_sets(spec: str | None, train_path: str | None, sets: dict[str, 
     return "validation: none (data.val_path unset)"
 
 
-def _batches(run, path: str, count: int) -> list:
+def _batches(run: RunState, path: str, count: int) -> list:
     """The set's first `count` global microbatches, from its start (a fresh loader with the data seed)."""
     # one process, from the start; the training stream's loader logs skip examples already
     loader = run_loader(run, path, num_workers=0, log_skips=False)
@@ -65,29 +66,27 @@ def _batches(run, path: str, count: int) -> list:
         close_loader(loader)
 
 
-def validation_loss(run, path: str, steps: int, comms: dict, like: torch.Tensor, hosts_loss: bool,
-                    settle=None) -> float:
+def validation_loss(run: RunState, path: str, steps: int, ctx: StepContext) -> float:
     """The mean loss per target token over `steps` global batches of the set at `path` (every rank calls it)."""
     batches = _batches(run, path, steps * run.resolved.microbatches)
-    enc, lang, _ = rank_stages(run, batches, settle)
+    enc, lang, _ = rank_stages(run, batches, ctx.settle)
     modes = {m: m.training for module in run.modules.values() for m in module.modules()}
     try:
         for module in run.modules.values():
             module.eval()
         with torch.no_grad():
-            result = hetero_step(run.layout, run.groups, enc, lang, comms,
-                                 boundary_batches(batches, run.layout, settle), like, forward_only=True)
+            result = hetero_step(run.layout, run.groups, enc, lang, ctx.comms,
+                                 boundary_batches(batches, run.layout, ctx.settle), ctx.like, forward_only=True)
     finally:
         # each part back in its own mode (frozen towers and LoRA bases stay in eval): set one by one, since train()
         # recurses into children and a part reached from two parents would take the later parent's mode
         for m, training in modes.items():
             m.training = training
-    loss = torch.tensor([float(result.loss) if hosts_loss else 0.0], dtype=torch.float64, device=run.device)
+    loss = torch.tensor([float(result.loss) if ctx.hosts_loss else 0.0], dtype=torch.float64, device=run.device)
     dist.all_reduce(loss)
     return float(loss)
 
 
-def validate(run, sets: dict[str, str], steps: int, comms: dict, like: torch.Tensor, hosts_loss: bool,
-             settle=None) -> dict[str, float]:
+def validate(run: RunState, sets: dict[str, str], steps: int, ctx: StepContext) -> dict[str, float]:
     """{set name: loss} of every set (data/pipeline.val_sets), in order (RunMetrics.log_val logs val/<name>/loss)."""
-    return {name: validation_loss(run, path, steps, comms, like, hosts_loss, settle) for name, path in sets.items()}
+    return {name: validation_loss(run, path, steps, ctx) for name, path in sets.items()}

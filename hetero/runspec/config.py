@@ -13,7 +13,18 @@ from dataclasses import dataclass, field
 
 from tessera.hetero.plan.lora import DEFAULT_LORA_TARGETS, lora_targets, validate_lora
 from tessera.hetero.plan.recompute import parse_recompute
-from tessera.hetero.training.lr_schedule import check_lr_schedule
+
+
+# the learning-rate schedules (megatron-core's styles; hetero/training/lr_schedule.py runs them)
+LR_SCHEDULES = ("cosine", "linear", "constant", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+
+
+def check_lr_schedule(style: str, wsd_decay_style: str) -> None:
+    if style not in LR_SCHEDULES:
+        raise ValueError(f"optim.lr_schedule={style!r}: choose one of {', '.join(LR_SCHEDULES)}")
+    if wsd_decay_style not in WSD_DECAY_STYLES:
+        raise ValueError(f"optim.lr_wsd_decay_style={wsd_decay_style!r}: choose one of {', '.join(WSD_DECAY_STYLES)}")
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
     specs = module_specs(cfg.model, cfg.optim)   # {"vision": ModuleSpec(...), "audio": ..., "language": ...}
 
-A run's config (recipes/config.py) names each encoder by module key: `model.<key>` (a registry name, or
+A run's config (hetero/runspec/config.py) names each encoder by module key: `model.<key>` (a registry name, or
 None for no such encoder), `model.freeze_<key>`, `optim.lr_<key>` (None = `optim.lr`); the LLM is
 `model.llm`, `model.freeze_llm`, `optim.lr`. Fine-tuning a released checkpoint (`model.checkpoint=DIR` with
 DIR/config.json) takes the encoders DIR describes instead (released_encoders). Everything downstream (layout resolution, model building, the
@@ -11,12 +11,11 @@ optimizers, the data side's placeholder sizes) iterates these specs instead of n
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from tessera.hetero.plan.layout import AUDIO, ENCODER_KEYS, LANGUAGE, VISION
 from tessera.hetero.plan.resolved_run import ResolvedRun, RunModel, resolve_run
+from tessera.hetero.runspec.checkpoints import checkpoint_llm_fields
 from tessera.models import configs, encoders, released
 
 
@@ -68,27 +67,6 @@ def released_encoders(model) -> dict[str, str] | None:
     if not source or not released.is_released_checkpoint(source):
         return None
     return {m: released.encoder_name(source, m) for m in released.modalities_of(released.read_config(source))}
-
-
-def checkpoint_llm_fields(source: str | None) -> dict | None:
-    """The LLM's NemotronH config fields the checkpoint to start from defines, so fine-tuning builds exactly
-    that shape: a Tessera export's tessera.json, a released directory's config.json (models/released.py), a
-    Tessera checkpoints/ directory's common state; None when there is no checkpoint or it says nothing."""
-    if not source:
-        return None
-    path = Path(source).expanduser()
-    if (path / "tessera.json").exists():
-        return json.loads((path / "tessera.json").read_text())["llm_hf_config"]
-    if released.is_released_checkpoint(path):
-        return released.llm_fields_of(released.read_config(path))
-    from tessera.hetero.training.checkpoint import latest_checkpoint  # megatron's checkpointing: load lazily
-
-    ckpt = latest_checkpoint(path)
-    if ckpt is not None:
-        from megatron.core import dist_checkpointing
-
-        return json.loads(dist_checkpointing.load_common_state_dict(str(ckpt))["common"]["llm_hf_config"])
-    return None
 
 
 def run_model(model, llm_fields: dict | None = None) -> RunModel:
