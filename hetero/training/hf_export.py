@@ -9,6 +9,8 @@ The model is rebuilt with every module on one rank and dist_checkpointing reshar
                              + model.safetensors.index.json (huggingface_hub's sharding, what save_pretrained uses);
                              from a release, also its tensors no module computes with (mtp.*, the Parakeet
                              featurizer's), copied unchanged (models/released.CARRIED)
+  OUT/*.py                   from a release in the hub layout, its remote code (the auto_map targets of its
+                             configs and the modules they import), copied byte for byte
   OUT/tokenizer.json|.model  the tokenizer the run trained with (its saved config names it, loop._resolve); when
                              that is the release's own (model.checkpoint=DIR), DIR's tokenizer files, chat template,
                              processor configs and generation_config.json as they are (data/run_tokenizer.py);
@@ -98,6 +100,7 @@ def write_hf(out: Path, full: dict, model_cfg, hf_fields: dict, tokenizer: str |
         # these tensors (transformers loads OUT as it loads the release; so does model.checkpoint=OUT)
         (out / "config.json").write_text((Path(source).expanduser() / "config.json").read_text())
         (out / "tessera.json").unlink(missing_ok=True)
+        _copy_remote_code(Path(source).expanduser(), out)
     else:
         (out / "tessera.json").write_text(json.dumps({"model": _fields(model_cfg), "llm_hf_config": hf_fields},
                                                      indent=2))
@@ -111,6 +114,18 @@ def write_hf(out: Path, full: dict, model_cfg, hf_fields: dict, tokenizer: str |
 
     NemotronHConfig(**hf_fields).save_pretrained(str(lm))
     return out
+
+
+def _copy_remote_code(src: Path, out: Path) -> None:
+    """The release's remote code (its configs' auto_map targets and what they import), byte for byte: the hub
+    layout's config.json names it, and trust_remote_code loaders (the release's own, vLLM's) run it."""
+    import shutil
+
+    from tessera.models.released import remote_code_files
+
+    for name in remote_code_files(src):
+        if (out / name).resolve() != (src / name).resolve():
+            shutil.copyfile(src / name, out / name)
 
 
 def write_serving_files(out: Path, tokenizer: str | None, source: str | None, hf_fields: dict) -> None:
