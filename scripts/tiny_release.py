@@ -89,7 +89,8 @@ def hub_layout(directory, sound_model_type: str | None = None) -> dict:
     """Rewrite DIR/config.json (transformers' nemotron_h_omni) as the released Omni's hub file names it: model_type
     and architectures NemotronH_Nano_Omni_Reasoning_V3, the legacy field names, an auto_map to the remote code,
     and that code's files (HUB_REMOTE_CODE). The weights stay as they are. Returns the new config.
-    sound_model_type: sound_config's model_type as the hub file sets it ("parakeet", which transformers 5.24's class cannot parse); None keeps transformers' own."""
+    sound_model_type: sound_config's model_type as the hub file sets it ("parakeet", which transformers 5.24's class
+    cannot parse); None keeps transformers' own."""
     import json
     from pathlib import Path
 

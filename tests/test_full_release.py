@@ -69,7 +69,8 @@ def test_a_release_missing_a_tensor_is_named(release, tmp_path):
     model = _run_model(name, tmp_path)
     single_rank_world()
     with pytest.raises(ValueError, match=rf"1 missing \(the model needs them\): {gone}"):
-        check_checkpoint_tensors(str(tmp_path), LazyCheckpoint(tmp_path), model, checkpoint_llm_fields(model.checkpoint))
+        check_checkpoint_tensors(str(tmp_path), LazyCheckpoint(tmp_path), model,
+                                 checkpoint_llm_fields(model.checkpoint))
 
 
 def test_hub_files_are_the_release_layouts(release):

@@ -118,9 +118,10 @@ def test_export_ships_the_runs_tokenizer_chat_template_and_generation_config(tmp
 
 def test_registry_export_names_its_class_and_the_media_ids_of_the_tokenizer_it_ships(tmp_path):
     """A run from registry names with the release's towers (RADIO, Parakeet) exports config.json with
-    `architectures` (AutoModelForImageTextToText, transformers' auto class of this model type, loads it) and the <image> / <video> / <so_embedding> ids of
-    the tokenizer it ships; Tessera reads them back as that tokenizer's (the pre-launch check of a tokenizer against
-    a checkpoint finds nothing to refuse). Without a tokenizer the export names no ids."""
+    `architectures` (AutoModelForImageTextToText, transformers' auto class of this model type, loads it) and the
+    <image> / <video> / <so_embedding> ids of the tokenizer it ships; Tessera reads them back as that tokenizer's
+    (the pre-launch check of a tokenizer against a checkpoint finds nothing to refuse). Without a tokenizer the
+    export names no ids."""
     from transformers import AutoConfig, AutoModelForImageTextToText, NemotronH_Omni_Reasoning_V3
 
     from tessera.data.run_tokenizer import disagreements

@@ -32,8 +32,8 @@ def _train(release: str, run_dir: str, export: str) -> None:
 
     model = ModelConfig(checkpoint=release, freeze_vision=True, freeze_audio=True)
     trainer = TrainerConfig(max_steps=STEPS, run_dir=run_dir, progress=False, tensorboard=False, export_hf=export)
-    train(model, DataConfig(seq_length=256, rows_per_microbatch=2, microbatches=1), OptimConfig(lr=1e-2, warmup_steps=0),
-          trainer, layout=LAYOUT, name="round_trip")
+    data = DataConfig(seq_length=256, rows_per_microbatch=2, microbatches=1)
+    train(model, data, OptimConfig(lr=1e-2, warmup_steps=0), trainer, layout=LAYOUT, name="round_trip")
 
 
 @pytest.fixture(scope="module")
