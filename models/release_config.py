@@ -11,8 +11,8 @@ Only what the release's architecture computes the same way can be described:
   audio   the parakeet_hf family (transformers' ParakeetEncoder, the release's count of embeddings); NeMo's
           FastConformer keeps NeMo's count (models/encoders.AUDIO_TOKEN_FRAMES), another function of the clip.
 Widths the registry leaves implicit (the projectors' hidden sizes) are read from the exported tensors.
-The config carries no media token ids: they belong to the run's tokenizer (set them in the config when
-pairing the export with a processor).
+The config carries no media token ids: they belong to the run's tokenizer, and the export sets those of the
+tokenizer it ships (hetero/training/hf_export.media_token_ids).
 """
 
 from __future__ import annotations

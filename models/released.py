@@ -61,6 +61,32 @@ def carried_tensors(directory: str | Path) -> dict:
     return out
 
 
+# the JSON files beside config.json whose `auto_map` names remote code too (the processor's and tokenizer's)
+AUTO_MAP_FILES = ("config.json", "processor_config.json", "preprocessor_config.json", "tokenizer_config.json",
+                  "video_preprocessor_config.json")
+
+
+def remote_code_files(directory: str | Path) -> list[str]:
+    """The remote-code .py files (names in DIR) that the `auto_map` entries of DIR's configs load, with the files
+    they import relatively (transformers' own resolution, dynamic_module_utils), those DIR holds. An entry of
+    another repository (`org/repo--module.Class`) is not a file of DIR."""
+    from transformers import PretrainedConfig
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    d, names = Path(directory).expanduser(), set()
+    for config in AUTO_MAP_FILES:
+        if not (d / config).is_file():
+            continue
+        for ref in (PretrainedConfig._dict_from_json_file(d / config).get("auto_map") or {}).values():
+            for target in ref if isinstance(ref, (list, tuple)) else [ref]:
+                if isinstance(target, str) and "--" not in target:
+                    names.add(target.rpartition(".")[0] + ".py")
+    files = {n for n in names if (d / n).is_file()}
+    for n in list(files):
+        files.update(Path(f).name for f in get_relative_import_files(str(d / n)) if Path(f).is_file())
+    return sorted(files)
+
+
 class CheckpointConfigError(ValueError):
     """config.json is missing, unreadable or of an architecture Tessera does not load."""
 

@@ -87,9 +87,10 @@ HUB_OMNI_NAMES = {"text_config": "llm_config", "audio_config": "sound_config", "
 
 def hub_layout(directory, sound_model_type: str | None = None) -> dict:
     """Rewrite DIR/config.json (transformers' nemotron_h_omni) as the released Omni's hub file names it: model_type
-    and architectures NemotronH_Nano_Omni_Reasoning_V3, the legacy field names, an auto_map to the remote code.
-    The weights stay as they are. Returns the new config. sound_model_type: sound_config's model_type as the hub
-    file sets it ("parakeet", which transformers 5.24's class cannot parse); None keeps transformers' own."""
+    and architectures NemotronH_Nano_Omni_Reasoning_V3, the legacy field names, an auto_map to the remote code,
+    and that code's files (HUB_REMOTE_CODE). The weights stay as they are. Returns the new config.
+    sound_model_type: sound_config's model_type as the hub file sets it ("parakeet", which transformers 5.24's class
+    cannot parse); None keeps transformers' own."""
     import json
     from pathlib import Path
 
@@ -102,7 +103,28 @@ def hub_layout(directory, sound_model_type: str | None = None) -> dict:
     if sound_model_type and hub.get("sound_config"):
         hub["sound_config"]["model_type"] = sound_model_type
     path.write_text(json.dumps(hub, indent=2))
+    for name, source in HUB_REMOTE_CODE.items():
+        (Path(directory) / name).write_text(source)
     return hub
+
+
+# The release's remote code, as files named by its auto_map (+ a module they import relatively, as the release's
+# modeling file imports its helpers). Stand-ins: the release's own code is not available offline; what an export
+# must do with these files is copy them byte for byte (hetero/training/hf_export.py).
+_STAND_IN = ('"""Stand-in for the release\'s remote code (scripts/tiny_release.py writes it offline): the classes its '
+             'auto_map names, as transformers\' native ones."""\n\n')
+HUB_REMOTE_CODE = {
+    "configuration_nemotron_h.py": _STAND_IN + (
+        "from transformers import NemotronH_Omni_Reasoning_V3_Config\n\n\n"
+        "class NemotronH_Nano_Omni_Reasoning_V3_Config(NemotronH_Omni_Reasoning_V3_Config):\n    pass\n"),
+    "modeling_nemotron_h.py": _STAND_IN + (
+        "from transformers import NemotronH_Omni_Reasoning_V3\n\n"
+        "from .configuration_nemotron_h import NemotronH_Nano_Omni_Reasoning_V3_Config\n"
+        "from .evs import VIDEO_PRUNING_RATE\n\n\n"
+        "class NemotronH_Nano_Omni_Reasoning_V3(NemotronH_Omni_Reasoning_V3):\n"
+        "    config_class = NemotronH_Nano_Omni_Reasoning_V3_Config\n"),
+    "evs.py": _STAND_IN + "VIDEO_PRUNING_RATE = 0.7\n",
+}
 
 
 # Nemotron Nano V2 VL as downloaded (NemotronH_Nano_VL_V2, remote code): the fields vLLM's nano_nemotron_vl.py and

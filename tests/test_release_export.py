@@ -26,7 +26,8 @@ AUDIO_FIELDS = ("family", "n_mels", "hidden", "layers", "heads", "ff_expansion",
                 "subsampling_channels", "attention_bias", "convolution_bias", "scale_input")
 
 
-def _export(tmp_path, llm: str, vision: str | None, audio: str | None, tokenizer: str | None = None):
+def _export(tmp_path, llm: str, vision: str | None, audio: str | None, tokenizer: str | None = None,
+            vocab: int = 0):
     single_rank_world()
     from tessera.hetero.training.hf_export import write_hf
     from tessera.hetero.training.model_build import llm_fields
@@ -34,7 +35,7 @@ def _export(tmp_path, llm: str, vision: str | None, audio: str | None, tokenizer
     from tessera.hetero.runspec.config import ModelConfig
 
     cfg = ModelConfig(llm=llm, vision=vision, audio=audio)
-    fields = llm_fields(cfg, 0)
+    fields = llm_fields(cfg, vocab)  # the vocabulary grown to `vocab` tokens, as a run grows it to its tokenizer's
     out = tmp_path / f"{vision}_{audio}"
     write_hf(out, full_hf_state(cfg, fields, seed=5), cfg, fields, tokenizer)
     return out
@@ -113,3 +114,33 @@ def test_export_ships_the_runs_tokenizer_chat_template_and_generation_config(tmp
         spm = train_sentencepiece(TOKENIZER_TEXTS * 4, tmp_path / "tokenizer", vocab_size=120)
         _export(tmp_path, "nemotron_h_tiny_dense", "radio_vit_tiny", None, str(spm))
         assert not (out / kind).exists() and (out / "tokenizer.model").read_bytes() == spm.read_bytes()
+
+
+def test_registry_export_names_its_class_and_the_media_ids_of_the_tokenizer_it_ships(tmp_path):
+    """A run from registry names with the release's towers (RADIO, Parakeet) exports config.json with
+    `architectures` (AutoModelForImageTextToText, transformers' auto class of this model type, loads it) and the
+    <image> / <video> / <so_embedding> ids of the tokenizer it ships; Tessera reads them back as that tokenizer's
+    (the pre-launch check of a tokenizer against a checkpoint finds nothing to refuse). Without a tokenizer the
+    export names no ids."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, NemotronH_Omni_Reasoning_V3
+
+    from tessera.data.run_tokenizer import disagreements
+    from tessera.data.templates import PROCESSOR_TAGS
+    from tessera.data.tokens import Tokenizer
+    from tessera.models.released import media_token_ids, read_config
+    from tessera.scripts.tiny_release import release_tokenizer
+
+    release_tokenizer(tmp_path / "tok")
+    path = tmp_path / "tok" / "tokenizer.json"
+    out = _export(tmp_path, "nemotron_h_tiny_moe", "radio_vit_tiny", "parakeet_hf_tiny", str(path),
+                  Tokenizer(path).vocab_size)
+    special = Tokenizer(path).special
+    want = {kind: special[tag] for kind, tag in PROCESSOR_TAGS.items()}
+    config = AutoConfig.from_pretrained(str(out))
+    assert config.architectures == ["NemotronH_Omni_Reasoning_V3"]
+    assert {k: getattr(config, f"{k}_token_id") for k in want} == want
+    assert media_token_ids(read_config(out)) == want
+    assert type(AutoModelForImageTextToText.from_pretrained(str(out))) is NemotronH_Omni_Reasoning_V3
+    assert disagreements(Tokenizer(out / "tokenizer.json"), read_config(out)) == []  # the pre-launch id check
+    bare = _export(tmp_path / "bare", "nemotron_h_tiny_moe", "radio_vit_tiny", "parakeet_hf_tiny")
+    assert json.loads((bare / "config.json").read_text()).get("image_token_id") is None

@@ -216,14 +216,15 @@ def test_the_cli_gives_every_rank_the_cached_directory(tmp_path, monkeypatch, ca
 
 # ---- tensors a release holds that no Tessera module computes with (MTP, the featurizer): carried -------------
 
-def _release_with_carried(directory) -> dict:
+def _release_with_carried(directory, tokenizer: bool = False) -> dict:
     """A tiny hub-layout Omni whose LLM has one MTP layer (so transformers' model adds vision_final_layernorm),
-    with mtp.* and featurizer tensors added to its weights as the released file holds them; returns those."""
+    with mtp.* and featurizer tensors added to its weights as the released file holds them; returns those.
+    tokenizer: also the release's tokenizer files (scripts/tiny_release.release_tokenizer)."""
     from safetensors.torch import load_file
 
     from tessera.scripts.tiny_release import TEXT
 
-    omni_checkpoint(directory, text=dict(TEXT, num_nextn_predict_layers=1))
+    omni_checkpoint(directory, text=dict(TEXT, num_nextn_predict_layers=1), tokenizer=tokenizer)
     hub_layout(directory)
     hidden = TEXT["hidden_size"]
     g = torch.Generator().manual_seed(3)

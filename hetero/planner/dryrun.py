@@ -160,17 +160,19 @@ def _fake_world_checks(spec: str, world: int, probes: list[int] | None, model_cf
         problems = check_groups(spec, world, probes) if probes is not None else None
         t = time.perf_counter()
         shards = rank_shards(spec, model_cfg, batch) if model_cfg is not None else None
-    units = seeded_init_units(model_cfg) if model_cfg is not None else None
+    # a run from a checkpoint loads it instead of drawing from the seed
+    units = seeded_init_units(model_cfg) if model_cfg is not None and not model_cfg.checkpoint else None
     return problems, shards, units, time.perf_counter() - t
 
 
-def _meta_inputs(layout: HeteroLayout, model: ModelDesc, w: Workload, frozen, dtype: str):
-    """(model config, microbatch) for meta_memory, or (None, why) when the model has no registry names."""
-    if any(not mod.name for mod in model.modules):
+def _meta_inputs(layout: HeteroLayout, model: ModelDesc, w: Workload, frozen, dtype: str, run_model=None):
+    """(model config, microbatch) for meta_memory, or (None, why) when the model has no registry names and no
+    run_model config is given."""
+    if run_model is None and any(not mod.name for mod in model.modules):
         return None, "meta-device count skipped: the model is not given by registry names"
     items = {mod.key: items_of(mod, w)[0] for mod in model.encoders}
     batch = batch_for(layout, w.micro_batch, w.seq_length, items, w.audio_clip_seconds)
-    return model_config({mod.key: mod.name for mod in model.modules}, set(frozen), dtype), batch
+    return run_model or model_config({mod.key: mod.name for mod in model.modules}, set(frozen), dtype), batch
 
 
 def init_note(units: dict[tuple, int]) -> str:
@@ -193,10 +195,12 @@ def microbatch_workload(layout: HeteroLayout, w: Workload, microbatches: int) ->
 
 def dry_run(layout_str: str, world: int | None = None, microbatches: int = 4, model: ModelDesc | None = None,
             workload: Workload | None = None, cluster_name: str = "h100", groups: bool = True, meta: bool = True,
-            frozen: tuple[str, ...] = (), zero1: bool = True, dtype: str = "bfloat16") -> Report:
+            frozen: tuple[str, ...] = (), zero1: bool = True, dtype: str = "bfloat16", run_model=None) -> Report:
     """Check `layout_str` (scaled by DP to `world` ranks when given) at full size; see the module docstring.
     meta: count memory on the modules built on the meta device (needs `model`); frozen: module keys whose
-    parameters are frozen; zero1: whether the optimizer states are sharded (optim.use_distributed_optimizer)."""
+    parameters are frozen; zero1: whether the optimizer states are sharded (optim.use_distributed_optimizer);
+    run_model: the model config built on the meta device (meta_memory.model_config, e.g. with a checkpoint whose
+    config.json defines the modules), else `model`'s registry names."""
     t0 = time.perf_counter()
     report = Report(layout_str, world or 0)
     try:
@@ -222,7 +226,7 @@ def dry_run(layout_str: str, world: int | None = None, microbatches: int = 4, mo
             report.notes.append(f"cost model: {pred.tokens_per_s:.0f} tokens/s, {pred.tflops_per_gpu:.0f} "
                                 f"TFLOPS/GPU, recompute {','.join(pred.recompute) or 'none'}")
         if meta and pred.modules:
-            model_cfg, batch = _meta_inputs(layout, model, w, frozen, dtype)
+            model_cfg, batch = _meta_inputs(layout, model, w, frozen, dtype, run_model)
             if model_cfg is None:
                 report.notes.append(batch)
             else:

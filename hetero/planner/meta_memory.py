@@ -281,10 +281,22 @@ def measure_activations(key: str, module: nn.Module, batch: Batch, shard: Shard,
     shard.act_note, shard.per_layer = "measured", dict(acc.per_layer)
 
 
-def model_config(names: dict[str, str], frozen: set[str] = frozenset(), dtype: str = "bfloat16") -> ModelConfig:
-    """The ModelConfig of a model with these registry names (module key -> name) and frozen modules."""
+def model_config(names: dict[str, str], frozen: set[str] = frozenset(), dtype: str = "bfloat16",
+                 checkpoint: str | None = None) -> ModelConfig:
+    """The ModelConfig of a model with these registry names (module key -> name) and frozen modules. checkpoint: a
+    released checkpoint directory whose config.json defines the modules (its LLM and encoders replace `names`, as
+    in a run)."""
     return ModelConfig(llm=names[LANGUAGE], **{k: names.get(k) for k in ENCODER_KEYS}, dtype=dtype,
-                       freeze_llm=LANGUAGE in frozen, **{f"freeze_{k}": k in frozen for k in ENCODER_KEYS})
+                       checkpoint=checkpoint, freeze_llm=LANGUAGE in frozen,
+                       **{f"freeze_{k}": k in frozen for k in ENCODER_KEYS})
+
+
+def _llm_fields(model_cfg) -> dict:
+    """The LLM's config fields: its checkpoint's when it has one (as a run builds it), else the registry's."""
+    from tessera.hetero.training.model_build import llm_fields
+    from tessera.hetero.runspec.checkpoints import checkpoint_llm_fields
+
+    return checkpoint_llm_fields(getattr(model_cfg, "checkpoint", None)) or llm_fields(model_cfg, 0)
 
 
 def representative_ranks(layout: HeteroLayout) -> list[int]:
@@ -309,7 +321,7 @@ def shards_at(spec: str, model_cfg, rank: int, batch: Batch | None = None, meta:
     from tessera.hetero.runtime.cpu_shims import apply_cpu_shims
     from tessera.hetero.runtime.groups import build_module_groups
     from tessera.hetero.runtime.world import fake_world
-    from tessera.hetero.training.model_build import build_rank_modules, llm_fields, module_configs
+    from tessera.hetero.training.model_build import build_rank_modules, module_configs
 
     apply_cpu_shims()
     layout = HeteroLayout.parse(spec)
@@ -318,7 +330,7 @@ def shards_at(spec: str, model_cfg, rank: int, batch: Batch | None = None, meta:
     out = []
     with fake_world(rank, layout.world_size):
         groups = build_module_groups(layout)
-        configs = module_configs(layout, llm_fields(model_cfg, 0))
+        configs = module_configs(layout, _llm_fields(model_cfg))
         # megatron's init_method is captured before meta_init patches torch.nn.init; with
         # perform_initialization=False it would also skip the tensor_model_parallel marks
         configs[LANGUAGE].init_method = configs[LANGUAGE].output_layer_init_method = skip_init
@@ -353,7 +365,7 @@ def seeded_init_units(model_cfg) -> dict[tuple, int]:
     apply_cpu_shims()
     try:
         with fake_world(0, 1):
-            return SeededState(model_cfg, model_build.llm_fields(model_cfg, 0), 0).unit_elements()
+            return SeededState(model_cfg, _llm_fields(model_cfg), 0).unit_elements()
     finally:
         model_build._single_rank_pgs = None  # its groups died with the default group
 

@@ -9,7 +9,10 @@ The model is rebuilt with every module on one rank and dist_checkpointing reshar
                              + model.safetensors.index.json (huggingface_hub's sharding, what save_pretrained uses);
                              from a release, also its tensors no module computes with (mtp.*, the Parakeet
                              featurizer's), copied unchanged (models/released.CARRIED)
-  OUT/tokenizer.json|.model  the tokenizer the run trained with (its saved config names it, hetero/training/run_state.resolve_inputs); when
+  OUT/*.py                   from a release in the hub layout, its remote code (the auto_map targets of its
+                             configs and the modules they import), copied byte for byte
+  OUT/tokenizer.json|.model  the tokenizer the run trained with (its saved config names it,
+                             hetero/training/run_state.resolve_inputs); when
                              that is the release's own (model.checkpoint=DIR), DIR's tokenizer files, chat template,
                              processor configs and generation_config.json as they are (data/run_tokenizer.py);
                              else tokenizer_config.json + chat_template.jinja of the turns Tessera trains
@@ -21,7 +24,9 @@ The model is rebuilt with every module on one rank and dist_checkpointing reshar
                              loads OUT like the release)
   OUT/config.json            for a model built from registry names, NemotronH_Omni_Reasoning_V3's config of it
                              when that architecture computes it alike (RADIO vision, Parakeet audio:
-                             models/release_config.py), so transformers loads OUT too
+                             models/release_config.py), so transformers loads OUT too (its class, or
+                             AutoModelForImageTextToText), with `architectures` and the media token ids of the
+                             tokenizer OUT ships
   OUT/language_model/        config.json + model.safetensors: transformers' NemotronHForCausalLM loads it
 A LoRA run (model.lora.rank > 0, hetero/training/lora.py) exports, per model.lora.export:
   merged     the files above with every adapted weight W + (alpha/r) B A (a plain model: no adapters needed)
@@ -98,10 +103,11 @@ def write_hf(out: Path, full: dict, model_cfg, hf_fields: dict, tokenizer: str |
         # these tensors (transformers loads OUT as it loads the release; so does model.checkpoint=OUT)
         (out / "config.json").write_text((Path(source).expanduser() / "config.json").read_text())
         (out / "tessera.json").unlink(missing_ok=True)
+        _copy_remote_code(Path(source).expanduser(), out)
     else:
         (out / "tessera.json").write_text(json.dumps({"model": _fields(model_cfg), "llm_hf_config": hf_fields},
                                                      indent=2))
-        _write_release_config(out, full, model_cfg, hf_fields)
+        _write_release_config(out, full, model_cfg, hf_fields, tokenizer)
     write_serving_files(out, tokenizer, source, hf_fields)
     lm = out / "language_model"
     lm.mkdir(exist_ok=True)
@@ -111,6 +117,18 @@ def write_hf(out: Path, full: dict, model_cfg, hf_fields: dict, tokenizer: str |
 
     NemotronHConfig(**hf_fields).save_pretrained(str(lm))
     return out
+
+
+def _copy_remote_code(src: Path, out: Path) -> None:
+    """The release's remote code (its configs' auto_map targets and what they import), byte for byte: the hub
+    layout's config.json names it, and trust_remote_code loaders (the release's own, vLLM's) run it."""
+    import shutil
+
+    from tessera.models.released import remote_code_files
+
+    for name in remote_code_files(src):
+        if (out / name).resolve() != (src / name).resolve():
+            shutil.copyfile(src / name, out / name)
 
 
 def write_serving_files(out: Path, tokenizer: str | None, source: str | None, hf_fields: dict) -> None:
@@ -172,9 +190,10 @@ def _write_generation_config(out: Path, hf_fields: dict, tokenizer: str | None) 
                      pad_token_id=llm.pad_token_id).save_pretrained(str(out))
 
 
-def _write_release_config(out: Path, full: dict, model_cfg, hf_fields: dict) -> None:
+def _write_release_config(out: Path, full: dict, model_cfg, hf_fields: dict, tokenizer: str | None = None) -> None:
     """OUT/config.json of transformers' NemotronH_Omni_Reasoning_V3 for a model built from registry names,
-    when that architecture computes it alike; else a line saying why there is none."""
+    when that architecture computes it alike, with its class as `architectures` and the media token ids of the
+    tokenizer the export ships; else a line saying why there is none."""
     from transformers import NemotronH_Omni_Reasoning_V3_Config
 
     from tessera.hetero.runspec.modules import release_config
@@ -185,7 +204,20 @@ def _write_release_config(out: Path, full: dict, model_cfg, hf_fields: dict) -> 
         print(f"export: no config.json for transformers' NemotronH_Omni_Reasoning_V3 ({why}); tessera.json "
               f"describes the model", flush=True)
         return
-    NemotronH_Omni_Reasoning_V3_Config(**config).save_pretrained(str(out))
+    NemotronH_Omni_Reasoning_V3_Config(**config, **media_token_ids(tokenizer),
+                                       architectures=["NemotronH_Omni_Reasoning_V3"]).save_pretrained(str(out))
+
+
+def media_token_ids(tokenizer: str | None) -> dict[str, int]:
+    """{image,video,audio}_token_id: the ids of the media tags (data/templates.PROCESSOR_TAGS) in `tokenizer`, those
+    it has; none without a tokenizer (the export then ships none either)."""
+    if tokenizer is None:
+        return {}
+    from tessera.data.templates import PROCESSOR_TAGS
+    from tessera.data.tokens import Tokenizer
+
+    special = Tokenizer(tokenizer).special
+    return {f"{kind}_token_id": special[tag] for kind, tag in PROCESSOR_TAGS.items() if tag in special}
 
 
 def trained_tokenizer(saved: dict) -> str | None:
