@@ -99,6 +99,7 @@ class RunState:
     dtype: torch.dtype
     data_path: str = ""
     tok_path: str = ""
+    chat_template: str | None = None  # the release's, which the conversations are written in (None: the project's)
     hf_fields: dict = field(default_factory=dict)
     groups: dict = field(default_factory=dict)
     configs: dict = field(default_factory=dict)
@@ -124,7 +125,7 @@ def _resolve(run: RunState) -> None:
     shape (from the checkpoint when fine-tuning)."""
     from dataclasses import replace
 
-    from tessera.data.run_tokenizer import check_agreement
+    from tessera.data.run_tokenizer import check_agreement, run_chat_template
     from tessera.data.tokens import Tokenizer
 
     cfg = run.cfg
@@ -132,6 +133,7 @@ def _resolve(run: RunState) -> None:
     run.tok_path, tok = choice.path, Tokenizer(choice.path)
     run.hf_fields = checkpoint_llm_fields(cfg.model.checkpoint) or llm_fields(cfg.model, tok.vocab_size)
     check_agreement(tok, cfg.model.checkpoint, run.hf_fields["vocab_size"], choice.source)
+    run.chat_template = run_chat_template(cfg.data.chat_template, cfg.model.checkpoint)
     # the saved config names the tokenizer the run trained with, so its export ships that one (hf_export.py)
     run.cfg = replace(cfg, data=replace(cfg.data, tokenizer=choice.path))
 
