@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from tessera.data.loader import ChatTaskEncoder, build_loader
+from tessera.data.run_tokenizer import ChatTemplate
 from tessera.data.templates import prompt_template, template_for_encoders
 from tessera.data.tokens import SPECIAL_TOKENS, EncoderTokens
 
@@ -190,7 +191,7 @@ def chat_task_encoder(tokenizer, encoders: dict[str, str], seq_length: int, *,
                       decode: dict[str, range | int] | None = None, max_tiles: int = 2, video_frames: int = 4,
                       video_pruning: float = 0.0, defer_upscale: bool = False, min_patches: int | None = None,
                       max_patches: int | None = None, log_skips: bool = True, assignment=None,
-                      caption_prompt: str | None = None, chat_template: str | None = None) -> ChatTaskEncoder:
+                      caption_prompt: str | None = None, chat_template: ChatTemplate | None = None) -> ChatTaskEncoder:
     """The task encoder of a model with these encoders: placeholder sizes from their registry configs
     (encoder_tokens) and the prompt template of their family (omni with an audio encoder, else vl:
     data/templates.template_for_encoders), the one place a run's template, and with it the image mode, is
@@ -220,7 +221,8 @@ def build_train_loader(path: str | Path, tokenizer: str | Path, encoders: dict[s
                        seed: int = 0, max_tiles: int = 2, video_frames: int = 4, video_pruning: float = 0.0,
                        state=None, defer_upscale: bool = False, min_patches: int | None = None,
                        max_patches: int | None = None, log_skips: bool = True, assignment=None,
-                       caption_prompt: str | None = None, split: str = "train", chat_template: str | None = None):
+                       caption_prompt: str | None = None, split: str = "train",
+                       chat_template: ChatTemplate | None = None):
     """The resumable loader of global PackedBatch microbatches for one rank (data/loader.build_loader).
 
     decode: what data.sharding.decode_plan returns for this rank (None: decode every row, one process), or with

@@ -43,6 +43,19 @@ RELEASE_FILES = (*TOKENIZER_FILES, "tokenizer_config.json", "special_tokens_map.
 CHAT_TEMPLATE_SETTINGS = ("release", "project")
 
 
+#: the named special tokens transformers hands a chat template as variables (PreTrainedTokenizerBase
+#: .SPECIAL_TOKENS_ATTRIBUTES, apply_chat_template's special_tokens_map): `{{ eos_token }}` in a release's template
+TEMPLATE_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A release's chat template (Jinja) and the named special tokens its tokenizer renders it with."""
+
+    jinja: str
+    tokens: tuple[tuple[str, str], ...] = ()  # (name, token string): bos_token, eos_token, ... (TEMPLATE_TOKEN_NAMES)
+
+
 class TokenizerMismatch(ValueError):
     """The run's tokenizer and the checkpoint's config.json disagree, or no tokenizer exists."""
 
@@ -142,11 +155,27 @@ def check_chat_template_setting(setting: str) -> None:
                          f"project's turns (ChatML)")
 
 
-def run_chat_template(setting: str, checkpoint: str | None) -> str | None:
-    """The chat template (Jinja) a run's conversations are rendered with: model.checkpoint's own under "release"
-    when it ships one (data/release_prompt.py); None = the project's turns (data/tokens.encode_conversation)."""
+def template_tokens(directory) -> tuple[tuple[str, str], ...]:
+    """DIR's named special tokens as transformers loads them for its chat template: tokenizer_config.json's, else
+    special_tokens_map.json's (a token is a string or an added-token dict with its "content")."""
+    found: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
+        path = Path(directory).expanduser() / name
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        for key in TEMPLATE_TOKEN_NAMES:
+            value = config.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                found[key] = value
+    return tuple((k, found[k]) for k in TEMPLATE_TOKEN_NAMES if k in found)
+
+
+def run_chat_template(setting: str, checkpoint: str | None) -> ChatTemplate | None:
+    """The chat template a run's conversations are rendered with: model.checkpoint's own under "release" when it
+    ships one (data/release_prompt.py); None = the project's turns (data/tokens.encode_conversation)."""
     check_chat_template_setting(setting)
-    return chat_template_of(checkpoint) if setting == "release" else None
+    jinja = chat_template_of(checkpoint) if setting == "release" else None
+    return None if jinja is None else ChatTemplate(jinja, template_tokens(checkpoint))
 
 
 def chat_template_note(directory) -> str | None:

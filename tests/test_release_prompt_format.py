@@ -17,6 +17,7 @@ resolves (data/run_tokenizer.run_chat_template), on the raw sample bytes.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import shutil
@@ -26,25 +27,27 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from test_prompt_parity import (CONVERSATIONS, ENCODERS, FPS, IMAGE_SIZES, SEQ, VIDEOS, WAVES, _frames, _png_bytes,
-                                _sample, processor)  # noqa: F401  (processor: the fixture, with this module's tokenizer)
+# processor: test_prompt_parity's fixture, around this module's tokenizer_json (the release's)
+from test_prompt_parity import (ENCODERS, FPS, IMAGE_SIZES, SEQ, VIDEOS, WAVES, _frames, _png_bytes, _sample,
+                                processor)  # noqa: F401
 from transformers.video_utils import VideoMetadata, default_sample_indices_fn
 
 from tessera.data.pipeline import chat_task_encoder
-from tessera.data.run_tokenizer import TokenizerMismatch, run_chat_template
+from tessera.data.run_tokenizer import ChatTemplate, TokenizerMismatch, run_chat_template
 from tessera.data.tokens import Tokenizer
 from tessera.recipes import prelaunch
 from tessera.recipes.config import DataConfig, ModelConfig
 
 # What the model writes after the generation prompt ("<think>\n" opens reasoning; an answered turn closes it
-# empty) is the generation block: "</think>", the answer, "<|im_end|>".
+# empty) is the generation block: "</think>", the answer, the tokenizer's eos_token (<|im_end|>, a variable
+# apply_chat_template hands the template).
 ORACLE_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' -%}{%- set system = messages[0]['content'] -%}"
     "{%- set messages = messages[1:] -%}{%- else -%}{%- set system = '' -%}{%- endif -%}"
     "{{ '<|im_start|>system\\n' + system + '<|im_end|>\\n' }}"
     "{%- for m in messages -%}"
     "{%- if m['role'] == 'assistant' -%}"
-    "{{ '<|im_start|>assistant\\n<think>' }}{% generation %}{{ '</think>' + m['content'] + '<|im_end|>' }}"
+    "{{ '<|im_start|>assistant\\n<think>' }}{% generation %}{{ '</think>' + m['content'] + eos_token }}"
     "{% endgeneration %}{{ '\\n' }}"
     "{%- else -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif -%}"
     "{%- endfor -%}"
@@ -83,8 +86,8 @@ def hf_tokenizer(release):
     return tok
 
 
-def _task_encoder(release, setting="release"):
-    return chat_task_encoder(Tokenizer(release / "tokenizer.json"), ENCODERS, SEQ, max_tiles=12, video_frames=8,
+def _task_encoder(release, setting="release", encoders=ENCODERS):
+    return chat_task_encoder(Tokenizer(release / "tokenizer.json"), encoders, SEQ, max_tiles=12, video_frames=8,
                              chat_template=run_chat_template(setting, str(release)))
 
 
@@ -98,10 +101,14 @@ def _messages(turns):
     return out
 
 
-def _release_ids(processor, hf_tokenizer, turns, items):
-    """The release's input_ids: its chat template, then its processor's media expansion and tokenization."""
+def _release_ids(processor, hf_tokenizer, turns, items, te):
+    """The release's input_ids: its chat template, then its processor's media expansion and tokenization (images
+    at native resolution for the omni family; vl: the grid whose count is the image's tiles', as
+    tests/test_prompt_parity._processor_ids hands it)."""
     text = hf_tokenizer.apply_chat_template(_messages(turns), tokenize=False)
-    images = [Image.open(__import__("io").BytesIO(_png_bytes(IMAGE_SIZES[n]))).convert("RGB")
+    enc = te.enc
+    images = [Image.open(io.BytesIO(_png_bytes(IMAGE_SIZES[n]))).convert("RGB") if enc.native_resolution else
+              [enc.tile // enc.patch, te._units("image", _png_bytes(IMAGE_SIZES[n]))[0] * enc.tile // enc.patch]
               for k, n in items if k == "image"]
     audio = [WAVES[n] for k, n in items if k == "audio"]
     videos = [torch.from_numpy(_frames(*VIDEOS[n])).permute(0, 3, 1, 2) for k, n in items if k == "video"]
@@ -129,7 +136,9 @@ def test_a_text_conversation_is_the_release_templates_ids_and_assistant_mask(rel
     from tessera.data.release_prompt import encode_release_conversation
 
     tok = Tokenizer(release / "tokenizer.json")
-    got = encode_release_conversation(tok, run_chat_template("release", str(release)), TEXT_ONLY, [], [], "omni")
+    shipped = run_chat_template("release", str(release))
+    assert shipped == ChatTemplate(RELEASE_TEMPLATE, (("eos_token", "<|im_end|>"), ("pad_token", "<pad>")))
+    got = encode_release_conversation(tok, shipped, TEXT_ONLY, [], [], "omni")
     ids, mask = _oracle_mask(hf_tokenizer, TEXT_ONLY)
     np.testing.assert_array_equal(got.tokens, hf_tokenizer.apply_chat_template(TEXT_ONLY, tokenize=True,
                                                                                return_dict=True)["input_ids"])
@@ -137,16 +146,17 @@ def test_a_text_conversation_is_the_release_templates_ids_and_assistant_mask(rel
     assert mask.sum() > 0 and not mask.all()
     np.testing.assert_array_equal(got.target, mask)
     # the template marked with {% generation %} is taken at its word: the same spans
-    marked = encode_release_conversation(tok, ORACLE_TEMPLATE, TEXT_ONLY, [], [], "omni")
+    marked = encode_release_conversation(tok, ChatTemplate(ORACLE_TEMPLATE, shipped.tokens), TEXT_ONLY, [], [], "omni")
     np.testing.assert_array_equal(marked.target, mask)
 
 
-@pytest.mark.parametrize("conversation", ["mixed", "video_audio_image"])
-def test_media_conversations_are_the_release_processors_ids(conversation, release, hf_tokenizer, processor):
+@pytest.mark.parametrize("conversation,family", [("mixed", "omni"), ("video_audio_image", "omni"), ("image", "vl")])
+def test_media_conversations_are_the_release_processors_ids(conversation, family, release, hf_tokenizer, processor):
     turns, items, raw = _sample(conversation)
-    te = _task_encoder(release)
+    te = _task_encoder(release, encoders=ENCODERS if family == "omni" else {"vision": ENCODERS["vision"]})
+    assert te.template == family
     encoded = te.preencode_sample(raw)
-    want = _release_ids(processor, hf_tokenizer, turns, items)
+    want = _release_ids(processor, hf_tokenizer, turns, items, te)
     assert len(encoded.prompt.tokens) == len(want)
     np.testing.assert_array_equal(encoded.prompt.tokens, want)
     # the loss: exactly transformers' assistant tokens (no media in assistant turns: the same ids, in order)
