@@ -5,7 +5,8 @@
 What a model fine-tuned from a release (model.checkpoint=DIR with a chat template, data/run_tokenizer.
 run_chat_template) trains on, so that it answers in the format it was released in and is served in:
   1. the turns rendered by DIR's chat template (chat_template.jinja, else tokenizer_config.json's) as
-     transformers' apply_chat_template renders them (its own Jinja environment: render_jinja_template), each
+     transformers' apply_chat_template renders them (its own Jinja environment, render_jinja_template, with the
+     tokenizer's named special tokens: data/run_tokenizer.ChatTemplate), each
      media tag of a turn's text written as the release processor's tag (data/templates.PROCESSOR_TAGS: <image>,
      <video>, <so_embedding>);
   2. each processor tag of the rendered text replaced as the release's processor replaces it (data/templates.py:
@@ -30,6 +31,7 @@ from __future__ import annotations
 import re
 import numpy as np
 
+from tessera.data.run_tokenizer import ChatTemplate
 from tessera.data.templates import PROCESSOR_TAGS, prompt_template, PromptTemplate
 from tessera.data.tokens import MEDIA_TAGS, MODULE_OF_KIND, EncodedPrompt, PromptError, Tokenizer
 
@@ -55,21 +57,22 @@ def release_messages(turns: list[dict]) -> list[dict]:
     return out
 
 
-def _render(chat_template: str, messages: list[dict], **kwargs) -> tuple[str, list]:
+def _render(chat_template: ChatTemplate, messages: list[dict], **kwargs) -> tuple[str, list]:
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    try:
-        (text,), generation = render_jinja_template([messages], chat_template=chat_template, **kwargs)
+    try:  # with the tokenizer's named special tokens, as apply_chat_template renders it
+        (text,), generation = render_jinja_template([messages], chat_template=chat_template.jinja,
+                                                    **dict(chat_template.tokens), **kwargs)
     except Exception as e:  # the template's own raise_exception, a variable it needs and is not given
         raise ChatTemplateError(f"the release's chat template does not render this conversation ({type(e).__name__}: "
                                 f"{e}); set data.chat_template=project to train the project's turns instead") from None
     return text, generation[0] if generation else []  # [(start, end)] of {% generation %} blocks, when asked
 
 
-def assistant_spans(chat_template: str, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(chat_template: ChatTemplate, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """(the rendered conversation, the [start, end) characters of each assistant turn's generated part) (module
     docstring)."""
-    if _GENERATION_RE.search(chat_template):
+    if _GENERATION_RE.search(chat_template.jinja):
         text, generation = _render(chat_template, messages, return_assistant_tokens_mask=True)
         return text, [(s, e) for s, e in generation]
     text, _ = _render(chat_template, messages)
@@ -90,7 +93,7 @@ def assistant_spans(chat_template: str, messages: list[dict]) -> tuple[str, list
     return text, spans
 
 
-def encode_release_conversation(tok: Tokenizer, chat_template: str, turns: list[dict], media_kinds: list[str],
+def encode_release_conversation(tok: Tokenizer, chat_template: ChatTemplate, turns: list[dict], media_kinds: list[str],
                                 media_tokens: list[int | list[tuple[str, int]]],
                                 template: str | PromptTemplate) -> EncodedPrompt:
     """What data/tokens.encode_conversation returns (same arguments: media in storage order, an item's embedding
@@ -125,7 +128,8 @@ def encode_release_conversation(tok: Tokenizer, chat_template: str, turns: list[
             raise PromptError(f"more {MEDIA_TAGS[kind]} placeholders than {kind} items (missing modality)")
         wrap = template.media.get(kind)
         if wrap is None:
-            raise PromptError(f"the {template.name} prompt template has no {kind} media (its released model takes none)")
+            raise PromptError(f"the {template.name} prompt template has no {kind} media (its released model takes "
+                              f"none)")
         item, n = queues[kind].pop(0)
         for c, (label, count) in enumerate(n if isinstance(n, list) else [("", n)]):
             add(("\n" if c else "") + label + wrap.start, None)
