@@ -5,13 +5,13 @@
 What a model fine-tuned from a release (model.checkpoint=DIR with a chat template, data/run_tokenizer.
 run_chat_template) trains on, so that it answers in the format it was released in and is served in:
   1. the turns rendered by DIR's chat template (chat_template.jinja, else tokenizer_config.json's) as
-     transformers' apply_chat_template renders them (its own Jinja environment, render_jinja_template, with the
-     tokenizer's named special tokens: data/run_tokenizer.ChatTemplate), each
-     media tag of a turn's text written as the release processor's tag (data/templates.PROCESSOR_TAGS: <image>,
-     <video>, <so_embedding>);
+     transformers' apply_chat_template renders them (its Jinja environment, render_jinja_template, with the
+     tokenizer's named special tokens: data/run_tokenizer.ChatTemplate), each media tag of a turn's text written
+     as the release processor's tag (data/templates.PROCESSOR_TAGS: <image>, <video>, <so_embedding>);
   2. each processor tag of the rendered text replaced as the release's processor replaces it (data/templates.py:
-     <img> <image>xN </img>, <so_start> <so_embedding>xN <so_end>, a video's labelled tubelet chunks joined by "\\n"),
-     N from the encoders (data/tokens.media_placeholders);
+     <img> <image>xN </img>, <so_start> <so_embedding>xN <so_end>, a video's labelled tubelet chunks joined by
+     "\\n"; the vl family's video is Tessera's own run of <video>), N from the encoders
+     (data/tokens.media_placeholders);
   3. that text tokenized in one piece, as processor(text=...) tokenizes it (the release's tokenizer.json).
 tests/test_release_prompt_format.py checks the ids against transformers' apply_chat_template + the released
 Omni processor, and the loss mask against transformers' assistant mask.
@@ -29,6 +29,7 @@ target when it holds a target character, as transformers' assistant mask counts 
 from __future__ import annotations
 
 import re
+
 import numpy as np
 
 from tessera.data.run_tokenizer import ChatTemplate
