@@ -6,8 +6,10 @@ What a model fine-tuned from a release (model.checkpoint=DIR with a chat templat
 run_chat_template) trains on, so that it answers in the format it was released in and is served in:
   1. the turns rendered by DIR's chat template (chat_template.jinja, else tokenizer_config.json's) as
      transformers' apply_chat_template renders them (its Jinja environment, render_jinja_template, with the
-     tokenizer's named special tokens: data/run_tokenizer.ChatTemplate), each media tag of a turn's text written
-     as the release processor's tag (data/templates.PROCESSOR_TAGS: <image>, <video>, <so_embedding>);
+     tokenizer's named special tokens: data/run_tokenizer.ChatTemplate); a turn with media as the parts
+     transformers' processors hand a template ({"type": "image"}, ...) when the template writes them as the
+     processor's tags, else as text holding those tags (data/templates.PROCESSOR_TAGS: <image>, <video>,
+     <so_embedding>);
   2. each processor tag of the rendered text replaced as the release's processor replaces it (data/templates.py:
      <img> <image>xN </img>, <so_start> <so_embedding>xN <so_end>, a video's labelled tubelet chunks joined by
      "\\n"; the vl family's video is Tessera's own run of <video>), N from the encoders
@@ -29,6 +31,7 @@ target when it holds a target character, as transformers' assistant mask counts 
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 import numpy as np
 
@@ -38,6 +41,7 @@ from tessera.data.tokens import MEDIA_TAGS, MODULE_OF_KIND, EncodedPrompt, Promp
 
 _TESSERA_TAG_RE = re.compile("|".join(re.escape(t) for t in MEDIA_TAGS.values()))
 _TO_PROCESSOR = {MEDIA_TAGS[k]: PROCESSOR_TAGS[k] for k in MEDIA_TAGS}
+_KIND_OF_TESSERA_TAG = {t: k for k, t in MEDIA_TAGS.items()}
 _PROCESSOR_TAG_RE = re.compile("|".join(re.escape(t) for t in PROCESSOR_TAGS.values()))
 _KIND_OF_PROCESSOR_TAG = {t: k for k, t in PROCESSOR_TAGS.items()}
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -47,14 +51,37 @@ class ChatTemplateError(ValueError):
     """A release's chat template that does not render the run's conversations (a run-level problem, not a skip)."""
 
 
-def release_messages(turns: list[dict]) -> list[dict]:
-    """The turns as a chat template takes them: {"role", "content"} with the processor's media tags."""
+@lru_cache(maxsize=8)
+def takes_media_parts(chat_template: ChatTemplate) -> bool:
+    """Whether the template writes a media part of a turn ({"type": "image"}, as transformers' processors are
+    handed conversations) as the processor's tag: then a turn with media is given to it as parts, so the template
+    places (and may wrap) its media tags itself; else as text holding the processor's tags."""
+    probe = [{"role": "user", "content": [{"type": "text", "text": "Look: "}, {"type": "image"}]}]
+    try:
+        text, _ = _render(chat_template, probe)
+    except ChatTemplateError:
+        return False
+    return PROCESSOR_TAGS["image"] in text
+
+
+def release_messages(turns: list[dict], chat_template: ChatTemplate) -> list[dict]:
+    """The turns as the template takes them (takes_media_parts): {"role", "content"}, a turn with media as parts
+    [{"type": "text", "text": ...}, {"type": "image"}, ...] in its order, else text with the processor's tags."""
+    parts = takes_media_parts(chat_template)
     out = []
     for turn in turns:
         role, content = turn.get("role"), turn.get("content")
         if role not in ("system", "user", "assistant") or not isinstance(content, str):
             raise PromptError(f"malformed turn {str(turn)[:80]!r}: needs role system/user/assistant and text")
-        out.append({"role": role, "content": _TESSERA_TAG_RE.sub(lambda m: _TO_PROCESSOR[m.group(0)], content)})
+        if parts and _TESSERA_TAG_RE.search(content):
+            pieces = _TESSERA_TAG_RE.split(content)
+            tags = _TESSERA_TAG_RE.findall(content)
+            content = [p for i, text in enumerate(pieces)
+                       for p in ([{"type": "text", "text": text}] if text else [])
+                       + ([{"type": _KIND_OF_TESSERA_TAG[tags[i]]}] if i < len(tags) else [])]
+        else:
+            content = _TESSERA_TAG_RE.sub(lambda m: _TO_PROCESSOR[m.group(0)], content)
+        out.append({"role": role, "content": content})
     return out
 
 
@@ -100,7 +127,7 @@ def encode_release_conversation(tok: Tokenizer, chat_template: ChatTemplate, tur
     """What data/tokens.encode_conversation returns (same arguments: media in storage order, an item's embedding
     count or its tubelet chunks; `template` the family's media wrapping), in the release's prompt format."""
     template = prompt_template(template)
-    text, spans = assistant_spans(chat_template, release_messages(turns))
+    text, spans = assistant_spans(chat_template, release_messages(turns, chat_template))
     queues = {k: [(i, n) for i, (kk, n) in enumerate(zip(media_kinds, media_tokens)) if kk == k] for k in MEDIA_TAGS}
     # the expanded text, each run of context tokens written once (expanded in the ids: the tag is a special token,
     # so the tokens around it do not depend on how often it repeats); `marks`: its [start, end) target characters

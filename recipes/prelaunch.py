@@ -195,7 +195,7 @@ def check_prompt_format(data, model, tok) -> None:
              {"role": "assistant", "content": "A circle."}, {"role": "user", "content": "And <audio>?"},
              {"role": "assistant", "content": "A tone."}]
     try:
-        assistant_spans(template, release_messages(probe))
+        assistant_spans(template, release_messages(probe, template))
     except ChatTemplateError as e:
         raise ValueError(f"model.checkpoint={model.checkpoint}: {e}") from None
     tok.encode_with_offsets("")  # a SentencePiece model: refused naming the fix

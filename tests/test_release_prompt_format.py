@@ -5,9 +5,10 @@
 The release: scripts/tiny_release.omni_checkpoint(tokenizer=True) (vision + audio, its byte-level BPE
 tokenizer.json), shipping a chat template unlike the project's ChatML turns, written here in the manner of the
 Nemotron releases (an always-present system turn, assistant turns opened by an empty reasoning block, a generation
-prompt that opens one). The oracle is transformers, never Tessera's code:
+prompt that opens one; media given as transformers' content parts, each written on a line of its own). The
+oracle is transformers, never Tessera's code:
   - ids: the release tokenizer's apply_chat_template (AutoTokenizer from the release directory, its own
-    chat_template.jinja), then, for media, the released Omni processor (NemotronH_Omni_Reasoning_V3Processor) on
+    chat_template.jinja, the conversation with media as parts), then, for media, the released Omni processor (NemotronH_Omni_Reasoning_V3Processor) on
     that text with the waveforms, image grids and video frames, as tests/test_prompt_parity.py drives it;
   - loss mask: transformers' assistant mask (return_assistant_tokens_mask) of the same template with
     {% generation %} around what the model writes after the generation prompt.
@@ -40,8 +41,13 @@ from tessera.recipes.config import DataConfig, ModelConfig
 
 # What the model writes after the generation prompt ("<think>\n" opens reasoning; an answered turn closes it
 # empty) is the generation block: "</think>", the answer, the tokenizer's eos_token (<|im_end|>, a variable
-# apply_chat_template hands the template).
+# apply_chat_template hands the template). A turn with media comes as transformers' parts; the template writes each
+# media part as the processor's tag on a line of its own.
 ORACLE_TEMPLATE = (
+    "{%- macro content(c) -%}{%- if c is string -%}{{ c }}{%- else -%}{%- for p in c -%}"
+    "{%- if p['type'] == 'text' -%}{{ p['text'] }}{%- elif p['type'] == 'image' -%}{{ '<image>\\n' }}"
+    "{%- elif p['type'] == 'video' -%}{{ '<video>\\n' }}{%- elif p['type'] == 'audio' -%}{{ '<so_embedding>\\n' }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}{%- endmacro -%}"
     "{%- if messages[0]['role'] == 'system' -%}{%- set system = messages[0]['content'] -%}"
     "{%- set messages = messages[1:] -%}{%- else -%}{%- set system = '' -%}{%- endif -%}"
     "{{ '<|im_start|>system\\n' + system + '<|im_end|>\\n' }}"
@@ -49,7 +55,7 @@ ORACLE_TEMPLATE = (
     "{%- if m['role'] == 'assistant' -%}"
     "{{ '<|im_start|>assistant\\n<think>' }}{% generation %}{{ '</think>' + m['content'] + eos_token }}"
     "{% endgeneration %}{{ '\\n' }}"
-    "{%- else -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- else -%}{{ '<|im_start|>' + m['role'] + '\\n' + content(m['content']) + '<|im_end|>\\n' }}{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif -%}")
 #: as the release ships it: no generation markers (Tessera finds the assistant turns by rendering prefixes)
@@ -58,7 +64,6 @@ TEXT_ONLY = [{"role": "user", "content": "What is in this picture?"},
              {"role": "assistant", "content": "A red circle on a white background."},
              {"role": "user", "content": "How do they differ?"},
              {"role": "assistant", "content": "A blue square."}]
-PROCESSOR_TAGS = {"<image>": "<image>", "<audio>": "<so_embedding>", "<video>": "<video>"}
 
 
 @pytest.fixture(scope="module")
@@ -92,12 +97,13 @@ def _task_encoder(release, setting="release", encoders=ENCODERS):
 
 
 def _messages(turns):
+    """The conversation as a processor's apply_chat_template takes it: a turn with media as parts, in order."""
     out = []
     for t in turns:
-        content = t["content"]
-        for tag, processor_tag in PROCESSOR_TAGS.items():
-            content = content.replace(tag, processor_tag)
-        out.append({"role": t["role"], "content": content})
+        pieces = re.split(r"(<image>|<video>|<audio>)", t["content"])
+        parts = [{"type": p[1:-1]} if p in ("<image>", "<video>", "<audio>") else {"type": "text", "text": p}
+                 for p in pieces if p]
+        out.append({"role": t["role"], "content": parts if len(pieces) > 1 else t["content"]})
     return out
 
 
