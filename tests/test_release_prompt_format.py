@@ -8,8 +8,9 @@ Nemotron releases (an always-present system turn, assistant turns opened by an e
 prompt that opens one; media given as transformers' content parts, each written on a line of its own). The
 oracle is transformers, never Tessera's code:
   - ids: the release tokenizer's apply_chat_template (AutoTokenizer from the release directory, its own
-    chat_template.jinja, the conversation with media as parts), then, for media, the released Omni processor (NemotronH_Omni_Reasoning_V3Processor) on
-    that text with the waveforms, image grids and video frames, as tests/test_prompt_parity.py drives it;
+    chat_template.jinja, the conversation with media as parts), then, for media, the released Omni processor
+    (NemotronH_Omni_Reasoning_V3Processor) on that text with the waveforms, image grids and video frames, as
+    tests/test_prompt_parity.py drives it;
   - loss mask: transformers' assistant mask (return_assistant_tokens_mask) of the same template with
     {% generation %} around what the model writes after the generation prompt.
 Tessera's side is the loader's task encoder (data/pipeline.chat_task_encoder) with the chat template a run
