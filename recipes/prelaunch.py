@@ -29,6 +29,7 @@ Full-size recipes on synthetic data or from random weights are printed as a loud
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from tessera.recipes.full_size import RECIPES as FULL_SIZE
@@ -172,6 +173,8 @@ def check_tokenizer_agreement(data, model) -> None:
 
         path = str(synthetic_dataset(synthetic_root(), kinds=synthetic_kinds(encoder_names(model)))[0])
     choice = run_tokenizer(data.tokenizer, model.checkpoint, path)
+    if path != data.path and choice.source.startswith("data.path="):
+        choice = replace(choice, source="the synthetic data set's: data.path unset")
     tok = Tokenizer(choice.path)
     check_agreement(tok, model.checkpoint, source=choice.source)
     check_prompt_format(data, model, tok)

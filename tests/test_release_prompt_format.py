@@ -225,6 +225,7 @@ def test_a_release_whose_tokenizer_disagrees_is_refused_before_launch_with_synth
     for f in d.glob("tokenizer*"):
         f.unlink()
     (d / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(TokenizerMismatch, match=rf"synthetic.*tokenizer\.model \(data\.path=.*image_token_id "
-                                                rf"{raw[image_key]} in config\.json, but <image> is \d+"):
+    with pytest.raises(TokenizerMismatch, match=rf"synthetic.*tokenizer\.model \(the synthetic data set's: data\.path "
+                                                rf"unset\).*image_token_id {raw[image_key]} in config\.json, but "
+                                                rf"<image> is \d+ in the tokenizer"):
         prelaunch.check_inputs(synthetic)
