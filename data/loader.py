@@ -54,6 +54,8 @@ from tessera.data.media import (MediaError, audio_samples, blank_item, choose_gr
                                 decode_native_image, decode_video, native_grid, sample_indices)
 from tessera.data.media_meta import INDEX_COMMAND, check_bytes, facts_of, has_facts, probe_facts
 from tessera.data.sample_types import TEXT_DECODER, SampleTypeError, check_sample_types, conversation_of
+from tessera.data.release_prompt import encode_release_conversation
+from tessera.data.run_tokenizer import ChatTemplate
 from tessera.data.packing import EncodedSample, PackedSample, collate, first_fit_decreasing, pack_row
 from tessera.data.templates import release_frame_time
 from tessera.data.tokens import (DEFAULT_TEMPLATE, MODULE_OF_KIND, MEDIA_TAGS, EncoderTokens, PromptError, Tokenizer,
@@ -121,7 +123,7 @@ class ChatTaskEncoder(TaskEncoder):
     def __init__(self, tokenizer: str | Path | Tokenizer, seq_length: int, encoder: EncoderTokens = EncoderTokens(),
                  strict: bool = False, decode: dict[str, range | int] | None = None, modules=None,
                  defer_upscale: bool = False, template: str = DEFAULT_TEMPLATE, log_skips: bool = True,
-                 assignment=None, caption_prompt: str | None = None):
+                 assignment=None, caption_prompt: str | None = None, chat_template: ChatTemplate | None = None):
         """decode: encoder module -> this rank's DP rank of it, whose items (under `assignment`) it decodes; or
         -> rows of the microbatch to decode (decode_plan, row ownership); modules not named are not decoded; None
         decodes every item of every module (single-rank use).
@@ -132,6 +134,8 @@ class ChatTaskEncoder(TaskEncoder):
         defer_upscale: images/videos smaller than their tiles (native images: than their grid) are delivered as
         models.tiling.TileSource and resized on the encoding device (a GPU run: less loader CPU, less to copy).
         template: the prompt template's name (data/templates.py): how media tags are wrapped.
+        chat_template: a release's chat template (data/run_tokenizer.ChatTemplate): conversations are written in
+        its format (data/release_prompt.py); None: the project's turns (data/tokens.encode_conversation).
         caption_prompt: the user turn of a caption-only sample type (energon's CaptioningSample); None: the
         project's caption prompt (data/sample_types.py).
         log_skips: log examples of the samples the stream skips. Every rank reads the same stream and skips the
@@ -140,6 +144,7 @@ class ChatTaskEncoder(TaskEncoder):
         self.caption_prompt = caption_prompt
         self._logged: Counter = Counter()  # examples logged per reason by this process
         self.template = template
+        self.chat_template = chat_template
         self.defer_upscale = defer_upscale
         self.modules = None if modules is None else frozenset(modules)
         self.tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
@@ -265,9 +270,13 @@ class ChatTaskEncoder(TaskEncoder):
             units.append(u)
             times.append(t)
         try:
-            prompt = encode_conversation(self.tok, turns, [k for k, _, _ in raw],
-                                         [media_placeholders(self.enc, self.template, k, u, t)
-                                          for (k, _, _), u, t in zip(raw, units, times)], self.template)
+            kinds = [k for k, _, _ in raw]
+            placeholders = [media_placeholders(self.enc, self.template, k, u, t)
+                            for (k, _, _), u, t in zip(raw, units, times)]
+            prompt = (encode_conversation(self.tok, turns, kinds, placeholders, self.template)
+                      if self.chat_template is None else
+                      encode_release_conversation(self.tok, self.chat_template, turns, kinds, placeholders,
+                                                  self.template))
         except PromptError as e:
             self._skip(sample, "missing_modality" if "missing modality" in str(e) else "extra_media", str(e))
         if len(prompt) > self.seq_length:

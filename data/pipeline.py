@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from tessera.data.loader import ChatTaskEncoder, build_loader
+from tessera.data.run_tokenizer import ChatTemplate
 from tessera.data.templates import prompt_template, template_for_encoders
 from tessera.data.tokens import SPECIAL_TOKENS, EncoderTokens
 
@@ -190,12 +191,14 @@ def chat_task_encoder(tokenizer, encoders: dict[str, str], seq_length: int, *,
                       decode: dict[str, range | int] | None = None, max_tiles: int = 2, video_frames: int = 4,
                       video_pruning: float = 0.0, defer_upscale: bool = False, min_patches: int | None = None,
                       max_patches: int | None = None, log_skips: bool = True, assignment=None,
-                      caption_prompt: str | None = None) -> ChatTaskEncoder:
+                      caption_prompt: str | None = None, chat_template: ChatTemplate | None = None) -> ChatTaskEncoder:
     """The task encoder of a model with these encoders: placeholder sizes from their registry configs
     (encoder_tokens) and the prompt template of their family (omni with an audio encoder, else vl:
     data/templates.template_for_encoders), the one place a run's template, and with it the image mode, is
     chosen: omni takes each image at native resolution (one patch grid of min_patches..max_patches; None:
-    derived from max_tiles, models/media_tokens.EncoderTokens), vl cuts max_tiles tiles + a thumbnail."""
+    derived from max_tiles, models/media_tokens.EncoderTokens), vl cuts max_tiles tiles + a thumbnail.
+    chat_template: a release's chat template (data/run_tokenizer.run_chat_template): the turns in its format, the
+    media wrapped as the family's (data/release_prompt.py); None: the project's turns."""
     template = template_for_encoders(encoders)
     enc = encoder_tokens(encoders, max_tiles, video_frames, video_pruning,
                          native_resolution=prompt_template(template).native_resolution,
@@ -210,7 +213,7 @@ def chat_task_encoder(tokenizer, encoders: dict[str, str], seq_length: int, *,
                          f"shrink every image's budget to the context; lower max_patches or max_tiles")
     return ChatTaskEncoder(tokenizer, seq_length, enc, decode=decode, modules=set(encoders),
                            defer_upscale=defer_upscale, template=template, log_skips=log_skips, assignment=assignment,
-                           caption_prompt=caption_prompt)
+                           caption_prompt=caption_prompt, chat_template=chat_template)
 
 
 def build_train_loader(path: str | Path, tokenizer: str | Path, encoders: dict[str, str], seq_length: int,
@@ -218,7 +221,8 @@ def build_train_loader(path: str | Path, tokenizer: str | Path, encoders: dict[s
                        seed: int = 0, max_tiles: int = 2, video_frames: int = 4, video_pruning: float = 0.0,
                        state=None, defer_upscale: bool = False, min_patches: int | None = None,
                        max_patches: int | None = None, log_skips: bool = True, assignment=None,
-                       caption_prompt: str | None = None, split: str = "train"):
+                       caption_prompt: str | None = None, split: str = "train",
+                       chat_template: ChatTemplate | None = None):
     """The resumable loader of global PackedBatch microbatches for one rank (data/loader.build_loader).
 
     decode: what data.sharding.decode_plan returns for this rank (None: decode every row, one process), or with
@@ -228,9 +232,10 @@ def build_train_loader(path: str | Path, tokenizer: str | Path, encoders: dict[s
     min_patches / max_patches: an omni model's native-resolution image budget (chat_task_encoder).
     log_skips: log examples of the stream's skips (one rank of a run: every rank skips the same samples).
     caption_prompt: the user turn of energon CaptioningSample datasets (data/sample_types.py).
-    split: which of energon's splits to read (a dataset's own "val": val_sets)."""
+    split: which of energon's splits to read (a dataset's own "val": val_sets).
+    chat_template: the release's chat template the conversations are written in (chat_task_encoder)."""
     te = chat_task_encoder(tokenizer, encoders, seq_length, decode=decode, max_tiles=max_tiles,
                            video_frames=video_frames, video_pruning=video_pruning, defer_upscale=defer_upscale,
                            min_patches=min_patches, max_patches=max_patches, log_skips=log_skips,
-                           assignment=assignment, caption_prompt=caption_prompt)
+                           assignment=assignment, caption_prompt=caption_prompt, chat_template=chat_template)
     return build_loader(path, te, rows_per_microbatch, num_workers=num_workers, seed=seed, state=state, split=split)

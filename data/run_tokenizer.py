@@ -16,9 +16,10 @@ release's processor looks up, data/templates.PROCESSOR_TAGS) must be config.json
 model may pad its own; a larger tokenizer indexes past the embedding). A checkpoint without config.json (a Tessera
 checkpoints/ directory) is held to the vocabulary of the model built from it.
 
-The chat template: DIR's ships with the export. Training renders turns with data/tokens.encode_conversation
-(ChatML, data/templates.CHAT_TEMPLATE); chat_template_note says when DIR's template renders a conversation
-otherwise, so a user learns it before launch, not from a model that answers in the wrong format.
+The chat template (data.chat_template, run_chat_template): a run from a release trains in the release's own prompt
+format, DIR's chat template with its processor's media wrapping (data/release_prompt.py), as it was trained and is
+served; "project" trains the project's turns (ChatML, data/tokens.encode_conversation, data/templates.CHAT_TEMPLATE)
+instead, and chat_template_note says before launch when DIR's template renders a conversation otherwise.
 """
 
 from __future__ import annotations
@@ -35,6 +36,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # in the order a direct
 RELEASE_FILES = (*TOKENIZER_FILES, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                  "chat_template.jinja", "chat_template.json", "processor_config.json", "preprocessor_config.json",
                  "video_preprocessor_config.json", "generation_config.json")
+
+
+#: data.chat_template: "release" = model.checkpoint's own chat template when it ships one (else the project's);
+#: "project" = the project's turns (ChatML) whatever the checkpoint ships
+CHAT_TEMPLATE_SETTINGS = ("release", "project")
+
+
+#: the named special tokens transformers hands a chat template as variables (PreTrainedTokenizerBase
+#: .SPECIAL_TOKENS_ATTRIBUTES, apply_chat_template's special_tokens_map): `{{ eos_token }}` in a release's template
+TEMPLATE_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A release's chat template (Jinja) and the named special tokens its tokenizer renders it with."""
+
+    jinja: str
+    tokens: tuple[tuple[str, str], ...] = ()  # (name, token string): bos_token, eos_token, ... (TEMPLATE_TOKEN_NAMES)
 
 
 class TokenizerMismatch(ValueError):
@@ -129,8 +148,39 @@ def chat_template_of(directory) -> str | None:
     return None
 
 
+def check_chat_template_setting(setting: str) -> None:
+    if setting not in CHAT_TEMPLATE_SETTINGS:
+        raise ValueError(f"data.chat_template={setting!r} is not one of {', '.join(CHAT_TEMPLATE_SETTINGS)}: "
+                         f"release (the default) trains in model.checkpoint's own prompt format, project in the "
+                         f"project's turns (ChatML)")
+
+
+def template_tokens(directory) -> tuple[tuple[str, str], ...]:
+    """DIR's named special tokens as transformers loads them for its chat template: tokenizer_config.json's, else
+    special_tokens_map.json's (a token is a string or an added-token dict with its "content")."""
+    found: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
+        path = Path(directory).expanduser() / name
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        for key in TEMPLATE_TOKEN_NAMES:
+            value = config.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                found[key] = value
+    return tuple((k, found[k]) for k in TEMPLATE_TOKEN_NAMES if k in found)
+
+
+def run_chat_template(setting: str, checkpoint: str | None) -> ChatTemplate | None:
+    """The chat template a run's conversations are rendered with: model.checkpoint's own under "release" when it
+    ships one (data/release_prompt.py); None = the project's turns (data/tokens.encode_conversation)."""
+    check_chat_template_setting(setting)
+    jinja = chat_template_of(checkpoint) if setting == "release" else None
+    return None if jinja is None else ChatTemplate(jinja, template_tokens(checkpoint))
+
+
 def chat_template_note(directory) -> str | None:
-    """A line when DIR's chat template renders a conversation otherwise than the turns Tessera trains."""
+    """A line when DIR's chat template renders a conversation otherwise than the project's turns a run with
+    data.chat_template=project trains."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     template = chat_template_of(directory)
@@ -145,5 +195,6 @@ def chat_template_note(directory) -> str | None:
     (ours,), _ = render_jinja_template([probe], chat_template=CHAT_TEMPLATE)
     if theirs == ours:
         return None
-    return (f"note: the chat template of {directory} renders a conversation as {theirs!r}; training writes turns "
-            f"as {ours!r} (data/tokens.encode_conversation), and the export carries {directory}'s template")
+    return (f"note: data.chat_template=project: training writes turns as {ours!r} (data/tokens.encode_conversation), "
+            f"not as the chat template of {directory} renders them, {theirs!r}, which its export still ships "
+            f"(drop data.chat_template to train in the release's own format)")

@@ -35,9 +35,9 @@ Where the wrapping comes from:
         tests/test_prompt_parity.py checks both against the processor with transformers' own video processor
         (pruned: with transformers' retention mask).
         vl: a bare run of <video>, Tessera's own (the Nano V2 VL's per-frame wrapping is not checkable offline).
-The turn template (ChatML, data/tokens.py) is not part of either processor: processor(text=...) tokenizes the
-text it is given, and the released chat templates (tokenizer_config / chat_template.jinja) are not available
-offline.
+The turns are not part of either processor: processor(text=...) tokenizes the text it is given. A run from a
+release renders them with the release's chat template (data/release_prompt.py); otherwise, or with
+data.chat_template=project, they are the project's ChatML (data/tokens.encode_conversation, CHAT_TEMPLATE).
 """
 
 from __future__ import annotations

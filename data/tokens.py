@@ -74,6 +74,16 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._encode(text)) if text else []
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """ids of `text` in one piece, as a release's processor tokenizes it, and each one's character offsets
+        (data/release_prompt.py); a release ships tokenizer.json."""
+        if not hasattr(self, "_hf"):
+            raise ValueError(f"tokenizer {self.path} is a SentencePiece model: a release's prompt format is "
+                             f"tokenized with its tokenizer.json (set data.tokenizer to it, or "
+                             f"data.chat_template=project)")
+        out = self._hf.encode(text, add_special_tokens=False)
+        return out.ids, out.offsets
+
     def template(self, special: str, text: str = "") -> np.ndarray:
         """int32 ids of a template piece: an optional special token, then `text` tokenized on its own
         (cached: every turn repeats the same few pieces)."""

@@ -14,7 +14,10 @@ every rank minutes later (sentencepiece's `NOT_FOUND ".../tokenizer.model"`). Wh
   data.tokenizer   the run's tokenizer (data/run_tokenizer.run_tokenizer: data.tokenizer, else the checkpoint's
                    own, else the dataset's; a blend YAML has none of its own) exists and loads, with Tessera's
                    template and media tokens, and agrees with the checkpoint's config.json (media token ids,
-                   vocabulary): a released model is never fine-tuned with another tokenizer's ids.
+                   vocabulary): a released model is never fine-tuned with another tokenizer's ids; with
+                   synthetic data too (the synthetic set's tokenizer, made here).
+  data.chat_template  release (a checkpoint's own chat template) renders a conversation and its assistant turns
+                   are found (data/release_prompt.py); project: a note when the checkpoint's template differs.
   model.checkpoint an HF-layout directory with *.safetensors, or a Tessera `checkpoints/` directory whose
                    `latest` names a complete step.
 
@@ -26,6 +29,7 @@ Full-size recipes on synthetic data or from random weights are printed as a loud
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from tessera.recipes.full_size import RECIPES as FULL_SIZE
@@ -151,21 +155,53 @@ def check_checkpoint(model) -> None:
 
 
 def check_tokenizer_agreement(data, model) -> None:
-    """The run's tokenizer against model.checkpoint's config.json (data/run_tokenizer.check_agreement), and a
-    note when the checkpoint's chat template renders turns otherwise than training does. Synthetic data with no
-    tokenizer given or in the checkpoint: its tokenizer is made at launch, and the ranks check it there."""
-    from tessera.data.run_tokenizer import chat_template_note, check_agreement, own_tokenizer, run_tokenizer
+    """The run's tokenizer against model.checkpoint's config.json (data/run_tokenizer.check_agreement), then the
+    prompt format (check_prompt_format). Synthetic data with no tokenizer given or in the checkpoint trains with
+    the synthetic set's: made here as the ranks would make it (data/pipeline.synthetic_dataset, cached where they
+    read it) and checked, when the checkpoint has a config.json whose ids it must have."""
+    from tessera.data.run_tokenizer import check_agreement, checkpoint_config, own_tokenizer, run_tokenizer
     from tessera.data.tokens import Tokenizer
 
     if not model.checkpoint:
         return
-    if data.path is None and not data.tokenizer and own_tokenizer(model.checkpoint) is None:
+    path = data.path
+    if path is None and not data.tokenizer and own_tokenizer(model.checkpoint) is None:
+        if not checkpoint_config(model.checkpoint):
+            return  # a Tessera checkpoints/ directory: the ranks hold the tokenizer to the model they build
+        from tessera.data.pipeline import synthetic_dataset, synthetic_kinds, synthetic_root
+        from tessera.hetero.runspec.modules import encoder_names
+
+        path = str(synthetic_dataset(synthetic_root(), kinds=synthetic_kinds(encoder_names(model)))[0])
+    choice = run_tokenizer(data.tokenizer, model.checkpoint, path)
+    if path != data.path and choice.source.startswith("data.path="):
+        choice = replace(choice, source="the synthetic data set's: data.path unset")
+    tok = Tokenizer(choice.path)
+    check_agreement(tok, model.checkpoint, source=choice.source)
+    check_prompt_format(data, model, tok)
+
+
+def check_prompt_format(data, model, tok) -> None:
+    """data.chat_template=release with a checkpoint that ships a chat template: the template renders a conversation
+    with media and its assistant turns are found (data/release_prompt.py), and `tok` tokenizes it as the release's
+    processor does (a tokenizer.json). data.chat_template=project: a note when the checkpoint's template renders
+    turns otherwise (data/run_tokenizer.chat_template_note)."""
+    from tessera.data.release_prompt import ChatTemplateError, assistant_spans, release_messages
+    from tessera.data.run_tokenizer import chat_template_note, run_chat_template
+
+    template = run_chat_template(data.chat_template, model.checkpoint)
+    if template is None:
+        note = chat_template_note(model.checkpoint)
+        if note:
+            print(note, file=sys.stderr, flush=True)
         return
-    choice = run_tokenizer(data.tokenizer, model.checkpoint, data.path)
-    check_agreement(Tokenizer(choice.path), model.checkpoint, source=choice.source)
-    note = chat_template_note(model.checkpoint) if choice.source.startswith("model.checkpoint") else None
-    if note:
-        print(note, file=sys.stderr, flush=True)
+    probe = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "<image> What is it?"},
+             {"role": "assistant", "content": "A circle."}, {"role": "user", "content": "And <audio>?"},
+             {"role": "assistant", "content": "A tone."}]
+    try:
+        assistant_spans(template, release_messages(probe, template))
+    except ChatTemplateError as e:
+        raise ValueError(f"model.checkpoint={model.checkpoint}: {e}") from None
+    tok.encode_with_offsets("")  # a SentencePiece model: refused naming the fix
 
 
 def _remote(executor) -> bool:

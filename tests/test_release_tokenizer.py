@@ -204,17 +204,23 @@ def test_prelaunch_checks_a_release_without_a_tokenizer_against_the_dataset(rele
         prelaunch.check_inputs(task)
 
 
-def test_a_release_chat_template_unlike_the_trained_turns_is_noted_before_launch(release, dataset, tmp_path, capsys):
+def test_the_project_turns_over_a_release_template_unlike_them_are_noted_before_launch(release, dataset, tmp_path,
+                                                                                       capsys):
+    """data.chat_template=project with a release whose template renders turns otherwise: a note before launch (the
+    default trains in the release's format: no note)."""
     import shutil
 
     from tessera.data.run_tokenizer import chat_template_note
     from tessera.recipes import prelaunch
 
-    assert chat_template_note(release) is None  # the tiny release's template is the turns Tessera trains
+    assert chat_template_note(release) is None  # the tiny release's template is the project's turns
     other = tmp_path / "other"
     shutil.copytree(release, other)
     (other / "chat_template.jinja").write_text(
         "{% for m in messages %}<|im_start|>{{ m['role'] }}: {{ m['content'] }}<|im_end|>{% endfor %}")
     prelaunch.check_inputs(SimpleNamespace(model=ModelConfig(checkpoint=str(other)), data=DataConfig(path=str(dataset))))
+    assert "note:" not in capsys.readouterr().err
+    project = DataConfig(path=str(dataset), chat_template="project")
+    prelaunch.check_inputs(SimpleNamespace(model=ModelConfig(checkpoint=str(other)), data=project))
     err = capsys.readouterr().err
-    assert f"the chat template of {other} renders a conversation as '<|im_start|>system: Be brief." in err, err
+    assert f"not as the chat template of {other} renders them, '<|im_start|>system: Be brief." in err, err

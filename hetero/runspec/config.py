@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tessera.data.run_tokenizer import check_chat_template_setting
 from tessera.hetero.plan.lora import DEFAULT_LORA_TARGETS, lora_targets, validate_lora
 from tessera.hetero.plan.recompute import parse_recompute
 
@@ -75,6 +76,10 @@ class DataConfig:
     # SentencePiece .model or tokenizer.json; None = model.checkpoint's own, else the dataset's (and either must
     # agree with the checkpoint's config.json: data/run_tokenizer.py)
     tokenizer: str | None = None
+    # the prompt format: "release" = model.checkpoint's own chat template and media wrapping when it ships a chat
+    # template (the format it was trained and is served in), else the project's; "project" = the project's turns
+    # (ChatML) always (data/run_tokenizer.run_chat_template, data/release_prompt.py)
+    chat_template: str = "release"
     # the user turn of caption-only samples (energon CaptioningSample datasets, data/sample_types.py), its media
     # tag first unless it holds one; None = the project's caption prompt
     caption_prompt: str | None = None
@@ -96,6 +101,9 @@ class DataConfig:
     tiles_per_row: float | None = None
     frames_per_row: float | None = None
     audio_seconds_per_row: float | None = None
+
+    def __post_init__(self):
+        check_chat_template_setting(self.chat_template)
 
 
 @dataclass

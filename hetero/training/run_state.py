@@ -54,6 +54,7 @@ class RunInputs:
     data_path: str  # the dataset (or blend) the run trains on: data.path, or the synthetic set rank 0 made
     tok_path: str
     hf_fields: dict[str, Any]  # the LLM's NemotronH config fields (the checkpoint's when fine-tuning)
+    chat_template: str | None  # the release's, which the conversations are written in (None: the project's)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class RunState:
     saved_on: tuple[int, str] | None = None  # (world, layout) the resumed checkpoint was saved on; None without one
     loader_state: SavableDataLoaderState | None = None  # the resumed loader position
     step_flops: StepCosts | None = None  # None: no FLOPs in the metrics
+    chat_template: str | None = None  # the release's, which the conversations are written in (None: the project's)
 
     @property
     def layout(self) -> HeteroLayout:
@@ -114,7 +116,7 @@ def _dataset(cfg: RunConfig, rank: int):
 def resolve_inputs(cfg: RunConfig, rank: int) -> RunInputs:
     """Data set, tokenizer (refused when it disagrees with the checkpoint's ids or vocabulary) and the LLM's
     shape (from the checkpoint when fine-tuning)."""
-    from tessera.data.run_tokenizer import check_agreement
+    from tessera.data.run_tokenizer import check_agreement, run_chat_template
     from tessera.data.tokens import Tokenizer
 
     data_path, choice = _dataset(cfg, rank)
@@ -122,7 +124,8 @@ def resolve_inputs(cfg: RunConfig, rank: int) -> RunInputs:
     hf_fields = checkpoint_llm_fields(cfg.model.checkpoint) or llm_fields(cfg.model, tok.vocab_size)
     check_agreement(tok, cfg.model.checkpoint, hf_fields["vocab_size"], choice.source)
     # the saved config names the tokenizer the run trained with, so its export ships that one (hf_export.py)
-    return RunInputs(replace(cfg, data=replace(cfg.data, tokenizer=choice.path)), data_path, choice.path, hf_fields)
+    return RunInputs(replace(cfg, data=replace(cfg.data, tokenizer=choice.path)), data_path, choice.path, hf_fields,
+                     run_chat_template(cfg.data.chat_template, cfg.model.checkpoint))
 
 
 def _initial_weights(cfg: RunConfig, modules: dict, groups: dict, configs: dict, hf_fields: dict) -> None:
@@ -180,7 +183,8 @@ def build_run(cfg: RunConfig, resolved: ResolvedRun, run_dir: Path, device: torc
                           o.lr_wsd_decay_style)
     run = RunState(cfg, resolved, run_dir, rank, resolved.world, device, dtype, inputs.data_path, inputs.tok_path,
                    hf_fields, specs, groups, configs, modules, opt, schedule,
-                   step_flops=step_flops(hf_fields) if step_flops is not None else None)
+                   step_flops=step_flops(hf_fields) if step_flops is not None else None,
+                   chat_template=inputs.chat_template)
     last = latest_checkpoint(run.ckpt_root) if cfg.trainer.resume else None
     if last is None:
         return run

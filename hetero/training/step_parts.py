@@ -29,7 +29,7 @@ def run_loader(run: RunState, path: str, state=None, num_workers: int | None = N
                               assignment=item_assignment(run),
                               num_workers=d.num_workers if num_workers is None else num_workers, seed=d.seed,
                               max_tiles=d.max_tiles, video_frames=d.video_frames, caption_prompt=d.caption_prompt,
-                              video_pruning=run.cfg.model.video_pruning, state=state,
+                              video_pruning=run.cfg.model.video_pruning, state=state, chat_template=run.chat_template,
                               log_skips=run.rank == 0 if log_skips is None else log_skips,
                               # on GPUs, upscaling small media is left to the GPU (models/tiling.py)
                               defer_upscale=run.device.type != "cpu", split=split_of(path))
