@@ -1,0 +1,161 @@
+"""`model.vision=hf:DIR` / `model.audio=hf:DIR`: a local transformers encoder as a family of its own
+(models/encoder_families/hf_transformers.py). Tiny SigLIP2, CLIP, Whisper and wav2vec2 models are built offline
+(random init, save_pretrained with their PIL image processor or feature extractor); Tessera's encoder must give the
+transformers model's own output on the processor's own input, and the data side's token count must be its length."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tessera.models.encoder_families import hf_transformers as hft
+from tessera.models.encoder_families.base import family_of
+
+
+def _siglip2(out: Path) -> Path:
+    from transformers import Siglip2Config, Siglip2ImageProcessorPil, Siglip2Model
+
+    torch.manual_seed(0)
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=64,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, patch_size=16,
+                  num_patches=16)
+    Siglip2Model(Siglip2Config(text_config=text, vision_config=vision)).save_pretrained(out)
+    Siglip2ImageProcessorPil(patch_size=16, max_num_patches=16).save_pretrained(out)  # 64-px tiles: 4x4 patches
+    return out
+
+
+def _clip(out: Path) -> Path:
+    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel
+
+    torch.manual_seed(1)
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=64,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=64,
+                  patch_size=16)
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision)).save_pretrained(out)
+    CLIPImageProcessorPil(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(out)
+    return out
+
+
+def _whisper(out: Path) -> Path:
+    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperModel
+
+    torch.manual_seed(2)
+    config = WhisperConfig(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
+                           decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=64, num_mel_bins=16,
+                           max_source_positions=50, max_target_positions=16, vocab_size=64, pad_token_id=0,
+                           bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    WhisperModel(config).save_pretrained(out)
+    # a 1-second window: 100 mel frames, 50 encoder rows (max_source_positions)
+    WhisperFeatureExtractor(feature_size=16, chunk_length=1).save_pretrained(out)
+    return out
+
+
+def _wav2vec2(out: Path) -> Path:
+    from transformers import Wav2Vec2Config, Wav2Vec2FeatureExtractor, Wav2Vec2Model
+
+    torch.manual_seed(3)
+    config = Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                            conv_dim=(16, 16, 16), conv_kernel=(10, 3, 3), conv_stride=(5, 2, 2),
+                            num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, vocab_size=32)
+    Wav2Vec2Model(config).save_pretrained(out)
+    Wav2Vec2FeatureExtractor(do_normalize=True).save_pretrained(out)
+    return out
+
+
+BUILDERS = {"siglip2": _siglip2, "clip": _clip, "whisper": _whisper, "wav2vec2": _wav2vec2}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_encoders")
+    return {kind: build(root / kind) for kind, build in BUILDERS.items()}
+
+
+def _reference_vision(directory: Path, tiles: np.ndarray) -> torch.Tensor:
+    """The transformers model's own vision features of `tiles` through its own processor: [n, patches, hidden]."""
+    from transformers import AutoImageProcessor, AutoModel
+
+    model, proc = AutoModel.from_pretrained(directory), AutoImageProcessor.from_pretrained(directory)
+    inputs = proc(images=[t.transpose(1, 2, 0) for t in tiles], return_tensors="pt")
+    with torch.no_grad():
+        out = model.vision_model(**inputs).last_hidden_state
+    return out[:, 1:] if model.config.model_type == "clip" else out
+
+
+def _reference_audio(directory: Path, wave: np.ndarray) -> torch.Tensor:
+    """The transformers encoder's rows over the clip, from its own feature extractor: [rows, hidden]."""
+    from transformers import AutoFeatureExtractor, AutoModel
+
+    model, fe = AutoModel.from_pretrained(directory), AutoFeatureExtractor.from_pretrained(directory)
+    inputs = fe(wave, sampling_rate=16000, return_tensors="pt", return_attention_mask=True)
+    with torch.no_grad():
+        if model.config.model_type == "whisper":
+            frames = int(inputs["attention_mask"].sum())
+            return model.encoder(inputs["input_features"]).last_hidden_state[0, :(frames - 1) // 2 + 1]
+        out = model(inputs["input_values"]).last_hidden_state[0]
+    assert len(out) == int(model._get_feat_extract_output_lengths(len(wave)))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["siglip2", "clip"])
+def test_vision_features_equal_the_models_own_forward_through_its_processor(dirs, kind):
+    """Built as training builds it (train mode: dropout is off, so it is deterministic), on two random tiles."""
+    name = f"hf:{dirs[kind]}"
+    cfg = hft.encoder_config_of(name)
+    assert (cfg["family"], cfg["modality"], cfg["tile"], cfg["patch"]) == ("hf_vision", "vision", 64, 16)
+    family = family_of(cfg)
+    tiles = np.random.default_rng(0).integers(0, 256, (2, 3, 64, 64), dtype=np.uint8)
+    ours = family.build(cfg, None)(torch.from_numpy(tiles))
+    ref = _reference_vision(dirs[kind], tiles)
+    tokens = family.tokens(cfg)
+    assert ours.shape == (2 * tokens.tokens_per_tile, 32) == (ref.shape[0] * ref.shape[1], ref.shape[2])
+    torch.testing.assert_close(ours, ref.flatten(0, 1), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["whisper", "wav2vec2"])
+def test_audio_features_equal_the_models_own_forward_through_its_feature_extractor(dirs, kind):
+    """Two clips in one batch, one shorter than Whisper's 1-s window and one cut by it; the rows kept are the data
+    side's count (EncoderTokens.audio_tokens)."""
+    cfg = hft.encoder_config_of(f"hf:{dirs[kind]}#audio")
+    family = family_of(cfg)
+    rng = np.random.default_rng(1)
+    waves = [rng.standard_normal(n).astype(np.float32) * 0.1 for n in (5_923, 21_000)]
+    ours = family.build(cfg, None)([torch.from_numpy(w) for w in waves])
+    for wave, got in zip(waves, ours):
+        ref = _reference_audio(dirs[kind], wave)
+        assert got.shape == ref.shape and len(got) == family.tokens(cfg).audio_tokens(len(wave))
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    if kind == "whisper":
+        assert [len(o) for o in ours] == [19, 50]  # ceil(ceil(5923 / 160) / 2); the whole window
+
+
+def test_name_forms_are_told_apart_by_the_directorys_config_json(dirs, tmp_path):
+    from tessera.models import encoders
+
+    assert hft.is_transformers_encoder(f"hf:{dirs['whisper']}")
+    assert hft.is_transformers_encoder(f"hf:{dirs['siglip2']}#vision")
+    release = tmp_path / "release"
+    release.mkdir()
+    (release / "config.json").write_text(json.dumps({"model_type": "NemotronH_Omni_Reasoning_V3"}))
+    assert not hft.is_transformers_encoder(f"hf:{release}#vision")  # a release's encoder: models/released.py
+    with pytest.raises(hft.HFEncoderError, match=r"is a release; name one of its encoders: hf:.*#vision"):
+        hft.is_transformers_encoder(f"hf:{release}")
+    with pytest.raises(hft.HFEncoderError, match=r"holds a audio encoder \(whisper\), not a vision one"):
+        hft.encoder_config_of(f"hf:{dirs['whisper']}#vision")
+    assert encoders.encoder_config(f"hf:{dirs['siglip2']}")["family"] == "hf_vision"
+
+
+def test_a_directory_of_another_model_is_refused_naming_it_and_what_is_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(hft.HFEncoderError) as e:
+        hft.is_transformers_encoder(f"hf:{tmp_path}")
+    assert str(tmp_path) in str(e.value) and "'bert'" in str(e.value)
+    assert "siglip2" in str(e.value) and "whisper" in str(e.value) and "hf:DIR#modality" in str(e.value)
+    with pytest.raises(hft.HFEncoderError, match="config.json not found"):
+        hft.is_transformers_encoder(f"hf:{tmp_path / 'missing'}")
