@@ -180,7 +180,8 @@ def encoder_tokens(encoders: dict[str, str], max_tiles: int = 2, video_frames: i
             fields.update(tile=t.tile, patch=t.patch, pixel_shuffle=t.pixel_shuffle)
         else:
             fields.update(audio_rate=t.audio_rate, audio_hop=t.audio_hop, audio_n_fft=t.audio_n_fft,
-                          audio_subsampling=t.audio_subsampling, audio_token_frames=t.audio_token_frames)
+                          audio_subsampling=t.audio_subsampling, audio_token_frames=t.audio_token_frames,
+                          audio_convs=t.audio_convs, audio_window=t.audio_window)
     return EncoderTokens(max_tiles=max_tiles, video_frames=video_frames, video_pruning=video_pruning,
                          video_temporal=video_temporal(encoders), native_resolution=native_resolution,
                          min_patches=min_patches, max_patches=max_patches, **fields)

@@ -231,15 +231,15 @@ class HFVisionTower(nn.Module):
 
     def inputs(self, pixels) -> dict:
         """The tower's forward arguments for normalised tiles: pixel_values, and for SigLIP2 the processor's
-        patch rows (convert_image_to_patches' (rows, cols, p, p, c) order), mask and spatial shapes."""
+        patch rows (convert_image_to_patches' (rows, cols, p, p, c) order) and spatial shapes."""
         if not self.cfg["model_type"].startswith("siglip2"):
             return {"pixel_values": pixels}
         n, c, h, w = pixels.shape
         p = self.cfg["patch"]
         patches = pixels.reshape(n, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1).reshape(n, -1, p * p * c)
-        mask = torch.ones(patches.shape[:2], dtype=torch.int32, device=pixels.device)
         shapes = torch.tensor([[h // p, w // p]] * n, dtype=torch.long, device=pixels.device)
-        return {"pixel_values": patches, "pixel_attention_mask": mask, "spatial_shapes": shapes}
+        # no mask: a tile fills its max_num_patches, so the processor's mask is all ones (no padded patch)
+        return {"pixel_values": patches, "pixel_attention_mask": None, "spatial_shapes": shapes}
 
     def forward(self, pixels):
         n, _, h, w = pixels.shape
@@ -357,8 +357,7 @@ def _meta_flops(cfg: dict, samples: int = 0) -> tuple[int, float]:
             pixels = torch.empty(1, 3, cfg["tile"], cfg["tile"], device="meta")
             inputs = tower.inputs(pixels)
             if "spatial_shapes" in inputs:  # (read as Python ints to size the position embeddings)
-                inputs["spatial_shapes"] = inputs["spatial_shapes"].new_empty(0).cpu().new_tensor(
-                    [[cfg["tile"] // cfg["patch"]] * 2])
+                inputs["spatial_shapes"] = torch.tensor([[cfg["tile"] // cfg["patch"]] * 2])
             tower.model(**inputs)
         elif cfg["model_type"] == "whisper":
             tower(torch.empty(1, tower.config.num_mel_bins, 2 * tower.config.max_source_positions, device="meta"))
