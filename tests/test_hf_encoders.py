@@ -159,3 +159,39 @@ def test_a_directory_of_another_model_is_refused_naming_it_and_what_is_supported
     assert "siglip2" in str(e.value) and "whisper" in str(e.value) and "hf:DIR#modality" in str(e.value)
     with pytest.raises(hft.HFEncoderError, match="config.json not found"):
         hft.is_transformers_encoder(f"hf:{tmp_path / 'missing'}")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# (recipe, override, layout on 2 ranks): colocated (the encoder's DP ranks are the LLM's TP ranks) and
+# non-colocated (encoders on rank 0, the LLM on rank 1)
+TRAIN_CASES = [
+    ("nemotron_vl_tiny", "vision", "siglip2", "vision=dp2@0-1;language=tp2@0-1"),
+    ("nemotron_vl_tiny", "vision", "siglip2", "vision=dp1@0-0;language=dp1@1-1"),
+    ("nemotron_omni_tiny", "audio", "whisper", "vision=dp2@0-1;audio=dp2@0-1;language=tp2@0-1"),
+    ("nemotron_omni_tiny", "audio", "whisper", "vision=dp1@0-0;audio=dp1@0-0;language=dp1@1-1"),
+]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("recipe,key,kind,layout", TRAIN_CASES)
+def test_recipe_trains_with_one_override_equal_to_one_device(dirs, tmp_path, recipe, key, kind, layout):
+    """`model.<key>=hf:DIR` in a tiny recipe: one step through the trainer in the layout (python -m
+    tessera.recipes.verify) has the same loss and every Adam moment as on one device (fp32, 1e-5); the encoder's
+    moments are among them, so its gradient crossed the boundary."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "tessera.recipes.verify", "--recipe", recipe, "--out", str(tmp_path), f"layout={layout}",
+           f"model.{key}=hf:{dirs[kind]}", "data.seq_length=128"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"verify: PASS max_rel_err=(\S+) compared=(\d+) loss=(\S+) ref_loss=(\S+) layout=(\S+)", last)
+    assert m and float(m.group(1)) <= 1e-5, last
+    whole = torch.load(tmp_path / "layout" / "whole.pt", weights_only=False)
+    tower = [k for k in whole if k.startswith("optim.exp_avg.") and f".{key}." in k and "tower" in k]
+    assert tower and any(float(whole[k].abs().max()) > 0 for k in tower), f"no {key} tower gradient: {list(whole)[:20]}"
