@@ -113,7 +113,8 @@ def is_transformers_encoder(name: str) -> bool:
         return False
     raise HFEncoderError(f"{name!r}: {directory}/config.json has model_type {model_type!r}, neither a transformers "
                          f"encoder `hf:DIR` takes (vision: {', '.join(sorted(VISION_TYPES))}; audio: "
-                         f"{', '.join(sorted(AUDIO_TYPES))}) nor a release `hf:DIR#modality` names (models/released.py)")
+                         f"{', '.join(sorted(AUDIO_TYPES))}) nor a release `hf:DIR#modality` names "
+                         f"(models/released.py)")
 
 
 @functools.lru_cache(maxsize=None)
