@@ -143,11 +143,12 @@ def video_temporal(encoders: dict[str, str]) -> int:
     """Frames per video tubelet of a model with these encoders: its family's (data/templates.PromptTemplate
     .video_tubelets: omni, as the release) tubelets of the ViT's temporal_patch frames, else 1 (frame by frame).
     The one rule for the placeholders (EncoderTokens.video_temporal) and the model build (tubelets=)."""
-    from tessera.models.encoders import encoder_config
+    from tessera.models.encoders import encoder_config, family_of
 
     if "vision" not in encoders or not prompt_template(template_for_encoders(encoders)).video_tubelets:
         return 1
-    return encoder_config(encoders["vision"]).get("temporal_patch") or 1
+    cfg = encoder_config(encoders["vision"])
+    return family_of(cfg).video_temporal_patch(cfg) or 1
 
 
 def settles_tubelet_chunks(encoders: dict[str, str], video_pruning: float) -> bool:

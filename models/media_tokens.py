@@ -124,7 +124,7 @@ class EncoderTokens:
     audio_hop: int = 160
     audio_n_fft: int = 512
     audio_subsampling: int = 8
-    # Which mel frames the subsampling counts (models/encoders.AUDIO_TOKEN_FRAMES sets it per encoder family):
+    # Which mel frames the subsampling counts (each conformer family's token_frames, models/encoder_families):
     #   "valid"  NeMo (FastConformer): the n valid frames; the encoder's own valid length, ceil(n / subsampling).
     #   "stft"   the released Omni model (transformers' NemotronH_Omni_Reasoning_V3): n + 1, every centre-padded
     #            STFT frame, the last of which the front end zeroes and masks. Its processor announces
