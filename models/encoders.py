@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from tessera.models.encoder_families import fastconformer, parakeet_hf, radio, siglip  # noqa: F401 (register)
+from tessera.models.encoder_families import fastconformer, hf_transformers, parakeet_hf, radio, siglip  # noqa: F401
 from tessera.models.encoder_families.base import FAMILIES, family_of
 from tessera.models.encoder_families.conformer import FASTCONFORMER_PARAKEET_0_6B, FASTCONFORMER_TINY
 from tessera.models.released import PREFIX as CHECKPOINT_PREFIX, encoder_config_of
@@ -56,15 +56,18 @@ def has_tensor_parallel(name: str) -> bool:
 
 
 def is_known(name: str) -> bool:
-    """A registry name, or a checkpoint's encoder (`hf:<dir>#<modality>`, models/released.py)."""
+    """A registry name, a checkpoint's encoder (`hf:<dir>#<modality>`, models/released.py) or a transformers
+    encoder (`hf:<dir>`, models/encoder_families/hf_transformers.py)."""
     return name in REGISTRY or name.startswith(CHECKPOINT_PREFIX)
 
 
 def encoder_config(name: str, **overrides) -> dict:
     """A copy of the registered config `name` (or of the encoder a checkpoint's config.json describes, for
-    `hf:<dir>#<modality>`) with `overrides` applied (unknown fields are refused, since a typo would otherwise
-    silently build the default architecture)."""
-    if name.startswith(CHECKPOINT_PREFIX):
+    `hf:<dir>#<modality>`, or of a transformers encoder, `hf:<dir>`) with `overrides` applied (unknown fields are
+    refused, since a typo would otherwise silently build the default architecture)."""
+    if hf_transformers.is_transformers_encoder(name):  # `hf:DIR` of a transformers encoder (its config.json says)
+        cfg = hf_transformers.encoder_config_of(name)
+    elif name.startswith(CHECKPOINT_PREFIX):
         cfg = encoder_config_of(name)
         want = {"family", "modality", *family_of(cfg).field_names()}
         if set(cfg) - {"name"} != want:  # models/released.py must set exactly its family's fields

@@ -422,11 +422,13 @@ class _HFFamily(EncoderFamily):
 
     def import_tensors(self, cfg, hf, module_keys, tp_rank=0, tp=1):
         root = CHECKPOINT_ROOT[self.modality]
-        missing = [k for k in module_keys if root + k not in hf]
-        if missing:
-            raise KeyError(f"{root}{missing[0]} is missing from the checkpoint (encoder {cfg['name']!r} has "
-                           f"{len(missing)} tensors it lacks)")
-        return {k: hf[root + k] for k in module_keys}
+        stored = [k[len(root):] for k in hf if k.startswith(root)]
+        keys = stored if module_keys is None else list(module_keys)
+        missing, left = sorted(set(keys) - set(stored)), sorted(set(stored) - set(keys))
+        if missing or left:
+            raise KeyError(f"encoder {cfg['name']!r}: the checkpoint lacks {[root + k for k in missing[:8]]} and "
+                           f"has {[root + k for k in left[:8]]} the tower does not")
+        return {k: hf[root + k] for k in keys}
 
     def export_tensors(self, cfg, shards):
         root = CHECKPOINT_ROOT[self.modality]
