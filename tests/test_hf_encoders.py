@@ -199,3 +199,27 @@ def test_recipe_trains_with_one_override_equal_to_one_device(dirs, tmp_path, rec
     # one Adam step moves a weight by at most about the lr (1e-3 in the tiny recipes): a fresh init differs by more
     drift = max(float((whole[f"model.{root}{k}"] - v).abs().max()) for k, v in tower.state_dict().items())
     assert drift <= 2e-3, f"the {key} tower did not start from {dirs[kind]}'s weights (drift {drift:.3g})"
+
+
+def test_planner_counts_the_built_parameters_and_torchs_flops(dirs):
+    """The planner's module descriptions (family.planner_fields): parameters = the built encoder + projector's;
+    FLOPs per item = FlopCounterMode's count of the tower's meta forward plus the projector, for wav2vec2 at a
+    clip length the rows x (linear + attn x rows) fit was not solved at."""
+    from tessera.hetero.planner.flops import media_item_flops
+    from tessera.hetero.planner.model import describe_model
+    from tessera.models.multimodal import build_media_module
+
+    vision, audio = f"hf:{dirs['siglip2']}", f"hf:{dirs['wav2vec2']}"
+    desc = describe_model("nemotron_h_tiny_dense", vision, audio)
+    llm = desc["language"].hidden
+    for key, name in (("vision", vision), ("audio", audio)):
+        built = build_media_module(name, llm, None)
+        assert desc[key].params == sum(p.numel() for p in built.parameters()), key
+    cfg = hft.encoder_config_of(audio)
+    tok, samples = family_of(cfg).tokens(cfg), 24_000
+    rows, proj = tok.audio_encoder_rows(samples), 2.0 * (32 * 128 + 128 * llm)
+    counted = hft._meta_flops(cfg, samples)[1] + rows * proj
+    assert media_item_flops(desc["audio"], tok, "audio", samples) == pytest.approx(counted, rel=0.01)
+    vcfg = hft.encoder_config_of(vision)
+    assert media_item_flops(desc["vision"], family_of(vcfg).tokens(vcfg), "image", 1) == pytest.approx(
+        hft._meta_flops(vcfg)[1] + 16 * proj)
