@@ -111,11 +111,16 @@ def test_vision_features_equal_the_models_own_forward_through_its_processor(dirs
     assert (cfg["family"], cfg["modality"], cfg["tile"], cfg["patch"]) == ("hf_vision", "vision", 64, 16)
     family = family_of(cfg)
     tiles = np.random.default_rng(0).integers(0, 256, (2, 3, 64, 64), dtype=np.uint8)
-    ours = family.build(cfg, None)(torch.from_numpy(tiles))
+    encoder = family.build(cfg, None)
+    ours = encoder(torch.from_numpy(tiles))
     ref = _reference_vision(dirs[kind], tiles)
     tokens = family.tokens(cfg)
     assert ours.shape == (2 * tokens.tokens_per_tile, 32) == (ref.shape[0] * ref.shape[1], ref.shape[2])
     torch.testing.assert_close(ours, ref.flatten(0, 1), rtol=0, atol=1e-5)
+    assert encoder.to(torch.bfloat16)(torch.from_numpy(tiles)).dtype == torch.bfloat16  # runs in the run's dtype
+    if kind == "clip":  # a fixed position table: a native-resolution grid is refused, naming the fix
+        with pytest.raises(ValueError, match=r"takes 64-px tiles, got 96x32 images: use it with tiled images"):
+            encoder(torch.zeros(1, 3, 32, 96, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("kind", ["whisper", "wav2vec2"])

@@ -244,6 +244,10 @@ class HFVisionTower(nn.Module):
 
     def forward(self, pixels):
         n, _, h, w = pixels.shape
+        if (h, w) != (self.cfg["tile"],) * 2 and not self.cfg["model_type"].startswith("siglip2"):
+            # a fixed-size tower's position table holds the processor's grid only (SigLIP2 resizes its own)
+            raise ValueError(f"encoder {self.cfg['name']!r} takes {self.cfg['tile']}-px tiles, got {w}x{h} images: "
+                             f"use it with tiled images (the vl recipes), not native-resolution ones (omni)")
         hidden = self.model(**self.inputs(pixels)).last_hidden_state[:, self.cfg["prefix_tokens"]:]
         p = self.cfg["patch"]
         return hidden.reshape(n, h // p, w // p, -1)
@@ -261,7 +265,8 @@ class HFVisionEncoder(nn.Module):
         return self.cfg["hidden"]
 
     def normalize(self, tiles):
-        return self.pixels(tiles)
+        """Normalised pixels in the tower's dtype (the run's: bf16 on GPUs)."""
+        return self.pixels(tiles).to(next(self.vit.parameters()).dtype)
 
     def grid_tokens(self, tiles):
         return self.vit(self.normalize(tiles))
@@ -320,6 +325,7 @@ class HFAudioEncoder(nn.Module):
     def encode_features(self, feats, lengths):
         """Encoder rows [b, rows, hidden] and the rows each clip's samples cover."""
         keep = torch.tensor([self.tokens.audio_tokens(int(n)) for n in lengths], device=feats.device)
+        feats = feats.to(next(self.encoder.parameters()).dtype)  # the run's dtype (bf16 on GPUs)
         if self.cfg["model_type"] == "whisper":
             return self.encoder(feats).last_hidden_state, keep
         rows = [self.encoder(feats[i:i + 1, :int(n)]).last_hidden_state[0] for i, n in enumerate(lengths)]
