@@ -6,6 +6,7 @@ transformers model's own output on the processor's own input, and the data side'
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -123,6 +124,22 @@ def test_vision_features_equal_the_models_own_forward_through_its_processor(dirs
             encoder(torch.zeros(1, 3, 32, 96, dtype=torch.uint8))
 
 
+@pytest.mark.parametrize("kind", ["siglip2", "clip"])
+def test_vision_pipeline_stages_compose_to_the_models_forward(dirs, kind):
+    """Two pipeline stages (a layer each, named by their global index) run as MediaModule.forward_stage runs them:
+    embed and stage 0's layer, stage 1's layer and head == the whole tower's forward."""
+    from tessera.models.hf_towers import HFVisionEncoder
+
+    cfg = hft.encoder_config_of(f"hf:{dirs[kind]}")
+    whole, first, last = (HFVisionEncoder(cfg, pp=pp, stage=stage) for pp, stage in ((1, 0), (2, 0), (2, 1)))
+    assert {re.search(r"layers\.(\d+)\.", k)[1] for k in last.vit.state_dict() if ".layers." in k} == {"1"}
+    assert not any("embeddings" in k for k in last.vit.state_dict())
+    tiles = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (2, 3, 64, 64), dtype=np.uint8))
+    hidden = first.vit.run_stage_layers(first.vit.embed(first.normalize(tiles)).transpose(0, 1))
+    grid = last.vit.head(last.vit.run_stage_layers(hidden), 4, 4)
+    torch.testing.assert_close(grid, whole.grid_tokens(tiles), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["whisper", "wav2vec2"])
 def test_audio_features_equal_the_models_own_forward_through_its_feature_extractor(dirs, kind):
     """Two clips in one batch, one shorter than Whisper's 1-s window and one cut by it; the rows kept are the data
@@ -182,7 +199,6 @@ def test_recipe_trains_with_one_override_equal_to_one_device(dirs, tmp_path, rec
     tessera.recipes.verify) has the same loss and every Adam moment as on one device (fp32, 1e-5); the tower's
     moments are among them and not zero (its gradient crossed the boundary), and it started from DIR's weights."""
     import os
-    import re
     import subprocess
     import sys
 

@@ -14,13 +14,13 @@ names one of its encoders as `hf:DIR#vision` / `hf:DIR#audio`; any other model t
 What the data side feeds comes from the processor (AutoImageProcessor / AutoFeatureExtractor, the PIL-based ones:
 torchvision is not installed): images are cut into square tiles of the processor's own output size (SigLIP2: the
 largest square grid within max_num_patches), on which its resize is the identity, then rescaled and normalised
-with its factors (HFPixels); audio goes through the feature extractor itself (HFAudioFeatures). Tokens per item:
+with its factors; audio goes through the feature extractor itself (the modules: models/hf_towers.py). Tokens per item:
 a tile's patches (pixel shuffle 1); a clip's encoder rows over its valid samples, counted by the conv stack that
 makes them (models/media_tokens.EncoderTokens.audio_convs: Whisper's hop framing and stride-2 conv, truncated to
 its window; wav2vec2's feature-encoder convs). The projector takes the tower's hidden size. FLOPs are torch's
 FlopCounterMode on a meta-device forward of the tower (planner_fields). Dropout, LayerDrop and SpecAugment are
-switched off at load, so training is deterministic and a layout equals one device; layers split over data
-parallel ranks only (tp1, cp1, pp1).
+switched off at load, so training is deterministic and a layout equals one device. Layouts: data parallel, and
+the vision towers pipeline by layers (their encoder.layers is a plain list); tp1, cp1, audio pp1.
 """
 
 from __future__ import annotations
@@ -30,9 +30,6 @@ import functools
 import json
 import math
 from pathlib import Path
-
-import torch  # (torch only: transformers, the model stack, loads inside the methods)
-from torch import nn
 
 from tessera.models.encoder_families.base import EncoderFamily, register_family
 
@@ -175,174 +172,6 @@ def _audio(directory: Path, model_type: str) -> HFAudioConfig:
                          config.num_attention_heads, config.intermediate_size, fe.sampling_rate, 0, convs, None)
 
 
-# -- modules --------------------------------------------------------------------------------------------------
-
-def _deterministic(config) -> None:
-    """Dropout, LayerDrop and SpecAugment off (in place): training equal in every layout, as Tessera's encoders."""
-    for key, value in list(config.to_dict().items()):
-        if isinstance(value, float) and (key.endswith("dropout") or key.endswith("layerdrop")
-                                         or key.startswith("mask_time_prob") or key.startswith("mask_feature_prob")):
-            setattr(config, key, 0.0)
-    if hasattr(config, "apply_spec_augment"):
-        config.apply_spec_augment = False
-
-
-def load_transformers_model(cfg: dict):
-    """The tower of cfg's directory: its weights, or on the meta device (models/meta_device.meta_build) shapes only."""
-    import transformers
-
-    directory, model_type = cfg["directory"], cfg["model_type"]
-    cls = getattr(transformers, VISION_TYPES[model_type][0] if cfg["modality"] == "vision" else AUDIO_TYPES[model_type])
-    config = cls.config_class.from_pretrained(directory)
-    _deterministic(config)
-    if hasattr(config, "vision_use_head"):
-        config.vision_use_head = False  # SigLIP's attention-pooling head: no output Tessera uses
-    if torch.empty(0).is_meta:
-        model = cls(config)
-    else:
-        model = cls.from_pretrained(directory, config=config, dtype=torch.float32)
-    return model.encoder if model_type == "whisper" else model
-
-
-class HFPixels(nn.Module):
-    """uint8 tiles [n, 3, tile, tile] -> the processor's pixel_values of them: rescaled, normalised (fp32)."""
-
-    def __init__(self, cfg: dict):
-        super().__init__()
-        self.rescale = cfg["rescale"]
-        self.register_buffer("mean", torch.tensor(cfg["mean"]).view(1, 3, 1, 1), persistent=False)
-        self.register_buffer("std", torch.tensor(cfg["std"]).view(1, 3, 1, 1), persistent=False)
-
-    def forward(self, tiles):
-        tiles = torch.as_tensor(tiles).to(self.mean.device)
-        return (tiles.float() * self.rescale - self.mean) / self.std
-
-
-class HFVisionTower(nn.Module):
-    """Normalised tiles [n, 3, tile, tile] -> the tower's patch features as a grid [n, rows, cols, hidden]."""
-
-    cp = pp = 1
-    stage, first_stage, last_stage = 0, True, True
-
-    def __init__(self, cfg: dict, recompute: str):
-        super().__init__()
-        self.cfg, self.model = cfg, load_transformers_model(cfg)
-        if recompute != "none":  # transformers' layer checkpointing: each layer recomputed in backward
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-    def inputs(self, pixels) -> dict:
-        """The tower's forward arguments for normalised tiles: pixel_values, and for SigLIP2 the processor's
-        patch rows (convert_image_to_patches' (rows, cols, p, p, c) order) and spatial shapes."""
-        if not self.cfg["model_type"].startswith("siglip2"):
-            return {"pixel_values": pixels}
-        n, c, h, w = pixels.shape
-        p = self.cfg["patch"]
-        patches = pixels.reshape(n, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1).reshape(n, -1, p * p * c)
-        shapes = torch.tensor([[h // p, w // p]] * n, dtype=torch.long, device=pixels.device)
-        # no mask: a tile fills its max_num_patches, so the processor's mask is all ones (no padded patch)
-        return {"pixel_values": patches, "pixel_attention_mask": None, "spatial_shapes": shapes}
-
-    def forward(self, pixels):
-        n, _, h, w = pixels.shape
-        if (h, w) != (self.cfg["tile"],) * 2 and not self.cfg["model_type"].startswith("siglip2"):
-            # a fixed-size tower's position table holds the processor's grid only (SigLIP2 resizes its own)
-            raise ValueError(f"encoder {self.cfg['name']!r} takes {self.cfg['tile']}-px tiles, got {w}x{h} images: "
-                             f"use it with tiled images (the vl recipes), not native-resolution ones (omni)")
-        hidden = self.model(**self.inputs(pixels)).last_hidden_state[:, self.cfg["prefix_tokens"]:]
-        p = self.cfg["patch"]
-        return hidden.reshape(n, h // p, w // p, -1)
-
-
-class HFVisionEncoder(nn.Module):
-    """uint8 tiles [n, 3, tile, tile] -> tokens [n * patches, hidden] (models/vision.VisionEncoder's interface)."""
-
-    def __init__(self, cfg: dict, recompute: str = "none"):
-        super().__init__()
-        self.cfg, self.pixels, self.vit = cfg, HFPixels(cfg), HFVisionTower(cfg, recompute)
-
-    @property
-    def out_dim(self) -> int:
-        return self.cfg["hidden"]
-
-    def normalize(self, tiles):
-        """Normalised pixels in the tower's dtype (the run's: bf16 on GPUs)."""
-        return self.pixels(tiles).to(next(self.vit.parameters()).dtype)
-
-    def grid_tokens(self, tiles):
-        return self.vit(self.normalize(tiles))
-
-    def forward(self, tiles):
-        return self.grid_tokens(tiles).flatten(0, 2)
-
-
-class HFAudioFeatures:
-    """The model's own feature extractor on a list of waveforms -> (encoder input [b, ...], valid samples [b])."""
-
-    def __init__(self, cfg: dict):
-        from transformers import AutoFeatureExtractor
-
-        self.cfg, self.extractor = cfg, AutoFeatureExtractor.from_pretrained(cfg["directory"])
-
-    def __call__(self, waves: list):
-        import numpy as np
-
-        device = torch.as_tensor(waves[0]).device
-        arrays = [torch.as_tensor(w, dtype=torch.float32).cpu().numpy() for w in waves]
-        window = self.cfg["window_samples"]
-        lengths = torch.tensor([min(len(a), window) if window else len(a) for a in arrays], device=device)
-        if self.cfg["model_type"] == "whisper":
-            out = self.extractor(arrays, sampling_rate=self.cfg["sample_rate"], return_tensors="np")
-            return torch.from_numpy(np.asarray(out["input_features"])).to(device), lengths
-        # wav2vec2 / HuBERT: normalised per clip, each clip its own pass (padding would change group norm)
-        out = [self.extractor(a, sampling_rate=self.cfg["sample_rate"], return_tensors="np")["input_values"][0]
-               for a in arrays]
-        batch = torch.zeros(len(out), int(lengths.max()), device=device)
-        for i, a in enumerate(out):
-            batch[i, :len(a)] = torch.from_numpy(np.asarray(a))
-        return batch, lengths
-
-
-class HFAudioEncoder(nn.Module):
-    """Float waveforms -> per clip [tokens, hidden] (models/audio.FastConformerEncoder's interface, one stage)."""
-
-    pp, stage, first_stage, last_stage = 1, 0, True, True
-
-    def __init__(self, cfg: dict, recompute: str = "none"):
-        super().__init__()
-        self.cfg, self.tokens = cfg, HF_AUDIO.tokens(cfg)
-        self.extract = HFAudioFeatures(cfg)
-        self.encoder = load_transformers_model(cfg)
-        if recompute != "none":
-            self.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-    @property
-    def out_dim(self) -> int:
-        return self.cfg["hidden"]
-
-    def features(self, waves):
-        return self.extract(waves)
-
-    def encode_features(self, feats, lengths):
-        """Encoder rows [b, rows, hidden] and the rows each clip's samples cover."""
-        keep = torch.tensor([self.tokens.audio_tokens(int(n)) for n in lengths], device=feats.device)
-        feats = feats.to(next(self.encoder.parameters()).dtype)  # the run's dtype (bf16 on GPUs)
-        if self.cfg["model_type"] == "whisper":
-            return self.encoder(feats).last_hidden_state, keep
-        rows = [self.encoder(feats[i:i + 1, :int(n)]).last_hidden_state[0] for i, n in enumerate(lengths)]
-        out = feats.new_zeros(len(rows), max(len(r) for r in rows), self.out_dim)
-        return torch.stack([torch.cat([r, out[0, len(r):]]) for r in rows]) if rows else out, keep
-
-    def encode_received(self, hidden, lengths):
-        raise ValueError(f"encoder {self.cfg['name']!r} runs on one pipeline stage (pp1)")
-
-    def keep(self, out, out_len, feat_len=None):
-        return [o[:int(n)] for o, n in zip(out, out_len)]
-
-    def forward(self, waves):
-        hidden, keep = self.encode_features(*self.features(waves))
-        return self.keep(hidden, keep)
-
-
 # -- planner: FLOPs counted by torch on a meta-device forward ---------------------------------------------------
 
 BF16 = 2  # bytes per activation element the planner prices (hetero/planner/model.py's unit)
@@ -351,8 +180,10 @@ BF16 = 2  # bytes per activation element the planner prices (hetero/planner/mode
 def _meta_flops(cfg: dict, samples: int = 0) -> tuple[int, float]:
     """(tower parameters, forward FLOPs of one item: a tile, or a clip of `samples` samples) by torch's
     FlopCounterMode on the tower built and run on the meta device (no weights read, nothing computed)."""
+    import torch
     from torch.utils.flop_counter import FlopCounterMode
 
+    from tessera.models.hf_towers import HFVisionTower, load_transformers_model
     from tessera.models.meta_device import meta_build
 
     with meta_build():
@@ -429,11 +260,12 @@ class _HFFamily(EncoderFamily):
     def import_tensors(self, cfg, hf, module_keys, tp_rank=0, tp=1):
         root = CHECKPOINT_ROOT[self.modality]
         stored = [k[len(root):] for k in hf if k.startswith(root)]
+        # (a pipeline stage asks for its own tensors; the whole set is checked against the model's beforehand,
+        # hetero/training/model_build.check_checkpoint_tensors)
         keys = stored if module_keys is None else list(module_keys)
-        missing, left = sorted(set(keys) - set(stored)), sorted(set(stored) - set(keys))
-        if missing or left:
-            raise KeyError(f"encoder {cfg['name']!r}: the checkpoint lacks {[root + k for k in missing[:8]]} and "
-                           f"has {[root + k for k in left[:8]]} the tower does not")
+        missing = sorted(set(keys) - set(stored))
+        if missing:
+            raise KeyError(f"encoder {cfg['name']!r}: the checkpoint lacks {[root + k for k in missing[:8]]}")
         return {k: hf[root + k] for k in keys}
 
     def export_tensors(self, cfg, shards):
@@ -448,11 +280,18 @@ class _HFFamily(EncoderFamily):
 @register_family
 class HFVisionFamily(_HFFamily):
     name, modality, Config = "hf_vision", "vision", HFVisionConfig
+    pipeline_parallel = True  # its layers are a plain list (HFVisionTower)
 
     def build(self, cfg, pg_collection, *, recompute="none", core_attention=None):
-        return HFVisionEncoder(cfg, recompute)
+        from tessera.models.hf_towers import HFVisionEncoder
+
+        pp_group = getattr(pg_collection, "pp", None)
+        pp, stage = (pp_group.size(), pp_group.rank()) if pp_group is not None else (1, 0)
+        return HFVisionEncoder(cfg, recompute, pp, stage)
 
     def preprocessor(self, cfg):
+        from tessera.models.hf_towers import HFPixels
+
         return HFPixels(cfg)
 
     def tokens(self, cfg):
@@ -469,9 +308,13 @@ class HFAudioFamily(_HFFamily):
     name, modality, Config = "hf_audio", "audio", HFAudioConfig
 
     def build(self, cfg, pg_collection, *, recompute="none", core_attention=None):
+        from tessera.models.hf_towers import HFAudioEncoder
+
         return HFAudioEncoder(cfg, recompute)
 
     def preprocessor(self, cfg):
+        from tessera.models.hf_towers import HFAudioFeatures
+
         return HFAudioFeatures(cfg)
 
     def tokens(self, cfg):
