@@ -184,10 +184,10 @@ def test_a_directory_of_another_model_is_refused_naming_it_and_what_is_supported
 
 
 ROOT = Path(__file__).resolve().parents[1]
-# (recipe, override, model, layout on 2 ranks): colocated (the encoder's DP ranks are the LLM's TP ranks) and
-# non-colocated (the encoders on rank 0, the LLM on rank 1); each run is a few minutes of shared CPU, so one each
+# (recipe, override, model, layout on 2 ranks): colocated (the tower's two pipeline stages on the LLM's TP ranks)
+# and non-colocated (the encoders on rank 0, the LLM on rank 1); each run is minutes of shared CPU, so one each
 TRAIN_CASES = [
-    ("nemotron_vl_tiny", "vision", "siglip2", "vision=dp2@0-1;language=tp2@0-1"),
+    ("nemotron_vl_tiny", "vision", "siglip2", "vision=pp2@0-1;language=tp2@0-1"),
     ("nemotron_omni_tiny", "audio", "whisper", "vision=dp1@0-0;audio=dp1@0-0;language=dp1@1-1"),
 ]
 
