@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from tessera.models.encoder_families.base import family_of
-from tessera.models.encoder_families.hf_transformers import AUDIO_TYPES, VISION_TYPES
 
 
 def _deterministic(config) -> None:
@@ -31,7 +30,7 @@ def load_transformers_model(cfg: dict):
     import transformers
 
     directory, model_type = cfg["directory"], cfg["model_type"]
-    cls = getattr(transformers, VISION_TYPES[model_type][0] if cfg["modality"] == "vision" else AUDIO_TYPES[model_type])
+    cls = getattr(transformers, cfg["tower_class"])
     config = cls.config_class.from_pretrained(directory)
     _deterministic(config)
     if hasattr(config, "vision_use_head"):

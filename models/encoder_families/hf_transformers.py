@@ -51,6 +51,7 @@ class HFEncoderError(ValueError):
 class HFVisionConfig:
     directory: str        # the transformers directory (config.json, weights, preprocessor_config.json)
     model_type: str       # config.json's model_type (VISION_TYPES)
+    tower_class: str      # the transformers class loaded from the directory
     hidden: int
     layers: int
     heads: int
@@ -69,6 +70,7 @@ class HFVisionConfig:
 class HFAudioConfig:
     directory: str
     model_type: str       # AUDIO_TYPES
+    tower_class: str
     hidden: int
     layers: int
     heads: int
@@ -150,8 +152,9 @@ def _vision(directory: Path, model_type: str) -> HFVisionConfig:
         tile = sides.pop()
     if tile % patch:
         raise HFEncoderError(f"{directory}: the processor's {tile}-px output is not a multiple of patch {patch}")
-    return HFVisionConfig(str(directory.resolve()), model_type, v.hidden_size, v.num_hidden_layers,
-                          v.num_attention_heads, v.intermediate_size, patch, tile, VISION_TYPES[model_type][1], 1,
+    return HFVisionConfig(str(directory.resolve()), model_type, VISION_TYPES[model_type][0], v.hidden_size,
+                          v.num_hidden_layers, v.num_attention_heads, v.intermediate_size, patch, tile,
+                          VISION_TYPES[model_type][1], 1,
                           float(proc.rescale_factor if proc.do_rescale else 1.0),
                           tuple(proc.image_mean) if proc.do_normalize else (0.0,) * 3,
                           tuple(proc.image_std) if proc.do_normalize else (1.0,) * 3, None)
@@ -164,12 +167,14 @@ def _audio(directory: Path, model_type: str) -> HFAudioConfig:
     fe = AutoFeatureExtractor.from_pretrained(directory)
     if model_type == "whisper":
         # hop framing of the window (the feature extractor's mask), then conv1 (k3 s1 p1) and conv2 (k3 s2 p1)
-        return HFAudioConfig(str(directory.resolve()), model_type, config.d_model, config.encoder_layers,
-                             config.encoder_attention_heads, config.encoder_ffn_dim, fe.sampling_rate, fe.n_samples,
+        return HFAudioConfig(str(directory.resolve()), model_type, AUDIO_TYPES[model_type], config.d_model,
+                             config.encoder_layers, config.encoder_attention_heads, config.encoder_ffn_dim,
+                             fe.sampling_rate, fe.n_samples,
                              ((1, fe.hop_length, 0), (3, 1, 1), (3, 2, 1)), None)
     convs = tuple((k, s, 0) for k, s in zip(config.conv_kernel, config.conv_stride))
-    return HFAudioConfig(str(directory.resolve()), model_type, config.hidden_size, config.num_hidden_layers,
-                         config.num_attention_heads, config.intermediate_size, fe.sampling_rate, 0, convs, None)
+    return HFAudioConfig(str(directory.resolve()), model_type, AUDIO_TYPES[model_type], config.hidden_size,
+                         config.num_hidden_layers, config.num_attention_heads, config.intermediate_size,
+                         fe.sampling_rate, 0, convs, None)
 
 
 # -- planner: FLOPs counted by torch on a meta-device forward ---------------------------------------------------
