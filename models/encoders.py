@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
+import os
 
 from tessera.models.encoder_families import fastconformer, hf_transformers, parakeet_hf, radio, siglip  # noqa: F401
 from tessera.models.encoder_families.base import FAMILIES, family_of
@@ -90,5 +92,24 @@ def tokens_config(cfg: dict):
     return family_of(cfg).tokens(cfg)
 
 
-__all__ = ["FAMILIES", "REGISTRY", "encoder_config", "family_of", "has_tensor_parallel", "is_known", "names",
-           "register_encoder", "tokens_config"]
+# A user's own families and entries (README "Add an encoder"): modules named here, comma-separated, are imported with
+# the registry, so that every process of a run (the launcher, each rank, the HF export's subprocess) has them: the
+# environment reaches all of them, a registration made in one process reaches none of the others.
+MODULES_ENV = "TESSERA_ENCODER_MODULES"
+
+
+def import_user_modules(value: str | None = None) -> None:
+    """Import the modules $TESSERA_ENCODER_MODULES (or `value`) names; an unimportable one is an error naming it."""
+    for module in filter(None, (m.strip() for m in (os.environ.get(MODULES_ENV, "") if value is None
+                                                    else value).split(","))):
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ImportError(f"{MODULES_ENV}: cannot import {module!r} ({e}); put the directory that holds it on "
+                              f"PYTHONPATH, or drop it from {MODULES_ENV}") from e
+
+
+import_user_modules()
+
+__all__ = ["FAMILIES", "REGISTRY", "encoder_config", "family_of", "has_tensor_parallel", "import_user_modules",
+           "is_known", "names", "register_encoder", "tokens_config"]

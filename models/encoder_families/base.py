@@ -116,9 +116,11 @@ class EncoderFamily(abc.ABC):
 
     @abc.abstractmethod
     def import_tensors(self, cfg: dict, hf, module_keys, tp_rank: int = 0, tp: int = 1) -> dict:
-        """One TP rank's state dict of checkpoint_module (its keys: module_keys, parameters only) from the
-        checkpoint's tensors `hf` (a mapping from full names, e.g. a LazyCheckpoint: read only what is used). A
-        tensor the config needs that is missing, or an encoder tensor left unread, raises KeyError naming it."""
+        """One TP rank's state dict of checkpoint_module from the checkpoint's tensors `hf` (a mapping from full
+        names, e.g. a LazyCheckpoint: read only what is used). module_keys: that module's parameter names (a
+        pipeline stage's few; None where the config alone fixes them, as for a whole ViT tower); a family may
+        return the whole encoder's tensors, the caller keeps module_keys. A tensor the config needs that is
+        missing, or an encoder tensor left unread, raises KeyError naming it."""
 
     @abc.abstractmethod
     def export_tensors(self, cfg: dict, shards: list[dict]) -> dict:
