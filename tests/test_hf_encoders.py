@@ -140,6 +140,21 @@ def test_vision_pipeline_stages_compose_to_the_models_forward(dirs, kind):
     torch.testing.assert_close(grid, whole.grid_tokens(tiles), rtol=0, atol=1e-6)
 
 
+def test_a_split_the_tower_cannot_run_is_refused_naming_the_fix(dirs):
+    from types import SimpleNamespace
+
+    def groups(**sizes):
+        return SimpleNamespace(**{k: SimpleNamespace(size=lambda n=n: n, rank=lambda: 0) for k, n in sizes.items()})
+
+    audio = hft.encoder_config_of(f"hf:{dirs['whisper']}")
+    with pytest.raises(ValueError, match=r"runs dp only, not pp2: give model.audio a layout of dp"):
+        family_of(audio).build(audio, groups(pp=2, cp=1))
+    vision = hft.encoder_config_of(f"hf:{dirs['clip']}")
+    with pytest.raises(ValueError, match=r"runs dp and pp only, not cp2"):
+        family_of(vision).build(vision, groups(pp=1, cp=2))
+    assert family_of(vision).build(vision, groups(pp=2, cp=1)).vit.pp == 2
+
+
 @pytest.mark.parametrize("kind", ["whisper", "wav2vec2"])
 def test_audio_features_equal_the_models_own_forward_through_its_feature_extractor(dirs, kind):
     """Two clips in one batch, one shorter than Whisper's 1-s window and one cut by it; the rows kept are the data

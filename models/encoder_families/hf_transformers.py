@@ -281,6 +281,18 @@ class _HFFamily(EncoderFamily):
         return (f"{self.modality} encoder {cfg['name']!r} is a transformers {cfg['model_type']} model, not the "
                 f"released Omni model's {self.modality} encoder")
 
+    def stage(self, cfg, pg_collection, core_attention) -> tuple[int, int]:
+        """(pp, stage) of this rank; a split the tower cannot run (token CP; audio PP) is refused, naming the fix."""
+        sizes = {k: getattr(pg_collection, k).size() for k in ("cp", "pp") if getattr(pg_collection, k, None)}
+        refused = [f"{k}{n}" for k, n in sizes.items() if n > 1 and (k == "cp" or not self.pipeline_parallel)]
+        if refused or core_attention is not None:
+            allowed = "dp and pp" if self.pipeline_parallel else "dp"
+            raise ValueError(f"encoder {cfg['name']!r} (transformers {cfg['model_type']}) runs {allowed} only, not "
+                             f"{', '.join(refused) or 'context parallel'}: give model.{self.modality} a layout of "
+                             f"{allowed} (e.g. {self.modality}=dp2@0-1)")
+        pp_group = getattr(pg_collection, "pp", None)
+        return (pp_group.size(), pp_group.rank()) if pp_group is not None else (1, 0)
+
 
 @register_family
 class HFVisionFamily(_HFFamily):
@@ -290,9 +302,7 @@ class HFVisionFamily(_HFFamily):
     def build(self, cfg, pg_collection, *, recompute="none", core_attention=None):
         from tessera.models.hf_towers import HFVisionEncoder
 
-        pp_group = getattr(pg_collection, "pp", None)
-        pp, stage = (pp_group.size(), pp_group.rank()) if pp_group is not None else (1, 0)
-        return HFVisionEncoder(cfg, recompute, pp, stage)
+        return HFVisionEncoder(cfg, recompute, *self.stage(cfg, pg_collection, core_attention))
 
     def preprocessor(self, cfg):
         from tessera.models.hf_towers import HFPixels
@@ -315,6 +325,7 @@ class HFAudioFamily(_HFFamily):
     def build(self, cfg, pg_collection, *, recompute="none", core_attention=None):
         from tessera.models.hf_towers import HFAudioEncoder
 
+        self.stage(cfg, pg_collection, core_attention)
         return HFAudioEncoder(cfg, recompute)
 
     def preprocessor(self, cfg):
