@@ -1,7 +1,8 @@
 """`model.vision=hf:DIR` / `model.audio=hf:DIR`: a local transformers encoder as a family of its own
-(models/encoder_families/hf_transformers.py). Tiny SigLIP2, CLIP, Whisper and wav2vec2 models are built offline
-(random init, save_pretrained with their PIL image processor or feature extractor); Tessera's encoder must give the
-transformers model's own output on the processor's own input, and the data side's token count must be its length."""
+(models/encoder_families/hf_transformers.py). Tiny SigLIP2, CLIP, Whisper, wav2vec2 and HuBERT models are built
+offline (random init, save_pretrained with their PIL image processor or feature extractor); Tessera's encoder must
+give the transformers model's own output on the processor's own input, and the data side's token count must be its
+length."""
 
 from __future__ import annotations
 
@@ -69,7 +70,19 @@ def _wav2vec2(out: Path) -> Path:
     return out
 
 
-BUILDERS = {"siglip2": _siglip2, "clip": _clip, "whisper": _whisper, "wav2vec2": _wav2vec2}
+def _hubert(out: Path) -> Path:
+    from transformers import HubertConfig, HubertModel, Wav2Vec2FeatureExtractor
+
+    torch.manual_seed(4)
+    config = HubertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                          conv_dim=(16, 16), conv_kernel=(10, 3), conv_stride=(5, 2), num_conv_pos_embeddings=16,
+                          num_conv_pos_embedding_groups=4, vocab_size=32)
+    HubertModel(config).save_pretrained(out)
+    Wav2Vec2FeatureExtractor(do_normalize=False).save_pretrained(out)
+    return out
+
+
+BUILDERS = {"siglip2": _siglip2, "clip": _clip, "whisper": _whisper, "wav2vec2": _wav2vec2, "hubert": _hubert}
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +168,7 @@ def test_a_split_the_tower_cannot_run_is_refused_naming_the_fix(dirs):
     assert family_of(vision).build(vision, groups(pp=2, cp=1)).vit.pp == 2
 
 
-@pytest.mark.parametrize("kind", ["whisper", "wav2vec2"])
+@pytest.mark.parametrize("kind", ["whisper", "wav2vec2", "hubert"])
 def test_audio_features_equal_the_models_own_forward_through_its_feature_extractor(dirs, kind):
     """Two clips in one batch, one shorter than Whisper's 1-s window and one cut by it; the rows kept are the data
     side's count (EncoderTokens.audio_tokens)."""
