@@ -32,8 +32,8 @@ import math
 from pathlib import Path
 
 from tessera.models.encoder_families.base import EncoderFamily, register_family
-
-PREFIX = "hf:"
+from tessera.models.release_layouts import layout_of
+from tessera.models.released import PREFIX  # `hf:`, both forms' prefix
 # model_type -> (transformers class loaded from DIR, class tokens before the patches); a dual model's config.json
 # has its tower's under vision_config, which these classes' from_pretrained read
 VISION_TYPES = {"siglip": ("SiglipVisionModel", 0), "siglip_vision_model": ("SiglipVisionModel", 0),
@@ -94,18 +94,19 @@ def _config_json(directory: Path) -> dict:
     return json.loads(path.read_text())
 
 
+@functools.lru_cache(maxsize=None)
 def is_transformers_encoder(name: str) -> bool:
     """Whether `name` (hf:DIR or hf:DIR#modality) names an encoder of this file, not a release's: told apart by
-    DIR/config.json's model_type. A DIR that is neither raises HFEncoderError naming what each form takes."""
+    DIR/config.json's model_type (read once per process: every encoder lookup asks). A DIR that is neither raises
+    HFEncoderError naming what each form takes."""
     if not name.startswith(PREFIX):
         return False
     directory, modality = _split(name)
-    model_type = _config_json(directory).get("model_type")
+    config = _config_json(directory)
+    model_type = config.get("model_type")
     if model_type in VISION_TYPES or model_type in AUDIO_TYPES:
         return True
-    from tessera.models.release_layouts import layout_of
-
-    if layout_of(_config_json(directory)) is not None:
+    if layout_of(config) is not None:
         if not modality:
             raise HFEncoderError(f"{name!r}: {directory} is a release; name one of its encoders: "
                                  f"hf:{directory}#vision or hf:{directory}#audio")
