@@ -144,11 +144,12 @@ def video_temporal(encoders: dict[str, str]) -> int:
     """Frames per video tubelet of a model with these encoders: its family's (data/templates.PromptTemplate
     .video_tubelets: omni, as the release) tubelets of the ViT's temporal_patch frames, else 1 (frame by frame).
     The one rule for the placeholders (EncoderTokens.video_temporal) and the model build (tubelets=)."""
-    from tessera.models.encoders import encoder_config
+    from tessera.models.encoders import encoder_config, family_of
 
     if "vision" not in encoders or not prompt_template(template_for_encoders(encoders)).video_tubelets:
         return 1
-    return encoder_config(encoders["vision"]).get("temporal_patch") or 1
+    cfg = encoder_config(encoders["vision"])
+    return family_of(cfg).video_temporal_patch(cfg) or 1
 
 
 def settles_tubelet_chunks(encoders: dict[str, str], video_pruning: float) -> bool:
@@ -181,7 +182,8 @@ def encoder_tokens(encoders: dict[str, str], max_tiles: int = 2, video_frames: i
             fields.update(tile=t.tile, patch=t.patch, pixel_shuffle=t.pixel_shuffle)
         else:
             fields.update(audio_rate=t.audio_rate, audio_hop=t.audio_hop, audio_n_fft=t.audio_n_fft,
-                          audio_subsampling=t.audio_subsampling, audio_token_frames=t.audio_token_frames)
+                          audio_subsampling=t.audio_subsampling, audio_token_frames=t.audio_token_frames,
+                          audio_convs=t.audio_convs, audio_window=t.audio_window)
     return EncoderTokens(max_tiles=max_tiles, video_frames=video_frames, video_pruning=video_pruning,
                          video_temporal=video_temporal(encoders), native_resolution=native_resolution,
                          min_patches=min_patches, max_patches=max_patches, **fields)

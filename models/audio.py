@@ -5,12 +5,11 @@ Both families take 16 kHz mono waveforms (data/media.decode_audio) and use NeMo'
 AudioToMelSpectrogramPreprocessor (dither off: it would make the features random; pad_to=0, so a batch has
 1 + longest // hop frames, as transformers' ParakeetFeatureExtractor gives). How many embeddings a clip keeps is
 models/media_tokens.EncoderTokens.audio_tokens_of_frames of its valid mel frames, the rule the data side sizes
-placeholders with (one rule, models/encoders.tokens_config): for fastconformer the encoder's valid length (NeMo);
-for parakeet_hf the released Omni model's count, which takes one more row of the encoder's output when the mel
-frame count is a multiple of the subsampling (transformers' get_audio_features keeps that masked position).
-    fastconformer  nemo.collections.asr.modules.ConformerEncoder (dw_striding subsampling, rel-pos attention)
-    parakeet_hf    transformers' ParakeetEncoder: the same architecture, HF's implementation and key names
-                   (what NemotronH Omni checkpoints store under sound_encoder.encoder.*)
+placeholders with (one rule, the family's tokens(): models/encoder_families/fastconformer.py and parakeet_hf.py say
+which mel frames it covers).
+    FastConformerEncoder  nemo.collections.asr.modules.ConformerEncoder (dw_striding subsampling, rel-pos attention)
+    ParakeetHFEncoder     transformers' ParakeetEncoder: the same architecture, HF's implementation and key names
+                          (what NemotronH Omni checkpoints store under sound_encoder.encoder.*)
 The encoders are replicated across TP ranks (they are small next to the LLM; NeMo's module is not
 TP-aware); their layout may still give them their own data-parallel ranks.
 Activation recompute (`recompute=`, models/recompute.py): "full" recomputes every conformer layer in backward,
@@ -22,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tessera.models.encoders import tokens_config
+from tessera.models.encoder_families.base import family_of
 from tessera.models.recompute import megatron_fields, recompute_module
 from tessera.models.vision import SquaredReLU, vit_stage_layers  # ReLU^2: as the vision projector's
 
@@ -33,6 +32,27 @@ def mel_preprocessor(cfg: dict):
     return AudioToMelSpectrogramPreprocessor(
         sample_rate=cfg["sample_rate"], features=cfg["n_mels"], n_fft=cfg["n_fft"],
         window_size=cfg["window_size"], window_stride=cfg["window_stride"], normalize="per_feature", dither=0.0, pad_to=0)
+
+
+def mel_features(preprocessor, waves: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Waveforms -> (mel features [b, n_mels, frames], valid frames [b]) through NeMo's front end."""
+    batch, lengths = _pad_waves(waves)
+    with torch.no_grad():  # the mel front end has no trainable parameters
+        return preprocessor(input_signal=batch, length=lengths)
+
+
+class MelFeatures(nn.Module):
+    """The conformer families' preprocessing (models/encoder_families/conformer.py) on its own: the mel front end
+    an encoder of `cfg` runs, e.g. to feed a reference model the same features."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.preprocessor = mel_preprocessor(cfg)
+
+    def features(self, waves: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return mel_features(self.preprocessor, waves)
+
+    forward = features
 
 
 def _pad_waves(waves: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +105,7 @@ class FastConformerEncoder(nn.Module):
         from nemo.collections.asr.modules import ConformerEncoder
 
         self.cfg = cfg
-        self.tokens = tokens_config(cfg)
+        self.tokens = family_of(cfg).tokens(cfg)
         self.preprocessor = mel_preprocessor(cfg)
         self.encoder = ConformerEncoder(
             feat_in=cfg["n_mels"], n_layers=cfg["layers"], d_model=cfg["hidden"], n_heads=cfg["heads"],
@@ -114,9 +134,7 @@ class FastConformerEncoder(nn.Module):
         return self.cfg["hidden"]
 
     def features(self, waves: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, lengths = _pad_waves(waves)
-        with torch.no_grad():  # the mel front end has no trainable parameters
-            return self.preprocessor(input_signal=batch, length=lengths)
+        return mel_features(self.preprocessor, waves)
 
     def encode_features(self, feats: torch.Tensor, feat_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """mel [b, n_mels, t] -> ([b, t', hidden], valid lengths)."""
@@ -157,7 +175,7 @@ class ParakeetHFEncoder(FastConformerEncoder):
         from transformers import ParakeetEncoder, ParakeetEncoderConfig
 
         self.cfg = cfg
-        self.tokens = tokens_config(cfg)
+        self.tokens = family_of(cfg).tokens(cfg)
         self.preprocessor = mel_preprocessor(cfg)
         self.encoder = ParakeetEncoder(parakeet_hf_config(cfg, ParakeetEncoderConfig))
         self._split(pp, stage)
@@ -189,9 +207,6 @@ def parakeet_hf_config(cfg: dict, config_cls=None):
         subsampling_conv_channels=cfg["subsampling_channels"], attention_bias=cfg["attention_bias"],
         convolution_bias=cfg["convolution_bias"], scale_input=cfg["scale_input"], dropout=0.0, dropout_positions=0.0,
         attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0)
-
-
-AUDIO_FAMILIES = {"fastconformer": FastConformerEncoder, "parakeet_hf": ParakeetHFEncoder}
 
 
 class SoundProjector(nn.Module):

@@ -291,8 +291,7 @@ def omni_reference_logits(hf_dir: str, samples: list[OmniSample], model=None) ->
     it normalises a clip with the clip's own statistics; in eval transformers would use the running statistics
     (another function). Same choice as tests/test_released_loss.py."""
 
-    from tessera.models.audio import AUDIO_FAMILIES
-    from tessera.models.encoders import encoder_config
+    from tessera.models.encoders import encoder_config, family_of
     from tessera.models.released import encoder_name
 
     if model is None:
@@ -309,7 +308,7 @@ def omni_reference_logits(hf_dir: str, samples: list[OmniSample], model=None) ->
     audio_frontend = None
     if "audio" in modalities:
         acfg = encoder_config(encoder_name(hf_dir, "audio"))
-        audio_frontend = AUDIO_FAMILIES[acfg["family"]](acfg)  # only its mel front end is used
+        audio_frontend = family_of(acfg).preprocessor(acfg)  # the encoder's mel front end
     out = []
     with torch.no_grad():
         for sample in samples:

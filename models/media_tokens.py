@@ -124,7 +124,7 @@ class EncoderTokens:
     audio_hop: int = 160
     audio_n_fft: int = 512
     audio_subsampling: int = 8
-    # Which mel frames the subsampling counts (models/encoders.AUDIO_TOKEN_FRAMES sets it per encoder family):
+    # Which mel frames the subsampling counts (each conformer family's token_frames, models/encoder_families):
     #   "valid"  NeMo (FastConformer): the n valid frames; the encoder's own valid length, ceil(n / subsampling).
     #   "stft"   the released Omni model (transformers' NemotronH_Omni_Reasoning_V3): n + 1, every centre-padded
     #            STFT frame, the last of which the front end zeroes and masks. Its processor announces
@@ -139,6 +139,11 @@ class EncoderTokens:
     # Fewest encoder frames a clip may give: the conformer's BatchNorm needs more than one value per channel in
     # training, and a rank whose microbatch holds one clip of one frame has exactly one.
     audio_min_tokens: int = 2
+    # An audio encoder whose rows come from the samples through a stack of convolutions (transformers' Whisper and
+    # wav2vec2 encoders, models/encoder_families/hf_transformers.py): (kernel, stride, padding) per stage over at
+    # most audio_window samples (0: all of them). Empty: the mel front end and subsampling rule above.
+    audio_convs: tuple = ()
+    audio_window: int = 0
 
     def __post_init__(self):
         side = self.tile // self.patch
@@ -225,10 +230,22 @@ class EncoderTokens:
 
     def audio_encoder_rows(self, num_samples: int) -> int:
         """Rows of the conformer's output for one clip encoded alone: its input is the centre-padded STFT's
-        valid + 1 mel frames (what audio pipeline stages hand on, models/audio.py)."""
+        valid + 1 mel frames (what audio pipeline stages hand on, models/audio.py); an audio_convs encoder's rows of
+        its whole window (Whisper encodes the padded window) or of the clip."""
+        if self.audio_convs:
+            return self.audio_conv_rows(self.audio_window or num_samples)
         return self.audio_subsampled(self.audio_mel_frames(num_samples) + 1)
 
+    def audio_conv_rows(self, num_samples: int) -> int:
+        """Rows the audio_convs stack makes of num_samples samples (cut to audio_window)."""
+        n = min(num_samples, self.audio_window) if self.audio_window else num_samples
+        for kernel, stride, padding in self.audio_convs:
+            n = (n + 2 * padding - kernel) // stride + 1
+        return max(n, 0)
+
     def audio_tokens(self, num_samples: int) -> int:
+        if self.audio_convs:
+            return self.audio_conv_rows(num_samples)
         return self.audio_tokens_of_frames(self.audio_mel_frames(num_samples))
 
     def tokens(self, kind: str, units: int | tuple) -> int:

@@ -22,12 +22,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from tessera.models.audio import AUDIO_FAMILIES, SoundProjector
-from tessera.models.encoders import encoder_config
+from tessera.models.audio import SoundProjector
+from tessera.models.encoders import encoder_config, family_of
 from tessera.models.tiling import TileSource
 from tessera.models.video import VideoEncoder, evs_prune, evs_tubelet_counts
 from tessera.hetero.plan.encoder_cp import encoder_path, plan_vision_cp
-from tessera.models.vision import Projector, VisionEncoder, VisionTransformer, pixel_shuffle
+from tessera.models.vision import Projector, pixel_shuffle
 from tessera.models.vision_cp import encode_parts
 
 
@@ -291,9 +291,9 @@ def build_media_module(name: str, llm_hidden: int, pg_collection, projector_hidd
     tower's core attention class (a context-parallel one under cp > 1, injected by the runtime)."""
     cfg = encoder_config(name, **overrides)
     projector_hidden = projector_hidden or cfg["projector_hidden"]
+    # the family builds the encoder with its modality's interface (models/encoder_families/base.EncoderFamily.build)
+    encoder = family_of(cfg).build(cfg, pg_collection, recompute=recompute, core_attention=core_attention)
     if cfg["modality"] == "vision":
-        encoder = VisionEncoder(VisionTransformer(cfg, pg_collection, recompute=recompute,
-                                                  core_attention=core_attention))
         # a pipeline stage of the tower: the projector lives on its last stage only
         projector = Projector(encoder.out_dim, projector_hidden or 4 * encoder.out_dim, llm_hidden) \
             if encoder.vit.last_stage else None
@@ -303,9 +303,6 @@ def build_media_module(name: str, llm_hidden: int, pg_collection, projector_hidd
                              f"parallelism; use cp1 for vision, or model.video_pruning=0")
         video = VideoEncoder(encoder, tubelets=tubelets, pruning_rate=pruning_rate)
         return MediaModule(cfg, encoder, projector, video, frozen)
-    pp_group = getattr(pg_collection, "pp", None)
-    pp, stage = (pp_group.size(), pp_group.rank()) if pp_group is not None else (1, 0)
-    encoder = AUDIO_FAMILIES[cfg["family"]](cfg, recompute=recompute, pp=pp, stage=stage)
     # a pipeline stage of the conformer: the projector lives on its last stage only
     projector = SoundProjector(encoder.out_dim, projector_hidden or 4 * encoder.out_dim, llm_hidden) \
         if encoder.last_stage else None

@@ -5,11 +5,10 @@ describes exactly its exported tensors — the inverse of models/released.py —
 
 A model fine-tuned from a release exports the release's own config.json (hetero/training/hf_export.py); a model
 built from registry names gets this one, so `NemotronH_Omni_Reasoning_V3.from_pretrained(OUT)` loads it too.
-Only what the release's architecture computes the same way can be described:
-  vision  the radio family with RADIO's position rule (bilinear CPE) and no final norm (the release adds one
-          only with an MTP LLM, which HybridLM does not build); SigLIP is not the release's tower;
-  audio   the parakeet_hf family (transformers' ParakeetEncoder, the release's count of embeddings); NeMo's
-          FastConformer keeps NeMo's count (models/encoders.AUDIO_TOKEN_FRAMES), another function of the clip.
+Only what the release's architecture computes the same way can be described: each encoder's family says whether
+it is the release's encoder of its modality (EncoderFamily.release_issue: RADIO with the release's position rule
+and no final norm, transformers' Parakeet with the release's count of embeddings); the fields below are then
+those families' fields.
 Widths the registry leaves implicit (the projectors' hidden sizes) are read from the exported tensors.
 The config carries no media token ids: they belong to the run's tokenizer, and the export sets those of the
 tokenizer it ships (hetero/training/hf_export.media_token_ids).
@@ -17,17 +16,15 @@ tokenizer it ships (hetero/training/hf_export.media_token_ids).
 
 from __future__ import annotations
 
+from tessera.models.encoder_families.base import family_of
+
 MLP1_HIDDEN, SOUND_HIDDEN = "mlp1.1.weight", "sound_projection.linear1.weight"
 
 
 def _vision(v: dict, shapes: dict) -> tuple[dict | None, str]:
-    if v["family"] != "radio":
-        return None, f"vision family {v['family']!r}: the release's vision tower is RADIO (use a radio_* encoder)"
-    if v["pos_interp"] != "bilinear" or v["pos_resize"] != "cpe" or v["act"] != "gelu" or v["final_norm"]:
-        return None, ("this RADIO differs from the release's (position rule, activation or final norm: "
-                      f"{v['pos_interp']}/{v['pos_resize']}, {v['act']}, final_norm={v['final_norm']})")
-    if v["layer_scale"] is None:
-        return None, "a RADIO without layer scales: the release's RadioLayer always has them"
+    why = family_of(v).release_issue(v)
+    if why:
+        return None, why
     summary = list(v["summary_idxs"] or (0,))
     cls = max(summary) + 1  # the prefix tokens are one table; the release splits it into cls + registers
     return dict(
@@ -41,9 +38,9 @@ def _vision(v: dict, shapes: dict) -> tuple[dict | None, str]:
 
 
 def _audio(a: dict, shapes: dict) -> tuple[dict | None, str]:
-    if a["family"] != "parakeet_hf":
-        return None, (f"audio family {a['family']!r} (NeMo's FastConformer) keeps NeMo's embedding count, not the "
-                      f"release's (use a parakeet_hf_* encoder for a model transformers runs alike)")
+    why = family_of(a).release_issue(a)
+    if why:
+        return None, why
     return dict(
         hidden_size=a["hidden"], num_hidden_layers=a["layers"], num_attention_heads=a["heads"],
         intermediate_size=a["hidden"] * a["ff_expansion"], num_mel_bins=a["n_mels"],

@@ -1,6 +1,7 @@
 """Vision encoders: a ViT on megatron-core transformer layers, pixel shuffle, and the MLP projector.
 
-One ViT class serves both registered families (models/encoders.py); they differ only in data:
+One ViT class serves the ViT families (models/encoder_families/vit.py: radio.py, siglip.py); they differ only in
+data and in whether the patch embedding has a bias (the family's patch_bias):
     radio   linear patch embedding without bias, `prefix_tokens` cls/register tokens (dropped from the
             output), LayerNorm eps 1e-6, exact GELU, 128x128 learned position table, per-channel layer
             scales on both residual branches (RadioLayer's layer_scale{1,2}), no final norm unless the
@@ -42,6 +43,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from torch import nn
 
+from tessera.models.encoder_families.base import family_of
 from tessera.models.recompute import megatron_fields, run_layers
 
 ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
@@ -220,7 +222,7 @@ class VisionTransformer(MegatronModule):
         self.layer_ids = vit_stage_layers(cfg["layers"], self.pp, self.stage)
         self.embedder = self.pos_embed = self.prefix = self.video_embedder = self.final_norm = None
         if self.first_stage:
-            self.embedder = nn.Linear(3 * p * p, d, bias=cfg["family"] == "siglip", dtype=dtype)
+            self.embedder = nn.Linear(3 * p * p, d, bias=family_of(cfg).patch_bias, dtype=dtype)
             self.pos_embed = nn.Parameter(0.02 * torch.randn(1, cfg["pos_grid"] ** 2, d, dtype=dtype))
             self.prefix = nn.Parameter(0.02 * torch.randn(cfg["prefix_tokens"], d, dtype=dtype)) \
                 if cfg["prefix_tokens"] else None
@@ -330,14 +332,27 @@ class Projector(nn.Sequential):
                          SquaredReLU(), nn.Linear(hidden, out_dim, bias=False, dtype=dtype))
 
 
+class PixelNormalize(nn.Module):
+    """A ViT family's preprocessing (models/encoder_families/vit.py): uint8 tiles [n, 3, H, W] (on any device:
+    moved to this module's as uint8) -> (pixels / 255 - mean) / std per channel, in `dtype`."""
+
+    def __init__(self, mean, std):
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
+
+    def forward(self, tiles: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        tiles = torch.as_tensor(tiles).to(self.mean.device, non_blocking=True)
+        return ((tiles.to(self.mean.dtype) / 255.0 - self.mean) / self.std).to(dtype)
+
+
 class VisionEncoder(nn.Module):
     """uint8 tiles [n, 3, tile, tile] -> pixel-shuffled tokens [n * tokens_per_tile, out_dim]."""
 
     def __init__(self, vit: VisionTransformer):
         super().__init__()
         self.vit, self.cfg = vit, vit.cfg
-        self.register_buffer("mean", torch.tensor(self.cfg["mean"]).view(1, 3, 1, 1), persistent=False)
-        self.register_buffer("std", torch.tensor(self.cfg["std"]).view(1, 3, 1, 1), persistent=False)
+        self.pixels = PixelNormalize(self.cfg["mean"], self.cfg["std"])
 
     @property
     def out_dim(self) -> int:
@@ -345,9 +360,7 @@ class VisionEncoder(nn.Module):
 
     def normalize(self, tiles: torch.Tensor) -> torch.Tensor:
         """uint8 tiles (on any device: moved to the encoder's as uint8) -> normalised pixels in the ViT's dtype."""
-        dtype = self.vit.embedder.weight.dtype
-        tiles = torch.as_tensor(tiles).to(self.mean.device, non_blocking=True)
-        return ((tiles.to(self.mean.dtype) / 255.0 - self.mean) / self.std).to(dtype)
+        return self.pixels(tiles, self.vit.embedder.weight.dtype)
 
     def grid_tokens(self, tiles: torch.Tensor) -> torch.Tensor:
         """[n, h', w', out_dim]: the shuffled token grid (video pruning needs the per-frame grid)."""

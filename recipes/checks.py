@@ -30,7 +30,7 @@ MODALITIES = ENCODER_KEYS  # the encoder module keys of a ModelConfig and of a l
 
 
 def encoder_names(modality: str | None = None) -> list[str]:
-    return sorted(n for n, c in encoders.REGISTRY.items() if modality is None or c["modality"] == modality)
+    return encoders.names(modality)
 
 
 def llm_names() -> list[str]:

@@ -273,8 +273,7 @@ def test_mixed_rows_give_the_released_forwards_logits(rate, releases):
     from transformers import NemotronH_Omni_Reasoning_V3
 
     from tessera.hetero.tools.parity_multimodal import _eval_but_batchnorm
-    from tessera.models.audio import AUDIO_FAMILIES
-    from tessera.models.encoders import encoder_config
+    from tessera.models.encoders import encoder_config, family_of
     from tessera.models.released import encoder_name
 
     hf_dir = releases[rate]
@@ -292,7 +291,7 @@ def test_mixed_rows_give_the_released_forwards_logits(rate, releases):
     ref_model = NemotronH_Omni_Reasoning_V3.from_pretrained(hf_dir, dtype=torch.float32)
     _eval_but_batchnorm(ref_model)
     vcfg, acfg = encoder_config(encoder_name(hf_dir, "vision")), encoder_config(encoder_name(hf_dir, "audio"))
-    frontend = AUDIO_FAMILIES[acfg["family"]](acfg)  # its mel front end only
+    frontend = family_of(acfg).preprocessor(acfg)  # its mel front end
     spans = [(r, int(cu[j]), int(cu[j + 1])) for r, (cu, keys) in enumerate(zip(batch.cu_seqlens, batch.keys))
              for j in range(len(keys))]  # every packed document: row, first and end token
     diff = scale = 0.0

@@ -168,12 +168,12 @@ def test_vit_recompute_is_exact_and_keeps_fewer_activations(pg):
 
 @pytest.mark.parametrize("name", ["fastconformer_tiny", "parakeet_hf_tiny"])
 def test_audio_recompute_is_exact_and_counts_batchnorm_statistics_once(name, pg):  # pg: the CPU shims
-    from tessera.models.audio import AUDIO_FAMILIES
+    from tessera.models.encoders import family_of
 
     cfg = encoder_config(name)
     waves = [torch.randn(8000, generator=torch.Generator().manual_seed(i)) for i in (1, 2)]
     stats = lambda m: {n: b.clone() for n, b in m.named_buffers() if "running" in n or "num_batches" in n}
-    res = _compare(lambda mode: AUDIO_FAMILIES[cfg["family"]](cfg, recompute=mode),
+    res = _compare(lambda mode: family_of(cfg).encoder_class()(cfg, recompute=mode),
                    lambda m: sum((o * o).sum() for o in m(waves)), stats, exact=False)
     (none, _), (sel, calls_sel), (full, calls_full) = (res[m] for m in MODES)
     print(f"{name}: kept bytes none {none}, selective {sel} ({sel / none:.3f}), full {full} ({full / none:.3f})")

@@ -258,8 +258,7 @@ def oracle_loss(ckpt: str, batch) -> tuple[float, int, dict]:
     """(loss, target tokens, documents per kind) of transformers' Omni model on the microbatch."""
     from transformers import NemotronH_Omni_Reasoning_V3
 
-    from tessera.models.audio import AUDIO_FAMILIES
-    from tessera.models.encoders import encoder_config
+    from tessera.models.encoders import encoder_config, family_of
     from tessera.models.released import encoder_name
 
     model = NemotronH_Omni_Reasoning_V3.from_pretrained(ckpt, dtype=torch.float32).eval()
@@ -267,7 +266,7 @@ def oracle_loss(ckpt: str, batch) -> tuple[float, int, dict]:
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
             m.train()
     vcfg, acfg = encoder_config(encoder_name(ckpt, "vision")), encoder_config(encoder_name(ckpt, "audio"))
-    audio_encoder = AUDIO_FAMILIES[acfg["family"]](acfg)  # only its mel front end is used
+    audio_encoder = family_of(acfg).preprocessor(acfg)  # the encoder's mel front end
     total, count, kinds = torch.zeros((), dtype=torch.float64), 0, {}
     with torch.no_grad():
         for doc in _documents(batch):

@@ -187,73 +187,11 @@ def describe_llm(name: str | dict) -> ModuleDesc:
         name=name if isinstance(name, str) else "")
 
 
-def describe_vit(name: str, llm_hidden: int) -> ModuleDesc:
+def describe_encoder(name: str, llm_hidden: int) -> ModuleDesc:
+    """The ModuleDesc of encoder `name` (+ its projector to `llm_hidden`): its family's parameters, FLOPs and
+    activation bytes (models/encoder_families: planner_fields)."""
     c = encoders.encoder_config(name)
-    h, L, ffn, p, s = c["hidden"], c["layers"], c["ffn"], c["patch"], c["pixel_shuffle"]
-    tokens = encoders.tokens_config(c)  # the data side's token arithmetic (models/media_tokens.EncoderTokens)
-    patches, out = tokens.patches_per_tile, tokens.tokens_per_tile
-    T = patches + c["prefix_tokens"]
-    proj_in, proj_hidden = s * s * h, c["projector_hidden"] or 4 * s * s * h  # models.multimodal's default
-    proj_params = proj_in + proj_in * proj_hidden + proj_hidden * llm_hidden
-    scale = c["layer_scale"] is not None
-    # TP splits qkv/proj/fc1/fc2 weights and the column-parallel (qkv, fc1) biases; the rest is replicated
-    sharded = 4 * h * h + 2 * h * ffn + 3 * h + ffn
-    layer_params = sharded + h + h + 4 * h + 2 * h * scale  # + proj/fc2 biases, 2 LayerNorms, layer scales
-    embed_params = (3 * p * p * h + h * (c["family"] == "siglip") + c["pos_grid"] ** 2 * h + c["prefix_tokens"] * h
-                    + c["temporal_patch"] * 3 * p * p * h + 2 * h * c["final_norm"])
-    params = L * layer_params + embed_params + proj_params
-    # everything per *internal* token: patch embed and projector are rescaled from per-patch / per-output
-    # per internal token the layers; the patch embed per patch and frame, the projector per output token
-    # (flops.vit_sequence_flops puts them together for any grid)
-    per_token = L * 2 * (4 * h * h + 2 * h * ffn)
-    rep, act = (12 if scale else 8) * h, 10 * h + 4 * ffn  # LN in/out (and layer-scale inputs) | qkv, out x2, fc1/fc2
-    return ModuleDesc(
-        key="vision", kind="vit", params=int(params), replicated_params=int(params - L * sharded),
-        expert_params=0, edge_params=0, layers=L, hidden=h, out_hidden=llm_hidden, linear_flops=per_token,
-        embed_flops=2.0 * 3 * p * p * h, out_flops=2.0 * (proj_in * proj_hidden + proj_hidden * llm_hidden),
-        prefix_tokens=c["prefix_tokens"], pixel_shuffle=s,
-        attn_flops=4.0 * h * L, head_flops=0.0, act_bytes=L * act, act_replicated=L * rep, act_unsplit=0.0,
-        act_bytes_recompute=BF16 * h * L, act_peak=(("L", rep, act, 0.0),),
-        act_edge=BF16 * (3 * p * p * patches + 2 * (proj_in + proj_hidden) * out) / T,
-        logits_bytes=0.0, tp_collectives=2 * L, attn_layers=0,
-        mamba_layers=0, state_bytes=0, moe_layers=0, topk=0, kv_width=2 * h, tp_divides=(c["heads"],),
-        tokens_per_tile=T, out_per_tile=out, temporal_patch=c["temporal_patch"], name=name)
-
-
-def describe_conformer(name: str, llm_hidden: int) -> ModuleDesc:
-    c = encoders.encoder_config(name)
-    h, L, K, sub, C = c["hidden"], c["layers"], c["conv_kernel"], c["subsampling"], c["subsampling_channels"]
-    F, f = c["n_mels"], h * c["ff_expansion"]
-    mel_fps = 1.0 / c["window_stride"]
-    fps = mel_fps / sub
-    # dw-striding: conv(1->C, 3x3, s2) then log2(sub)-1 x [depthwise 3x3 s2 + pointwise C->C], then linear
-    stages = sub.bit_length() - 1
-    pre, area = 0.0, F * mel_fps  # (freq x time) positions per second before each stage
-    for i in range(stages):
-        area /= 4
-        pre += 2 * area * C * 9 if i == 0 else 2 * area * C * (9 + C)
-    pre += 2 * fps * (C * F // sub) * h + 2 * mel_fps * F * (c["n_fft"] // 2 + 1)  # + the mel filterbank
-    # two half FFNs, 5 LayerNorms, conv module (pointwise 2h, depthwise, BatchNorm, pointwise), rel-pos MHSA
-    # (q, k, v, out with biases, bias-free pos projection, pos_bias_u/v)
-    layer_params = 2 * (2 * h * f + f + h) + 10 * h + (2 * h * h + 2 * h + K * h + h + 2 * h + h * h + h) \
-        + (4 * h * h + 4 * h + h * h + 2 * h)
-    proj_hidden = c["projector_hidden"] or 4 * h  # models.multimodal: sound projector hidden = 4x the width
-    proj_params = h + h * proj_hidden + proj_hidden * llm_hidden
-    sub_params = 9 * C + C + (stages - 1) * (9 * C + C + C * C + C) + C * F // sub * h + h
-    per_frame = (L * 2 * (2 * 2 * h * f + 4 * h * h + 2 * h * h + 2 * h * h + K * h + h * h)
-                 + 2 * (h * proj_hidden + proj_hidden * llm_hidden))
-    # subsampling activations per mel frame: 2 tensors at the first stage's resolution, 3 at each later one
-    pre_act = sum(BF16 * C * F * (2 if i == 0 else 3) / 4 ** (i + 1) for i in range(stages)) + BF16 * F
-    layer = 44 * h + 8 * f  # 2 half FFNs, 5 LayerNorm inputs, q/k/v/pos/out, GLU conv module
-    params = L * layer_params + proj_params + sub_params
-    return ModuleDesc(
-        key="audio", kind="conformer", params=int(params), replicated_params=int(params), expert_params=0,
-        edge_params=0, layers=L, hidden=h, out_hidden=llm_hidden, linear_flops=per_frame, attn_flops=8.0 * h * L,
-        head_flops=0.0, act_bytes=0.0, act_replicated=L * layer, act_unsplit=0.0, act_bytes_recompute=BF16 * h * L,
-        act_peak=(("L", layer, 0.0, 0.0),), act_edge=pre_act * sub + 4 * (h + proj_hidden),
-        act_ctx=L * (4 * c["heads"] + 1.0), logits_bytes=0.0, tp_collectives=4 * L, attn_layers=0, mamba_layers=0,
-        state_bytes=0, moe_layers=0, topk=0, kv_width=2 * h, tp_divides=(c["heads"],), frames_per_second=fps,
-        pre_flops_per_second=pre, name=name)
+    return ModuleDesc(**encoders.family_of(c).planner_fields(c, llm_hidden), name=name)
 
 
 def describe_model(llm: str | dict, vision: str | None = None, audio: str | None = None, name: str = "") -> ModelDesc:
@@ -262,8 +200,8 @@ def describe_model(llm: str | dict, vision: str | None = None, audio: str | None
     lang = describe_llm(llm)
     mods = [lang]
     if vision:
-        mods.insert(0, describe_vit(vision, lang.hidden))
+        mods.insert(0, describe_encoder(vision, lang.hidden))
     if audio:
-        mods.insert(len(mods) - 1, describe_conformer(audio, lang.hidden))
+        mods.insert(len(mods) - 1, describe_encoder(audio, lang.hidden))
     return ModelDesc(name or "+".join(filter(None, (vision, audio, llm if isinstance(llm, str) else "llm"))),
                      tuple(mods))

@@ -29,7 +29,7 @@ class ModuleSpec:
 
 
 def _names(modality: str) -> str:
-    return ", ".join(sorted(n for n, c in encoders.REGISTRY.items() if c["modality"] == modality))
+    return ", ".join(encoders.names(modality))
 
 
 def module_specs(model, optim=None) -> dict[str, ModuleSpec]:

@@ -28,8 +28,7 @@ from tessera.models.configs import REGISTRY as LLM_REGISTRY, hf_fields as llm_hf
 from tessera.models.hybrid_llm import HybridLM
 from tessera.models.meta_device import meta_build
 from tessera.models.multimodal import MultimodalModel, build_media_module
-from tessera.models.multimodal_hf import (PROJECTOR_ROOT, export_hf, media_to_hf, sound_from_hf, vision_from_hf,
-                                          _load_params, _params_only)
+from tessera.models.multimodal_hf import PROJECTOR_ROOT, encoder_from_hf, export_hf, media_to_hf
 from tessera.models.nemotron_h_hf import PrefixView, hybrid_config_from_hf, load_into
 from tessera.models.released import is_carried
 from tessera.hetero.runspec.modules import encoder_names, module_specs
@@ -146,12 +145,5 @@ def load_full_state(modules: dict[str, torch.nn.Module], hf, groups: dict[str, M
         root = PROJECTOR_ROOT[key]
         if module.projector is not None:  # (a vision pipeline stage holds it on its last stage only)
             module.projector.load_state_dict({k[len(root):]: hf[k] for k in hf if k.startswith(root)})
-        if module.cfg["modality"] == "vision":
-            # the whole tower's tensors are read (and checked); a pipeline stage keeps the ones it holds
-            vit = module.encoder.vit
-            full = vision_from_hf(hf, module.cfg, pgs.tp.rank(), pgs.tp.size())
-            mine = set(vit.state_dict())
-            _load_params(vit, {k: v for k, v in full.items() if k in mine} if vit.pp > 1 else full)
-        else:
-            inner = module.encoder.encoder
-            _load_params(inner, sound_from_hf(hf, _params_only(inner.state_dict()).keys(), module.cfg["family"]))
+        # the family reads (and checks) the whole encoder's tensors; a pipeline stage keeps the ones it holds
+        encoder_from_hf(hf, module, pgs.tp.rank(), pgs.tp.size())

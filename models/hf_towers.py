@@ -1,0 +1,228 @@
+"""The torch modules of the `hf:DIR` encoder families (models/encoder_families/hf_transformers.py): a transformers
+vision tower or audio encoder loaded from DIR, fed as its own processor feeds it.
+
+    HFVisionEncoder  uint8 tiles -> HFPixels (the image processor's rescale and normalisation) -> HFVisionTower
+                     (the tower's forward; as pipeline stages, embed / run_stage_layers / head)
+    HFAudioEncoder   waveforms -> HFAudioFeatures (the model's own feature extractor) -> the encoder's rows over
+                     each clip's samples
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.models.encoder_families.base import family_of
+
+
+def _deterministic(config) -> None:
+    """Dropout, LayerDrop and SpecAugment off (in place): training equal in every layout, as Tessera's encoders."""
+    for key, value in list(config.to_dict().items()):
+        if isinstance(value, float) and (key.endswith("dropout") or key.endswith("layerdrop")
+                                         or key.startswith("mask_time_prob") or key.startswith("mask_feature_prob")):
+            setattr(config, key, 0.0)
+    if hasattr(config, "apply_spec_augment"):
+        config.apply_spec_augment = False
+
+
+def load_transformers_model(cfg: dict):
+    """The tower of cfg's directory: its weights, or on the meta device (models/meta_device.meta_build) shapes only."""
+    import transformers
+
+    directory, model_type = cfg["directory"], cfg["model_type"]
+    cls = getattr(transformers, cfg["tower_class"])
+    config = cls.config_class.from_pretrained(directory)
+    _deterministic(config)
+    if hasattr(config, "vision_use_head"):
+        config.vision_use_head = False  # SigLIP's attention-pooling head: no output Tessera uses
+    if torch.empty(0).is_meta:
+        model = cls(config)
+    else:
+        model = cls.from_pretrained(directory, config=config, dtype=torch.float32)
+    return model.encoder if model_type == "whisper" else model
+
+
+class HFPixels(nn.Module):
+    """uint8 tiles [n, 3, tile, tile] -> the processor's pixel_values of them: rescaled, normalised (fp32)."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.rescale = cfg["rescale"]
+        self.register_buffer("mean", torch.tensor(cfg["mean"]).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(cfg["std"]).view(1, 3, 1, 1), persistent=False)
+
+    def forward(self, tiles):
+        tiles = torch.as_tensor(tiles).to(self.mean.device)
+        return (tiles.float() * self.rescale - self.mean) / self.std
+
+
+class HFVisionTower(nn.Module):
+    """Normalised tiles [n, 3, tile, tile] -> the tower's patch features as a grid [n, rows, cols, hidden].
+
+    Pipeline stage `stage` of `pp` keeps its share of the encoder's plain list of layers (models/vision's split,
+    named by their global index), the embeddings on the first stage and the final norm on the last; the stages
+    run through embed / run_stage_layers / head (models/multimodal.MediaModule.forward_stage), which together are
+    the model's own forward: embeddings (CLIP: + pre_layrnorm), the layers without a mask (a tile has no
+    padding), SigLIP's post_layernorm."""
+
+    cp = 1
+
+    def __init__(self, cfg: dict, recompute: str, pp: int = 1, stage: int = 0):
+        from tessera.models.audio import stage_layers
+        from tessera.models.vision import vit_stage_layers
+
+        super().__init__()
+        self.cfg, self.model = cfg, load_transformers_model(cfg)
+        self.pp, self.stage, self.first_stage, self.last_stage = pp, stage, stage == 0, stage == pp - 1
+        if recompute != "none":  # transformers' layer checkpointing: each layer recomputed in backward
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        body = self.body
+        if pp > 1:
+            body.encoder.layers = stage_layers(body.encoder.layers, vit_stage_layers(cfg["layers"], pp, stage))
+            if not self.first_stage:
+                body.embeddings = body.pre_layrnorm = None
+            if not self.last_stage:
+                body.post_layernorm = None
+
+    @property
+    def body(self) -> nn.Module:
+        """The vision transformer itself (embeddings, encoder.layers, norms) inside the transformers wrapper."""
+        return getattr(self.model, "vision_model", self.model)
+
+    def inputs(self, pixels) -> dict:
+        """The tower's forward arguments for normalised tiles: pixel_values, and for SigLIP2 the processor's
+        patch rows (convert_image_to_patches' (rows, cols, p, p, c) order) and spatial shapes."""
+        if not self.cfg["model_type"].startswith("siglip2"):
+            return {"pixel_values": pixels}
+        n, c, h, w = pixels.shape
+        p = self.cfg["patch"]
+        patches = pixels.reshape(n, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1).reshape(n, -1, p * p * c)
+        shapes = torch.tensor([[h // p, w // p]] * n, dtype=torch.long, device=pixels.device)
+        # no mask: a tile fills its max_num_patches, so the processor's mask is all ones (no padded patch)
+        return {"pixel_values": patches, "pixel_attention_mask": None, "spatial_shapes": shapes}
+
+    def forward(self, pixels):
+        n, _, h, w = pixels.shape
+        if (h, w) != (self.cfg["tile"],) * 2 and not self.cfg["model_type"].startswith("siglip2"):
+            # a fixed-size tower's position table holds the processor's grid only (SigLIP2 resizes its own)
+            raise ValueError(f"encoder {self.cfg['name']!r} takes {self.cfg['tile']}-px tiles, got {w}x{h} images: "
+                             f"use it with tiled images (the vl recipes), not native-resolution ones (omni)")
+        if self.pp > 1:
+            raise RuntimeError(f"encoder {self.cfg['name']!r} is pipeline stage {self.stage} of {self.pp}: run it "
+                               f"through embed / run_stage_layers / head")
+        hidden = self.model(**self.inputs(pixels)).last_hidden_state[:, self.cfg["prefix_tokens"]:]
+        p = self.cfg["patch"]
+        return hidden.reshape(n, h // p, w // p, -1)
+
+    def embed(self, pixels):
+        """First stage: normalised tiles -> the embedded tokens [n, prefix + patches, hidden]."""
+        inputs, body = self.inputs(pixels), self.body
+        if "spatial_shapes" in inputs:
+            return body.embeddings(inputs["pixel_values"], inputs["spatial_shapes"])
+        hidden = body.embeddings(inputs["pixel_values"])
+        return body.pre_layrnorm(hidden) if getattr(body, "pre_layrnorm", None) is not None else hidden
+
+    def run_stage_layers(self, hidden):
+        """This stage's layers over [tokens, n, hidden] (megatron's sequence-first order, as models/vision's)."""
+        x = hidden.transpose(0, 1)
+        for layer in self.body.encoder.layers:
+            x = layer(x, None)
+        return x.transpose(0, 1)
+
+    def head(self, hidden, rows: int, cols: int):
+        """Last stage: [tokens, n, hidden] -> the patch grid [n, rows, cols, hidden] (SigLIP's final norm applied,
+        CLIP's class token dropped; CLIP's post_layernorm is its pooled output's only)."""
+        x = hidden.transpose(0, 1)
+        if not self.cfg["model_type"].startswith("clip"):
+            x = self.body.post_layernorm(x)
+        return x[:, self.cfg["prefix_tokens"]:].reshape(x.shape[0], rows, cols, -1)
+
+
+class HFVisionEncoder(nn.Module):
+    """uint8 tiles [n, 3, tile, tile] -> tokens [n * patches, hidden] (models/vision.VisionEncoder's interface)."""
+
+    def __init__(self, cfg: dict, recompute: str = "none", pp: int = 1, stage: int = 0):
+        super().__init__()
+        self.cfg, self.pixels, self.vit = cfg, HFPixels(cfg), HFVisionTower(cfg, recompute, pp, stage)
+
+    @property
+    def out_dim(self) -> int:
+        return self.cfg["hidden"]
+
+    def normalize(self, tiles):
+        """Normalised pixels in the tower's dtype (the run's: bf16 on GPUs)."""
+        return self.pixels(tiles).to(next(self.vit.parameters()).dtype)
+
+    def grid_tokens(self, tiles):
+        return self.vit(self.normalize(tiles))
+
+    def forward(self, tiles):
+        return self.grid_tokens(tiles).flatten(0, 2)
+
+
+class HFAudioFeatures:
+    """The model's own feature extractor on a list of waveforms -> (encoder input [b, ...], valid samples [b])."""
+
+    def __init__(self, cfg: dict):
+        from transformers import AutoFeatureExtractor
+
+        self.cfg, self.extractor = cfg, AutoFeatureExtractor.from_pretrained(cfg["directory"])
+
+    def __call__(self, waves: list):
+        import numpy as np
+
+        device = torch.as_tensor(waves[0]).device
+        arrays = [torch.as_tensor(w, dtype=torch.float32).cpu().numpy() for w in waves]
+        window = self.cfg["window_samples"]
+        lengths = torch.tensor([min(len(a), window) if window else len(a) for a in arrays], device=device)
+        if self.cfg["model_type"] == "whisper":
+            out = self.extractor(arrays, sampling_rate=self.cfg["sample_rate"], return_tensors="np")
+            return torch.from_numpy(np.asarray(out["input_features"])).to(device), lengths
+        # wav2vec2 / HuBERT: normalised per clip, each clip its own pass (padding would change group norm)
+        out = [self.extractor(a, sampling_rate=self.cfg["sample_rate"], return_tensors="np")["input_values"][0]
+               for a in arrays]
+        batch = torch.zeros(len(out), int(lengths.max()), device=device)
+        for i, a in enumerate(out):
+            batch[i, :len(a)] = torch.from_numpy(np.asarray(a))
+        return batch, lengths
+
+
+class HFAudioEncoder(nn.Module):
+    """Float waveforms -> per clip [tokens, hidden] (models/audio.FastConformerEncoder's interface, one stage)."""
+
+    pp, stage, first_stage, last_stage = 1, 0, True, True
+
+    def __init__(self, cfg: dict, recompute: str = "none"):
+        super().__init__()
+        self.cfg, self.tokens = cfg, family_of(cfg).tokens(cfg)
+        self.extract = HFAudioFeatures(cfg)
+        self.encoder = load_transformers_model(cfg)
+        if recompute != "none":
+            self.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    @property
+    def out_dim(self) -> int:
+        return self.cfg["hidden"]
+
+    def features(self, waves):
+        return self.extract(waves)
+
+    def encode_features(self, feats, lengths):
+        """Encoder rows [b, rows, hidden] and the rows each clip's samples cover."""
+        keep = torch.tensor([self.tokens.audio_tokens(int(n)) for n in lengths], device=feats.device)
+        feats = feats.to(next(self.encoder.parameters()).dtype)  # the run's dtype (bf16 on GPUs)
+        if self.cfg["model_type"] == "whisper":
+            return self.encoder(feats).last_hidden_state, keep
+        rows = [self.encoder(feats[i:i + 1, :int(n)]).last_hidden_state[0] for i, n in enumerate(lengths)]
+        out = feats.new_zeros(len(rows), max(len(r) for r in rows), self.out_dim)
+        return torch.stack([torch.cat([r, out[0, len(r):]]) for r in rows]) if rows else out, keep
+
+    def encode_received(self, hidden, lengths):
+        raise ValueError(f"encoder {self.cfg['name']!r} runs on one pipeline stage (pp1)")
+
+    def keep(self, out, out_len, feat_len=None):
+        return [o[:int(n)] for o, n in zip(out, out_len)]
+
+    def forward(self, waves):
+        hidden, keep = self.encode_features(*self.features(waves))
+        return self.keep(hidden, keep)
