@@ -4,15 +4,17 @@ That entry then trains on four gloo ranks in a heterogeneous layout (the ViT tp2
 ranks 2-3) and matches the homogeneous layout (every module dp4) step by step, and the export holds its tower in
 the family's own checkpoint layout, exactly the tensors the family writes.
 
-The block runs at import, so every rank (each imports this module to run _runs) has the family too; the HF
-export's subprocess gets it as a user's runs do, from a module $TESSERA_ENCODER_MODULES names.
+Each rank gets the family as a user's run does: the block saved as a module that $TESSERA_ENCODER_MODULES names
+(the HF export's subprocess too). In this process the block runs per test and the registries are restored after,
+since other tests enumerate them.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,8 @@ import torch
 from tessera.hetero.tools.spawn import run_on_ranks
 from tessera.hetero.training.metrics import read_metrics
 from tessera.models.encoder_families.base import EncoderFamily, register_family
-from tessera.models.encoders import MODULES_ENV, encoder_config, family_of, import_user_modules, register_encoder
+from tessera.models.encoders import (FAMILIES, MODULES_ENV, REGISTRY, encoder_config, family_of, import_user_modules,
+                                     register_encoder)
 from tests._run_curves import check_first_step, curves, rel
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -33,15 +36,40 @@ def readme_family_source() -> str:
     return re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
 
 
-exec(compile(readme_family_source(), str(README), "exec"))  # MyViT, ROOT, MY_VIT_TINY; registers both
+def define_readme_family() -> dict:
+    """Run the README's block in this process (registers "my_vit" and "my_vit_tiny"); its namespace."""
+    namespace = {"__name__": "my_vit"}
+    exec(compile(readme_family_source(), str(README), "exec"), namespace)
+    return namespace
+
+
+@pytest.fixture
+def readme_family():
+    """The README's family for one test; the registries are restored after (other tests enumerate them)."""
+    families, registry = dict(FAMILIES), dict(REGISTRY)
+    try:
+        yield define_readme_family()
+    finally:
+        FAMILIES.clear()
+        FAMILIES.update(families)
+        REGISTRY.clear()
+        REGISTRY.update(registry)
+
 
 HOMOGENEOUS, HETERO = "", "vision=tp2@0-1;language=dp2@2-3"
 STEPS = 3
 
 
 def _runs(root: str) -> None:
+    """On every rank: the README's block, saved as the user's module my_vit.py, named in TESSERA_ENCODER_MODULES
+    (this rank's environment, so the HF export's subprocess imports it too), then both runs."""
     from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
+
+    os.environ[MODULES_ENV] = "my_vit"
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))
+    sys.path.insert(0, root)
+    import_user_modules()  # (this rank imported the registry before the variable was set)
 
     for name, layout in (("homogeneous", HOMOGENEOUS), ("hetero", HETERO)):
         trainer = TrainerConfig(max_steps=STEPS, run_dir=str(Path(root) / name), progress=False, tensorboard=False,
@@ -53,24 +81,16 @@ def _runs(root: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Both runs, with the README's block saved as a user's module my_vit.py that $TESSERA_ENCODER_MODULES names
-    (the ranks have the family from this module already; the HF export's subprocess gets it that way)."""
     root = tmp_path_factory.mktemp("plugin")
     (root / "my_vit.py").write_text(readme_family_source())
-    saved = {k: os.environ.get(k) for k in (MODULES_ENV, "PYTHONPATH")}
-    os.environ[MODULES_ENV] = "my_vit"
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(root), saved["PYTHONPATH"])))
-    try:
-        run_on_ranks(4, _runs, str(root), timeout=900)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    run_on_ranks(4, _runs, str(root), timeout=900)
     return root
 
 
-def test_the_readme_family_is_registered_with_its_entry():
+def test_the_readme_family_is_registered_with_its_entry(readme_family):
     cfg = encoder_config("my_vit_tiny")
-    assert isinstance(family_of(cfg), MyViT) and cfg["family"] == "my_vit" and cfg["modality"] == "vision"
+    assert isinstance(family_of(cfg), readme_family["MyViT"])
+    assert cfg["family"] == "my_vit" and cfg["modality"] == "vision"
     assert family_of(cfg).tensor_parallel and family_of(cfg).tokens(cfg).tokens_per_tile == 4  # (32/8/2)^2
 
 
@@ -85,24 +105,24 @@ def test_a_user_family_trains_in_a_heterogeneous_layout_as_in_the_homogeneous_on
 
 
 @pytest.mark.multiproc
-def test_the_export_holds_the_tower_in_the_familys_layout(runs):
+def test_the_export_holds_the_tower_in_the_familys_layout(runs, readme_family):
     from safetensors.torch import load_file
 
     from tessera.models.vision import VisionTransformer
     from tests._mcore_cpu import single_rank_world
 
-    cfg = encoder_config("my_vit_tiny")
+    cfg, family, root = encoder_config("my_vit_tiny"), readme_family["MyViT"](), readme_family["ROOT"]
     exported = load_file(str(runs / "hetero" / "export" / "model.safetensors"))
     tower = {k: v for k, v in exported.items() if k.startswith("vision_model.")}
-    want = MyViT().export_tensors(cfg, [VisionTransformer(cfg, single_rank_world()).state_dict()])
-    assert tower.keys() == want.keys() and all(k.startswith(ROOT) for k in tower)
+    want = family.export_tensors(cfg, [VisionTransformer(cfg, single_rank_world()).state_dict()])
+    assert tower.keys() == want.keys() and all(k.startswith(root) for k in tower)
     assert all(tower[k].shape == want[k].shape for k in want)
     # the tp2 shards were merged back: the import of one rank's half and the export of both halves round-trip
-    halves = [MyViT().import_tensors(cfg, tower, None, r, 2) for r in range(2)]
-    assert all(torch.equal(a, tower[k]) for k, a in MyViT().export_tensors(cfg, halves).items())
+    halves = [family.import_tensors(cfg, tower, None, r, 2) for r in range(2)]
+    assert all(torch.equal(a, tower[k]) for k, a in family.export_tensors(cfg, halves).items())
 
 
-def test_a_family_that_breaks_the_contract_is_refused_by_name():
+def test_a_family_that_breaks_the_contract_is_refused_by_name(readme_family):
     @dataclass
     class HalfConfig:
         hidden: int
@@ -117,6 +137,6 @@ def test_a_family_that_breaks_the_contract_is_refused_by_name():
                                         r"import_tensors, planner_fields, preprocessor"):
         register_family(Half)
     with pytest.raises(TypeError, match=r"encoder 'x' of family 'my_vit': .*'hiden'.*its fields: patch, hidden"):
-        register_encoder("x", "my_vit", **dict(asdict(MY_VIT_TINY), hiden=3))
+        register_encoder("x", "my_vit", **dict(asdict(readme_family["MY_VIT_TINY"]), hiden=3))
     with pytest.raises(ImportError, match=r"TESSERA_ENCODER_MODULES: cannot import 'no_such_family_module'"):
         import_user_modules("no_such_family_module")

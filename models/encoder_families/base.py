@@ -29,6 +29,7 @@ import abc
 import dataclasses
 from typing import ClassVar
 
+BF16 = 2  # bytes per activation element in planner_fields (hetero/planner/model.py's unit)
 MODALITIES = ("vision", "audio")  # the encoder module keys (hetero/plan/layout.ENCODER_KEYS) a family can serve
 
 

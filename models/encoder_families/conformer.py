@@ -11,9 +11,8 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, replace
 
-from tessera.models.encoder_families.base import EncoderFamily
+from tessera.models.encoder_families.base import BF16, EncoderFamily
 
-BF16 = 2  # bytes per activation element the planner prices (hetero/planner/model.py's unit)
 SOUND_ROOT = "sound_encoder.encoder."
 
 

@@ -105,7 +105,7 @@ class RadioFamily(ViTFamily):
         if cfg["temporal_patch"]:
             keys["video_embedder.weight"] = g + "video_embedder.weight"
         if cfg["final_norm"]:
-            keys.update({"final_norm.weight": RADIO_FINAL_NORM + "weight", "final_norm.bias": RADIO_FINAL_NORM + "bias"})
+            keys.update({f"final_norm.{k}": RADIO_FINAL_NORM + k for k in ("weight", "bias")})
         return keys
 
     def missing_hint(self, key):

@@ -15,9 +15,8 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
-from tessera.models.encoder_families.base import EncoderFamily
+from tessera.models.encoder_families.base import BF16, EncoderFamily
 
-BF16 = 2  # bytes per activation element the planner prices (hetero/planner/model.py's unit)
 
 # megatron layer suffix -> split kind (col / row / None); a family maps each suffix to its own name (layer_names)
 LAYER_SPLITS = {"input_layernorm": None, "self_attention.linear_proj": "row", "pre_mlp_layernorm": None,
