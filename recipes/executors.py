@@ -69,11 +69,21 @@ def default_world() -> int:
 QUIET = {"LOGLEVEL": "WARNING", "TQDM_DISABLE": "1"}
 
 
+def plugin_env() -> dict[str, str]:
+    """The user's encoder families (models/encoders.MODULES_ENV, README "Add an encoder") as the launching shell
+    names them: every rank and the export's subprocess must import them too, and a container or another machine
+    (ssh_host) does not inherit this shell's environment."""
+    from tessera.models.encoders import MODULES_ENV
+
+    return {MODULES_ENV: os.environ[MODULES_ENV]} if os.environ.get(MODULES_ENV) else {}
+
+
 @run.cli.factory(name="local")
 def local(ntasks_per_node: int = 0) -> run.Config[run.LocalExecutor]:
     """torchrun on this machine; ntasks_per_node 0 = the layout's world size."""
     env = {} if gpu_count() else {"OMP_NUM_THREADS": "1"}
-    env.update(TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(LOCAL_GRACE_S), PET_SIGNALS_TO_HANDLE=TORCHRUN_SIGNALS, **QUIET)
+    env.update(TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(LOCAL_GRACE_S), PET_SIGNALS_TO_HANDLE=TORCHRUN_SIGNALS, **QUIET,
+               **plugin_env())
     # `.venv/bin/nemo` runs without an activated venv: torchrun (the launcher) must still resolve
     env["PATH"] = f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"
     return run.Config(run.LocalExecutor, ntasks_per_node=ntasks_per_node, launcher="torchrun", env_vars=env)
@@ -90,7 +100,7 @@ def slurm(account: str = "", partition: Optional[str] = None, nodes: int = 1, gp
     is requeued (torchrun is given the time in between to wait for them: shutdown_grace_s)."""
     env = {} if gpus_per_node else {"OMP_NUM_THREADS": "1"}
     env.update(TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(shutdown_grace_s(signal)), PET_SIGNALS_TO_HANDLE=TORCHRUN_SIGNALS,
-               **QUIET)
+               **QUIET, **plugin_env())
     if ssh_host:
         if not remote_job_dir:
             raise ValueError("run.executor.ssh_host is set: also set run.executor.remote_job_dir (a folder on the "

@@ -193,6 +193,19 @@ def test_slurm_executor_world_size_is_checked_before_submission():
     assert isinstance(ssh.tunnel, run.SSHTunnel) and ssh.tunnel.host == "login" and "PATH" not in ssh.env_vars
 
 
+def test_executors_carry_the_users_encoder_modules_to_every_rank(monkeypatch):
+    # README "Add an encoder": the family's module, named in the launching shell, reaches the job's processes even
+    # where they do not inherit that shell (a container, another machine)
+    from tessera.models.encoders import MODULES_ENV
+
+    monkeypatch.delenv(MODULES_ENV, raising=False)
+    assert MODULES_ENV not in fdl.build(executors.local()).env_vars
+    monkeypatch.setenv(MODULES_ENV, "my_vit,lab.encoders")
+    for ex in (executors.local(), executors.slurm(container_image="img.sqsh"),
+               executors.slurm(ssh_host="login", remote_job_dir="/j")):
+        assert fdl.build(ex).env_vars[MODULES_ENV] == "my_vit,lab.encoders"
+
+
 def test_executor_overrides_route_to_factory_arguments_and_fields():
     ctx = TesseraRunContext(name="t")
     cfg = ctx.parse_executor("slurm", "nodes=2", "gpus_per_node=8", "ssh_host=login", "remote_job_dir=/j", "mem=0")
