@@ -179,9 +179,10 @@ def sample_tiles(sample) -> torch.Tensor:
 
 
 def nano_vl_samples(hf_dir: str, seed: int = VL_SEED) -> list:
-    """Three documents (models/hf_reference.OmniSample: the same fields the parity tool packs) from DIR's config, random from `seed`: "image" (a 150x70 image: 2x1 tiles + thumbnail),
-    "two_images" (60x190: 1x3 + thumbnail; 50x50: one tile), "video" (3 frames, one tile each, labelled with
-    their times at 2 fps). Tokens per tile: (tile/patch)^2 * downsample_ratio^2, the release's num_image_token."""
+    """Four documents (models/hf_reference.OmniSample: the same fields the parity tool packs) from DIR's config, random from `seed`: "image" (a 150x70 image: 2x1 tiles + thumbnail),
+    "two_images" (60x190: 1x3 + thumbnail; 50x50: one tile), "video" (3 frames, one tile each, in per-frame
+    chunks), "video_then_image" (2 frames, then an 80x40 image: 2x1 + thumbnail); an even number of rows, so the
+    layouts' DP sizes divide them. Tokens per tile: (tile/patch)^2 * downsample_ratio^2, the release's num_image_token."""
     from tessera.models.hf_reference import OmniSample
 
     hub = hub_config(hf_dir)
@@ -196,9 +197,13 @@ def nano_vl_samples(hf_dir: str, seed: int = VL_SEED) -> list:
     def image(w, h):
         return release_tiles(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8), tile)
 
+    def frames(n):  # already one tile each: the release resizes every frame to one tile, no thumbnail
+        return rng.integers(0, 256, size=(n, 3, tile, tile), dtype=np.uint8)
+
     plans = {"image": [5, ("image", image(150, 70)), 7],
              "two_images": [4, ("image", image(60, 190)), 3, ("image", image(50, 50)), 6],
-             "video": [6, ("video", rng.integers(0, 256, size=(3, 3, tile, tile), dtype=np.uint8)), 5]}
+             "video": [6, ("video", frames(3)), 5],
+             "video_then_image": [3, ("video", frames(2)), 4, ("image", image(80, 40)), 5]}
     samples = []
     for name, plan in plans.items():
         tokens, media, chunks = [], [], {}

@@ -7,7 +7,7 @@ the release's pixel shuffle (v2) and mlp1 + transformers' NemotronHForCausalLM, 
 nano_nemotron_vl.py wires the release, on the tiny checkpoint's own tensors (scripts/tiny_release.nano_vl_checkpoint,
 hub config.json, weights re-drawn at unit gain so the media move the logits). Samples: an image cut by the
 release processor's tile rule (2x1 tiles + thumbnail), two images (1x3 + thumbnail, one tile), a video of three
-frames, one tile and one <img> ... </img> chunk a frame. Tessera's side: the trainer's modules built as a
+frames (one tile and one <img> ... </img> chunk a frame), a video then an image (models/nano_vl_reference.py). Tessera's side: the trainer's modules built as a
 fine-tune of that directory in each layout (hetero/tools/parity_multimodal.compare_multimodal). Logits <= 1e-4
 (fp32) on one rank (the command) and in heterogeneous layouts on 4 gloo ranks, one spawn (non-colocated LLM
 TP/CP/PP, colocated vision PP); the first-step loss on one rank equal to the oracle's cross entropy over the
@@ -66,9 +66,9 @@ def test_samples_follow_the_release_rules(release):
         assert tessera.shape == ours.shape
         assert np.abs(tessera.astype(int) - ours.astype(int)).mean() < 2.0, (w, h)  # bicubic: PIL vs torch
     samples = nano_vl_samples(release)
-    assert [s.name for s in samples] == ["image", "two_images", "video"]
+    assert [s.name for s in samples] == ["image", "two_images", "video", "video_then_image"]
     assert [[len(item[0] if k == "video" else item) for _, k, item, _, _ in s.media] for s in samples] == \
-        [[3], [4, 1], [3]]
+        [[3], [4, 1], [3], [2, 3]]
     for s in samples:
         assert int((s.tokens == context).sum()) == len(sample_tiles(s)) * per_tile == sum(n for *_, n in s.media)
     video = samples[2]
@@ -127,7 +127,7 @@ def test_one_rank_command_and_first_step_loss(release):
     verdict, err = _verdict(out)
     print(f"\nnano vl one rank: {verdict} max_rel_err={err:.3e}")
     assert res.returncode == 0 and verdict == "PASS" and err <= TOL, out[-3000:]
-    assert "samples image, two_images, video" in out and "video: compared, frame by frame" in out
+    assert "samples image, two_images, video, video_then_image" in out and "video: compared, frame by frame" in out
 
 
 def _layouts(hf_dir: str) -> list:
@@ -155,7 +155,7 @@ def test_first_step_loss_on_one_rank(release):
 
     (res,) = run_on_ranks(1, _one_rank_loss, release, timeout=600)
     print(f"\nfirst-step loss: tessera {res['loss']:.10f} oracle {res['oracle_loss']:.10f} ({res['targets']} targets)")
-    assert res["targets"] == 59  # 26 + 37 + 43 tokens, less 40 img_context targets and 3 last tokens, less 4 more
+    assert res["targets"] == 85  # 25 + 36 + 42 + 46 next tokens of the four samples, less 12 + 20 + 12 + 20 img_context
     assert abs(res["loss"] - res["oracle_loss"]) <= TOL * res["oracle_loss"], res
 
 
