@@ -3,6 +3,7 @@
     .venv/bin/python -m tessera.scripts.tiny_release --out /tmp/omni_release              # vision + audio + MoE LLM
     .venv/bin/python -m tessera.scripts.tiny_release --out /tmp/omni_vl --no-audio --dense
     .venv/bin/python -m tessera.scripts.tiny_release --out /tmp/omni_hub --hub-layout   # config.json as downloaded
+    .venv/bin/python -m tessera.scripts.tiny_release --out /tmp/nano_vl --nano-vl       # Nemotron Nano V2 VL
 
 transformers' NemotronH_Omni_Reasoning_V3 with random weights and shapes unlike any Tessera registry entry
 (RADIO 48 wide on 8-px patches with a 10x10 position table and 3 prefix tokens; a Parakeet of 24 without
@@ -199,7 +200,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dense", action="store_true", help="a dense hybrid LLM instead of the MoE one")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hub-layout", action="store_true", help="config.json in the hub's remote-code layout")
+    ap.add_argument("--nano-vl", action="store_true", help="a Nemotron Nano V2 VL as downloaded (nano_vl_checkpoint)")
     args = ap.parse_args(argv)
+    if args.nano_vl:
+        nano_vl_checkpoint(args.out, seed=args.seed)
+        print(f"wrote a tiny NemotronH_Nano_VL_V2 checkpoint to {args.out} in the hub's layout")
+        return 0
     omni_checkpoint(args.out, audio=not args.no_audio, seed=args.seed, text=DENSE_TEXT if args.dense else TEXT,
                     tokenizer=True)
     if args.hub_layout:

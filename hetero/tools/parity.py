@@ -173,7 +173,7 @@ def run_llm(args) -> int:
 
 def run_multimodal(args) -> int:
     """A released Omni checkpoint in a heterogeneous layout (hetero/tools/parity_multimodal.py)."""
-    from tessera.hetero.tools.parity_multimodal import VIDEO_NOTE, compare_multimodal
+    from tessera.hetero.tools.parity_multimodal import compare_multimodal
 
     res = compare_multimodal(args.hf_dir, args.layout or "")
     ok = res["max_rel_err"] <= args.tol  # NaN fails
@@ -183,7 +183,7 @@ def run_multimodal(args) -> int:
         if not res["token_ids_from_config"]:
             print("config.json sets no image/audio token id: the last vocabulary ids stand in, on both sides",
                   flush=True)
-        print(VIDEO_NOTE, flush=True)
+        print(res["video_note"], flush=True)
         verdict = "PASS" if ok else "FAIL"
         print(f"parity: {verdict} max_rel_err={res['max_rel_err']:.3e}" + ("" if ok else f" > {args.tol}"), flush=True)
     return 0 if ok else 1

@@ -74,6 +74,8 @@ from tessera.models.nemotron_h_hf import LazyCheckpoint
 
 VIDEO_NOTE = ("video: compared when the model encodes it as the release does (tubelets of the ViT's temporal "
               "patch, EVS at the config's video_pruning_rate: data/pipeline.video_temporal; the omni family)")
+VL_VIDEO_NOTE = ("video: compared, frame by frame as the Nano V2 VL release encodes it (one tile a frame, each in "
+                 "its own <img> ... </img> chunk)")
 # row length rounded up to it: zigzag CP needs a multiple of 2*cp, sequence parallelism (MoE LLMs with TP) one of
 # cp*tp; 32 covers the layouts of a few ranks (a larger one is refused by the layout's validation, naming it)
 SEQ_MULTIPLE = 32
@@ -170,10 +172,33 @@ class _Scaled(Mapping):
         return self.base.shape(key)
 
 
+def _is_nano_vl(hf_dir: str) -> bool:
+    from tessera.models.released import HUB_VL, file_layout
+
+    return file_layout(hf_dir) == HUB_VL
+
+
+def release_samples(hf_dir: str, seed: int) -> list[OmniSample]:
+    """The samples of DIR's release: a Nano V2 VL's (tiles cut by its processor's rule, two images, a video of
+    per-frame chunks: models/nano_vl_reference.nano_vl_samples), else the Omni's (omni_samples)."""
+    if _is_nano_vl(hf_dir):
+        from tessera.models.nano_vl_reference import nano_vl_samples
+
+        return nano_vl_samples(hf_dir, seed)
+    return omni_samples(hf_dir, seed, _video_temporal(hf_dir))
+
+
 @functools.lru_cache(maxsize=4)
 def _reference(hf_dir: str, seed: int) -> tuple[torch.Tensor, ...]:
-    """transformers' logits of the samples (cached: a test compares several layouts in one process)."""
-    return tuple(omni_reference_logits(hf_dir, omni_samples(hf_dir, seed, _video_temporal(hf_dir))))
+    """The oracle's logits of the samples (cached: a test compares several layouts in one process): transformers'
+    Omni class, or for a Nano V2 VL (no transformers class) the release assembled from transformers' RadioModel
+    and NemotronHForCausalLM (models/nano_vl_reference.py)."""
+    samples = release_samples(hf_dir, seed)
+    if _is_nano_vl(hf_dir):
+        from tessera.models.nano_vl_reference import nano_vl_reference_logits
+
+        return tuple(nano_vl_reference_logits(hf_dir, samples))
+    return tuple(omni_reference_logits(hf_dir, samples))
 
 
 def _video_temporal(hf_dir: str) -> int:
@@ -221,11 +246,12 @@ def release_run(hf_dir: str, layout: str, rows: int, seq: int, perturb: dict[str
 def compare_multimodal(hf_dir: str, layout: str = "", perturb: dict[str, float] | None = None,
                        seed: int = OMNI_SEED) -> dict:
     """Run the samples through Tessera in `layout` on this world and compare with transformers; collective
-    over every rank. Returns, on every rank, {max_rel_err, compared, layout, samples, token_ids_from_config}
+    over every rank. Returns, on every rank, {max_rel_err, compared, layout, samples, token_ids_from_config,
+    video_note}
 (compared: logits compared, every real-vocabulary logit of every sample); raises unless
     exactly every real logit of every sample was compared (so 0.0 never stands for "nothing compared")."""
     hf_dir = str(Path(hf_dir).expanduser().resolve())
-    samples = omni_samples(hf_dir, seed, _video_temporal(hf_dir))
+    samples = release_samples(hf_dir, seed)
     seq = seq_length_for(samples)
     run = release_run(hf_dir, layout, len(samples), seq, perturb)
     hetero, device, rank, world, hf_fields = run.layout, run.device, run.rank, run.world, run.hf_fields
@@ -262,7 +288,8 @@ def compare_multimodal(hf_dir: str, layout: str = "", perturb: dict[str, float] 
         raise RuntimeError(f"parity: {int(out[1].item())} logits compared, expected {expected} (every real-vocabulary "
                            f"logit of {len(samples)} samples)")
     return {"max_rel_err": float(out[0].item()), "compared": expected, "layout": str(hetero),
-            "samples": [s.name for s in samples], "token_ids_from_config": omni_token_ids(hf_dir)[2]}
+            "samples": [s.name for s in samples], "token_ids_from_config": omni_token_ids(hf_dir)[2],
+            "video_note": VL_VIDEO_NOTE if _is_nano_vl(hf_dir) else VIDEO_NOTE}
 
 
 def _score(gathered: list, samples: list[OmniSample], seq: int, ref: tuple[torch.Tensor, ...]) -> tuple[float, float]:
