@@ -17,12 +17,13 @@ groups it is given, so tests call it from their own gloo worlds.
 
 A released multimodal checkpoint (config.json of transformers' NemotronH_Omni_Reasoning_V3, or of the hub's
 NemotronH_Nano_Omni_Reasoning_V3 / NemotronH_Nano_VL_V2 as downloaded, e.g. what scripts/tiny_release.py writes)
-is compared in a heterogeneous layout instead (hetero/tools/parity_multimodal.py:
-image, audio and mixed samples through the trainer's own modules, boundary and step, against the Omni model):
+is compared in a heterogeneous layout instead (hetero/tools/parity_multimodal.py: image, video, audio and mixed
+samples through the trainer's own modules, boundary and step, against transformers' Omni model, or for Nano V2 VL
+the oracle models/nano_vl_reference.py assembles from transformers' RadioModel and NemotronHForCausalLM):
     python -m tessera.hetero.tools.parity --hf-dir OMNI_DIR                                   # one rank
     torchrun --nproc-per-node 4 -m tessera.hetero.tools.parity --hf-dir OMNI_DIR \
         --layout "vision=dp2@0-1;audio=dp2@0-1;language=tp2@2-3"
-The same verdict line ends it; video is left out (a line says so).
+The same verdict line ends it, after a line on how video is compared.
 """
 
 from __future__ import annotations
