@@ -146,6 +146,21 @@ def test_a_run_never_gives_a_rank_more_tokens_than_row_ownership_would():
     assert ItemAssignment({"vision": 2}).owners(meta)["vision"][1] == row_owners(meta, "vision", 2)
 
 
+def test_two_ranks_are_balanced_by_each_items_kind_and_units_under_the_token_cap():
+    """The smallest DP that balances (2) with an exact answer: the cost reads each item's kind and units (not its
+    tokens), the cap is the fuller rank's tokens under row ownership (7 here). Worked by hand, largest first:
+    video 3 (30) -> rank 0; video 2 (20) -> rank 1; image 4 (4, 3 tokens) -> rank 1 (7 tokens, at the cap);
+    image 1 (1, 4 tokens) -> rank 0, the only one with room. dp 1 has nothing to balance."""
+    from tessera.hetero.plan.encoder_balance import ItemAssignment, row_owners
+
+    weight = {"image": 1.0, "video": 10.0}
+    cost = lambda key, kind, units: weight[kind] * units  # noqa: E731
+    meta = [{"vision": [("video", 2, 4), ("video", 3, 1)]}, {"vision": [("image", 1, 4), ("image", 4, 3)]}]
+    assert row_owners(meta, "vision", 2) == ((0, 0), (1, 1))
+    assert ItemAssignment({"vision": 2}, cost).owners(meta) == {"vision": (2, ((1, 0), (0, 1)))}
+    assert ItemAssignment({"vision": 1}, cost).owners(meta) == {"vision": (1, ((0, 0), (0, 0)))}
+
+
 def test_the_straggler_factors_at_hand_computed_values():
     """hetero/planner/straggler.py's formulas at values worked by hand (z(n): Blom's expected max of n normals,
     z(2) = 0.58946, z(4) = 1.04913, z(8) = 1.43420)."""
