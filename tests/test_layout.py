@@ -21,6 +21,14 @@ def test_fields_in_any_order_defaults_and_derived_dp():
     assert lay.placement == "non-colocated"
 
 
+def test_dp_is_derived_at_the_edges_so_equal_layouts_compare_equal():
+    """tp*cp*pp of exactly 1 and a range of exactly one rank still derive dp, so a layout written with or
+    without its dp is the same layout."""
+    assert ModuleLayout(first=0, last=3) == ModuleLayout(first=0, last=3, dp=4)
+    assert ModuleLayout(first=5, last=5) == ModuleLayout(first=5, last=5, dp=1)
+    assert HeteroLayout.parse("language=@0-3") == HeteroLayout.parse("language=dp4@0-3")
+
+
 def test_rank_order_is_tp_fastest_then_cp_dp_pp():
     m = ModuleLayout(first=8, last=23, tp=2, cp=2, pp=2)  # dp derived: 2
     assert [m.rank_of(tp=1), m.rank_of(cp=1), m.rank_of(dp=1), m.rank_of(pp=1)] == [9, 10, 12, 16]
@@ -52,6 +60,7 @@ def test_rank_order_is_tp_fastest_then_cp_dp_pp():
     ("language=dp2@@0-1", ["'language'", "field 'dp2@' is not one of"]),
     (" ; ", ["empty layout; write e.g."]),
     ("language=dp2@2-3;vision=dp3@0-2", ["partly overlap", "'language' (@2-3)", "'vision' (@0-2)"]),
+    ("language=@3-2", ["'language'", "rank range 3-2 is empty or negative"]),
 ])
 def test_invalid_layouts_name_module_field_and_fix(spec, words):
     with pytest.raises(LayoutError) as e:
@@ -93,6 +102,9 @@ def test_sequence_parallel_length_rule_binds_only_moe_with_tp():
     lay.validate(ModelShapes(seq_length=72))             # dense: zigzag needs 2*cp | 72 only
     lay.validate(ModelShapes(seq_length=80, moe=True))   # 80 / cp4 = 20 positions, 5 per TP rank
     HeteroLayout.parse("language=cp4@0-3").validate(ModelShapes(seq_length=72, moe=True))  # tp1: no SP
+    from tessera.hetero.plan.layout import llm_sequence_parallel  # the rule itself, from its edge: tp 2
+
+    assert llm_sequence_parallel(True, 2) and not llm_sequence_parallel(True, 1) and not llm_sequence_parallel(False, 2)
 
 
 def _dps(*sizes: int) -> HeteroLayout:
