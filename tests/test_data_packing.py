@@ -217,3 +217,30 @@ def test_the_llm_reads_tokens_only_after_the_boundary_settled_them():
     assert boundary(None) == "vision batch"
     settle.require_settled(0)
     settle.close()
+
+
+def test_settling_the_second_item_of_a_row_in_three_unequal_chunks():
+    """The chunk rules at the edges the one-video test cannot reach: an item after another in its row (its positions
+    start after the first item's tokens), three chunks whose last two differ (the region ends at the last chunk's
+    end), and chunked_items skipping a plain (kind, units, tokens) item. Worked by hand: context token 99, the text
+    between chunks (10, 11 and 20, 21) moves with them."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tessera.data.packing import PackedBatch, settle_chunks
+
+    I, C = 5, 99  # noqa: E741  (an image token, the video's context token)
+    tokens = np.array([7, I, I, 8, C, C, 10, 11, C, 20, 21, C, C, C, 30, 31])
+    chunks = ((4, 2), (8, 1), (11, 3))
+    out, placed = settle_chunks(tokens, chunks, [1, 3, 2])
+    assert out.tolist() == [7, I, I, 8, C, 10, 11, C, C, C, 20, 21, C, C, 30, 31]
+    assert placed == ((4, 1), (7, 3), (12, 2))
+    batch = SimpleNamespace(tokens=torch.from_numpy(tokens[None].copy()),
+                            positions=[{"vision": np.array([1, 2, 4, 5, 8, 11, 12, 13])}],
+                            media_meta=[{"vision": [("image", 1, 2), ("video", 5, 6, chunks)]}])
+    assert PackedBatch.chunked_items(batch, "vision") == [(0, 1, chunks)]
+    PackedBatch.settle_tubelet_chunks(batch, "vision", {(0, 1): [1, 3, 2]})
+    assert batch.tokens[0].tolist() == out.tolist()
+    assert batch.positions[0]["vision"].tolist() == [1, 2, 4, 7, 8, 9, 12, 13]
+    assert batch.media_meta[0]["vision"][1] == ("video", 5, 6, ((4, 1), (7, 3), (12, 2)))
