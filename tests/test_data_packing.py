@@ -244,3 +244,18 @@ def test_settling_the_second_item_of_a_row_in_three_unequal_chunks():
     assert batch.tokens[0].tolist() == out.tolist()
     assert batch.positions[0]["vision"].tolist() == [1, 2, 4, 7, 8, 9, 12, 13]
     assert batch.media_meta[0]["vision"][1] == ("video", 5, 6, ((4, 1), (7, 3), (12, 2)))
+
+
+def test_check_names_a_module_with_metadata_but_no_positions():
+    """The empty case of PackedBatch.check: a row whose metadata plans an item of a module that has no positions
+    at all is the named mismatch (4 tokens planned for 0 positions), not a TypeError."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tessera.data.packing import PackedBatch
+
+    batch = SimpleNamespace(media=[{}], media_meta=[{"vision": [("image", 1, 4)]}], positions=[{}], keys=[["k0"]],
+                            labels=torch.full((1, 8), IGNORE))
+    with pytest.raises(ValueError, match=r"packed row 0 \(k0\) vision: metadata plans 4 tokens for 0 positions"):
+        PackedBatch.check(batch)
