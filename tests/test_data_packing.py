@@ -248,7 +248,8 @@ def test_settling_the_second_item_of_a_row_in_three_unequal_chunks():
 
 def test_check_names_a_module_with_metadata_but_no_positions():
     """The empty case of PackedBatch.check: a row whose metadata plans an item of a module that has no positions
-    at all is the named mismatch (4 tokens planned for 0 positions), not a TypeError."""
+    at all is the named mismatch (4 tokens planned for 0 positions), not a TypeError; and the encoder's counts
+    checked against the positions, an item encoded on another rank counted from its metadata."""
     from types import SimpleNamespace
 
     import torch
@@ -259,3 +260,11 @@ def test_check_names_a_module_with_metadata_but_no_positions():
                             labels=torch.full((1, 8), IGNORE))
     with pytest.raises(ValueError, match=r"packed row 0 \(k0\) vision: metadata plans 4 tokens for 0 positions"):
         PackedBatch.check(batch)
+    # with the encoder's counts: a decoded item counts as the encoder says, one another rank encodes (None) as planned
+    decoded = SimpleNamespace(media=[{"vision": [("image", "pixels"), ("image", None)]}],
+                              media_meta=[{"vision": [("image", 1, 2), ("image", 1, 3)]}],
+                              positions=[{"vision": np.array([1, 2, 4, 5, 6])}], keys=[["k0"]],
+                              labels=torch.full((1, 8), IGNORE))
+    PackedBatch.check(decoded, count_tokens=lambda kind, item: 2)
+    with pytest.raises(ValueError, match=r"packed row 0 \(k0\) vision: 6 embeddings for 5 positions"):
+        PackedBatch.check(decoded, count_tokens=lambda kind, item: 3)
