@@ -268,3 +268,6 @@ def test_check_names_a_module_with_metadata_but_no_positions():
     PackedBatch.check(decoded, count_tokens=lambda kind, item: 2)
     with pytest.raises(ValueError, match=r"packed row 0 \(k0\) vision: 6 embeddings for 5 positions"):
         PackedBatch.check(decoded, count_tokens=lambda kind, item: 3)
+    decoded.media[0]["vision"].pop()  # one decoded item for two planned: refused, even when the counts add up
+    with pytest.raises(ValueError, match=r"zip\(\) argument 2 is longer than argument 1"):
+        PackedBatch.check(decoded, count_tokens=lambda kind, item: 5)
