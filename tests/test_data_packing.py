@@ -271,3 +271,14 @@ def test_check_names_a_module_with_metadata_but_no_positions():
     decoded.media[0]["vision"].pop()  # one decoded item for two planned: refused, even when the counts add up
     with pytest.raises(ValueError, match=r"zip\(\) argument 2 is longer than argument 1"):
         PackedBatch.check(decoded, count_tokens=lambda kind, item: 5)
+    # two items on one position (diff 0) overlap; a label on the token before a slot is a loss on it; a slot at
+    # position 0 has no token before it (the last label is not "before" it)
+    labels = torch.full((1, 8), 7)
+    labels[0, 1] = IGNORE
+    row = lambda pos: SimpleNamespace(media=[{}], media_meta=[{"vision": [("image", 1, 2)] * (len(pos) // 2)}],  # noqa: E731
+                                      positions=[{"vision": np.array(pos)}], keys=[["k0"]], labels=labels)
+    with pytest.raises(ValueError, match=r"vision: media positions not strictly increasing"):
+        PackedBatch.check(row([1, 2, 2, 3]))
+    with pytest.raises(ValueError, match=r"vision: a loss on the token before a media slot"):
+        PackedBatch.check(row([3, 4]))
+    PackedBatch.check(row([0, 2]))
