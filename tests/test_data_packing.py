@@ -281,4 +281,6 @@ def test_check_names_a_module_with_metadata_but_no_positions():
         PackedBatch.check(row([1, 2, 2, 3]))
     with pytest.raises(ValueError, match=r"vision: a loss on the token before a media slot"):
         PackedBatch.check(row([3, 4]))
+    with pytest.raises(ValueError, match=r"vision: a loss on the token before a media slot"):
+        PackedBatch.check(row([1, 2]))  # a slot at position 1: its token before is position 0
     PackedBatch.check(row([0, 2]))
