@@ -20,7 +20,8 @@ SHAPES = [(), (7,), (1, 1), (4, 3), (3, 1, 5), (2, 3, 4), (5, 1), (1, 6), (2, 2,
 def test_boxes_tile_every_range_exactly_in_order(shape):
     """Every [a, b) of every shape: the boxes cover exactly its elements, once, each box a contiguous run of
     the range starting where its flat index says (so its data is a view of the rank's 1-D shard), in order,
-    and at most 2 * ndim - 1 of them."""
+    none empty (a range ending one element into the row after a partial one has no block of whole rows),
+    each with one offset per dimension, and at most 2 * ndim - 1 of them."""
     n = prod(shape)
     index = np.arange(n).reshape(shape) if shape else np.arange(1).reshape(())
     for a, b in itertools.combinations_with_replacement(range(n + 1), 2):
@@ -28,6 +29,7 @@ def test_boxes_tile_every_range_exactly_in_order(shape):
         got, cursor = [], a
         for off, shp, first in boxes:
             assert first == cursor, (shape, a, b, boxes)
+            assert len(off) == len(shp) == len(shape) and prod(shp) > 0, (shape, a, b, boxes)  # no empty box
             block = index[tuple(slice(o, o + s) for o, s in zip(off, shp))]
             assert block.shape == tuple(shp)
             assert block.reshape(-1).tolist() == list(range(first, first + prod(shp))), (shape, a, b, off, shp)

@@ -217,3 +217,70 @@ def test_the_llm_reads_tokens_only_after_the_boundary_settled_them():
     assert boundary(None) == "vision batch"
     settle.require_settled(0)
     settle.close()
+
+
+def test_settling_the_second_item_of_a_row_in_three_unequal_chunks():
+    """The chunk rules at the edges the one-video test cannot reach: an item after another in its row (its positions
+    start after the first item's tokens), three chunks whose last two differ (the region ends at the last chunk's
+    end), and chunked_items skipping a plain (kind, units, tokens) item. Worked by hand: context token 99, the text
+    between chunks (10, 11 and 20, 21) moves with them."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tessera.data.packing import PackedBatch, settle_chunks
+
+    I, C = 5, 99  # noqa: E741  (an image token, the video's context token)
+    tokens = np.array([7, I, I, 8, C, C, 10, 11, C, 20, 21, C, C, C, 30, 31])
+    chunks = ((4, 2), (8, 1), (11, 3))
+    out, placed = settle_chunks(tokens, chunks, [1, 3, 2])
+    assert out.tolist() == [7, I, I, 8, C, 10, 11, C, C, C, 20, 21, C, C, 30, 31]
+    assert placed == ((4, 1), (7, 3), (12, 2))
+    batch = SimpleNamespace(tokens=torch.from_numpy(tokens[None].copy()),
+                            positions=[{"vision": np.array([1, 2, 4, 5, 8, 11, 12, 13])}],
+                            media_meta=[{"vision": [("image", 1, 2), ("video", 5, 6, chunks)]}])
+    assert PackedBatch.chunked_items(batch, "vision") == [(0, 1, chunks)]
+    PackedBatch.settle_tubelet_chunks(batch, "vision", {(0, 1): [1, 3, 2]})
+    assert batch.tokens[0].tolist() == out.tolist()
+    assert batch.positions[0]["vision"].tolist() == [1, 2, 4, 7, 8, 9, 12, 13]
+    assert batch.media_meta[0]["vision"][1] == ("video", 5, 6, ((4, 1), (7, 3), (12, 2)))
+
+
+def test_check_names_a_module_with_metadata_but_no_positions():
+    """The empty case of PackedBatch.check: a row whose metadata plans an item of a module that has no positions
+    at all is the named mismatch (4 tokens planned for 0 positions), not a TypeError; and the encoder's counts
+    checked against the positions, an item encoded on another rank counted from its metadata."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tessera.data.packing import PackedBatch
+
+    batch = SimpleNamespace(media=[{}], media_meta=[{"vision": [("image", 1, 4)]}], positions=[{}], keys=[["k0"]],
+                            labels=torch.full((1, 8), IGNORE))
+    with pytest.raises(ValueError, match=r"packed row 0 \(k0\) vision: metadata plans 4 tokens for 0 positions"):
+        PackedBatch.check(batch)
+    # with the encoder's counts: a decoded item counts as the encoder says, one another rank encodes (None) as planned
+    decoded = SimpleNamespace(media=[{"vision": [("image", "pixels"), ("image", None)]}],
+                              media_meta=[{"vision": [("image", 1, 2), ("image", 1, 3)]}],
+                              positions=[{"vision": np.array([1, 2, 4, 5, 6])}], keys=[["k0"]],
+                              labels=torch.full((1, 8), IGNORE))
+    PackedBatch.check(decoded, count_tokens=lambda kind, item: 2)
+    with pytest.raises(ValueError, match=r"packed row 0 \(k0\) vision: 6 embeddings for 5 positions"):
+        PackedBatch.check(decoded, count_tokens=lambda kind, item: 3)
+    decoded.media[0]["vision"].pop()  # one decoded item for two planned: refused, even when the counts add up
+    with pytest.raises(ValueError, match=r"zip\(\) argument 2 is longer than argument 1"):
+        PackedBatch.check(decoded, count_tokens=lambda kind, item: 5)
+    # two items on one position (diff 0) overlap; a label on the token before a slot is a loss on it; a slot at
+    # position 0 has no token before it (the last label is not "before" it)
+    labels = torch.full((1, 8), 7)
+    labels[0, 1] = IGNORE
+    row = lambda pos: SimpleNamespace(media=[{}], media_meta=[{"vision": [("image", 1, 2)] * (len(pos) // 2)}],  # noqa: E731
+                                      positions=[{"vision": np.array(pos)}], keys=[["k0"]], labels=labels)
+    with pytest.raises(ValueError, match=r"vision: media positions not strictly increasing"):
+        PackedBatch.check(row([1, 2, 2, 3]))
+    with pytest.raises(ValueError, match=r"vision: a loss on the token before a media slot"):
+        PackedBatch.check(row([3, 4]))
+    with pytest.raises(ValueError, match=r"vision: a loss on the token before a media slot"):
+        PackedBatch.check(row([1, 2]))  # a slot at position 1: its token before is position 0
+    PackedBatch.check(row([0, 2]))

@@ -79,6 +79,17 @@ def test_memory_cap_at_its_edge():
         balanced_assignment([1.0], 1, [7.0 + 1e-9], cap=7.0)
 
 
+def test_loads_and_imbalance_at_their_edges():
+    """All-idle ranks are even (1.0, not a division by zero); a mean of exactly 1 is an ordinary mean; an owner
+    list shorter than the costs is an error, not a silently dropped item; a cap with no memory sizes binds
+    nothing (items take no memory), even a cap of 0."""
+    assert imbalance([0.0, 0.0]) == 1.0
+    assert imbalance([0.5, 1.5]) == 1.5
+    with pytest.raises(ValueError):
+        rank_loads([1.0, 2.0], [0], 2)
+    assert balanced_assignment([3.0, 1.0, 1.0], 2, cap=0.0) == [0, 1, 1]
+
+
 def test_fewer_items_than_ranks_leaves_ranks_idle():
     owner = balanced_assignment([5.0, 1.0], 4)
     assert owner == [0, 1] and rank_loads([5.0, 1.0], owner, 4) == [5.0, 1.0, 0.0, 0.0]
@@ -146,6 +157,21 @@ def test_a_run_never_gives_a_rank_more_tokens_than_row_ownership_would():
     assert ItemAssignment({"vision": 2}).owners(meta)["vision"][1] == row_owners(meta, "vision", 2)
 
 
+def test_two_ranks_are_balanced_by_each_items_kind_and_units_under_the_token_cap():
+    """The smallest DP that balances (2) with an exact answer: the cost reads each item's kind and units (not its
+    tokens), the cap is the fuller rank's tokens under row ownership (7 here). Worked by hand, largest first:
+    video 3 (30) -> rank 0; video 2 (20) -> rank 1; image 4 (4, 3 tokens) -> rank 1 (7 tokens, at the cap);
+    image 1 (1, 4 tokens) -> rank 0, the only one with room. dp 1 has nothing to balance."""
+    from tessera.hetero.plan.encoder_balance import ItemAssignment, row_owners
+
+    weight = {"image": 1.0, "video": 10.0}
+    cost = lambda key, kind, units: weight[kind] * units  # noqa: E731
+    meta = [{"vision": [("video", 2, 4), ("video", 3, 1)]}, {"vision": [("image", 1, 4), ("image", 4, 3)]}]
+    assert row_owners(meta, "vision", 2) == ((0, 0), (1, 1))
+    assert ItemAssignment({"vision": 2}, cost).owners(meta) == {"vision": (2, ((1, 0), (0, 1)))}
+    assert ItemAssignment({"vision": 1}, cost).owners(meta) == {"vision": (1, ((0, 0), (0, 0)))}
+
+
 def test_the_straggler_factors_at_hand_computed_values():
     """hetero/planner/straggler.py's formulas at values worked by hand (z(n): Blom's expected max of n normals,
     z(2) = 0.58946, z(4) = 1.04913, z(8) = 1.43420)."""
@@ -156,12 +182,14 @@ def test_the_straggler_factors_at_hand_computed_values():
     assert [expected_max_normal(n) for n in (2, 4, 8)] == pytest.approx([0.58946, 1.04913, 1.43420], abs=1e-5)
     assert row_owned_factor(4, 4, 0.8) == pytest.approx(1 + 1.04913 * 0.8 / 2, abs=1e-5)  # cv / sqrt(4 rows)
     assert row_owned_factor(1, 4, 0.8) == row_owned_factor(4, 0, 0.8) == 1.0
+    assert row_owned_factor(4, 1, 0.8) == pytest.approx(1 + 1.04913 * 0.8, abs=1e-5)  # one row a rank: cv itself
     # one item per rank: the largest-first excess 1 + 1/(2 k^2) = 1.5, unless the largest item weighs more
     assert balanced_factor(4, 1, 0.0, 10.0) == pytest.approx(1.5)
     assert balanced_factor(4, 1, 1.0, 10.0) == pytest.approx(1 + 1.04913, abs=1e-5)
     assert balanced_factor(4, 2, 0.5, 10.0) == pytest.approx(1 + 1 / 8)  # (1 + 0.5 z(8)) / 2 = 0.86 below it
     assert balanced_factor(4, 2, 2.0, 10.0) == pytest.approx((1 + 2 * 1.43420) / 2, abs=1e-5)  # the largest of 8 items
     assert balanced_factor(4, 1, 1.0, 1.2) == 1.2  # never priced above row ownership
+    assert balanced_factor(2, 0.5, 1.0, 10.0) == pytest.approx(3.0)  # one item in all (z(1) = 0): 1 + 1 / (2 k^2)
     assert balanced_factor(1, 1, 1.0, 10.0) == balanced_factor(4, 0, 1.0, 10.0) == 1.0
     assert busiest_rank_factor(4, 4, 1, (0.8, 0.0), balanced=False) == pytest.approx(1.41965, abs=1e-5)
     assert busiest_rank_factor(4, 4, 1, (0.8, 0.0), balanced=True) == pytest.approx(1.41965, abs=1e-5)  # min

@@ -21,6 +21,14 @@ def test_fields_in_any_order_defaults_and_derived_dp():
     assert lay.placement == "non-colocated"
 
 
+def test_dp_is_derived_at_the_edges_so_equal_layouts_compare_equal():
+    """tp*cp*pp of exactly 1 and a range of exactly one rank still derive dp, so a layout written with or
+    without its dp is the same layout."""
+    assert ModuleLayout(first=0, last=3) == ModuleLayout(first=0, last=3, dp=4)
+    assert ModuleLayout(first=5, last=5) == ModuleLayout(first=5, last=5, dp=1)
+    assert HeteroLayout.parse("language=@0-3") == HeteroLayout.parse("language=dp4@0-3")
+
+
 def test_rank_order_is_tp_fastest_then_cp_dp_pp():
     m = ModuleLayout(first=8, last=23, tp=2, cp=2, pp=2)  # dp derived: 2
     assert [m.rank_of(tp=1), m.rank_of(cp=1), m.rank_of(dp=1), m.rank_of(pp=1)] == [9, 10, 12, 16]
@@ -43,6 +51,16 @@ def test_rank_order_is_tp_fastest_then_cp_dp_pp():
     ("vision=dp2@0-1;language=dp2@3-4", ["tile the world", "[2]"]),
     ("vision=dp2@0-1;vision=dp2@2-3;language=dp1@0-0", ["appears twice"]),
     ("language=dp3,ep2@0-2", ["'language'", "ep=2", "divide cp*dp"]),
+    # the edges of the grammar and of each check: a zero size, a second '=' or '@', nothing at all, and two
+    # ranges that share exactly one rank (the later range listed first)
+    ("language=tp0@0-3", ["'language'", "tp=0 must be a positive integer"]),
+    ("language=dp0@0-3", ["'language'", "dp=0 must be a positive integer, or omitted"]),
+    ("language=dp2", ["layout entry 'language=dp2'", "KEY=FIELDS@FIRST-LAST"]),
+    ("language=tp1=2@0-1", ["'language'", "field 'tp1=2' is not one of"]),
+    ("language=dp2@@0-1", ["'language'", "field 'dp2@' is not one of"]),
+    (" ; ", ["empty layout; write e.g."]),
+    ("language=dp2@2-3;vision=dp3@0-2", ["partly overlap", "'language' (@2-3)", "'vision' (@0-2)"]),
+    ("language=@3-2", ["'language'", "rank range 3-2 is empty or negative"]),
 ])
 def test_invalid_layouts_name_module_field_and_fix(spec, words):
     with pytest.raises(LayoutError) as e:
@@ -54,13 +72,15 @@ def test_invalid_layouts_name_module_field_and_fix(spec, words):
 def test_world_size_mismatch():
     with pytest.raises(LayoutError, match="tile the world of 8 ranks"):
         HeteroLayout.parse("vision=dp4@0-3;language=tp2,cp2@0-3").validate(world_size=8)
+    with pytest.raises(LayoutError, match=r"tile the world of 2 ranks exactly: ranks \[2, 3\] exceed the world"):
+        HeteroLayout.parse("language=dp4@0-3").validate(world_size=2)
 
 
 @pytest.mark.parametrize("shapes, words", [
     (ModelShapes(heads={"language": 6}), ["'language'", "tp=4", "6 attention heads", "[1, 2, 3, 6]"]),
     (ModelShapes(kv_heads={"language": 2}), ["'language'", "tp=4", "kv_heads"]),
     (ModelShapes(seq_length=100), ["'language'", "seq_length=100", "2*cp = 8", "pad"]),
-    (ModelShapes(samples_per_microbatch=6), ["'vision'", "dp=4", "6 samples", "fan in/out", "multiple of 4"]),
+    (ModelShapes(samples_per_microbatch=6), ["'vision'", "dp=4", "6 samples", "fan in/out to language dp=1, audio dp=2", "multiple of 4"]),
     # an MoE LLM with TP runs sequence parallel: each CP rank's 18 positions must split over tp=4
     (ModelShapes(seq_length=72, moe=True), ["'language'", "seq_length=72", "tp=4", "sequence", "multiple of 16"]),
 ])
@@ -82,6 +102,9 @@ def test_sequence_parallel_length_rule_binds_only_moe_with_tp():
     lay.validate(ModelShapes(seq_length=72))             # dense: zigzag needs 2*cp | 72 only
     lay.validate(ModelShapes(seq_length=80, moe=True))   # 80 / cp4 = 20 positions, 5 per TP rank
     HeteroLayout.parse("language=cp4@0-3").validate(ModelShapes(seq_length=72, moe=True))  # tp1: no SP
+    from tessera.hetero.plan.layout import llm_sequence_parallel  # the rule itself, from its edge: tp 2
+
+    assert llm_sequence_parallel(True, 2) and not llm_sequence_parallel(True, 1) and not llm_sequence_parallel(False, 2)
 
 
 def _dps(*sizes: int) -> HeteroLayout:
@@ -113,7 +136,7 @@ def test_rows_per_microbatch_follow_the_layout_and_keep_the_step(spec, rows, mic
     got = rows_for_layout(layout, rows, micro)
     assert got[0] * got[1] == rows * micro
     assert all(got[0] % m.dp_size == 0 for m in layout.modules.values())
-    assert got == want
+    assert got == want and all(type(n) is int for n in got)  # whole rows and microbatches, not 2.0
 
 
 @pytest.mark.parametrize("spec,rows,micro,need", [

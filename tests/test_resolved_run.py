@@ -115,6 +115,8 @@ def test_dp_rows_is_the_only_ownership_rule():
     assert list(dp_rows(8, 4, 3)) == [6, 7]
     with pytest.raises(ValueError, match="cannot be split evenly over dp=3"):
         dp_rows(8, 3, 0)
+    with pytest.raises(ValueError, match="dp_rank 2 outside dp=2"):
+        dp_rows(4, 2, 2)  # one past the last DP rank
 
 
 def test_one_encoder_path_decision_for_every_key_and_split():
@@ -160,3 +162,43 @@ def test_the_llm_cp_path_is_said_before_launch():
     assert resolve_run("vision=dp8@0-7;audio=dp8@0-7;language=cp8@0-7", 8, odd, 256, 8, 1).cp_line() == (
         "context parallelism: language cp=8: attention zigzag (torch kernels: 12 heads per TP rank do not divide by "
         "cp=8), mamba head-parallel")
+
+
+def test_the_module_keys_at_the_edges_of_fitting_a_layout_to_the_model():
+    """A typo closest to a module this model lacks still gets its hint; a key like no module gets none; a module
+    the model lacks, alone on its ranks, and a layout without the LLM are named (before any validation)."""
+    no_audio = RunModel(keys=("vision", LANGUAGE), heads=MODEL.heads, kv_heads=MODEL.kv_heads,
+                        encoder_tp=MODEL.encoder_tp)
+    with pytest.raises(LayoutError, match=r"layout module 'audoi' is not a module of this model \(did you mean "
+                                          r"'audio'\?\); its modules are: language, vision \("):
+        resolve_run("audoi=dp4@0-3;language=dp4@0-3", 4, no_audio, 64, 4, 1)
+    with pytest.raises(LayoutError, match=r"layout module 'xyz' is not a module of this model; its modules are"):
+        resolve_run("xyz=dp4@0-3;language=dp4@0-3", 4, MODEL, 64, 4, 1)
+    with pytest.raises(LayoutError, match=r"the model has no 'audio' module, and ranks 2-3 hold nothing else"):
+        resolve_run("vision=dp2@0-1;language=dp2@0-1;audio=dp2@2-3", 4, no_audio, 64, 4, 1)
+    with pytest.raises(LayoutError, match=r"has no 'language' module: add 'language=FIELDS@FIRST-LAST'"):
+        resolve_run("vision=dp4@0-3", 4, MODEL, 64, 4, 1)
+
+
+def test_an_elastic_restart_scales_by_dp_else_takes_the_planners_and_names_the_first_reason():
+    """resolve_run's elastic branch, pure and fast (recipes/elastic.resolve_restart drives it with the planner and
+    the memory model): a fixed run refuses another world; an elastic one shrinks by DP; "" is not a restart; no
+    whole DP factor (3 ranks) takes the planner's first layout that trains, not the homogeneous one; a scaled
+    layout that does not fit memory, with no proposal that trains, is named by that first reason."""
+    spec = "vision=dp4@0-3;audio=dp4@0-3;language=tp2,dp2@0-3"
+    with pytest.raises(LayoutError, match="tile the world of 2 ranks"):
+        resolve_run(spec, 2, MODEL, 64, 4, 1)
+    scaled = "vision=dp2@0-1;audio=dp2@0-1;language=tp2,dp1@0-1"
+    assert str(resolve_run(spec, 2, MODEL, 64, 4, 1, elastic=True).layout) == scaled
+    assert str(resolve_run("", 2, MODEL, 64, 4, 1, elastic=True).layout) == "vision=dp2@0-1;audio=dp2@0-1;language=dp2@0-1"
+    planned = "vision=dp1@0-0;audio=dp1@0-0;language=tp2,dp1@1-2"
+    run = resolve_run(spec, 3, MODEL, 64, 4, 3, elastic=True, propose=lambda: iter([planned]))
+    assert (str(run.layout), run.rows_per_microbatch, run.microbatches) == (planned, 4, 3)
+    with pytest.raises(LayoutError, match=r"elastic restart on 3 ranks: world 3 is not a multiple of the layout's 4 "
+                                          r"ranks .*; and the planner proposes no layout this run can train on 3 "
+                                          r"ranks with 12 rows per step"):
+        resolve_run(spec, 3, MODEL, 64, 4, 3, elastic=True)
+    with pytest.raises(LayoutError, match=re.escape(f"elastic restart on 2 ranks: {scaled} does not fit memory "
+                                                    "(ranks 0-1 need 90 GiB); and the planner proposes no layout")):
+        resolve_run(spec, 2, MODEL, 64, 4, 1, elastic=True, fits=lambda s: "ranks 0-1 need 90 GiB",
+                    propose=lambda: iter(["vision=dp2@0-1;audio=tp2@0-1;language=dp2@0-1"]))  # audio: no TP

@@ -109,3 +109,20 @@ def test_index_keeps_the_datasets_own_split(tmp_path):
         entries = [it for m in tar.getmembers() if m.name.endswith(".json")
                    for it in json.load(tar.extractfile(m))["media"]]
     assert entries and all(has_facts(it) for it in entries) and shard_media(root)
+
+
+def test_the_stored_media_facts_at_their_edges():
+    """data/media_meta.py: an item whose header cannot be read is kept with its counted reason (undecodable_<kind>
+    when the probe names none), and raised again as that MediaError; an entry has facts only with its byte length
+    and a probe or an error (an index written before the facts had neither)."""
+    from tessera.data.media import MediaError
+    from tessera.data.media_meta import facts_of, has_facts, item_entry
+
+    entry = item_entry("image", "img0.jpg", b"not an image")
+    assert (entry["bytes"], entry["error"]["reason"]) == (12, "undecodable_image") and "probe" not in entry
+    with pytest.raises(MediaError, match="undecodable image header") as e:
+        facts_of(entry)
+    assert e.value.reason == "undecodable_image" and has_facts(entry)
+    assert has_facts({"bytes": 3, "probe": {"width": 1, "height": 1}})
+    assert not has_facts({"kind": "image", "field": "img0.jpg", "probe": {"width": 1, "height": 1}})
+    assert not has_facts({"bytes": 3})
