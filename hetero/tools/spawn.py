@@ -56,8 +56,16 @@ def _worker(rank, world, store, fn, args, queue, environ):
     _fork_started_checkpoint_queue()
     try:
         with process_world(rank=rank, world_size=world, store=store):
-            result = fn(*args)
-            dist.barrier()
+            try:
+                result = fn(*args)
+                dist.barrier()
+            except BaseException:
+                # in the pipe before this rank's connections close (leaving the group below), so the parent
+                # reads this traceback first, not a peer's "connection closed" that it causes
+                queue.put((rank, "error", traceback.format_exc()))
+                queue.close()
+                queue.join_thread()
+                return
         queue.put((rank, "ok", result))
     except BaseException:  # report, never hang the parent
         queue.put((rank, "error", traceback.format_exc()))
