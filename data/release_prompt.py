@@ -37,7 +37,7 @@ import numpy as np
 
 from tessera.data.run_tokenizer import ChatTemplate
 from tessera.data.templates import PROCESSOR_TAGS, prompt_template, PromptTemplate
-from tessera.data.tokens import MEDIA_TAGS, MODULE_OF_KIND, EncodedPrompt, PromptError, Tokenizer
+from tessera.data.tokens import MEDIA_TAGS, MODULE_OF_KIND, EncodedPrompt, PromptError, Tokenizer, next_media
 
 _TESSERA_TAG_RE = re.compile("|".join(re.escape(t) for t in MEDIA_TAGS.values()))
 _TO_PROCESSOR = {MEDIA_TAGS[k]: PROCESSOR_TAGS[k] for k in MEDIA_TAGS}
@@ -152,14 +152,8 @@ def encode_release_conversation(tok: Tokenizer, chat_template: ChatTemplate, tur
         add(text[at:match.start()], at)
         at = match.end()
         kind = _KIND_OF_PROCESSOR_TAG[match.group(0)]
-        if not queues[kind]:
-            raise PromptError(f"more {MEDIA_TAGS[kind]} placeholders than {kind} items (missing modality)")
-        wrap = template.media.get(kind)
-        if wrap is None:
-            raise PromptError(f"the {template.name} prompt template has no {kind} media (its released model takes "
-                              f"none)")
-        item, n = queues[kind].pop(0)
-        for c, (label, count) in enumerate(n if isinstance(n, list) else [("", n)]):
+        wrap, item, chunks = next_media(queues, kind, MEDIA_TAGS[kind], template)
+        for c, (label, count) in enumerate(chunks):
             add(("\n" if c else "") + label + wrap.start, None)
             contexts[length] = (wrap.context, count, item, kind)
             add(wrap.context, None)

@@ -150,6 +150,19 @@ def media_placeholders(enc: EncoderTokens, template: str | PromptTemplate, kind:
     return chunks
 
 
+def next_media(queues: dict[str, list], kind: str, tag: str, template: PromptTemplate):
+    """(wrap, item, chunks) for a `tag` placeholder: the template's wrapping of `kind`, the next `kind` item of
+    `queues` (taken), and its chunks [(label, tokens)] (one unlabelled chunk for a plain count). PromptError when
+    no item is left or the template takes no such media."""
+    if not queues[kind]:
+        raise PromptError(f"more {tag} placeholders than {kind} items (missing modality)")
+    wrap = template.media.get(kind)
+    if wrap is None:
+        raise PromptError(f"the {template.name} prompt template has no {kind} media (its released model takes none)")
+    item, n = queues[kind].pop(0)
+    return wrap, item, n if isinstance(n, list) else [("", n)]
+
+
 def encode_conversation(tok: Tokenizer, turns: list[dict], media_kinds: list[str],
                         media_tokens: list[int | list[tuple[str, int]]],
                         template: str | PromptTemplate = DEFAULT_TEMPLATE) -> EncodedPrompt:
@@ -194,14 +207,7 @@ def encode_conversation(tok: Tokenizer, turns: list[dict], media_kinds: list[str
                 text += part
                 continue
             kind = _KIND_OF_TAG[part]
-            if not queues[kind]:
-                raise PromptError(f"more {part} placeholders than {kind} items (missing modality)")
-            wrap = template.media.get(kind)
-            if wrap is None:
-                raise PromptError(f"the {template.name} prompt template has no {kind} media (its released "
-                                  f"model takes none)")
-            item, n = queues[kind].pop(0)
-            chunks = n if isinstance(n, list) else [("", n)]
+            wrap, item, chunks = next_media(queues, kind, part, template)
             for c, (label, count) in enumerate(chunks):
                 # a target text and a label (never a target) are tokenized apart
                 label = ("\n" if c else "") + label
