@@ -24,3 +24,11 @@ SLOW_FIRST = ("test_slurm.py", "test_elastic.py")
 
 def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: item.path.name not in SLOW_FIRST)  # stable: the rest keep their order
+
+
+def pytest_collection_finish(session):
+    """Every test module is imported: freeze what exists (hetero/runtime/world.freeze_imports says why), so the
+    full collections during in-process tests walk only what the tests make."""
+    from tessera.hetero.runtime.world import freeze_imports
+
+    freeze_imports()

@@ -32,6 +32,9 @@ try:
     torch.cuda.synchronize(); failures.append("torch.cuda.synchronize works without the shim: shim 4 is obsolete")
 except Exception:
     pass
+from megatron.core import jit
+if jit.jit_fuser is not torch.compile:
+    failures.append("megatron's jit_fuser is no longer torch.compile: shim 5 is obsolete")
 print(failures); sys.exit(1 if failures else 0)
 """
 
@@ -49,6 +52,12 @@ def test_shims_make_megatron_work_on_cpu():
     from megatron.core.transformer.moe import moe_utils
 
     assert moe_utils.te_general_gemm is None
+    from megatron.core.activations import squared_relu  # decorated with jit_fuser (torch.compile) at import
+    from torch._dynamo.utils import counters
+
+    x, frames = torch.randn(8), counters["frames"]["total"]
+    assert torch.equal(squared_relu(x), torch.relu(x) ** 2)
+    assert counters["frames"]["total"] == frames, "shim 5: megatron's fusions must run eagerly on CPU, not compile"
     tracker = r.CudaRNGStatesTracker()
     tracker.add("a", 11)
     tracker.add("b", 12)

@@ -152,6 +152,14 @@ def test_the_checkpoint_writers_queue_outlives_a_stop_signal(monkeypatch):
 
     monkeypatch.setattr(fa, "_results_queue", None)
     monkeypatch.setattr(fa, "_get_write_results_queue", lambda: None)  # megatron's own again after the test
+    # a rank's first save also starts multiprocessing's resource tracker (whose start unblocks SIGTERM): a fresh
+    # tracker here, whatever this process ran before (a forked test process inherits its parent's, running)
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker.ResourceTracker()
+    for name in ("ensure_running", "register", "unregister", "getfd"):
+        monkeypatch.setattr(resource_tracker, name, getattr(tracker, name))
+    monkeypatch.setattr(resource_tracker, "_resource_tracker", tracker)
     preemption.shield_checkpoint_queue("spawn")
     before, started, hit = _children(), threading.Event(), {}
 
@@ -185,6 +193,7 @@ def test_the_checkpoint_writers_queue_outlives_a_stop_signal(monkeypatch):
         assert queue.get(timeout=10) == "written"
     finally:
         manager.shutdown()
+        tracker._stop()
 
 
 def test_elastic_fields_are_checked():
