@@ -27,8 +27,8 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_collection_finish(session):
-    """Every test module is imported: freeze what exists (hetero/runtime/world.freeze_imports says why), so the
+    """Every test module is imported: freeze what exists (hetero/runtime/world.freeze_live_objects says why), so the
     full collections during in-process tests walk only what the tests make."""
-    from tessera.hetero.runtime.world import freeze_imports
+    from tessera.hetero.runtime.world import freeze_live_objects
 
-    freeze_imports()
+    freeze_live_objects()

@@ -62,7 +62,7 @@ def join_world(timeout_s: float | None = None, world_size: int | None = None) ->
     return True
 
 
-def freeze_imports() -> None:
+def freeze_live_objects() -> None:
     """Move every object alive now (the ~0.8 M of the imported libraries; after the build, the model's) out of the
     cyclic garbage collector's reach (gc.freeze). Python's full collections walk every tracked object: ~0.5 s each
     on an idle core here, three per rank in a 10-step tiny run, each rank at its own moment, so the others wait at
@@ -83,7 +83,7 @@ def process_world(timeout_s: float | None = None, world_size: int | None = None,
     if not torch.cuda.is_available():
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     apply_cpu_shims()
-    freeze_imports()
+    freeze_live_objects()
     if store is not None:
         if rank is None or world_size is None:
             raise ValueError("a file-store world needs rank and world_size")

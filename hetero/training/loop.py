@@ -32,7 +32,7 @@ from tessera.hetero.runspec.modules import encoder_names
 from tessera.hetero.runtime.device import current_device
 from tessera.hetero.runtime.groups import destroy_module_groups
 from tessera.hetero.runtime.step_executor import hetero_step
-from tessera.hetero.runtime.world import freeze_imports
+from tessera.hetero.runtime.world import freeze_live_objects
 from tessera.hetero.training.checkpoint import KeepPolicy, finish_async_saves, save_checkpoint
 from tessera.hetero.training.loader_state import encode_loader_state
 from tessera.hetero.training.metrics import RunMetrics, peak_memory_gib
@@ -144,7 +144,7 @@ def run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals,
     if dist.get_rank() == 0:
         print(describe_val_sets(cfg.data.val_path, cfg.data.path, val_sets), flush=True)
     run = build_run(cfg, resolved, run_dir, device or current_device(), step_flops)
-    freeze_imports()  # the model, optimizer and loader live as long as the run
+    freeze_live_objects()  # the model, optimizer and loader live as long as the run
     loader = run_loader(run, run.data_path, state=run.loader_state)
     ctx = step_context(run)
     metrics = RunMetrics(run_dir, cfg.trainer.max_steps, run.start, cfg.trainer.progress, cfg.trainer.tensorboard,
