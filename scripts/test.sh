@@ -10,8 +10,9 @@ cd "$root"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # Two workers (this box's 2 cores); a file's tests stay on one worker, so module fixtures are built once and
 # the Slurm tests share one cluster. Multi-rank tests spawn their own processes either way.
+# --no-loadscope-reorder: files in tests/conftest.py's order (longest first), not xdist's by number of tests.
 # --durations=15: the slowest tests, where the suite's minutes go (issue 45)
-.venv/bin/python -m pytest -q -n "${TESSERA_TEST_WORKERS:-2}" --dist loadfile --durations=15 "$@"
+.venv/bin/python -m pytest -q -n "${TESSERA_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=15 "$@"
 # After a full suite, the mutations whose tests take seconds (scripts/mutations.toml, fast = true): each breaks a
 # rule on purpose and its test must fail; one that passes means the rule is no longer tested, and CI fails.
 if [ "$#" -eq 0 ]; then

@@ -1,7 +1,7 @@
 """Encoder items dealt to DP ranks by cost train exactly as row ownership does (issue 35), on real gloo ranks.
 
 The tiny omni model (RADIO-tiny at native resolution, video in tubelet chunks pruned by EVS at rate 0.5 and
-settled at the boundary, FastConformer-tiny audio; rows mix the three) trains 30 steps in a non-colocated layout
+settled at the boundary, FastConformer-tiny audio; rows mix the three) trains 14 steps in a non-colocated layout
 whose encoders are dp2, once with data.balance_encoders (each microbatch's items to the two encoder ranks by
 FLOPs) and once with row ownership; then the balanced run's step-10 checkpoint resumes with balancing off in a
 colocated layout. Every item is encoded alone, so only the order of fp32 sums may differ.
@@ -23,7 +23,9 @@ pytestmark = pytest.mark.multiproc
 
 NON_COLOCATED = "vision=dp2@0-1;audio=dp2@0-1;language=tp2@2-3"
 COLOCATED = "vision=dp4@0-3;audio=dp4@0-3;language=tp2,dp2@0-3"
-STEPS, SAVE, RESUMED_TO = 30, 10, 14
+# 14 steps: the step-10 save and the 4 steps the resume compares (measured over 14 steps, balancing cuts the
+# busiest encoder rank's load by 20-26% summed, and the loss falls to 0.73 of step 1's)
+STEPS, SAVE, RESUMED_TO = 14, 10, 14
 
 
 def _train(run_dir: str, layout: str, balance: bool, steps: int, save_every: int = 0):
@@ -61,7 +63,7 @@ def runs(tmp_path_factory):
 
 
 def test_balanced_encoders_follow_the_row_owned_curve(runs):
-    """30 steps: the loss within 1e-6 relative at every step, step 1's grad norm within 1e-6 (later ones within
+    """STEPS steps: the loss within 1e-6 relative at every step, step 1's grad norm within 1e-6 (later ones within
     the FastConformer's zero-gradient drift, tests/_run_curves.py), and the assignment really differed: over the
     run, the busier encoder rank of each microbatch had less to do than under row ownership."""
     loss_b, norm_b = curves(runs / "balanced")

@@ -53,11 +53,14 @@ def test_shims_make_megatron_work_on_cpu():
 
     assert moe_utils.te_general_gemm is None
     from megatron.core.activations import squared_relu  # decorated with jit_fuser (torch.compile) at import
-    from torch._dynamo.utils import counters
+    from torch._dynamo.convert_frame import input_codes
 
-    x, frames = torch.randn(8), counters["frames"]["total"]
+    x = torch.randn(8)
     assert torch.equal(squared_relu(x), torch.relu(x) ** 2)
-    assert counters["frames"]["total"] == frames, "shim 5: megatron's fusions must run eagerly on CPU, not compile"
+    # dynamo's frame callback records every frame it is handed, even one it then skips (after building its trace
+    # rules, ~0.45 s a process): under shim 5 it is never handed one
+    assert squared_relu.__wrapped__.__code__ not in input_codes, \
+        "shim 5: megatron's fusions must run eagerly on CPU, without entering dynamo"
     tracker = r.CudaRNGStatesTracker()
     tracker.add("a", 11)
     tracker.add("b", 12)

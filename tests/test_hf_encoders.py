@@ -211,7 +211,6 @@ def test_a_directory_of_another_model_is_refused_naming_it_and_what_is_supported
         hft.is_transformers_encoder(f"hf:{tmp_path / 'missing'}")
 
 
-ROOT = Path(__file__).resolve().parents[1]
 # (recipe, override, model, layout on 2 ranks): colocated (the tower's two pipeline stages on the LLM's TP ranks)
 # and non-colocated (the encoders on rank 0, the LLM on rank 1); each run is minutes of shared CPU, so one each
 TRAIN_CASES = [
@@ -220,23 +219,33 @@ TRAIN_CASES = [
 ]
 
 
+def _verify(argv: list[str]) -> tuple[int, str]:
+    """tessera.recipes.verify's main on this rank: (exit code, what it printed)."""
+    import contextlib
+    import io
+
+    from tessera.recipes import verify
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = verify.main(argv)
+    return code, out.getvalue()
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("recipe,key,kind,layout", TRAIN_CASES)
 def test_recipe_trains_with_one_override_equal_to_one_device(dirs, tmp_path, recipe, key, kind, layout):
-    """`model.<key>=hf:DIR` in a tiny recipe: one step through the trainer in the layout (python -m
-    tessera.recipes.verify) has the same loss and every Adam moment as on one device (fp32, 1e-5); the tower's
-    moments are among them and not zero (its gradient crossed the boundary), and it started from DIR's weights."""
-    import os
-    import subprocess
-    import sys
+    """`model.<key>=hf:DIR` in a tiny recipe: one step through the trainer in the layout (tessera.recipes.verify's
+    main on 2 forked ranks; the command under torchrun: tests/test_verify_trainer.py) has the same loss and every
+    Adam moment as on one device (fp32, 1e-5); the tower's moments are among them and not zero (its gradient
+    crossed the boundary), and it started from DIR's weights."""
+    from tessera.hetero.tools.spawn import run_on_ranks
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "tessera.recipes.verify", "--recipe", recipe, "--out", str(tmp_path), f"layout={layout}",
-           f"model.{key}=hf:{dirs[kind]}", "data.seq_length=128"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    last = proc.stdout.strip().splitlines()[-1]
+    argv = ["--recipe", recipe, "--out", str(tmp_path), f"layout={layout}", f"model.{key}=hf:{dirs[kind]}",
+            "data.seq_length=128"]
+    (code, out), _ = run_on_ranks(2, _verify, argv, timeout=900)
+    assert code == 0, out[-3000:]
+    last = out.strip().splitlines()[-1]
     m = re.fullmatch(r"verify: PASS max_rel_err=(\S+) compared=(\d+) loss=(\S+) ref_loss=(\S+) layout=(\S+)", last)
     assert m and float(m.group(1)) <= 1e-5, last
     whole = torch.load(tmp_path / "layout" / "whole.pt", weights_only=True)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multiproc
 HOMOGENEOUS = ""  # every module dp4 on ranks 0-3
 COLOCATED = "vision=tp2,dp2@0-3;audio=dp4@0-3;language=tp2,pp2@0-3"
 NON_COLOCATED = "vision=dp2@0-1;audio=dp2@0-1;language=cp2@2-3"
-STEPS = 30
+STEPS = 14  # the step-10 checkpoint and 4 steps past it; the loss falls to 0.65 of step 1's by then
 
 
 def _train(run_dir: str, layout: str, steps: int, save_every: int = 0, resume: bool = True):
@@ -44,7 +44,7 @@ RESUME_LAYOUTS = (("same", HOMOGENEOUS), ("colocated", COLOCATED), ("non_colocat
 
 
 def _all_runs(root: str) -> None:
-    """Every run of this file in one launch: the three 30-step layouts, then the homogeneous run's step-10
+    """Every run of this file in one launch: the three STEPS-step layouts, then the homogeneous run's step-10
     checkpoint resumed to step 14 in each layout (under resume/)."""
     import torch.distributed as dist
 
@@ -66,7 +66,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["colocated", "non_colocated"])
 def test_loss_and_grad_norm_match_homogeneous_at_every_step(runs, name):
-    """30 steps in fp32: loss within 1e-5 relative at every step. The global grad norm (all modules) must
+    """STEPS steps in fp32: loss within 1e-5 relative at every step. The global grad norm (all modules) must
     match too: an encoder gradient normalised by its own DP size instead of the global token count would
     change it from the first step on (step 1 to 1e-6, later steps AUDIO_NORM_DRIFT: tests/_run_curves.py)."""
     loss_h, norm_h = _curves(runs / "homogeneous")
@@ -86,7 +86,7 @@ def test_resume_same_layout_is_bitwise_and_other_layouts_continue_the_curve(runs
     """The homogeneous run's step-10 checkpoint, resumed to step 14 (in the fixture's launch) in the same
     layout and in both heterogeneous ones."""
     ckpt = runs / "homogeneous" / "checkpoints" / "step_000010"
-    assert ckpt.is_dir() and (runs / "homogeneous" / "checkpoints" / "step_000030").is_dir()
+    assert ckpt.is_dir() and (runs / "homogeneous" / "checkpoints" / f"step_{STEPS:06d}").is_dir()
     loss_h, _ = _curves(runs / "homogeneous")
     resumed = runs / "resume"
     for name in ("same", "colocated", "non_colocated"):
