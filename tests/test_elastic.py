@@ -38,13 +38,6 @@ RECIPE = ["--recipe", "nemotron_omni_tiny", f"trainer.max_steps={STEPS}", f"trai
           "trainer.log_every=1", "data.val_path=None"]
 
 
-def _train(overrides: list[str]) -> None:
-    from tessera.recipes.registry import build_recipe_kwargs
-    from tessera.recipes.train import train
-
-    train(**build_recipe_kwargs(RECIPE[1], overrides))
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,7 +87,10 @@ def uninterrupted(tmp_path_factory) -> tuple[Path, float]:
     """The 4-rank run every elastic one is compared with (checkpoints every SAVE_EVERY steps): (run dir, seconds)."""
     base = tmp_path_factory.mktemp("uninterrupted")
     t0 = time.monotonic()
-    run_on_ranks(4, _train, [*RECIPE[1:], f"trainer.run_dir={base}"], timeout=600)  # the 4 ranks forked: no imports
+    from tessera.recipes.train import main as train_main
+
+    # the entry point's main on 4 forked ranks: the agents' command, without 4 interpreters' imports
+    run_on_ranks(4, train_main, [*RECIPE, f"trainer.run_dir={base}"], timeout=600)
     return base, time.monotonic() - t0
 
 
