@@ -117,6 +117,7 @@ class TesseraRunContext(RunContext):
         with run.Experiment(title=self.name, executor=self.executor) as exp:
             exp.add(task, tail_logs=True, plugins=getattr(self, "plugins", None), name=self.name)
             exp.run(detach=False)
+        executors.wait_out_requeues(exp)
         failure = executors.job_failure(exp)
         if failure:
             raise RunContextError(failure)

@@ -25,6 +25,7 @@ import re
 import shlex
 import sys
 import tarfile
+import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -296,6 +297,39 @@ def failing_rank_report(logs: str, tail: int = 15) -> str:
     if not out:  # not a torchrun summary (the launcher itself failed): the log's last lines
         out = ["last lines of the job's log:"] + [f"  {t}" for t in [l for l in lines if l.strip()][-tail:]]
     return "\n".join(out)
+
+
+def wait_out_requeues(exp, poll_s: float = 2.0, settle_s: float = 60.0) -> None:
+    """Wait until every Slurm job of a launched Experiment is out of Slurm's queue and reads final in sacct, and
+    set its state from that read.
+
+    nemo-run's wait (exp.run(detach=False)) ends on the first final state sacct reports. A job that requeues itself
+    (a failed try below run.executor.retries, a time-out or a preemption: see DEFAULT_RETRIES) was seen to end
+    that wait after its first allocation (~1 run in 10 on a loaded box), the job queued again and running on
+    unwatched; and sacct lags squeue by up to seconds both ways (polled at 50 ms). So the job must be absent from
+    squeue (which lists pending, running and completing jobs) and final in sacct on two polls in a row. Once it
+    is out of the queue, sacct gets settle_s to read final (a cluster without accounting never does: the state
+    nemo-run read stays)."""
+    from nemo_run.run.torchx_backend.runner import get_runner
+    from torchx.specs import is_terminal
+
+    runner = get_runner()
+    for job in exp.jobs:
+        if not isinstance(job.executor, run.SlurmExecutor) or not getattr(job, "handle", None):
+            continue
+        app_id = job.handle.partition("://")[2].split("/")[1]
+        tunnel, settled, out_since = job.executor.tunnel, 0, None
+        while settled < 2:
+            listed = tunnel.run(f"squeue -h -j {app_id} -o %T", hide=True, warn=True)
+            queued = listed.ok and bool(listed.stdout.strip())  # a job Slurm has forgotten makes squeue fail
+            state = job.status(runner=runner)
+            out_since = None if queued else (out_since or time.monotonic())
+            settled = settled + 1 if not queued and is_terminal(state) else 0
+            if out_since is not None and time.monotonic() - out_since > settle_s:
+                break
+            if settled < 2:
+                time.sleep(poll_s)
+        job.state = state
 
 
 def job_failure(exp) -> str | None:

@@ -248,6 +248,42 @@ def test_slurm_defaults_time_limit_requeue_and_signal():
     assert ex.signal == executors.DEFAULT_SIGNAL == "TERM@300"
 
 
+class _ScriptedSlurm:
+    """A Slurm job seen through squeue (the tunnel) and sacct (Job.status) at successive polls, as probed on
+    tests/test_slurm.py's cluster while a job requeued itself: between its allocations it was out of squeue and
+    read final in sacct at once, for one poll."""
+
+    def __init__(self, polls):
+        self.polls, self.i = polls, -1
+
+    def run(self, command, hide=True, warn=False):
+        self.i = min(self.i + 1, len(self.polls) - 1)
+        assert command == "squeue -h -j 77 -o %T", command
+        queued = self.polls[self.i][0]
+        return SimpleNamespace(ok=bool(queued), stdout=queued)
+
+    def status(self, runner):
+        from torchx.specs import AppState
+
+        return getattr(AppState, self.polls[self.i][1])
+
+
+def test_nemo_waits_out_a_self_requeue_before_reading_the_jobs_outcome():
+    """`nemo tessera` reads a Slurm job's outcome after executors.wait_out_requeues: a job out of squeue and
+    final in sacct for one poll between allocations, then pending again (sacct still reading its first
+    allocation's FAILED) and running, is waited out to its last allocation's state; out of squeue and final on
+    two polls in a row is done."""
+    from nemo_run import SlurmExecutor
+
+    polls = [("RUNNING", "RUNNING"), ("", "FAILED"), ("PENDING", "FAILED"), ("RUNNING", "RUNNING"),
+             ("", "SUCCEEDED"), ("", "SUCCEEDED"), ("", "FAILED")]  # sacct lags squeue: FAILED while pending
+    slurm = _ScriptedSlurm(polls)
+    job = SimpleNamespace(executor=SlurmExecutor(account="a", tunnel=slurm), handle="slurm_tunnel://nemo_run/77",
+                          status=slurm.status, state=None)
+    executors.wait_out_requeues(SimpleNamespace(jobs=[job]), poll_s=0)
+    assert str(job.state).endswith("SUCCEEDED") and slurm.i == 5, (job.state, slurm.i)
+
+
 @pytest.mark.skipif(not NEMO.exists(), reason="nemo CLI not installed in .venv")
 def test_cli_full_size_slurm_dry_run_requests_gpus_and_warns(tmp_path):
     """nemotron_vl_12b on 2 x 8 without gpus_per_node: GPUs from the layout, limit, signal, retries, and

@@ -74,16 +74,8 @@ def _submit(task, ex, title: str) -> tuple[str, str]:
     with run.Experiment(title, executor=ex, log_level="WARN") as exp:
         exp.add(task, name="job")
         exp.run(detach=False)
-    # leaving the block waited for the job: nemo-run polls sacct until the job's record reads final. A job that
-    # requeues itself was once seen to end that wait after its first allocation (on a loaded box, ~1 run in 10:
-    # its requeued allocation ran on unwatched), and sacct lags squeue by up to seconds either way (polled at
-    # 50 ms: RUNNING in sacct with the job already out of squeue). So: out of Slurm's queue, and final in sacct.
-    end = time.monotonic() + 600
-    while time.monotonic() < end:
-        state = str(exp.status(return_dict=True)["job"]["status"])
-        if _job_state() is None and state.endswith(("SUCCEEDED", "FAILED", "CANCELLED")):
-            break
-        time.sleep(0.5)
+    executors.wait_out_requeues(exp, poll_s=0.5)  # as `nemo tessera` does (recipes/cli.py): requeues waited out
+    state = str(exp.jobs[0].state)
     buf = io.StringIO()
     get_logs(buf, identifier=exp.jobs[0].handle, regex=None, should_tail=False)
     return state, buf.getvalue()
