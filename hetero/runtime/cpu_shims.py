@@ -26,12 +26,23 @@ working (upstream moved the code: update it). Nothing here changes behaviour on 
    this. The fused functions run the same fp32 ops (a 4-step MoE run's losses and grad norms are bitwise equal).
    Not `torch._dynamo.config.disable`: with it, each compiled function's first call still enters dynamo's frame
    callback, which builds torch's trace rules first (~0.45 s per process) only to skip the frame.
+6. megatron's jit_fuser off from its import. Under shim 5 the decoration itself still costs: `jit_fuser =
+   torch.compile` imports dynamo and inductor when megatron's fusions are decorated, 2.4 of the 4.3 CPU-s that
+   `import megatron.core` takes in a fresh process (measured), paid by every rank, CLI and script on CPU.
+   tessera/hetero/__init__.py installs a one-shot import hook that calls megatron's own `disable_jit_fuser()`
+   (megatron/core/jit.py:27) right after megatron/core/jit.py runs, before any fusion binds the name, when torch
+   sees no GPU. The fusions are then plain functions, the same ops shim 5 runs. A process that imports megatron.core
+   before any tessera.hetero module keeps shim 5's path (same numbers, the import's cost paid).
 """
 
 from __future__ import annotations
 
-import torch
+import importlib.abc
+import importlib.util
+import sys
 
+# torch is imported in the functions: tessera/hetero/__init__.py imports this module for shim 6, and the pure
+# layout and plan modules under tessera.hetero need no torch
 _applied = False
 _TE_MOE_NAMES = (
     "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
@@ -50,14 +61,20 @@ def _define_missing_te_names() -> None:
 
 
 def _cpu_get_rng_state(device="cuda", *args, **kwargs):
+    import torch
+
     return torch.get_rng_state()
 
 
 def _cpu_set_rng_state(new_state, device=-1, *args, **kwargs):
+    import torch
+
     torch.set_rng_state(new_state)
 
 
 def _cpu_manual_seed(seed):
+    import torch
+
     torch.default_generator.manual_seed(int(seed))
 
 
@@ -72,6 +89,8 @@ def _cpu_synchronize(device=None):
 def apply_cpu_shims() -> bool:
     """Patch megatron-core for CPU if there is no GPU (shim 3: whenever TE is missing). Idempotent.
     Returns True if the CPU shims are active."""
+    import torch
+
     global _applied
     _define_missing_te_names()
     if torch.cuda.is_available():
@@ -85,14 +104,46 @@ def apply_cpu_shims() -> bool:
     torch.cuda.set_rng_state = _cpu_set_rng_state
     torch.cuda.manual_seed = _cpu_manual_seed
     torch.cuda.synchronize = _cpu_synchronize  # shim 4
-    torch.compiler.set_stance("force_eager")  # shim 5
+    from megatron.core import jit
+
+    if jit.jit_fuser is not jit.noop_decorator:  # shim 6 came too late for this process (megatron imported first)
+        torch.compiler.set_stance("force_eager")  # shim 5 (torch.compiler imports dynamo: 0.3-1.2 CPU-s)
     mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = _cpu_set_rng_state
     _applied = True
     return True
 
 
+class _MegatronJitOffOnCpu(importlib.abc.MetaPathFinder):
+    """Shim 6: megatron.core.jit is loaded as usual, then (no GPU) megatron's disable_jit_fuser() runs at once."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "megatron.core.jit":
+            return None
+        sys.meta_path.remove(self)  # one-shot, and so find_spec below does not come back here
+        spec = importlib.util.find_spec(name)
+        exec_module = spec.loader.exec_module
+
+        def exec_then_disable(module):
+            exec_module(module)
+            import torch  # imported by megatron/core/jit.py just now
+
+            if not torch.cuda.is_available():
+                module.disable_jit_fuser()
+
+        spec.loader.exec_module = exec_then_disable
+        return spec
+
+
+def turn_megatron_jit_off_at_its_import() -> None:
+    """Shim 6, installed by tessera/hetero/__init__.py; a no-op once megatron.core.jit is imported."""
+    if "megatron.core.jit" not in sys.modules and not any(isinstance(f, _MegatronJitOffOnCpu) for f in sys.meta_path):
+        sys.meta_path.insert(0, _MegatronJitOffOnCpu())
+
+
 def default_backend() -> str:
     """The process-group backend of this run: NCCL with a GPU, gloo without. Used only to initialise the
     default group; every subgroup inherits it (never hard-coded elsewhere)."""
+    import torch
+
     return "nccl" if torch.cuda.is_available() else "gloo"
