@@ -122,6 +122,8 @@ class _MegatronJitOffOnCpu(importlib.abc.MetaPathFinder):
             return None
         sys.meta_path.remove(self)  # one-shot, and so find_spec below does not come back here
         spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:  # no megatron-core here: the import fails as it would anyway
+            return None
         exec_module = spec.loader.exec_module
 
         def exec_then_disable(module):
