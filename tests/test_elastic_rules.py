@@ -140,10 +140,11 @@ def _blocked(pid: int) -> set:
     return {s for s in signal.Signals if bits >> (s - 1) & 1}
 
 
-def test_the_checkpoint_writers_queue_outlives_a_stop_signal(monkeypatch):
+@pytest.mark.parametrize("method", ["spawn", "fork"])  # a GPU rank's server, a CPU rank's
+def test_the_checkpoint_writers_queue_outlives_a_stop_signal(monkeypatch, method):
     """torchrun stops (and elastically restarts) its workers with SIGTERM to each rank's process group, which holds
     the checkpoint writer's Manager server: it must live on for the save the signal asks for, also when the signal
-    reaches it while it is being spawned (a save that starts as the signal arrives)."""
+    reaches it while it is being started (a save that starts as the signal arrives)."""
     import threading
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
@@ -160,7 +161,7 @@ def test_the_checkpoint_writers_queue_outlives_a_stop_signal(monkeypatch):
     for name in ("ensure_running", "register", "unregister", "getfd"):
         monkeypatch.setattr(resource_tracker, name, getattr(tracker, name))
     monkeypatch.setattr(resource_tracker, "_resource_tracker", tracker)
-    preemption.shield_checkpoint_queue("spawn")
+    preemption.shield_checkpoint_queue(method)
     before, started, hit = _children(), threading.Event(), {}
 
     def signal_new_children():  # every stop signal, at every child this test starts, from its first moment on
@@ -182,7 +183,7 @@ def test_the_checkpoint_writers_queue_outlives_a_stop_signal(monkeypatch):
     manager = preemption._MANAGERS.pop()
     try:
         server = manager._process.pid
-        assert server in hit, "the test signalled no spawned server"
+        assert server in hit, f"the test signalled no {method}ed server"
         assert set(preemption.STOP_SIGNALS) <= hit[server] and set(preemption.STOP_SIGNALS) <= _blocked(server), (
             "the server must have the stop signals blocked from its first moment (a handler comes too late)")
         for s in preemption.STOP_SIGNALS:
@@ -295,3 +296,33 @@ def test_the_fixed_layout_message_names_the_restart_the_worlds_and_the_setting()
     assert msg.startswith("elastic: torchrun restarted this job elastically (restart 1) on 2 ranks, but the run's "
                           "layout is fixed to 4 ranks (layout=vision=dp4@0-3;language=tp2,dp2@0-3)")
     assert "trainer.elastic_min_nodes=MIN" in msg and "launch exactly 4 ranks" in msg
+
+
+@pytest.mark.parametrize("device, method", [(None, "fork"), ("cuda:0", "spawn")])  # None: this box's, the CPU
+def test_a_rank_starts_its_checkpoint_queue_server_by_its_device(monkeypatch, tmp_path, device, method):
+    """The training loop shields the writer's queue before anything is built, with the start method of the rank's
+    device: forked on a CPU rank (a spawned server is an interpreter importing the trainer: ~4 CPU-s a rank and
+    launch), spawned on a GPU as megatron does (a fork's garbage collector could free the parent's CUDA tensors)."""
+    import torch
+    import torch.distributed as dist
+
+    from tessera.hetero.runtime.world import one_rank_world
+    from tessera.hetero.training import loop
+
+    class Built(Exception):
+        pass
+
+    chosen = []
+    monkeypatch.setattr(loop, "shield_checkpoint_queue", chosen.append)
+    monkeypatch.setattr(loop, "resolve_val_sets", lambda *a, **k: (_ for _ in ()).throw(Built()))  # stop here
+    cfg = fdl.build(recipe("nemotron_vl_tiny"))
+    cfg.layout = "vision=dp1@0-0;language=dp1@0-0"
+    created = one_rank_world(backend="gloo")
+    try:
+        with pytest.raises(Built):
+            loop.run_training(cfg, resolve(cfg, 1), tmp_path, stop=None,
+                              device=torch.device(device) if device else None)
+    finally:
+        if created:
+            dist.destroy_process_group()
+    assert chosen == [method]

@@ -32,17 +32,15 @@ def _context():
     return ctx
 
 
-def _fork_started_checkpoint_queue() -> None:
+def _shield_checkpoint_queue() -> None:
     """megatron's checkpoint writer (dist_checkpointing, torch_dist) hands its write results back through a
-    multiprocessing Manager queue, created at a process's first save with the "spawn" start method. That
-    Manager's server is a fresh interpreter which imports torch to unpickle the first result: ~4 s of CPU
-    per rank and launch (a launch is a new set of processes). Here it is started with "fork" instead, from the
-    rank itself (torch already loaded): the same Manager and queue, ~0.05 s. Created at the first save, as
-    megatron does (a fork from a rank with gloo threads, like megatron's own per-save writer processes).
-    Test/benchmark launcher only; torchrun jobs keep a spawned Manager (both: preemption.shield_checkpoint_queue)."""
-    from tessera.hetero.training.preemption import shield_checkpoint_queue
+    multiprocessing Manager queue, created at a process's first save. The rank's device decides how its server
+    starts, as in the training loop (preemption.checkpoint_queue_start_method): forked from a CPU rank (~0.05 s),
+    spawned on a GPU as megatron does. Shielded here too because a worker may save outside run_training."""
+    from tessera.hetero.runtime.device import current_device
+    from tessera.hetero.training.preemption import checkpoint_queue_start_method, shield_checkpoint_queue
 
-    shield_checkpoint_queue("fork")
+    shield_checkpoint_queue(checkpoint_queue_start_method(current_device()))
 
 
 def _worker(rank, world, store, fn, args, queue, environ):
@@ -53,10 +51,10 @@ def _worker(rank, world, store, fn, args, queue, environ):
     from tessera.hetero.runtime.world import process_world
 
     os.environ["OMP_NUM_THREADS"] = "1"  # ranks share the machine's cores
-    _fork_started_checkpoint_queue()
     try:
         with process_world(rank=rank, world_size=world, store=store):
             try:
+                _shield_checkpoint_queue()  # the rank's device is bound now
                 result = fn(*args)
                 dist.barrier()
             except BaseException:

@@ -36,7 +36,8 @@ from tessera.hetero.runtime.world import freeze_live_objects
 from tessera.hetero.training.checkpoint import KeepPolicy, finish_async_saves, save_checkpoint
 from tessera.hetero.training.loader_state import encode_loader_state
 from tessera.hetero.training.metrics import RunMetrics, peak_memory_gib
-from tessera.hetero.training.preemption import StopSignals, shield_checkpoint_queue, signal_name
+from tessera.hetero.training.preemption import (StopSignals, checkpoint_queue_start_method, shield_checkpoint_queue,
+                                                signal_name)
 from tessera.hetero.training.run_state import RunState, build_run
 from tessera.hetero.training.step_parts import StepContext, boundary_batches, rank_stages, run_loader, step_context
 from tessera.hetero.training.tracking import make_tracker
@@ -138,12 +139,14 @@ def run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals,
     if resolved.world != dist.get_world_size():
         raise ValueError(f"the run was resolved for {resolved.world} ranks but the world has {dist.get_world_size()}")
     keep = KeepPolicy(cfg.trainer.keep_last, cfg.trainer.keep_every)  # a bad policy fails before any work
-    shield_checkpoint_queue()  # a stop signal to the rank's process group leaves the checkpoint writer alive
+    device = device or current_device()
+    # a stop signal to the rank's process group leaves the checkpoint writer alive
+    shield_checkpoint_queue(checkpoint_queue_start_method(device))
     val_sets = resolve_val_sets(cfg.data.val_path, dist.get_rank(), cfg.data.path,  # {} without data.val_path
                                 synthetic_kinds(encoder_names(cfg.model)))  # a bad val_path fails before any build
     if dist.get_rank() == 0:
         print(describe_val_sets(cfg.data.val_path, cfg.data.path, val_sets), flush=True)
-    run = build_run(cfg, resolved, run_dir, device or current_device(), step_flops)
+    run = build_run(cfg, resolved, run_dir, device, step_flops)
     freeze_live_objects()  # the model, optimizer and loader live as long as the run
     loader = run_loader(run, run.data_path, state=run.loader_state)
     ctx = step_context(run)

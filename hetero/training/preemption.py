@@ -12,8 +12,8 @@ Who sends what (measured on torch 2.13 / Slurm 22.05 / nemo-run 0.11.1):
   them after `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds (default 30, about one full-recipe step):
   recipes/executors.py sets both, so the grace covers a step plus a save (recipes/prelaunch.py checks it).
 - The checkpoint writer's forked helpers inherit this handler: a signal during a save only sets their copy of
-  the flag, and the save completes. Its results queue's Manager server (a spawned interpreter) ignores the
-  signals instead (shield_checkpoint_queue): torchrun signals each rank's whole process group.
+  the flag, and the save completes. Its results queue's Manager server (spawned on a GPU, forked on a CPU rank)
+  ignores the signals instead (shield_checkpoint_queue): torchrun signals each rank's whole process group.
 
 Megatron's `--exit-signal-handler` does the same (a flag, one all-reduce per step); here the flag rides on the
 step's existing all-reduce (hetero/training/loop.py), so the agreement costs nothing extra. A second signal
@@ -71,6 +71,15 @@ class StopSignals:
 _MANAGERS: list = []  # the results queues' Manager processes, alive as long as the rank
 
 
+def checkpoint_queue_start_method(device) -> str:
+    """How a rank computing on `device` starts its checkpoint results queue's Manager server. "spawn" on a GPU, as
+    megatron does: a forked child's garbage collector could free the parent's CUDA tensors (megatron's note on its
+    forked writers). "fork" on a CPU rank, which has none: a spawned server is a fresh interpreter that imports the
+    rank's main module (torch, megatron, the trainer) to start, ~4 s of CPU per rank and launch (measured: 3.9-5.1
+    CPU-s a rank under torchrun / nemo-run), a fork ~0.05 s."""
+    return "spawn" if getattr(device, "type", str(device)) == "cuda" else "fork"
+
+
 def shield_checkpoint_queue(method: str = "spawn") -> None:
     """megatron's checkpoint writer hands write results back through a multiprocessing Manager queue it creates at
     a process's first save (dist_checkpointing's filesystem_async._get_write_results_queue, "spawn"). torchrun's
@@ -81,8 +90,8 @@ def shield_checkpoint_queue(method: str = "spawn") -> None:
     finalizer, or the rank's reaper): a handler installed by the server would come too late, as a spawned server
     spends seconds importing first, and a save that starts as the signal arrives spawned it into the signal
     (measured). The rank still gets the signal: only its forking thread blocks it, and only while forking.
-    method: "spawn", as megatron; "fork" for hetero/tools/spawn.py's workers (the server then imports nothing).
-    The first call in a process decides; later ones keep it."""
+    method: checkpoint_queue_start_method's ("spawn" as megatron on a GPU, "fork" on a CPU rank: the server then
+    imports nothing). The first call in a process decides; later ones keep it."""
     from multiprocessing import get_context, resource_tracker
     from multiprocessing.managers import SyncManager
 
