@@ -41,6 +41,13 @@ def _marked(marker: str) -> dict[int, str]:
     return found
 
 
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError):
+        return 0
+
+
 def _survivors(marker: str, wait_s: float = 20.0) -> dict[int, str]:
     """The marked processes still alive `wait_s` after the launcher ended (the reaper's grace is 3 s);
     SIGKILLed afterwards so a failing test leaves nothing behind either."""
@@ -66,11 +73,17 @@ def _cmd(run_dir: Path, steps: int = 4, *extra: str) -> list[str]:
 @contextlib.contextmanager
 def _job(cmd: list[str], log: Path, env: dict):
     """The job with its output in a file, not a pipe, and in its own session (a leftover process holding a
-    pipe open would hang the test instead of failing it); whatever is left of it is killed on the way out."""
+    pipe open would hang the test instead of failing it); whatever is left of it is killed on the way out: the
+    launcher's process group, and, when the test failed inside, every process carrying the job's marker (torchrun's
+    workers lead sessions of their own: an orphaned rank would train on through the rest of the suite)."""
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             yield proc
+        except BaseException:
+            if MARKER in env:
+                _survivors(env[MARKER], wait_s=0)  # SIGKILLs them
+            raise
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -101,10 +114,14 @@ def test_sigkilled_rank_leaves_no_process_behind(tmp_path):
             assert proc.poll() is None and time.monotonic() < end, (tmp_path / "launch.log").read_text()[-3000:]
             time.sleep(0.2)
         job = _marked(marker)
-        helpers = {pid: c for pid, c in job.items() if "multiprocessing" in c}
+        # torchrun's workers (their parent is the agent), not the workers' forks (which show the same command line)
+        ranks = [pid for pid in job if "tessera.recipes.train" in job[pid] and "torch.distributed.run" not in job[pid]
+                 and "torch.distributed.run" in job.get(_parent(pid), "")]
+        # what the ranks started: the checkpoint writer's queue server (a fork of the rank on this CPU box:
+        # hetero/training/preemption.checkpoint_queue_start_method), not the reaper (python -I -S)
+        helpers = {pid: c for pid, c in job.items() if _parent(pid) in ranks and " -I -S -c" not in c}
         assert helpers, f"no helper processes to test with: {job}"
-        rank1 = [pid for pid in job if b"RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                 and "tessera.recipes.train" in job[pid] and "torch.distributed.run" not in job[pid]]
+        rank1 = [pid for pid in ranks if b"RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")]
         assert len(rank1) == 1, job
         os.kill(rank1[0], signal.SIGKILL)
         rc = proc.wait(timeout=300)
