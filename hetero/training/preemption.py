@@ -72,12 +72,12 @@ _MANAGERS: list = []  # the results queues' Manager processes, alive as long as 
 
 
 def checkpoint_queue_start_method(device) -> str:
-    """How a rank computing on `device` starts its checkpoint results queue's Manager server. "spawn" on a GPU, as
-    megatron does: a forked child's garbage collector could free the parent's CUDA tensors (megatron's note on its
-    forked writers). "fork" on a CPU rank, which has none: a spawned server is a fresh interpreter that imports the
-    rank's main module (torch, megatron, the trainer) to start, ~4 s of CPU per rank and launch (measured: 3.9-5.1
-    CPU-s a rank under torchrun / nemo-run), a fork ~0.05 s."""
-    return "spawn" if getattr(device, "type", str(device)) == "cuda" else "fork"
+    """How a rank computing on `device` (a torch.device) starts its checkpoint results queue's Manager server.
+    "spawn" on a GPU, as megatron does: a forked child's garbage collector could free the parent's CUDA tensors
+    (megatron's note on its forked writers). "fork" on a CPU rank, which has none: a spawned server is a fresh
+    interpreter that imports the rank's main module (torch, megatron, the trainer) to start, ~4 s of CPU per rank
+    and launch (measured: 3.9-5.1 CPU-s a rank under torchrun / nemo-run), a fork ~0.05 s."""
+    return "spawn" if device.type == "cuda" else "fork"
 
 
 def shield_checkpoint_queue(method: str = "spawn") -> None:
