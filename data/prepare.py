@@ -203,7 +203,8 @@ def shard_media(out: Path) -> dict[str, list[tuple[str, str, int]]]:
 
 def energon_prepare(out: Path, media_meta: bool = False, val_ratio: float = 0.0) -> None:
     """`energon prepare` via its click command: CrudeWebdataset samples, a train split and, with val_ratio, a val
-    split of about that share of the shards (energon splits whole shards). media_meta: the shards' JSON members
+    split of about that share of the shards (whole shards; a single shard is first cut into smaller ones, and
+    train always keeps one: data/prepare_split.py). media_meta: the shards' JSON members
     carry the media metadata (write_shards, add_media_metadata), so energon's reader takes only them.
 
     Every tar in `out` is checked first (check_shards): a bad one raises ShardError naming it, instead of
@@ -215,13 +216,19 @@ def energon_prepare(out: Path, media_meta: bool = False, val_ratio: float = 0.0)
 
     from megatron.energon.tools.prepare import command
 
+    from tessera.data.prepare_split import fit_shards_to_split, write_split
+
+    resharded = fit_shards_to_split(out, val_ratio)  # SplitError when too few samples to split
+    if resharded:
+        print(f"[prepare] {resharded}", file=sys.stderr)
     # It echoes sample previews meant for interactive use; keep them out of the report unless it fails.
     chatter = io.StringIO()
     try:
         with contextlib.redirect_stdout(chatter):
-            command.main([str(out), "--non-interactive", "--split-ratio", f"{1 - val_ratio},{val_ratio},0",
+            command.main([str(out), "--non-interactive", "--split-ratio", "1,0,0",
                           "--sample-type", "CrudeWebdataset",
                           "--force-overwrite", "--no-progress", "--num-workers", "1"], standalone_mode=False)
+        write_split(out, val_ratio)  # energon's own ratio rule can leave train empty (data/prepare_split.py)
         if media_meta:  # the global stream then reads each sample's JSON member only (data/media_meta.py)
             with open(out / ".nv-meta" / "dataset.yaml", "a") as f:
                 f.write(PART_FILTER + "\n")

@@ -10,7 +10,7 @@ every rank minutes later (sentencepiece's `NOT_FOUND ".../tokenizer.model"`). Wh
   data.path        None = synthetic data. A directory must be a prepared dataset (DIR/.nv-meta, as
                    scripts/prepare_data.py or `energon prepare` write); a file must be an energon metadataset
                    YAML (a blend). Every dataset's sample type must be one data/sample_types.py turns into a
-                   conversation (refused naming the supported ones).
+                   conversation (refused naming the supported ones). A directory's train split must hold a shard.
   data.tokenizer   the run's tokenizer (data/run_tokenizer.run_tokenizer: data.tokenizer, else the checkpoint's
                    own, else the dataset's; a blend YAML has none of its own) exists and loads, with Tessera's
                    template and media tokens, and agrees with the checkpoint's config.json (media token ids,
@@ -103,6 +103,8 @@ def _check_dataset(field: str, value: str) -> None:
         if not (path / ".nv-meta").is_dir():
             raise ValueError(f"{field}={value} is not a prepared dataset (no {path / '.nv-meta'}); run "
                              f"`python scripts/prepare_data.py ... --out {value}` or `energon prepare {value}`")
+        if field == "data.path":
+            _check_train_split(value, path)
     elif path.suffix not in (".yaml", ".yml"):
         raise ValueError(f"{field}={value} is a file but not an energon metadataset YAML (a blend); give a "
                          f"prepared dataset directory or a .yaml blend")
@@ -112,6 +114,20 @@ def _check_dataset(field: str, value: str) -> None:
         check_sample_types(path)
     except UnsupportedSampleType as e:
         raise ValueError(f"{field}={value}: {e}") from None
+
+
+def _check_train_split(value: str, path: Path) -> None:
+    """Training reads the dataset's train split: an empty one (all shards held out as val) otherwise fails every
+    rank with energon's EmptyDatasetError, minutes in."""
+    from tessera.data.prepare_split import split_parts
+
+    parts = split_parts(path)
+    if parts is not None and not parts.get("train"):
+        held = ", ".join(k for k, v in parts.items() if v) or "no split"
+        raise ValueError(f"data.path={value} has no shard in its train split ({path / '.nv-meta' / 'split.yaml'}: "
+                         f"its shards are in {held}); re-run scripts/prepare_data.py into an empty "
+                         f"--out (it keeps a train shard: a lower --shard-size or --val-ratio chooses how many), "
+                         f"or `energon prepare {value}` with a train share")
 
 
 def _tokenizer_given(tokenizer: str) -> None:

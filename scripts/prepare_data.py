@@ -44,6 +44,7 @@ from pathlib import Path
 
 from tessera.data.prepare import (ShardError, add_media_metadata, energon_prepare, index_in_place, make_synthetic,
                                   records_from_folder, write_shards)
+from tessera.data.prepare_split import SplitError, describe_splits
 
 
 def _texts(records, into: list):
@@ -100,8 +101,16 @@ def _prepare_records(args):
     return done.counts, done.skipped, done.texts, done.format
 
 
+class _HelpWithDefaults(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default (--shard-size 16 is what a --val-ratio split cuts), except the
+    sources and switches, whose None/False says nothing."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None or action.default is False else super()._get_help_string(action)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[2], formatter_class=_HelpWithDefaults)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--manifest", type=Path, help="JSONL or JSON array of records (Tessera's, caption, LLaVA / "
                      "ShareGPT or OpenAI / TRL messages)")
@@ -118,7 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=96, help="--synthetic: number of samples")
     ap.add_argument("--seed", type=int, default=0, help="--synthetic: generator seed")
     ap.add_argument("--val-ratio", type=float, default=0.0, help="share of the shards held out as energon's val "
-                    "split (whole shards; training validates on it with data.val_path=auto, the tiny recipes')")
+                    "split (whole shards, the last ones; a single shard is first cut into about 1/R smaller ones; "
+                    "training validates on it with data.val_path=auto, the tiny recipes')")
     args = ap.parse_args(argv)
     if not 0.0 <= args.val_ratio < 1.0:
         print(f"[prepare] --val-ratio {args.val_ratio}: give a share in [0, 1), e.g. 0.1", file=sys.stderr)
@@ -168,17 +178,9 @@ def main(argv=None) -> int:
                 return done
             counts, skipped, texts, fmt = done
             energon_prepare(args.out, media_meta=True, val_ratio=args.val_ratio)
-    except ShardError as e:
+    except (ShardError, SplitError) as e:
         print(f"[prepare] {e}", file=sys.stderr)
         return 2
-    if args.val_ratio and not args.index:
-        from tessera.data.pipeline import has_val_split
-
-        shards = len(list(args.out.glob("*.tar")))
-        if not has_val_split(args.out):
-            print(f"[prepare] --val-ratio {args.val_ratio} held out no shard of {shards}: energon splits whole "
-                  f"shards; lower --shard-size for more shards", file=sys.stderr)
-            return 2
     tok = (f"tokenizer {args.out / 'tokenizer.model'} (trained on this dataset's texts)"
            if args.synthetic and args.tokenizer is None else _tokenizer(args.out, args.tokenizer, texts))
     shards = len(list(args.out.glob("*.tar")))
@@ -189,6 +191,7 @@ def main(argv=None) -> int:
           + ("" if args.index else f"(image={counts['image']} video={counts['video']} audio={counts['audio']}); "
                                    f"skipped {sum(skipped.values())}" + (f" {dict(skipped)}" if skipped else ""))
           + f"; {tok}")
+    print(f"[prepare] splits: {describe_splits(args.out)}")  # a train split left empty would fail every rank
     return 0
 
 

@@ -126,3 +126,66 @@ def test_the_stored_media_facts_at_their_edges():
     assert has_facts({"bytes": 3, "probe": {"width": 1, "height": 1}})
     assert not has_facts({"kind": "image", "field": "img0.jpg", "probe": {"width": 1, "height": 1}})
     assert not has_facts({"bytes": 3})
+
+
+def test_val_ratio_never_empties_train(tmp_path, capsys):
+    """Issue 62 item 1, the user's command: ten images in a messages JSONL at --val-ratio 0.2 made one shard of the
+    default 16, which energon's split gave to val (train: [], then EmptyDatasetError on every rank). The shard is
+    cut into five, the last held out; the summary says so per split; both splits load, disjoint."""
+    import json
+
+    from PIL import Image
+
+    from tessera.data.prepare_split import split_counts
+
+    src = tmp_path / "mine"
+    src.mkdir()
+    with open(src / "messages.jsonl", "w") as f:
+        for i in range(10):
+            Image.new("RGB", (64 + 8 * i, 48), (25 * i, 90, 200)).save(src / f"img{i}.png")
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": [{"type": "image", "path": f"img{i}.png"},
+                                             {"type": "text", "text": "What is this?"}]},
+                {"role": "assistant", "content": f"A rectangle, number {i}."}]}) + "\n")
+    out = tmp_path / "ds"
+    assert prepare_data.main(["--manifest", str(src / "messages.jsonl"), "--val-ratio", "0.2", "--out", str(out)]) == 0
+    got = capsys.readouterr()
+    assert ("--val-ratio 0.2: 10 samples made 1 shard, and a split of whole shards needs two; rewrote them as 5 "
+            "shards of up to 2 samples (set --shard-size to choose)") in got.err
+    assert "[prepare] splits: train 4 shards 8 samples, val 1 shard 2 samples" in got.out
+    assert split_counts(out) == {"train": (4, 8), "val": (1, 2)}
+    train, val = _keys(out, "train"), _keys(out, "val")
+    assert len(train) == 8 and len(val) == 2 and not train & val
+
+
+def test_val_ratio_with_one_sample_is_refused_naming_the_numbers(tmp_path, capsys):
+    assert prepare_data.main(["--synthetic", "--samples", "1", "--val-ratio", "0.2", "--out", str(tmp_path)]) == 2
+    assert ("--val-ratio 0.2 holds out whole shards, and " + str(tmp_path) + " has 1 sample(s): a train and a val "
+            "split need at least 2; add samples or drop --val-ratio") in capsys.readouterr().err
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        prepare_data.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "samples per tar shard (default: 16)" in text and "(default: 0.0)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_prelaunch_refuses_an_empty_train_split(sets, tmp_path):
+    """A dataset whose train split is empty (as prepare wrote it before, or `energon prepare` with no train share)
+    is refused before launch, naming it and the fix."""
+    import shutil
+
+    from tessera.hetero.runspec.config import DataConfig
+    from tessera.recipes.prelaunch import check_data
+
+    ds = tmp_path / "held"
+    shutil.copytree(sets / "held", ds)
+    split = ds / ".nv-meta" / "split.yaml"
+    split.write_text("split_parts:\n  train: []\n  val:\n  - shard-{000000..000003}.tar\n  test: []\nexclude: []\n")
+    with pytest.raises(ValueError) as e:
+        check_data(DataConfig(path=str(ds)))
+    assert str(e.value).startswith(f"data.path={ds} has no shard in its train split ({split}: its shards are in "
+                                   f"val); re-run scripts/prepare_data.py into an empty --out")
+    check_data(DataConfig(path=str(sets / "held")))  # the same dataset as prepare wrote it passes
