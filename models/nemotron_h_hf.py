@@ -85,7 +85,8 @@ def hybrid_config_from_hf(source: str | Path | dict, tp: int = 1, pp: int = 1, e
 
 def safetensors_files(hf_dir: str | Path) -> list[Path]:
     """The checkpoint's *.safetensors files; with a model.safetensors.index.json, every shard it names must
-    be there (a partial download otherwise loads as a model with missing weights)."""
+    be there (a partial download otherwise loads as a model with missing weights), and each file must be as long
+    as its header says (models/safetensors_header.py)."""
     d = Path(hf_dir)
     files = sorted(d.glob("*.safetensors"))
     if not files:
@@ -97,8 +98,15 @@ def safetensors_files(hf_dir: str | Path) -> list[Path]:
         named = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
         absent = [n for n in named if not (d / n).is_file()]
         if absent:
-            raise FileNotFoundError(f"{index} names {len(named)} shard(s) but {len(absent)} are missing: "
-                                    f"{', '.join(absent[:8])}; download the whole checkpoint")
+            raise FileNotFoundError(f"{index} names {len(named)} shard(s) but {len(absent)} "
+                                    f"{'is' if len(absent) == 1 else 'are'} missing: {', '.join(absent[:8])}; "
+                                    f"download the whole checkpoint")
+    from tessera.models.safetensors_header import safetensors_problem
+
+    broken = [p for p in map(safetensors_problem, files) if p]  # headers only: a cut-off file, named before launch
+    if broken:
+        raise ValueError(f"{len(broken)} of the {len(files)} *.safetensors file(s) in {hf_dir} "
+                         f"{'is' if len(broken) == 1 else 'are'} not whole:\n" + "\n".join(f"  {b}" for b in broken))
     return files
 
 

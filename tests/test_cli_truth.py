@@ -130,6 +130,12 @@ def test_checkpoint_must_be_hf_or_tessera(tmp_path):
         check(tmp_path / "empty")
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a whole safetensors file \(0 bytes"):
+        check(tmp_path / "hf")  # an empty file (a download that never started) is no checkpoint
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "hf" / "model.safetensors"))
     check(tmp_path / "hf")
     ck = tmp_path / "run" / "checkpoints"
     (ck / "step_000004").mkdir(parents=True)

@@ -156,8 +156,40 @@ def test_hub_layout_with_a_missing_shard_names_the_file(native_and_hub, tmp_path
                                             "mlp1.1.weight": "model-00002-of-00002.safetensors"}}
     (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(FileNotFoundError, match=r"model-00002-of-00002.safetensors"):
+    with pytest.raises(FileNotFoundError, match=r"names 2 shard\(s\) but 1 is missing: model-00002-of-00002"):
         check_checkpoint(ModelConfig(checkpoint=str(d)))
+
+
+def test_a_truncated_safetensors_file_is_named_with_both_sizes_before_launch(native_and_hub, tmp_path):
+    """Issue 62 item 5: an interrupted download stopped the run on every rank with safetensors' "incomplete
+    metadata, file not fully covered", no file named. The pre-launch check reads each header and names the file,
+    the size its header describes, the size it has, and the command that fetches it again."""
+    from safetensors import safe_open
+
+    from tessera.hetero.runspec.config import ModelConfig
+    from tessera.models.hub_cache import local_checkpoint
+    from tessera.recipes.prelaunch import check_checkpoint
+
+    _, hub = native_and_hub
+    check_checkpoint(ModelConfig(checkpoint=str(hub)))  # whole files pass
+    repo, commit = "nvidia/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16", "c" * 40
+    snap = _cache_snapshot(tmp_path / "hub", repo, commit)
+    shutil.copytree(hub, snap, dirs_exist_ok=True)
+    f = snap / "model.safetensors"
+    full = f.stat().st_size
+    f.write_bytes(f.read_bytes()[:full - 1000])
+    with pytest.raises(Exception, match="incomplete metadata, file not fully covered"):
+        safe_open(str(f), "pt")  # what a rank said before
+    with pytest.raises(ValueError) as e:
+        check_checkpoint(ModelConfig(checkpoint=local_checkpoint(repo, tmp_path / "hub")))
+    assert (f"{f}: {full - 1000:,} bytes, but its header describes {full:,} (truncated, an interrupted download or "
+            f"copy): re-download it: `hf download {repo} model.safetensors --revision {commit} --force-download`"
+            ) in str(e.value)
+    assert str(e.value).startswith(f"1 of the 1 *.safetensors file(s) in {snap} is not whole:")
+    f.write_bytes(b"\x10\x00")  # cut inside the header's length
+    with pytest.raises(ValueError, match=r"model.safetensors: not a whole safetensors file \(2 bytes, shorter than a "
+                                         r"safetensors header's 8-byte length\): re-download it"):
+        check_checkpoint(ModelConfig(checkpoint=str(snap)))
 
 
 # ---- hub ids through the local cache ---------------------------------------------------------------------------
@@ -168,8 +200,8 @@ def _cache_snapshot(cache, repo: str, commit: str, refs: tuple[str, ...] = ("mai
     snap = base / "snapshots" / commit
     snap.mkdir(parents=True)
     (snap / "config.json").write_text("{}")
-    (base / "refs").mkdir()
-    for ref in refs:
+    for ref in refs:  # refs/pr/3 and release/v1.0 are folders below refs/, as huggingface_hub writes them
+        (base / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
         (base / "refs" / ref).write_text(commit)
     return snap
 
@@ -193,6 +225,24 @@ def test_hub_id_resolves_through_the_local_cache(tmp_path, monkeypatch):
     assert local_checkpoint("nvidia/other", cache) == "nvidia/other"
     assert local_checkpoint("./no/such", cache) == "./no/such"
     assert local_checkpoint("/abs/no/such", cache) == "/abs/no/such"
+
+
+def test_every_revision_form_the_hub_takes_resolves_from_the_cache_or_is_named(tmp_path):
+    """Issue 62 item 5: branches and tags with `/`, `refs/pr/N`, a commit; a miss lists what the cache holds; an
+    empty revision and a repo id huggingface_hub refuses are named or left to the directory checks."""
+    from tessera.models.hub_cache import HubCacheMiss, local_checkpoint
+
+    cache, repo, commit = tmp_path / "hub", "nvidia/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16", "d" * 40
+    snap = _cache_snapshot(cache, repo, commit, refs=("main", "refs/pr/3", "release/v1.0", "v1.0"))
+    for rev in ("", "@main", "@refs/pr/3", "@release/v1.0", "@v1.0", f"@{commit}"):
+        assert local_checkpoint(repo + rev, cache) == str(snap), rev
+    with pytest.raises(HubCacheMiss) as e:
+        local_checkpoint(f"{repo}@refs/pr/4", cache)
+    assert (f"holds no snapshot of {repo}@refs/pr/4; it holds {repo} at main, refs/pr/3, release/v1.0, v1.0 = "
+            f"{commit}; run `hf download {repo} --revision refs/pr/4`") in str(e.value)
+    with pytest.raises(HubCacheMiss, match=r"model.checkpoint=nvidia/x@: nothing after `@`"):
+        local_checkpoint("nvidia/x@", cache)
+    assert local_checkpoint("nvidia/bad--name", cache) == "nvidia/bad--name"  # no hub id: the directory checks'
 
 
 def test_the_cli_gives_every_rank_the_cached_directory(tmp_path, monkeypatch, capsys):
