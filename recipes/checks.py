@@ -101,4 +101,25 @@ def check_overrides(fn, args: list[str]) -> None:
             if part not in fields:
                 raise ValueError(f"unknown key {m.group(1)!r}: {where} has no {part!r}; its keys: "
                                  f"{', '.join(fields)}")
-            where, fields = ".".join(parts[: i + 1]), _fields_of(fields[part])
+            where, leaf, fields = ".".join(parts[: i + 1]), fields[part], _fields_of(fields[part])
+        if fields is None and arg[m.end() - 2] not in "-+*/|&":  # a plain key=value of a scalar field
+            _check_scalar(m.group(1), arg[m.end():].strip(), leaf)
+
+
+_SCALARS = {int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _check_scalar(key: str, value: str, tp) -> None:
+    """An int / float / bool field's value must parse as one, with nemo-run's parser (the one that applies it): a
+    bad one is named here, before nemo-run wraps its own error in itself twice."""
+    kinds = [t for t in typing.get_args(tp) or (tp,) if t is not type(None)]
+    if len(kinds) != 1 or kinds[0] not in _SCALARS:
+        return
+    from nemo_run.cli.cli_parser import type_parser
+
+    try:
+        type_parser.parse(value, tp)
+    except Exception:
+        none = " (or None)" if type(None) in typing.get_args(tp) else ""
+        raise ValueError(f"{key}={value}: give {_SCALARS[kinds[0]]}{none}, e.g. {key}="
+                         f"{ {int: '3', float: '0.5', bool: 'true'}[kinds[0]]}") from None

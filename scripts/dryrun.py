@@ -36,6 +36,13 @@ def recipe_frozen(name: str, stage: str) -> tuple[str, ...]:
                  if getattr(m, flag, False))
 
 
+def recipe_recompute(name: str, stage: str) -> str:
+    """The recipe's model.recompute (the full recipes': "full"), which the dry run prices."""
+    from tessera.recipes.registry import recipe
+
+    return recipe(f"{name}_{stage}").model.recompute
+
+
 def checkpoint_model(r, checkpoint: str, frozen: tuple[str, ...]):
     """(cost model's ModelDesc, meta-device model config) of recipe defaults `r` with model.checkpoint=checkpoint:
     the checkpoint's LLM and encoders, as a run from it builds them (hetero/planner/run_layout.model_for_run)."""
@@ -65,17 +72,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="optimizer states sharded over DP x CP (ZeRO-1, the cost model's assumption) or not")
     ap.add_argument("--checkpoint", help="with --recipe: the model this released checkpoint's config.json "
                     "describes (the recipe's model.checkpoint=DIR)")
+    ap.add_argument("--recompute", help="model.recompute to price (full, selective, none, or per module: "
+                    "language=full,vision=none); default: the recipe's, else the planner's least that fits")
     ap.add_argument("--no-meta", action="store_true", help="skip the meta-device memory count")
     ap.add_argument("--cluster", default="h100")
     a = ap.parse_args(argv)
     frozen = tuple(k for k in a.freeze.split(",") if k)
-    run_model = None
+    run_model, recompute = None, a.recompute
     if a.checkpoint and not a.recipe:
         ap.error("--checkpoint needs --recipe (the recipe whose model.checkpoint it is)")
     if a.recipe:
         r = RECIPES[a.recipe]
         spec, model, workload = a.layout or r.layout, r.model(), r.workload
         frozen = frozen or recipe_frozen(a.recipe, a.stage)
+        recompute = recompute or recipe_recompute(a.recipe, a.stage)
         if a.checkpoint:
             model, run_model = checkpoint_model(r, a.checkpoint, frozen)
     elif a.layout:
@@ -84,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ap.error("give --recipe or --layout")
     report = dry_run(spec, a.world, a.microbatches, model, workload, a.cluster, meta=not a.no_meta,
-                     frozen=frozen, zero1=a.optimizer == "zero1", run_model=run_model)
+                     frozen=frozen, zero1=a.optimizer == "zero1", run_model=run_model, recompute=recompute)
     print(report)
     return 0 if report.ok else 1
 

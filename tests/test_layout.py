@@ -179,3 +179,14 @@ def test_rows_for_layout_against_a_brute_force_search():
                         rows_for_layout(layout, rows, micro)
                     continue
                 assert rows_for_layout(layout, rows, micro) == want, (sizes, rows, micro)
+
+
+def test_a_gap_in_the_ranges_is_not_fixed_by_a_world_size():
+    """Issue 62 item 7: ranges leaving rank 2 unused said "(or launch with world size 5)" to a world of 5."""
+    with pytest.raises(LayoutError) as e:
+        HeteroLayout.parse("vision=dp2@0-1;language=dp2@3-4").validate(world_size=5)
+    assert str(e.value) == ("rank ranges must tile the world of 5 ranks exactly: ranks [2] belong to no module; "
+                            "adjust the @FIRST-LAST ranges to cover them")
+    with pytest.raises(LayoutError, match=r"ranks \[4, 5\] belong to no module; adjust the @FIRST-LAST ranges "
+                                          r"\(or launch with world size 4\)"):
+        HeteroLayout.parse("vision=dp2@0-1;language=dp2@2-3").validate(world_size=6)

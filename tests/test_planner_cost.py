@@ -214,6 +214,23 @@ def test_plan_table_names_the_llm_cp_path():
     assert " 1 LLM context parallelism: attention head-parallel, mamba head-parallel" in format_table([pred])
 
 
+def test_plan_table_has_a_legend_and_says_its_last_column_is_a_layout():
+    """Issue 62 item 7: bound, idle and mb were not explained, nor that a row trains with layout=."""
+    from tessera.hetero.planner.search import format_table
+
+    pred = predict("vision=tp2,cp4@0-7;language=tp2,cp4@0-7", describe_model("nemotron_nano_12b_v2", "radio_vit_h"),
+                   Workload(seq_length=16384, global_batch=64, tiles=24), cluster("h100"))
+    assert pred.feasible, pred.reason
+    table = format_table([pred])
+    row = table.splitlines()[2].split()
+    step, parts = float(row[5]), sum(float(x) for x in row[6:10])  # step s = compute + comm + bubble + bound
+    assert abs(step - parts) < 0.03, row  # each column rounded to 0.01 s
+    for words in ("step s = compute + comm", "bound (the encoder-to-LLM boundary's sends)", "idle: the seconds",
+                  "mb: sequences per LLM data-parallel replica per microbatch",
+                  'Train a row with layout="<its layout column>"'):
+        assert words in table, words
+
+
 def test_an_encoder_is_priced_at_its_busiest_dp_rank():
     """Issue 35 item 4: an encoder's compute is the expected maximum over its DP ranks for the recipe's media mix
     (hetero/planner/straggler.py, itself checked against a simulation in tests/test_encoder_balance.py), with and

@@ -93,3 +93,17 @@ def test_bad_layouts_fail_with_the_reason():
     assert not bad_world.ok and "not a multiple" in bad_world.problems[0]
     overlap = dry_run("vision=dp4@0-3;language=tp2@2-5", groups=False)
     assert not overlap.ok and "partly overlap" in overlap.problems[0]
+
+
+def test_the_dry_run_prices_the_recipes_recompute_and_says_so(capsys):
+    """Issue 62 item 7: the dry run priced nemotron_vl_12b without recompute (45.6 GiB of activations) while the
+    recipe trains with model.recompute=full; it now prices the recipe's and names where that came from."""
+    from tessera.scripts import dryrun
+
+    assert dryrun.main(["--recipe", "nemotron_vl_12b", "--no-meta"]) == 0
+    assert "recompute language,vision (model.recompute=full)" in capsys.readouterr().out
+    from tessera.hetero.planner.dryrun import _priced_recompute
+
+    layout = HeteroLayout.parse("vision=dp2@0-1;language=dp2@0-1")
+    assert _priced_recompute("language=selective,vision=full", layout) == (
+        ("vision",), "model.recompute=language=selective,vision=full; selective (language) priced as none")

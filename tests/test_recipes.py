@@ -342,3 +342,15 @@ def test_the_planner_prices_the_microbatches_the_trainer_runs(name, gpus):
                                                                    resolved.microbatches), pred.layout
         compared += 1
     assert compared >= 10, compared
+
+
+def test_a_scalar_override_that_does_not_parse_is_named_plainly():
+    """Issue 62 item 7: trainer.max_steps=three got nemo-run's error wrapped in itself twice."""
+    from tessera.recipes.cli import finetune
+
+    with pytest.raises(ValueError) as e:
+        checks.check_overrides(finetune, ["trainer.max_steps=three"])
+    assert str(e.value) == "trainer.max_steps=three: give an integer, e.g. trainer.max_steps=3"
+    with pytest.raises(ValueError, match=r"optim.lr=fast: give a number, e.g. optim.lr=0.5"):
+        checks.check_overrides(finetune, ["optim.lr=fast"])
+    checks.check_overrides(finetune, ["trainer.max_steps=3", "optim.lr=1e-4", "trainer.run_dir=x"])

@@ -260,9 +260,11 @@ class HeteroLayout:
             covered = sorted({r for m in self.modules.values() for r in m.ranks})
             missing = sorted(set(range(world)) - set(covered))
             outside = sorted(set(covered) - set(range(world)))
+            gaps = [r for r in missing if r < self.world_size]  # inside the layout: no world size fills them
             what = f"ranks {missing} belong to no module" if missing else f"ranks {outside} exceed the world"
+            fix = "" if gaps or self.world_size == world else f" (or launch with world size {self.world_size})"
             raise LayoutError(f"rank ranges must tile the world of {world} ranks exactly: {what}; adjust the "
-                              f"@FIRST-LAST ranges (or launch with world size {self.world_size})")
+                              f"@FIRST-LAST ranges{' to cover them' if gaps else ''}{fix}")
 
     def _validate_shapes(self, shapes: ModelShapes) -> None:
         for key, m in self.modules.items():

@@ -193,14 +193,30 @@ def microbatch_workload(layout: HeteroLayout, w: Workload, microbatches: int) ->
     return dataclasses.replace(w, micro_batch=samples // dp, global_batch=samples * microbatches)
 
 
+def _priced_recompute(recompute: str | None, layout: HeteroLayout) -> tuple[tuple[str, ...] | None, str]:
+    """(the modules the cost model prices with full recompute, or None for its own choice; why, in words)."""
+    if recompute is None:
+        return None, "the planner's least that fits; the run's model.recompute was not given"
+    from tessera.hetero.plan.recompute import parse_recompute
+
+    modes = {k: m for k, m in parse_recompute(recompute).items() if k in layout.modules}
+    selective = [k for k, m in modes.items() if m == "selective"]
+    return (tuple(k for k, m in modes.items() if m == "full"),
+            f"model.recompute={recompute}" + (f"; selective ({','.join(selective)}) priced as none" if selective
+                                              else ""))
+
+
 def dry_run(layout_str: str, world: int | None = None, microbatches: int = 4, model: ModelDesc | None = None,
             workload: Workload | None = None, cluster_name: str = "h100", groups: bool = True, meta: bool = True,
-            frozen: tuple[str, ...] = (), zero1: bool = True, dtype: str = "bfloat16", run_model=None) -> Report:
+            frozen: tuple[str, ...] = (), zero1: bool = True, dtype: str = "bfloat16", run_model=None,
+            recompute: str | None = None) -> Report:
     """Check `layout_str` (scaled by DP to `world` ranks when given) at full size; see the module docstring.
     meta: count memory on the modules built on the meta device (needs `model`); frozen: module keys whose
     parameters are frozen; zero1: whether the optimizer states are sharded (optim.use_distributed_optimizer);
     run_model: the model config built on the meta device (meta_memory.model_config, e.g. with a checkpoint whose
-    config.json defines the modules), else `model`'s registry names."""
+    config.json defines the modules), else `model`'s registry names. recompute: the run's model.recompute, priced
+    as the run trains (the cost model knows full recompute or none: selective is priced as none, and said so);
+    None: the planner's least recompute that fits, named as its choice."""
     t0 = time.perf_counter()
     report = Report(layout_str, world or 0)
     try:
@@ -218,13 +234,14 @@ def dry_run(layout_str: str, world: int | None = None, microbatches: int = 4, mo
     cl = cluster(cluster_name, layout.world_size)
     if model is not None:
         # the cost model checks heads, sequence and batch divisibility and prices memory per rank range
-        pred = predict(layout, model, w, cl)
+        priced, why = _priced_recompute(recompute, layout)
+        pred = predict(layout, model, w, cl, recompute=priced)
         report.memory_gib = pred.memory_gib
         if not pred.feasible:
             report.problems.append(pred.reason)
         else:
             report.notes.append(f"cost model: {pred.tokens_per_s:.0f} tokens/s, {pred.tflops_per_gpu:.0f} "
-                                f"TFLOPS/GPU, recompute {','.join(pred.recompute) or 'none'}")
+                                f"TFLOPS/GPU, recompute {','.join(pred.recompute) or 'none'} ({why})")
         if meta and pred.modules:
             model_cfg, batch = _meta_inputs(layout, model, w, frozen, dtype, run_model)
             if model_cfg is None:

@@ -205,6 +205,14 @@ def best_layout(model_desc: ModelDesc, workload: Workload, cluster: Cluster, gpu
     return preds[0].layout
 
 
+# what each column is: the table is read by people choosing a layout, who then pass its last column as layout=
+LEGEND = ("columns: tok/s and TFLOPS per GPU predicted; gain over the homogeneous* row; step s = compute + comm "
+          "(TP, CP, EP, PP and DP collectives left exposed) + bubble (pipeline fill and drain) + bound (the "
+          "encoder-to-LLM boundary's sends); idle: the seconds of a step the most idle rank range waits; GiB: peak "
+          "memory per GPU; mb: sequences per LLM data-parallel replica per microbatch; recompute: modules with full "
+          "activation recompute. Train a row with layout=\"<its layout column>\".")
+
+
 def format_table(preds: list[Prediction], top: int | None = None) -> str:
     """A fixed-width table: rank, placement, throughput, gain, step breakdown, memory, layout; a baseline row
     (placement `homogeneous*`) is footnoted."""
@@ -223,6 +231,7 @@ def format_table(preds: list[Prediction], top: int | None = None) -> str:
                     f"{','.join(p.recompute) or '-':<10} {p.layout}")
     shown = preds[:top] if top else preds
     rows += [f"{i:>2} LLM context parallelism: {p.kernels}" for i, p in enumerate(shown, 1) if p.kernels]
+    rows.append(LEGEND)
     if any(p.baseline for p in (preds[:top] if top else preds)):
         rows.append("* Megatron's baseline, the gains' reference: encoders unsplit on the LLM's first pipeline stage, "
                     "replicated over its CP ranks. Tessera trains this string as colocated (encoders split like the LLM).")
