@@ -110,9 +110,10 @@ def _start_reaper() -> None:
                      close_fds=True)
 
 
-def _run_dir(name: str, trainer: TrainerConfig) -> Path:
-    """Rank 0 chooses (the configured one, or runs/<name>-<time>); every rank gets the same path."""
-    choice = [None]
+def _run_dir(name: str, trainer: TrainerConfig) -> tuple[Path, bool]:
+    """Rank 0 chooses (the configured one, or runs/<name>-<time>); every rank gets the same path, and whether this
+    launch created it."""
+    choice = [None, False]
     if dist.get_rank() == 0:
         # under Slurm the job id, not the time: a requeued job (same id) resumes from its own checkpoints
         stamp = f"slurm{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID") else time.strftime(
@@ -121,12 +122,52 @@ def _run_dir(name: str, trainer: TrainerConfig) -> Path:
 
         stamp = run_dir_stamp(trainer) or stamp  # an elastic job: one directory over its restarts
         choice[0] = trainer.run_dir or str(Path("runs") / f"{name}-{stamp}")
+        choice[1] = not Path(choice[0]).exists()
+        Path(choice[0]).mkdir(parents=True, exist_ok=True)
     dist.broadcast_object_list(choice, src=0)
-    path = Path(choice[0]).resolve()
+    return Path(choice[0]).resolve(), choice[1]
+
+
+def _hold_run_dir(run_dir: Path):
+    """Rank 0 takes the run directory's lock (hetero/training/run_dir_lock.py) and every rank learns the outcome:
+    a directory another live job holds ends this job on every rank, before anything is written (EXIT_BUSY).
+    Returns rank 0's lock (None elsewhere)."""
+    from tessera.hetero.training.run_dir_lock import EXIT_BUSY, RunDirBusy, RunDirLock
+
+    lock, outcome = None, [None]
     if dist.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    return path
+        try:
+            lock = RunDirLock.acquire(run_dir)
+            if lock.took_over:
+                print(lock.took_over, flush=True)
+        except RunDirBusy as e:
+            outcome[0] = str(e)
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        if dist.get_rank() == 0:
+            print(f"refused: {outcome[0]}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_BUSY)
+    return lock
+
+
+def _nothing_to_do(run_dir: Path, trainer: TrainerConfig) -> int | None:
+    """The step the run directory's last checkpoint holds when it is already trainer.max_steps or more (a finished
+    run launched again, a requeue of a job that had just finished), else None."""
+    from tessera.hetero.runspec.checkpoints import latest_step
+
+    step = latest_step(run_dir / "checkpoints") if trainer.resume else None
+    return step if step is not None and step >= trainer.max_steps else None
+
+
+def _remove_if_unused(run_dir: Path) -> None:
+    """Rank 0, after a run this launch created failed before its first step: the empty folder goes too (only
+    what Tessera writes before a step: the lock is released by then, TensorBoard's empty event files)."""
+    import shutil
+
+    from tessera.hetero.training.metrics import read_metrics
+
+    if not (run_dir / "checkpoints").exists() and not read_metrics(run_dir):
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def train(model: ModelConfig, data: DataConfig, optim: OptimConfig, trainer: TrainerConfig, layout: str = "",
@@ -158,8 +199,8 @@ def _step_flops(cfg):
 
 
 def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
-    from tessera.hetero.runtime.world import process_world, release_spares
-    from tessera.recipes.elastic import resolve_on_world, restart_before_joining
+    from tessera.hetero.runtime.world import process_world
+    from tessera.recipes.elastic import restart_before_joining
     from tessera.hetero.training.preemption import EXIT_STOPPED
 
     cfg = RunConfig(name, layout, model, data, optim, trainer)
@@ -169,20 +210,22 @@ def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
     # threads, megatron-core's CPU shims, the device bound, then the world (an elastic restart's lowest ranks)
     with process_world(trainer.timeout_s, restart.world if restart else None):
         rank = dist.get_rank()
-        run_dir = _run_dir(name, trainer)
+        run_dir, created = _run_dir(name, trainer)
         if rank == 0:
             print(f"run_dir: {run_dir}", flush=True)
-            from tessera.recipes.prelaunch import full_size_warnings
-
-            for line in full_size_warnings(model, data):
-                print(line, file=sys.stderr, flush=True)
-        from tessera.hetero.training.loop import run_training
-
-        # the run resolved once on this world (every rank alike: pure and deterministic; layout=auto asks the planner)
-        resolved = resolve_on_world(cfg, restart)
-        summary = run_training(cfg, resolved, run_dir, stop, step_flops=_step_flops(cfg))
-        if rank == 0:
-            release_spares(resolved.spares, EXIT_STOPPED if summary.get("stopped_by") else 0)
+        lock = _hold_run_dir(run_dir)  # one job per run directory: a second one ends here, having written nothing
+        try:
+            summary = _train_held(cfg, restart, run_dir, stop)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+                if created:
+                    _remove_if_unused(run_dir)
+            raise
+        if lock is not None:
+            lock.release()
+        if summary.get("nothing_to_do"):
+            return summary
     if summary.get("stopped_by"):
         if rank == 0:
             print(f"stopped by {summary['stopped_by']} after step {summary['steps']}: checkpoint step "
@@ -192,6 +235,37 @@ def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
     if rank == 0:
         print(f"done: steps={summary['steps']} first_loss={summary['first_loss']:.4f} "
               f"last_loss={summary['last_loss']:.4f} layout={summary['layout']}", flush=True)
+    return summary
+
+
+def _train_held(cfg: RunConfig, restart, run_dir: Path, stop) -> dict:
+    """The run, once this job holds run_dir: resolved on this world, then trained (or nothing, when run_dir's
+    checkpoint is already at trainer.max_steps)."""
+    from tessera.hetero.runtime.world import release_spares
+    from tessera.hetero.training.preemption import EXIT_STOPPED
+    from tessera.recipes.elastic import resolve_on_world
+
+    rank = dist.get_rank()
+    # the run resolved once on this world (every rank alike: pure and deterministic; layout=auto asks the planner)
+    resolved = resolve_on_world(cfg, restart)
+    done = _nothing_to_do(run_dir, cfg.trainer)
+    if done is not None:
+        if rank == 0:
+            print(f"nothing to do: {run_dir} holds checkpoint step {done} and trainer.max_steps={cfg.trainer.max_steps}"
+                  f"; to train further, raise trainer.max_steps (the run resumes from step {done}); for a new run, "
+                  f"give it another trainer.run_dir", flush=True)
+            release_spares(resolved.spares, 0)
+        return {"run_dir": str(run_dir), "steps": done, "nothing_to_do": True}
+    if rank == 0:
+        from tessera.recipes.prelaunch import full_size_warnings
+
+        for line in full_size_warnings(cfg.model, cfg.data):
+            print(line, file=sys.stderr, flush=True)
+    from tessera.hetero.training.loop import run_training
+
+    summary = run_training(cfg, resolved, run_dir, stop, step_flops=_step_flops(cfg))
+    if rank == 0:
+        release_spares(resolved.spares, EXIT_STOPPED if summary.get("stopped_by") else 0)
     return summary
 
 

@@ -306,7 +306,7 @@ def _run_dir_in(cwd: str) -> str:
     from tessera.recipes import train as train_mod
 
     os.chdir(cwd)
-    return str(train_mod._run_dir("vl", TrainerConfig()))
+    return str(train_mod._run_dir("vl", TrainerConfig())[0])
 
 
 def test_slurm_run_dir_is_the_job_id(monkeypatch, tmp_path):

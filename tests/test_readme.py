@@ -136,6 +136,7 @@ COMMANDS = [
     Row(r"bench_train\.py", "standin", why="minutes: 4 ranks train every layout",
         covered_by=("tests/test_bench_train.py::test_summary_uses_median_after_warmup_and_ratio_to_homogeneous",
                     "tests/test_train_hetero.py::test_loss_and_grad_norm_match_homogeneous_at_every_step")),
+    Row(r"bench_progress\.py", "run", short="--steps 3 --pairs 1", group="bench", expect=r"\| on \| [\d.]+ \| 1 \|"),
     Row(r"bench_cp\.py", "run", short="--seqs 256 --cps 2 --repeat 1", group="bench", expect=r"\| 256 \| 2 \| mamba \|"),
     Row(r"bench_cp_kernels", "run", short="--device cpu --seqs 512 --cps 2 --tp 16 --repeat 1", group="bench",
         expect=r"\| 512 \| 2 \| head \| conv1d"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -121,13 +122,25 @@ def test_sigkilled_rank_leaves_no_process_behind(tmp_path):
         # hetero/training/preemption.checkpoint_queue_start_method), not the reaper (python -I -S)
         helpers = {pid: c for pid, c in job.items() if _parent(pid) in ranks and " -I -S -c" not in c}
         assert helpers, f"no helper processes to test with: {job}"
-        rank1 = [pid for pid in ranks if b"RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")]
-        assert len(rank1) == 1, job
-        os.kill(rank1[0], signal.SIGKILL)
+        rank0 = [pid for pid in ranks if b"RANK=0" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")]
+        assert len(rank0) == 1, job
+        os.kill(rank0[0], signal.SIGKILL)  # rank 0: the run directory's lock stays behind, held by a dead pid
         rc = proc.wait(timeout=300)
     assert rc != 0
     left = _survivors(marker)
-    assert not left, f"left behind after rank 1 was SIGKILLed (helpers were {sorted(helpers)}): {left}"
+    assert not left, f"left behind after rank 0 was SIGKILLed (helpers were {sorted(helpers)}): {left}"
+
+    # the same job again, with trainer.max_steps at the checkpoint it left: it takes the dead job's lock over
+    # (this host says the pid is gone), says so, and has nothing to do
+    from tessera.hetero.runspec.checkpoints import latest_step
+
+    step = latest_step(run_dir / "checkpoints")
+    rc, out, left = _launch(run_dir, {}, step)
+    assert rc == 0 and not left, out[-3000:]
+    assert (f"took over the run directory {run_dir.resolve()} from pid {rank0[0]} on {socket.gethostname()} "
+            f"(torchrun, since ") in out and f"its process ({rank0[0]} on {socket.gethostname()}) has ended" in out, out
+    assert f"nothing to do: {run_dir.resolve()} holds checkpoint step {step} and trainer.max_steps={step}" in out, out
+    assert not (run_dir / "tessera.lock").exists()
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -167,3 +180,64 @@ def test_crash_during_save_keeps_the_last_complete_checkpoint(tmp_path, mode):
     assert latest_checkpoint(root) == root / "step_000003"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001", "step_000002", "step_000003"]
     assert latest_checkpoint(tmp_path / "nothing") is None
+
+
+HANG_TIMEOUT_S = 20  # the hang test's collective timeout: the survivor reports once it has waited this long
+
+
+def test_a_stopped_rank_is_named_and_a_rerun_resumes_bitwise(tmp_path):
+    """Rank 1 stops (SIGSTOP: a read that never returns, a deadlock) at the start of step 4, after checkpoint step 2.
+    Rank 0's collective times out and names it: its rank, the modules and grid places it holds, where it stopped,
+    its host and pid, and the checkpoint a re-run resumes from. torchrun ends the job non-zero with nothing left
+    running; the same command resumes from step 2 and redoes step 3 bitwise."""
+    run_dir = tmp_path / "run"
+    env = {"TESSERA_FAIL_AT_STEP": "3:1:stop"}
+    rc, out, left = _launch(run_dir, env, 4, "trainer.save_every=2", f"trainer.timeout_s={HANG_TIMEOUT_S}")
+    assert rc != 0, out[-3000:]
+    assert not left, f"processes left behind by a job with a stopped rank: {left}"
+    pid = out.split("rank 1 (pid ", 1)[1].split(")", 1)[0]
+    assert f"hang: rank 0's collective waited {HANG_TIMEOUT_S} s (trainer.timeout_s) for:" in out, out[-3000:]
+    named = [line for line in out.splitlines() if "hang:   rank 1 (" in line]
+    assert len(named) == 1, out[-3000:]
+    assert "rank 1 (vision tp0 cp0 dp1 pp0, language tp0 cp0 dp1 pp0) stopped answering " in named[0], named
+    assert named[0].endswith(f"in step 4, data: host {socket.gethostname()}, pid {pid}"), named
+    assert (f"resumes from {run_dir.resolve() / 'checkpoints' / 'step_000002'}") in out, out[-3000:]
+    stopped = read_metrics(run_dir)
+    assert [r["step"] for r in stopped] == [1, 2, 3]
+
+    rc, out, left = _launch(run_dir, {}, 4, "trainer.save_every=2", f"trainer.timeout_s={HANG_TIMEOUT_S}")
+    assert rc == 0 and not left, out[-3000:]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[2]["loss"] == stopped[2]["loss"], "step 3 redone from step 2's checkpoint must repeat exactly"
+
+
+def test_two_jobs_on_one_run_directory_one_refuses_and_a_finished_run_has_nothing_to_do(tmp_path):
+    """The same command launched twice at once (a double submit): one job holds the run directory, the other
+    refuses before writing anything, naming the directory and the holder; the holder finishes with every step
+    logged once. Launched again after it ended, the job has nothing to do: exit 0, not a byte written."""
+    run_dir = tmp_path / "run"
+    markers = [uuid.uuid4().hex, uuid.uuid4().hex]
+    with contextlib.ExitStack() as stack:
+        procs = [stack.enter_context(_job(_cmd(run_dir, 4), tmp_path / f"job{i}.log",
+                                          dict(os.environ, OMP_NUM_THREADS="1", **{MARKER: m})))
+                 for i, m in enumerate(markers)]
+        rcs = [p.wait(timeout=600) for p in procs]
+    logs = [(tmp_path / f"job{i}.log").read_text() for i in range(2)]
+    assert sorted(rc == 0 for rc in rcs) == [False, True], (rcs, [log[-2000:] for log in logs])
+    refused = logs[rcs.index(next(rc for rc in rcs if rc != 0))]
+    lock = run_dir.resolve() / "tessera.lock"
+    assert (f"refused: the run directory {run_dir.resolve()} is in use by another job: pid ") in refused, refused
+    assert f"holds {lock}" in refused and "step 1/" not in refused, refused
+    assert not any(_survivors(m) for m in markers)
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4], "a step logged twice: both jobs trained"
+    assert not lock.exists(), "the finished job left its lock"
+
+    def files():
+        return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+    before = files()
+    rc, out, left = _launch(run_dir, {}, 4)
+    assert rc == 0 and not left, out[-3000:]
+    assert f"nothing to do: {run_dir.resolve()} holds checkpoint step 4 and trainer.max_steps=4" in out, out[-3000:]
+    assert files() == before, "a run with nothing to do wrote into its run directory"

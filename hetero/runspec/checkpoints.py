@@ -1,6 +1,7 @@
 """What a run's `model.checkpoint` (or run directory) holds, read without building anything.
 
     latest_checkpoint(run_dir / "checkpoints")   # the last complete checkpoint: what the `latest` marker names
+    latest_step(run_dir / "checkpoints")         # its step (a run at trainer.max_steps has nothing to do)
     checkpoint_llm_fields(source)                # the LLM shape a fine-tune from `source` must build
 
 hetero/training/checkpoint.py writes checkpoints and publishes the marker (atomically, after every shard is
@@ -10,6 +11,7 @@ written); everything that only needs to know where a run stands reads it here.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from tessera.models import released
@@ -24,6 +26,13 @@ def latest_checkpoint(root: str | Path) -> Path | None:
         return None
     path = Path(root) / marker.read_text().strip()
     return path if path.is_dir() else None
+
+
+def latest_step(root: str | Path) -> int | None:
+    """The step of the last complete checkpoint under root (its directory's name, step_NNNNNN), or None."""
+    path = latest_checkpoint(root)
+    m = re.fullmatch(r"step_(\d+)", path.name) if path is not None else None
+    return int(m[1]) if m else None
 
 
 def checkpoint_llm_fields(source: str | None) -> dict | None:

@@ -28,12 +28,16 @@ import torch.distributed as dist
 from tessera.hetero.runtime.boundary import BoundaryCommunicator
 from tessera.hetero.plan.boundary_plan import BoundaryBatch
 from tessera.hetero.runtime.groups import ModuleGroups
+from tessera.hetero.runtime.progress import mark
 from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
 from tessera.hetero.plan.schedule_plan import rank_schedule
 
 # False: every boundary forward waits for its messages inside the op (what scripts/bench_train.py --overlap
 # compares the deferred wait against); the trainer always defers
 DEFER_BOUNDARY_WAIT = True
+# each op's phase in this rank's published position (hetero/runtime/progress.py: a hang names where a rank stopped)
+_PHASE = {"fwd": "forward", "bwd": "backward", "boundary_fwd": "boundary", "boundary_bwd": "boundary",
+          "send": "pipeline", "recv": "pipeline"}
 
 
 class EncoderStage(Protocol):
@@ -97,6 +101,7 @@ def hetero_step(layout: HeteroLayout, groups: dict[str, ModuleGroups], encoders:
         key, mb, slot = op.module, op.mb, (op.module, op.mb)
         if forward_only and (op.kind in ("bwd", "boundary_bwd") or op.kind in ("send", "recv") and op.what != "act"):
             continue
+        mark(_PHASE[op.kind], key)
         if op.kind == "recv" and op.what == "act":
             buf = torch.empty(stage(key).input_shape(mb), dtype=like.dtype, device=like.device)
             dist.recv(buf, op.peer)
@@ -153,6 +158,7 @@ def hetero_step(layout: HeteroLayout, groups: dict[str, ModuleGroups], encoders:
                 BoundaryCommunicator.backward_from(out)
         else:
             raise AssertionError(f"unknown op {op}")
+    mark("pipeline")
     for work, _ in st.sends:
         work.wait()
     for k in sorted(comms):

@@ -4,16 +4,20 @@ metrics.
 Called by recipes/train.py once torch.distributed is up and the run directory is known (every rank).
 Reads top to bottom in the order a step happens; the pieces live next to it in hetero/training/.
 
-Fault behaviour: every collective has the process group's timeout (trainer.timeout_s); when a rank dies,
-its peers fail at their next collective (gloo: connection closed; NCCL: timeout) and exit non-zero, and
-torchrun tears the job down. A relaunch (or torchrun --max-restarts) resumes from the `latest` checkpoint.
-`TESSERA_FAIL_AT_STEP=N[:RANK]` makes a rank exit abruptly at step N (what the fault test uses).
+Fault behaviour: every collective has the process group's timeout (trainer.timeout_s); when a rank dies or
+stops, its peers fail at their next collective (gloo: connection closed or timed out; NCCL: timeout), print which
+rank stopped advancing, where, on which host (hetero/runtime/progress.py: each rank's position, published to the
+launcher's store) and the checkpoint a re-run resumes from, and exit non-zero; torchrun tears the job down. A
+relaunch (or torchrun --max-restarts) resumes from the `latest` checkpoint.
+`TESSERA_FAIL_AT_STEP=N[:RANK[:stop]]` makes a rank exit abruptly at step N, or stop (SIGSTOP) there (what the fault
+tests use).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -31,9 +35,10 @@ from tessera.hetero.plan.resolved_run import ResolvedRun
 from tessera.hetero.runspec.modules import encoder_names
 from tessera.hetero.runtime.device import current_device
 from tessera.hetero.runtime.groups import destroy_module_groups
+from tessera.hetero.runtime.progress import ProgressBeacon, mark
 from tessera.hetero.runtime.step_executor import hetero_step
 from tessera.hetero.runtime.world import freeze_live_objects
-from tessera.hetero.training.checkpoint import KeepPolicy, finish_async_saves, save_checkpoint
+from tessera.hetero.training.checkpoint import KeepPolicy, finish_async_saves, latest_checkpoint, save_checkpoint
 from tessera.hetero.training.loader_state import encode_loader_state
 from tessera.hetero.training.metrics import RunMetrics, peak_memory_gib
 from tessera.hetero.training.preemption import (StopSignals, checkpoint_queue_start_method, shield_checkpoint_queue,
@@ -56,8 +61,12 @@ def _export_hf(ckpt_root: Path, out: str) -> None:
 def _maybe_fail(step: int, rank: int) -> None:
     spec = os.environ.get("TESSERA_FAIL_AT_STEP")
     if spec:
-        at, _, who = spec.partition(":")
+        at, who, how = (spec.split(":") + ["", ""])[:3]
         if step == int(at) and rank == int(who or 0):
+            if how == "stop":  # a rank that stops answering: a stuck read, a deadlock (the hang test)
+                print(f"TESSERA_FAIL_AT_STEP={spec}: rank {rank} (pid {os.getpid()}) stops (SIGSTOP) at step {step}",
+                      file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
             print(f"TESSERA_FAIL_AT_STEP={spec}: rank {rank} exits with 17 at step {step}", file=sys.stderr, flush=True)
             os._exit(17)  # an abrupt death: no cleanup, no collective goodbye
 
@@ -74,6 +83,7 @@ def _train_step(run: RunState, step: int, it, ctx: StepContext, flags=lambda: [0
     read = sum(b.read_bytes for b in batches)  # data/loader.py counts them per batch
     sent0, boundary0 = sum(c.bytes_sent for c in comms.values()), sum(c.seconds for c in comms.values())
     result = hetero_step(layout, groups, enc, lang, comms, boundary_batches(batches, layout, ctx.settle), ctx.like)
+    mark("optimizer")
     stats = run.opt.step(run.lr_schedule(step))
     sums = torch.tensor([float(result.loss) if ctx.hosts_loss else 0.0,
                          sum(c.bytes_sent for c in comms.values()) - sent0, read, *flags()], dtype=torch.float64,
@@ -107,6 +117,7 @@ def _train_step(run: RunState, step: int, it, ctx: StepContext, flags=lambda: [0
 
 def _save(run: RunState, step: int, loader, keep: KeepPolicy, queue) -> None:
     """Save `step` (asynchronously when `queue` is given, after the previous save is published)."""
+    mark("save")
     finish_async_saves(queue, run.ckpt_root, blocking=True)  # one save in flight at a time
     save_checkpoint(run.ckpt_root, step, run.modules, run.opt, run.groups, run.configs,
                     # all text, so the common state is torch.load(weights_only=True)-safe and the
@@ -127,6 +138,12 @@ def _save_due(trainer, step: int, agreed: list[bool]) -> bool:
             or any(agreed))
 
 
+def _hosted(layout, rank: int) -> str:
+    """What a rank computes, for the hang report: each module it is in, with its place in the module's grid."""
+    coords = {k: layout[k].coord(rank) for k in layout.modules_of_rank(rank)}
+    return ", ".join(f"{k} tp{c.tp} cp{c.cp} dp{c.dp} pp{c.pp}" for k, c in coords.items())
+
+
 def run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals,
                  device: torch.device | None = None, step_flops=None) -> dict:
     """Train `cfg`, resolved on this world as `resolved` (recipes/checks.resolve), on this rank: data and
@@ -138,8 +155,29 @@ def run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals,
     handed in by recipes/train.py: training code never imports the cost model."""
     if resolved.world != dist.get_world_size():
         raise ValueError(f"the run was resolved for {resolved.world} ranks but the world has {dist.get_world_size()}")
-    keep = KeepPolicy(cfg.trainer.keep_last, cfg.trainer.keep_every)  # a bad policy fails before any work
     device = device or current_device()
+    mark("build", step=0)
+    # each rank's position where its peers read it without a collective: a collective that fails names the rank
+    # that stopped advancing (on a GPU the beacon itself does, before NCCL's watchdog aborts the process)
+    beacon = ProgressBeacon(dist.get_rank(), dist.get_world_size(), cfg.trainer.timeout_s,
+                            lambda r: _hosted(resolved.layout, r),
+                            watch=device.type == "cuda")
+    try:
+        return _run_training(cfg, resolved, run_dir, stop, device, step_flops)
+    except Exception as e:
+        last = latest_checkpoint(run_dir / "checkpoints")
+        lines = beacon.report(e, str(last) if last else "the start (no checkpoint was saved yet)")
+        if not lines:
+            raise
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        raise SystemExit(1) from e  # the report is the message; the timeout's traceback only repeats it
+    finally:
+        beacon.close()
+
+
+def _run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals, device: torch.device,
+                  step_flops) -> dict:
+    keep = KeepPolicy(cfg.trainer.keep_last, cfg.trainer.keep_every)  # a bad policy fails before any work
     # a stop signal to the rank's process group leaves the checkpoint writer alive
     shield_checkpoint_queue(checkpoint_queue_start_method(device))
     val_sets = resolve_val_sets(cfg.data.val_path, dist.get_rank(), cfg.data.path,  # {} without data.val_path
@@ -160,12 +198,14 @@ def run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals,
     it, record, first_loss, last_save, stopped, last_val = iter(loader), {}, None, time.monotonic(), None, {}
     loop_start, blocked, saves = time.perf_counter(), 0.0, 0  # what saves cost the steps (scripts/bench_train.py)
     for step in range(run.start, cfg.trainer.max_steps):
+        mark("data", step=step)
         _maybe_fail(step, run.rank)
         record, (stop_now, time_due) = _train_step(run, step, it, ctx, lambda: stop.local_flags(last_save))
         first_loss = record["loss"] if first_loss is None else first_loss
         if metrics is not None:
             metrics.log(record)
         if val_sets and _val_due(cfg.trainer, step + 1) and not stop_now:  # a stop saves first, at once
+            mark("validation")
             last_val = validate(run, val_sets, cfg.trainer.val_steps, ctx)
             if metrics is not None:
                 metrics.log_val(step + 1, last_val)
@@ -185,6 +225,7 @@ def run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals,
 
     close_loader(loader)
     plot = metrics.close() if metrics is not None else None
+    mark("export")
     if cfg.trainer.export_hf and run.rank == 0 and not stopped:
         _export_hf(run.ckpt_root, cfg.trainer.export_hf)
     dist.barrier()
