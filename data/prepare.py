@@ -1,5 +1,5 @@
 """Dataset preparation as library code: samples (a manifest's or a Hugging Face dataset's records, turned into
-conversations by data/chat_formats.py and written by data/prepare_parallel.py; a media folder; a synthetic
+conversations by data/formats/ and written by data/prepare_parallel.py; a media folder; a synthetic
 generator) in, webdataset shards + energon's index out. scripts/prepare_data.py is its command line; the training
 loop's synthetic data set (data/pipeline.py) calls make_synthetic directly.
 
@@ -30,7 +30,7 @@ import soundfile as sf
 import webdataset as wds
 from PIL import Image, ImageDraw
 
-from tessera.data.chat_formats import caption_chat  # noqa: F401  (re-exported: tests and benchmarks use it)
+from tessera.data.formats import caption_chat  # noqa: F401  (re-exported: tests and benchmarks use it)
 from tessera.data.media_meta import PART_FILTER, has_facts, item_entry
 
 KIND_OF_EXT = {".jpg": "image", ".jpeg": "image", ".png": "image", ".webp": "image", ".mp4": "video",

@@ -2,7 +2,7 @@
 
 Worker i takes the i-th part of the records (data/prepare_sources.py: contiguous rows of an array or a dataset,
 every N-th line of a JSONL file), detects each record's format and turns it into Tessera's conversation
-(data/chat_formats.py), reads its media and writes shard-III-NNNNNN.tar (shard-NNNNNN.tar with one worker): the
+(data/formats/), reads its media and writes shard-III-NNNNNN.tar (shard-NNNNNN.tar with one worker): the
 media probes (data/media_meta.py) run where the bytes are read, and no bytes cross a process boundary. Workers are
 forked after the source is opened, so a JSON array is parsed once and shared. Memory is flat in the number of
 records: records stream through, and only a bounded sample of texts is kept for the tokenizer trained on the dataset.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tessera.data.chat_formats import RecordError, detect, to_conversation
+from tessera.data.formats import RecordError, detect, to_conversation
 from tessera.data.prepare import remove_stale_shards, write_part
 from tessera.data.prepare_sources import media_bytes
 

@@ -20,7 +20,7 @@ import os
 import re
 from pathlib import Path
 
-from tessera.data.chat_formats import RecordError
+from tessera.data.formats import RecordError
 
 SPLIT_NAMES = ("train", "validation", "val", "test")
 

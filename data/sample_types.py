@@ -13,7 +13,7 @@ stream (data/loader.py), and decoding pixels there would cost every rank the who
 have no media metadata, so every rank reads each sample's media bytes (logged once per dataset).
 
 How each type becomes a conversation (user turn, assistant turn; the media tag first unless the text has one):
-  CaptioningSample      user: data.caption_prompt (None: the project's caption prompt, data/chat_formats.PROMPTS)
+  CaptioningSample      user: data.caption_prompt (None: the project's caption prompt, data/formats/common.PROMPTS)
                         assistant: caption
   VQASample             user: context; assistant: the answer of the largest answer_weight (the first without)
   MultiChoiceVQASample  user: context and the choices as "A. ...", one a line; assistant: "X. correct choice"
@@ -29,7 +29,7 @@ import webdataset
 import yaml
 from megatron.energon.flavors.webdataset.sample_decoder import SampleDecoder
 
-from tessera.data.chat_formats import PROMPTS
+from tessera.data.formats import PROMPTS
 from tessera.data.tokens import MEDIA_TAGS
 
 #: the project's own schema (data/prepare.py), read by the loader's cooker

@@ -9,7 +9,7 @@ Turn a JSONL manifest, a folder, or a synthetic generator into webdataset shards
     python scripts/prepare_data.py --synthetic --out DIR [--samples 96] [--seed 0]
     ... [--val-ratio 0.1]     # hold out a share of the shards as energon's val split (validated on by default)
 
-A manifest is JSONL or a JSON array; each record's format is detected from its keys (data/chat_formats.py):
+A manifest is JSONL or a JSON array; each record's format is detected from its keys (data/formats/):
 Tessera's own chat record {"conversation": [{"role", "content"}...], "media": [{"kind": "image", "path": p}, ...]}
 whose content holds <image>/<video>/<audio> tags, a caption record {"image"|"video"|"audio": path, "caption":
 text}, LLaVA / ShareGPT ({"conversations": [{"from", "value"}...], "image": path or list}) or OpenAI / TRL

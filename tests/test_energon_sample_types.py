@@ -18,7 +18,7 @@ import torch
 from _energon_sets import energon_set, jpeg
 
 from tessera.data.loader import ChatTaskEncoder, build_loader
-from tessera.data.chat_formats import PROMPTS
+from tessera.data.formats import PROMPTS
 from tessera.data.prepare import energon_prepare, synth_video, write_shards
 from tessera.data.sample_types import UnsupportedSampleType, check_sample_types
 from tessera.data.tokens import EncoderTokens, Tokenizer, train_sentencepiece
