@@ -40,13 +40,36 @@ from tessera.recipes.slurm_signal import shutdown_grace_s
 CPU_DEFAULT_WORLD = 4  # layout "" on a machine without GPUs: the 4-rank CPU layouts of the tiny recipes
 # Slurm defaults (nemo-run's SlurmExecutor fields): a 4-hour allocation (a common partition maximum; a 20,000-step
 # recipe spans several), requeued up to 3 times (nemo-run's sbatch script runs `scontrol requeue` after a
-# non-zero exit while SLURM_RESTART_COUNT < retries; it submits with --requeue, so preemption requeues too),
+# non-zero exit while SLURM_RESTART_COUNT < retries, and REQUEUE_ON_EXIT below when that command fails; it submits
+# with --requeue, so preemption requeues too),
 # and SIGTERM to the ranks 5 minutes before the limit (--signal=TERM@300): they save the step they are in and
 # exit non-zero, so the job is requeued instead of being killed with its batch script. A requeued job keeps its
 # id, and recipes/train.py names the run directory after it, so it resumes from that checkpoint.
 DEFAULT_TIME = "04:00:00"
 DEFAULT_RETRIES = 3
 DEFAULT_SIGNAL = "TERM@300"
+# The requeue, made sure of (issue 61). nemo-run's sbatch script requeues after srun exits non-zero with retries
+# left, but under `set -e`: an `scontrol requeue` that fails (slurmctld slow to answer on a loaded cluster) ends the
+# script there, the job FAILED and never requeued. This EXIT trap, set before srun (setup_lines), runs however the
+# script ends. An allocation that ended non-zero (torchrun exits 1 when it dies of the signal, 143 or 137 when it is
+# killed: every way but success) with retries left and no requeue counted by Slurm for it yet (scontrol's Restarts
+# still SLURM_RESTART_COUNT) is requeued, the RPC retried for about a minute while slurmctld does not answer.
+REQUEUE_ON_EXIT = r"""
+tessera_requeue_on_exit() {
+    local rc=$? restarts try
+    set +e
+    [ "$rc" -ne 0 ] && [ "${TORCHX_MAX_RETRIES:-0}" -gt "${SLURM_RESTART_COUNT:-0}" ] || return 0
+    for try in 1 2 3 4 5 6; do
+        restarts=$(scontrol -o show job "$SLURM_JOB_ID" 2>/dev/null | grep -o 'Restarts=[0-9]*' | cut -d= -f2)
+        if [ -n "$restarts" ]; then
+            [ "$restarts" -gt "${SLURM_RESTART_COUNT:-0}" ] && return 0
+            scontrol requeue "$SLURM_JOB_ID" && echo "tessera: job $SLURM_JOB_ID requeued (exit $rc)" && return 0
+        fi
+        sleep $((try * 3))
+    done
+    echo "tessera: could not requeue job $SLURM_JOB_ID after exit $rc" >&2
+}
+trap tessera_requeue_on_exit EXIT"""
 # On SIGTERM (or SIGUSR1) the ranks save and exit; torchrun must wait for them and forward SIGUSR1
 # (recipes/slurm_signal.py says how long, from the job's --signal).
 LOCAL_GRACE_S = 300
@@ -122,7 +145,7 @@ def slurm(account: str = "", partition: Optional[str] = None, nodes: int = 1, gp
     return run.Config(run.SlurmExecutor, account=account, partition=partition, nodes=nodes,
                       gpus_per_node=gpus_per_node, ntasks_per_node=0, time=time, retries=retries, signal=signal,
                       container_image=container_image, launcher="torchrun", tunnel=tunnel, packager=packager,
-                      env_vars=env)
+                      env_vars=env, setup_lines=REQUEUE_ON_EXIT.strip())
 
 
 EXECUTORS = {"local": local, "slurm": slurm}
@@ -299,43 +322,98 @@ def failing_rank_report(logs: str, tail: int = 15) -> str:
     return "\n".join(out)
 
 
-def wait_out_requeues(exp, poll_s: float = 2.0, settle_s: float = 60.0) -> None:
-    """Wait until every Slurm job of a launched Experiment is out of Slurm's queue and reads final in sacct, and
-    set its state from that read.
+def slurm_controller_state(tunnel, app_id: str) -> tuple[str | None, int | None]:
+    """(JobState, Restarts) of a job as slurmctld holds it now: no accounting lag, and Restarts counts the requeues
+    so far. ("FORGOTTEN", None) once slurmctld has dropped the finished job (MinJobAge, 5 minutes by default);
+    (None, None) when it did not answer (busy: try again)."""
+    out = tunnel.run(f"scontrol -o show job {app_id}", hide=True, warn=True)
+    text = out.stdout + out.stderr
+    if not out.ok:
+        return ("FORGOTTEN", None) if "Invalid job id" in text else (None, None)
+    state, restarts = re.search(r"\bJobState=(\S+)", text), re.search(r"\bRestarts=(\d+)", text)
+    return (state.group(1) if state else None), (int(restarts.group(1)) if restarts else None)
 
-    nemo-run's wait (exp.run(detach=False)) ends on the first final state sacct reports. A job that requeues itself
-    (a failed try below run.executor.retries, a time-out or a preemption: see DEFAULT_RETRIES) was seen to end
-    that wait after its first allocation (~1 run in 10 on a loaded box), the job queued again and running on
-    unwatched; and sacct lags squeue by up to seconds both ways (polled at 50 ms). So the job must be absent from
-    squeue (which lists pending, running and completing jobs) and final in sacct on two polls in a row. Once it
-    is out of the queue, sacct gets settle_s to read final (a cluster without accounting never does: the state
-    nemo-run read stays)."""
-    from nemo_run.run.torchx_backend.runner import get_runner
+
+def slurm_allocations(tunnel, app_id: str) -> list[str]:
+    """sacct's state of each allocation of a job, oldest first (-D: a requeued job keeps its id, and each earlier
+    allocation reads REQUEUED); [] when accounting does not know the job (yet)."""
+    out = tunnel.run(f"sacct -D -X -n -P -j {app_id} --format=JobID,State", hide=True, warn=True)
+    rows = [line.split("|") for line in out.stdout.splitlines() if "|" in line] if out.ok else []
+    return [state.split()[0] for job_id, state, *_ in rows if job_id == app_id and state.strip()]
+
+
+def _app_state(slurm_state: str):
+    from torchx.schedulers.slurm_scheduler import SLURM_STATES
+    from torchx.specs import AppState
+
+    return next((s for prefix, s in SLURM_STATES.items() if slurm_state.startswith(prefix)), AppState.UNKNOWN)
+
+
+def wait_out_requeues(exp, poll_s: float = 2.0, settle_s: float = 60.0) -> dict[str, list[str]]:
+    """Wait until every Slurm job of a launched Experiment has ended its last allocation, and set its state from
+    that allocation. Returns {job id: sacct's state of each allocation} (printed when the job was requeued).
+
+    nemo-run's wait (exp.run(detach=False)) ends on the first final state sacct reports, and a job that requeues
+    itself (a failed try below run.executor.retries, the time-limit signal, a preemption: see DEFAULT_RETRIES) is
+    final only after its last allocation. sacct lags slurmctld by seconds both ways, and squeue (pending,
+    running and completing jobs) answers nothing both for a finished job and when slurmctld is too busy to
+    answer. So slurmctld itself is asked (scontrol: the job's state and its requeue count, Restarts): the job
+    is done when slurmctld reads it final on two polls in a row (or has forgotten it) and sacct has caught up:
+    one record per allocation (Restarts + 1), the last one final. A cluster without accounting never catches up:
+    after settle_s, slurmctld's final state is the outcome."""
     from torchx.specs import is_terminal
 
-    runner = get_runner()
+    outcomes = {}
     for job in exp.jobs:
         if not isinstance(job.executor, run.SlurmExecutor) or not getattr(job, "handle", None):
             continue
         app_id = job.handle.partition("://")[2].split("/")[1]
-        tunnel, settled, out_since = job.executor.tunnel, 0, None
-        while settled < 2:
-            listed = tunnel.run(f"squeue -h -j {app_id} -o %T", hide=True, warn=True)
-            queued = listed.ok and bool(listed.stdout.strip())  # a job Slurm has forgotten makes squeue fail
-            state = job.status(runner=runner)
-            out_since = None if queued else (out_since or time.monotonic())
-            settled = settled + 1 if not queued and is_terminal(state) else 0
-            if out_since is not None and time.monotonic() - out_since > settle_s:
+        tunnel, finals, final_since = job.executor.tunnel, 0, None
+        while True:
+            ctld_state, restarts = slurm_controller_state(tunnel, app_id)
+            allocations = slurm_allocations(tunnel, app_id)
+            ctld_final = ctld_state == "FORGOTTEN" or (ctld_state is not None and is_terminal(_app_state(ctld_state)))
+            finals = finals + 1 if ctld_final else 0
+            final_since = (final_since or time.monotonic()) if ctld_final else None
+            caught_up = bool(allocations) and is_terminal(_app_state(allocations[-1])) and (
+                restarts is None or len(allocations) > restarts)
+            if finals >= 2 and caught_up:
+                job.state = _app_state(allocations[-1])
                 break
-            if settled < 2:
-                time.sleep(poll_s)
-        job.state = state
+            if finals >= 2 and ctld_state != "FORGOTTEN" and time.monotonic() - final_since > settle_s:
+                job.state = _app_state(ctld_state)  # no accounting (or it is far behind): slurmctld's word
+                allocations = (allocations or []) + [f"{ctld_state} (slurmctld; sacct did not catch up)"]
+                break
+            if ctld_state == "FORGOTTEN" and not allocations and time.monotonic() - final_since > settle_s:
+                break  # neither knows the job: nemo-run's state stays
+            time.sleep(poll_s)
+        outcomes[job.id] = allocations
+        if len(allocations) > 1:
+            print(f"slurm: job {app_id} ran {len(allocations)} allocations (sacct: {', '.join(allocations)}); "
+                  f"the outcome is its last one's, {allocations[-1]}", file=sys.stderr, flush=True)
+    return outcomes
+
+
+def last_allocation_log(job) -> str | None:
+    """The log of a Slurm job's last allocation: srun writes one per allocation (log-..._<id>_<restart>.out), and
+    nemo-run reads back only the first it lists, the first allocation's; None when none is found."""
+    app_id = job.handle.partition("://")[2].split("/")[1]
+    tunnel = job.executor.tunnel
+    listed = tunnel.run(f"find {shlex.quote(job.executor.job_dir)} -maxdepth 2 -name 'log*_{app_id}_*.out'",
+                        hide=True, warn=True)
+    logs = [p for p in listed.stdout.split() if re.search(rf"_{app_id}_\d+\.out$", p)] if listed.ok else []
+    if not logs:
+        return None
+    last = max(logs, key=lambda p: int(re.search(r"_(\d+)\.out$", p).group(1)))
+    text = tunnel.run(f"cat {shlex.quote(last)}", hide=True, warn=True)
+    return text.stdout if text.ok else None
 
 
 def job_failure(exp) -> str | None:
     """None when every job of a finished nemo-run Experiment SUCCEEDED; else a message with the failing
-    rank's last lines (printed to stderr as well). States come from nemo-run: torchrun's exit code for
-    run.LocalExecutor, sacct for run.SlurmExecutor."""
+    rank's last lines (printed to stderr as well). States come from nemo-run (torchrun's exit code for
+    run.LocalExecutor) or, for run.SlurmExecutor, from the job's last allocation (wait_out_requeues), whose log
+    the report reads."""
     import io
 
     from nemo_run.run.logs import get_logs
@@ -348,12 +426,16 @@ def job_failure(exp) -> str | None:
             continue
         handles = list(getattr(job, "handles", None) or [job.handle])
         report = ""
+        last_log = last_allocation_log(job) if isinstance(job.executor, run.SlurmExecutor) else None
         for handle in handles:
             buf = io.StringIO()
-            try:
-                get_logs(buf, identifier=handle, regex=None, should_tail=False)
-            except Exception as e:  # no logs to read back (never started): say so, the state still counts
-                buf.write(f"(could not read the job's logs: {e})")
+            if last_log is not None:  # a requeued job's outcome is its last allocation's
+                buf.write(last_log)
+            else:
+                try:
+                    get_logs(buf, identifier=handle, regex=None, should_tail=False)
+                except Exception as e:  # no logs to read back (never started): say so, the state still counts
+                    buf.write(f"(could not read the job's logs: {e})")
             report += failing_rank_report(buf.getvalue())
         state = ", ".join(str(s).split(".")[-1] for s in states)
         problems.append(f"job {job.id} ended {state} (logs: {job.executor.job_dir})\n{report}")

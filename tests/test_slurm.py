@@ -70,15 +70,46 @@ def _slurm_executor(world: int, time_limit: str = "00:10:00"):
 
 
 def _submit(task, ex, title: str) -> tuple[str, str]:
-    """Run one task to completion; return (final state, the job's log text read back through nemo-run)."""
+    """Run one task to completion; return (final state, the log of the job's last allocation)."""
+    state, logs, _ = _submit_job(task, ex, title)
+    return state, logs
+
+
+def _submit_job(task, ex, title: str) -> tuple[str, str, str]:
+    """Run one task to completion as `nemo tessera` does (recipes/cli.py: requeues waited out); return (final
+    state, the log of the job's last allocation, the Slurm job id)."""
     with run.Experiment(title, executor=ex, log_level="WARN") as exp:
         exp.add(task, name="job")
         exp.run(detach=False)
-    executors.wait_out_requeues(exp, poll_s=0.5)  # as `nemo tessera` does (recipes/cli.py): requeues waited out
-    state = str(exp.jobs[0].state)
-    buf = io.StringIO()
-    get_logs(buf, identifier=exp.jobs[0].handle, regex=None, should_tail=False)
-    return state, buf.getvalue()
+    executors.wait_out_requeues(exp, poll_s=0.5)
+    job = exp.jobs[0]
+    logs = executors.last_allocation_log(job)
+    if logs is None:
+        buf = io.StringIO()
+        get_logs(buf, identifier=job.handle, regex=None, should_tail=False)
+        logs = buf.getvalue()
+    return str(job.state), logs, job.handle.partition("://")[2].split("/")[1]
+
+
+def _slurm_records(job_id: str) -> str:
+    """What Slurm itself recorded of a job, for a failing assertion: sacct's allocations, slurmctld's state and
+    requeue count, and slurmctld's log lines about it."""
+    sacct = subprocess.run(["sacct", "-D", "-j", job_id, "--format=JobID,JobName%12,State,ExitCode,Start,End"],
+                           capture_output=True, text=True).stdout
+    ctld = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True)
+    ctld_log = Path(os.environ.get("TESSERA_SLURM_DIR", "/tmp/tessera-slurm")) / "log" / "slurmctld.log"
+    lines = [ln for ln in ctld_log.read_text(errors="replace").splitlines()
+             if f"JobId={job_id} " in ln + " "] if ctld_log.exists() else []
+    state = " ".join(w for w in (ctld.stdout + ctld.stderr).split() if w.startswith(("JobState=", "Restarts=")))
+    return f"sacct -D:\n{sacct}slurmctld: {state}\nslurmctld.log:\n" + "\n".join(lines[-20:])
+
+
+def _release_requeued(stop: threading.Event) -> None:
+    """Background: a job Slurm requeued is held ~2 minutes (Reason BeginTime); let it start at once."""
+    while not stop.wait(0.5):
+        job = _job_state()
+        if job and job[1] == "PENDING" and job[2] == "BeginTime":
+            subprocess.run(["scontrol", "update", f"JobId={job[0]}", "StartTime=now"], check=False)
 
 
 def test_slurm_runs_a_distributed_task(slurm_cluster, nemorun_home):
@@ -139,7 +170,8 @@ with run.Experiment("sbatch", executor=ex, log_level="WARN") as exp:
 def test_sbatch_script_of_a_full_size_recipe(tmp_path):
     """No cluster needed: the sbatch script nemo-run writes for nemotron_vl_12b on 2 nodes requests the
     layout's 8 GPUs per node, the default time limit, SIGTERM 5 minutes before it, and requeues (nemo-run's
-    `scontrol requeue` while SLURM_RESTART_COUNT < retries; `sbatch --requeue` for preemption)."""
+    `scontrol requeue` while SLURM_RESTART_COUNT < retries, Tessera's EXIT trap when that one fails; `sbatch
+    --requeue` for preemption)."""
     (tmp_path / "sbatch.py").write_text(SBATCH_SCRIPT)
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="250", NEMORUN_HOME=str(tmp_path / "nrhome"))
     res = subprocess.run([sys.executable, str(tmp_path / "sbatch.py")], cwd=tmp_path, env=env, capture_output=True,
@@ -150,6 +182,8 @@ def test_sbatch_script_of_a_full_size_recipe(tmp_path):
                  f"#SBATCH --time={executors.DEFAULT_TIME}", f"#SBATCH --signal={executors.DEFAULT_SIGNAL}",
                  f"TORCHX_MAX_RETRIES={executors.DEFAULT_RETRIES}", 'scontrol requeue "$SLURM_JOB_ID"',
                  "sbatch --requeue", "--nproc-per-node 8",
+                 # Tessera's requeue, whatever ended the allocation (issue 61), set before srun runs
+                 "trap tessera_requeue_on_exit EXIT",
                  # torchrun waits for the ranks' save on the signal (300 s lead - 30 s margin) and forwards SIGUSR1
                  "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=270", "PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"):
         assert line in out, f"{line!r} not in:\n{out[-5000:]}"
@@ -260,15 +294,22 @@ def test_slurm_job_saves_on_its_signal_is_requeued_and_resumes_bitwise(slurm_clu
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         signaller = pool.submit(_signal_each_allocation, tmp_path / "run", 2, 2, stop)
         try:
-            ex = fdl.build(executors.slurm(time="00:10:00", signal="TERM@60", retries=1))
+            # generous on a loaded box (issue 61): an allocation has 30 minutes, and torchrun waits up to 570 s
+            # (TERM@600 less the margin) for the ranks' step and save before it SIGKILLs them
+            ex = fdl.build(executors.slurm(time="00:30:00", signal="TERM@600", retries=1))
             assert executors.fit_executor(ex, 4) == 4
-            state, logs = _submit(as_task(cfg, finetune), ex, "tessera-requeue")
+            state, logs, job_id = _submit_job(as_task(cfg, finetune), ex, "tessera-requeue")
         finally:
             stop.set()
         sent = signaller.result()
+    records = _slurm_records(job_id)
     rows = _metrics(tmp_path / "run")
-    assert len(sent) == 2, f"signals sent at steps {sent}; logs:\n{logs[-5000:]}"
-    assert state.endswith("FAILED"), f"job state {state} (retries spent: FAILED expected); logs:\n{logs[-5000:]}"
+    assert len(sent) == 2, f"signals sent at steps {sent}\n{records}\nlast allocation's log:\n{logs[-5000:]}"
+    # Slurm's own record: requeued once (the first allocation REQUEUED), the second the last, ended FAILED, and
+    # nemo reports that one; slurmctld counted the requeue
+    assert executors.slurm_allocations(ex.tunnel, job_id) == ["REQUEUED", "FAILED"], records
+    assert executors.slurm_controller_state(ex.tunnel, job_id)[1] in (1, None), records  # None: forgotten
+    assert state.endswith("FAILED"), f"job state {state} (retries spent: FAILED expected)\n{records}\n{logs[-5000:]}"
     saved = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
     assert len(saved) == 2 and sent[0] <= saved[0] < sent[1] <= saved[1] == len(rows), (
         f"expected a save right after each signal {sent}, got {saved} after {len(rows)} steps; logs:\n{logs[-5000:]}")
@@ -283,3 +324,95 @@ def test_slurm_job_saves_on_its_signal_is_requeued_and_resumes_bitwise(slurm_clu
                                  "trainer.tensorboard=false"], timeout=600)
     assert [r["loss"] for r in rows] == [r["loss"] for r in _metrics(tmp_path / "reference")], (
         "the requeued job's curve differs from one uninterrupted run's")
+
+
+FAILING_REQUEUE_SCONTROL = """#!/bin/bash
+# scontrol whose first `requeue` fails as a busy slurmctld's does (the RPC times out); the rest is Slurm's
+if [ "$1" = requeue ] && [ ! -e "{mark}" ]; then
+    touch "{mark}"
+    echo "slurm_requeue error: Socket timed out on send/recv operation (test)" >&2
+    exit 1
+fi
+exec {scontrol} "$@"
+"""
+
+
+def test_slurm_requeues_when_its_first_requeue_fails(slurm_cluster, nemorun_home, tmp_path):
+    """Issue 61: an allocation that ends non-zero with retries left is requeued even when nemo-run's own
+    `scontrol requeue` fails (its sbatch script runs it under `set -e`: the job ended FAILED, never requeued);
+    Tessera's EXIT trap requeues it. The job fails its first allocation and succeeds in its second, and `nemo`
+    reports the last allocation's outcome (SUCCEEDED), with Slurm's records showing the two allocations."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text(FAILING_REQUEUE_SCONTROL.format(mark=tmp_path / "failed-once",
+                                                                   scontrol=shutil.which("scontrol")))
+    (fake / "scontrol").chmod(0o755)
+    ex = fdl.build(executors.slurm(time="00:05:00", retries=1))
+    ex.launcher = None  # a plain script: the requeue is what is under test, not torchrun
+    ex.ntasks_per_node = 1
+    ex.env_vars["PATH"] = f"{fake}:{ex.env_vars['PATH']}"
+    script = run.Script(inline='echo "allocation ${SLURM_RESTART_COUNT:-0}"; [ "${SLURM_RESTART_COUNT:-0}" -ge 1 ]')
+    stop = threading.Event()
+    releaser = threading.Thread(target=_release_requeued, args=(stop,), daemon=True)
+    releaser.start()
+    try:
+        state, logs, job_id = _submit_job(script, ex, "tessera-requeue-retry")
+    finally:
+        stop.set()
+        releaser.join()
+    records = _slurm_records(job_id)
+    assert (tmp_path / "failed-once").exists(), f"nemo-run's requeue never ran\n{records}"
+    assert executors.slurm_allocations(ex.tunnel, job_id) == ["REQUEUED", "COMPLETED"], records
+    assert state.endswith("SUCCEEDED"), f"job state {state}\n{records}\n{logs}"
+    assert "allocation 1" in logs, logs  # the last allocation's log is the one read back
+
+
+class _ScriptedSlurm:
+    """A tunnel whose scontrol and sacct answer from a timeline, one entry per poll: (slurmctld's JobState and
+    Restarts, or None for "did not answer", or "FORGOTTEN"; sacct's allocation states). No cluster needed."""
+
+    def __init__(self, timeline):
+        self.timeline, self.polls = timeline, 0
+
+    def run(self, cmd, hide=True, warn=True):
+        ctld, allocations = self.timeline[min(self.polls, len(self.timeline) - 1)]
+        if cmd.startswith("scontrol"):
+            if ctld is None:
+                return _Answer(False, "", "slurm_load_jobs error: Socket timed out on send/recv operation")
+            if ctld == "FORGOTTEN":
+                return _Answer(False, "", "slurm_load_jobs error: Invalid job id specified")
+            return _Answer(True, f"JobId=42 JobName=job JobState={ctld[0]} Reason=None Restarts={ctld[1]} ", "")
+        self.polls += 1  # sacct is asked last in a poll
+        return _Answer(True, "".join(f"42|{state}\n" for state in allocations), "")
+
+
+class _Answer:
+    def __init__(self, ok, stdout, stderr):
+        self.ok, self.stdout, self.stderr = ok, stdout, stderr
+
+
+@pytest.mark.parametrize("timeline, polls, outcome", [
+    # requeued between two polls, sacct a poll behind slurmctld: the last allocation's FAILED, not the first's end
+    ([(("RUNNING", 0), ["RUNNING"]), (None, ["RUNNING"]), (("PENDING", 1), ["REQUEUED"]),
+      (("RUNNING", 1), ["REQUEUED", "RUNNING"]), (("FAILED", 1), ["REQUEUED", "RUNNING"]),
+      (("FAILED", 1), ["REQUEUED", "FAILED"])], 6, ("FAILED", ["REQUEUED", "FAILED"])),
+    # sacct a whole allocation behind: its FAILED is the first allocation's; slurmctld counted the requeue
+    ([(("FAILED", 1), ["FAILED"]), (("FAILED", 1), ["FAILED"]), (("FAILED", 1), ["REQUEUED", "COMPLETED"])], 3,
+     ("SUCCEEDED", ["REQUEUED", "COMPLETED"])),
+    # one final-looking read between allocations is not the end: final on two polls in a row
+    ([(("FAILED", 0), ["FAILED"]), (("PENDING", 1), ["REQUEUED"]), (("COMPLETED", 1), ["REQUEUED", "COMPLETED"])],
+     4, ("SUCCEEDED", ["REQUEUED", "COMPLETED"])),
+    # slurmctld has forgotten the finished job: sacct's record is the outcome
+    ([("FORGOTTEN", ["REQUEUED", "COMPLETED"])], 2, ("SUCCEEDED", ["REQUEUED", "COMPLETED"])),
+])
+def test_wait_reports_the_last_allocation(timeline, polls, outcome):
+    """No cluster needed: wait_out_requeues ends only when slurmctld reads the job final twice in a row and sacct
+    holds one final record per allocation, and sets the job's state from the last allocation."""
+    from types import SimpleNamespace
+
+    ex = fdl.build(executors.slurm())
+    ex.tunnel = _ScriptedSlurm(timeline)
+    job = SimpleNamespace(id="job", executor=ex, handle="slurm_tunnel://nemo_run/42", state=None)
+    outcomes = executors.wait_out_requeues(SimpleNamespace(jobs=[job]), poll_s=0)
+    assert (str(job.state).split(".")[-1], outcomes["job"]) == outcome
+    assert ex.tunnel.polls == polls
