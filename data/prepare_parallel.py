@@ -63,8 +63,10 @@ def sample_key(rec, index: int, name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", key)
 
 
-def prepare_part(source, part: int, parts: int, out: Path, shard_size: int, tick=lambda: None) -> Prepared:
-    """Worker `part` of `parts`: its records of `source` into its own shards in `out`."""
+def prepare_part(source, part: int, parts: int, out: Path, shard_size: int, tick=lambda: None,
+                 user_format=None) -> Prepared:
+    """Worker `part` of `parts`: its records of `source` into its own shards in `out`. user_format: a
+    data/formats/user.UserFormat that converts every record instead of the detected format's module."""
     result = Prepared()
 
     def samples():
@@ -73,9 +75,13 @@ def prepare_part(source, part: int, parts: int, out: Path, shard_size: int, tick
             try:
                 if isinstance(rec, RecordError):
                     raise rec
-                fmt = detect(rec)
-                result.formats[fmt] += 1
-                turns, media = to_conversation(rec, fmt)
+                if user_format is not None:
+                    result.formats[user_format.name] += 1
+                    turns, media = user_format(rec)
+                else:
+                    fmt = detect(rec)
+                    result.formats[fmt] += 1
+                    turns, media = to_conversation(rec, fmt)
                 items = [media_bytes(kind, src, source.root) for kind, src in media]
             except RecordError as e:
                 result.skipped[e.reason] += 1
@@ -92,34 +98,35 @@ def prepare_part(source, part: int, parts: int, out: Path, shard_size: int, tick
     return result
 
 
-def _worker(source, part, parts, out, shard_size, done, results):
+def _worker(source, part, parts, out, shard_size, done, results, user_format):
     def tick():
         with done.get_lock():
             done.value += 1
 
     try:
-        results.put((part, prepare_part(source, part, parts, out, shard_size, tick)))
+        results.put((part, prepare_part(source, part, parts, out, shard_size, tick, user_format)))
     except BaseException:
         results.put((part, traceback.format_exc()))
 
 
-def prepare_source(source, out: Path, shard_size: int, workers: int = 1) -> Prepared:
+def prepare_source(source, out: Path, shard_size: int, workers: int = 1, user_format=None) -> Prepared:
     """Every record of `source` into shards in `out` by `workers` processes, with a progress bar on stderr; the
-    shards of an earlier run that this one did not write are removed."""
+    shards of an earlier run that this one did not write are removed. user_format: prepare_part's."""
     out.mkdir(parents=True, exist_ok=True)
     result = Prepared()
     # on a terminal only (disable=None): in a log, the skip lines and the summary say it all
     bar = tqdm(total=source.total, unit="rec", desc="[prepare]", file=sys.stderr, mininterval=1.0, dynamic_ncols=True,
                disable=None)
     if workers == 1:
-        result.merge(prepare_part(source, 0, 1, out, shard_size, lambda: bar.update(1)))
+        result.merge(prepare_part(source, 0, 1, out, shard_size, lambda: bar.update(1), user_format))
     else:
         import multiprocessing as mp
         import queue
 
         ctx = mp.get_context("fork")  # the workers share the opened source (a parsed JSON array, an Arrow table)
         done, results = ctx.Value("q", 0), ctx.Queue()
-        procs = [ctx.Process(target=_worker, args=(source, i, workers, out, shard_size, done, results), daemon=True)
+        procs = [ctx.Process(target=_worker, args=(source, i, workers, out, shard_size, done, results, user_format),
+                             daemon=True)
                  for i in range(workers)]
         for p in procs:
             p.start()

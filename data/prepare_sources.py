@@ -37,8 +37,11 @@ def part_range(total: int, part: int, parts: int) -> range:
 
 
 class ManifestSource:
-    def __init__(self, path: Path):
-        self.path, self.root, self.name = Path(path), Path(path).parent, Path(path).stem
+    def __init__(self, path: Path, media_root: Path | None = None):
+        # relative media paths resolve against --media-root (LLaVA's --image_folder), else the manifest's folder
+        # (NeMo's rule, nemo.collections.common.parts.preprocessing.manifest.get_full_path)
+        self.path, self.name = Path(path), Path(path).stem
+        self.root = Path(media_root) if media_root is not None else self.path.parent
         if not self.path.is_file():
             raise SourceError(f"--manifest {path}: no such file")
         with open(self.path, "rb") as f:
@@ -80,9 +83,10 @@ class ManifestSource:
 
 
 class HFSource:
-    def __init__(self, path: str, split: str = "train"):
-        here = Path(path)  # relative media paths in rows resolve against the dataset's folder
-        self.root = (here if here.is_dir() else here.parent) if here.exists() else Path.cwd()
+    def __init__(self, path: str, split: str = "train", media_root: Path | None = None):
+        here = Path(path)  # relative media paths in rows resolve against --media-root, else the dataset's folder
+        self.root = Path(media_root) if media_root is not None else (
+            (here if here.is_dir() else here.parent) if here.exists() else Path.cwd())
         self.split, self.path = split, path
         self.name = re.sub(r"[^A-Za-z0-9_-]", "_", Path(path).stem if Path(path).exists() else path)
         self.dataset = _open_hf(path, split)

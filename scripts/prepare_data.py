@@ -14,7 +14,9 @@ Tessera's own chat record {"conversation": [{"role", "content"}...], "media": [{
 whose content holds <image>/<video>/<audio> tags, a caption record {"image"|"video"|"audio": path, "caption":
 text}, LLaVA / ShareGPT ({"conversations": [{"from", "value"}...], "image": path or list}) or OpenAI / TRL
 {"messages": [{"role", "content": str or [{"type": "text"|"image"|..., ...}]}]}; relative paths resolve against
-the manifest's folder. --hf takes a Hugging Face dataset (a save_to_disk folder, a parquet file or folder, or a
+the manifest's folder (or --media-root DIR: LLaVA's --image_folder). Any other record: --format MODULE:FUNCTION, your
+function from one record to Tessera's own record (data/formats/user.py), loaded and tried on the first record before
+any shard is written. --hf takes a Hugging Face dataset (a save_to_disk folder, a parquet file or folder, or a
 dataset id in the local cache; data/prepare_sources.py) whose rows are records of those formats (TRL's `images` +
 `messages`, `image` + `conversations`, ...), media columns read undecoded. --workers N prepares N parts at once.
 Each sample becomes KEY.json ({"conversation", "media": [{"kind", "field", "bytes", "crc32", "probe"}]}: each
@@ -87,12 +89,33 @@ def _prepare_records(args):
     if args.workers < 1:
         print(f"[prepare] --workers {args.workers}: give 1 or more processes", file=sys.stderr)
         return 2
+    if args.media_root is not None and not args.media_root.is_dir():
+        print(f"[prepare] --media-root {args.media_root}: no such folder (relative media paths resolve against it)",
+              file=sys.stderr)
+        return 2
     try:
-        source = ManifestSource(args.manifest) if args.manifest else HFSource(args.hf, args.split)
+        source = (ManifestSource(args.manifest, args.media_root) if args.manifest
+                  else HFSource(args.hf, args.split, args.media_root))
     except SourceError as e:
         print(f"[prepare] {e}", file=sys.stderr)
         return 2
-    done = prepare_source(source, args.out, args.shard_size, args.workers)
+    user_format = None
+    if args.format:  # loaded and tried on the first record before any shard is written
+        from tessera.data.formats.user import FormatLoadError, UserFormat, last_line
+
+        try:
+            user_format = UserFormat(args.format)
+            _, where, first = next(iter(source.records(0, 1)), (None, None, None))
+            if isinstance(first, dict):
+                user_format.raw(first)
+        except FormatLoadError as e:
+            print(f"[prepare] {e}", file=sys.stderr)
+            return 2
+        except Exception as e:
+            print(f"[prepare] --format {args.format} raised on the first record ({where}): {last_line(e)}; nothing "
+                  f"was written", file=sys.stderr)
+            return 2
+    done = prepare_source(source, args.out, args.shard_size, args.workers, user_format)
     if done.counts["samples"] == 0:
         print(f"[prepare] no usable samples in {args.manifest or args.hf} (read as {source.kind}; detected format: "
               f"{done.format}); skipped {dict(done.skipped)}; the first reasons:\n"
@@ -123,6 +146,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="output folder for shard-*.tar and .nv-meta")
     ap.add_argument("--shard-size", type=int, default=16, help="samples per tar shard")
     ap.add_argument("--split", default="train", help="--hf: the split to prepare")
+    ap.add_argument("--media-root", type=Path, help="--manifest/--hf: the folder relative media paths resolve against "
+                    "(LLaVA's --image_folder; default: the manifest's or dataset's folder)")
+    ap.add_argument("--format", metavar="MODULE:FUNCTION", help="--manifest/--hf: your own converter, a function "
+                    "from one record to Tessera's {conversation, media} (data/formats/user.py), instead of detecting "
+                    "each record's format")
     ap.add_argument("--workers", type=int, default=1, help="--manifest/--hf: processes preparing parts at once")
     ap.add_argument("--samples", type=int, default=96, help="--synthetic: number of samples")
     ap.add_argument("--seed", type=int, default=0, help="--synthetic: generator seed")

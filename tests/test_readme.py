@@ -103,6 +103,8 @@ COMMANDS = [
     Row(r"nemotron_vl_tiny layout=auto", "dryrun",
         covered_by=("tests/test_recipes.py::test_cli_layout_auto_prints_the_layout_it_chose_before_launch",)),
     Row(r"prepare_data\.py --manifest data\.jsonl", "run", expect=r"\[prepare\] format caption: wrote 2 samples"),
+    # the README's own-format module (its python block, written by workspace()) on its notes.jsonl
+    Row(r"--format my_notes:convert", "run", expect=r"\[prepare\] format \S*my_notes\.py:convert: wrote 2 samples"),
     Row(r"data\.path=/data/mine", "dryrun",
         covered_by=("tests/test_data_end_to_end.py::test_prepared_data_trains_a_tiny_multimodal_model",)),
     Row(r"^energon prepare /data/coco", "standin", why="energon's own CLI on the user's COCO shards (not shipped)",
@@ -211,8 +213,8 @@ def test_readme_command_resolves(cmd):
 
 def workspace(tmp: Path) -> Path:
     """What the README's commands read that no earlier command writes: tiny NemotronH checkpoints (DIR of the
-    parity line, dense and MoE, saved by transformers) and a two-sample manifest (data.jsonl, as the data section
-    describes it)."""
+    parity line, dense and MoE, saved by transformers), a two-sample manifest (data.jsonl, as the data section
+    describes it) and the own-format example (my_notes.py from the README, notes.jsonl)."""
     from PIL import Image
 
     from tessera.models import configs
@@ -223,6 +225,12 @@ def workspace(tmp: Path) -> Path:
     Image.new("RGB", (64, 48), (200, 30, 30)).save(tmp / "red.png")
     (tmp / "data.jsonl").write_text('{"image": "red.png", "caption": "a red square"}\n'
                                     '{"image": "red.png", "caption": "a red picture"}\n')
+    from tests.test_formats import readme_format_example
+
+    (tmp / "my_notes.py").write_text(readme_format_example())
+    Image.new("RGB", (64, 48), (120, 120, 120)).save(tmp / "cat.jpg")
+    (tmp / "notes.jsonl").write_text('{"photo": "cat.jpg", "question": "What is this?", "answer": "A grey cat."}\n'
+                                     '{"photo": "cat.jpg", "question": "And now?", "answer": "Still a grey cat."}\n')
     return tmp
 
 
@@ -230,6 +238,8 @@ def as_run_here(command: str, row: Row, ws: Path) -> list[list[str]]:
     """The argv(s) that run `command` here: paths into `ws`, the venv's programs, DIR once per tiny checkpoint."""
     text = command.replace("/tmp/", f"{ws}/").replace("/data/mine", f"{ws}/mine").replace("data.jsonl",
                                                                                         f"{ws}/data.jsonl")
+    text = text.replace("/data/notes", f"{ws}/notes").replace(" notes.jsonl", f" {ws}/notes.jsonl").replace(
+        "my_notes:convert", f"{ws}/my_notes.py:convert")  # the module in ws, not in the current directory
     args, extra = shlex.split(text), shlex.split(row.short.format(ws=ws))
     if "--yes" in args:  # overrides before nemo's flags; the run's folder here, not runs/
         extra.append(f"trainer.run_dir={ws}/run{len(list(ws.glob('run*')))}")

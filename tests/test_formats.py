@@ -1,0 +1,126 @@
+"""The formats package's door and the formats of the frameworks users come from (issue 58).
+
+Each format is written as its framework publishes it (records as documented, media files written here with
+PIL/soundfile) and must prepare into exactly the samples of the same conversation written in Tessera's own schema
+(conversation, media kinds and bytes; the ids and loss mask follow from them, tests/test_chat_formats.py). Then the
+door for the rest: --format MODULE:FUNCTION (the README's very example), --media-root, and bad input named before
+the first shard is written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+from PIL import Image
+
+import tests.test_chat_formats as chat  # the own-schema reader (_samples); a module, so its tests are not re-collected
+from tessera.data.formats import FORMATS, RecordError, detect
+from tessera.scripts.prepare_data import main as prepare
+
+ROOT = Path(__file__).resolve().parents[1]
+CAT, DOG = "A grey cat on a red mat.", "A dog, then the same dog again."
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("media")
+    Image.new("RGB", (64, 48), (120, 120, 120)).save(d / "cat.jpg")
+    Image.new("RGB", (40, 72), (200, 150, 40)).save(d / "dog.png")
+    sf.write(d / "tone.wav", (0.3 * np.sin(np.arange(8000) / 5)).astype(np.float32), 16000)
+    return d
+
+
+def _jsonl(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _run(*args) -> int:
+    return prepare([*map(str, args), "--shard-size", "1"])
+
+
+def _own(d: Path, conversations, media_lists, name="own") -> list:
+    """The samples of `conversations` written in Tessera's own schema, prepared (paths relative to `d`)."""
+    recs = [{"conversation": c, "media": [{"kind": k, "path": p} for k, p in m]}
+            for c, m in zip(conversations, media_lists)]
+    out = d / f"{name}_ds"
+    assert _run("--manifest", _jsonl(d / f"{name}.jsonl", recs), "--out", out) == 0
+    return chat._samples(out)
+
+
+# --- the door: --format MODULE:FUNCTION, and unknown_format -----------------------------------------------------
+
+def readme_format_example() -> str:
+    """The README's own-format module, as the README shows it."""
+    section = (ROOT / "README.md").read_text().split("## Prepare data", 1)[1]
+    return re.search(r"```python\n(# my_notes\.py.*?)```", section, flags=re.S).group(1)
+
+
+def test_readme_format_function_prepares_the_own_schema(media, tmp_path, monkeypatch):
+    (tmp_path / "my_notes.py").write_text(readme_format_example())
+    notes = _jsonl(media / "notes.jsonl", [{"photo": "cat.jpg", "question": "What is this?", "answer": CAT}])
+    own = _own(media, [[{"role": "user", "content": "<image>\nWhat is this?"}, {"role": "assistant", "content": CAT}]],
+               [[("image", "cat.jpg")]], "own_notes")
+    assert _run("--manifest", notes, "--format", f"{tmp_path / 'my_notes.py'}:convert", "--out", tmp_path / "a") == 0
+    assert chat._samples(tmp_path / "a") == own
+    monkeypatch.chdir(tmp_path)  # a module name is imported from the current directory first, as python -m does
+    assert _run("--manifest", notes, "--format", "my_notes:convert", "--out", tmp_path / "b") == 0
+    assert chat._samples(tmp_path / "b") == own
+
+
+def test_bad_format_is_named_before_any_shard_and_later_raises_are_counted(media, tmp_path, capsys):
+    notes = _jsonl(media / "notes2.jsonl", [{"photo": "cat.jpg", "answer": CAT}, {"photo": "dog.png"}])
+    (tmp_path / "broken.py").write_text("import no_such_module_here\n")
+    (tmp_path / "strict.py").write_text("def convert(r):\n    return {'conversation': [{'role': 'user', 'content': "
+                                        "'<image>'}, {'role': 'assistant', 'content': r['answer']}], 'media': "
+                                        "[{'kind': 'image', 'path': r['photo']}]}\n")
+    for spec, words in [(f"{tmp_path}/broken.py:convert", "No module named 'no_such_module_here'"),
+                        (f"{tmp_path}/strict.py:convrt", "has no function 'convrt' (it has ['convert'])"),
+                        ("not_a_module_anywhere:convert", "module 'not_a_module_anywhere' does not import"),
+                        (f"{tmp_path}/strict.py", "expected MODULE:FUNCTION")]:
+        assert _run("--manifest", notes, "--format", spec, "--out", tmp_path / "x") == 2, spec
+        err = capsys.readouterr().err
+        assert words in err, (spec, err)
+        assert not (tmp_path / "x").exists()
+    # raising on the first record stops the run there, with the traceback's last line
+    first = _jsonl(media / "notes3.jsonl", [{"photo": "dog.png"}, {"photo": "cat.jpg", "answer": CAT}])
+    assert _run("--manifest", first, "--format", f"{tmp_path}/strict.py:convert", "--out", tmp_path / "x") == 2
+    err = capsys.readouterr().err
+    assert f"raised on the first record ({first}:1): " in err and "strict.py:2 in convert: KeyError: 'answer'" in err
+    assert not (tmp_path / "x").exists()
+    # on a later record: a counted, named skip
+    assert _run("--manifest", notes, "--format", f"{tmp_path}/strict.py:convert", "--out", tmp_path / "y") == 0
+    out, err = capsys.readouterr()
+    assert "skipped 1 {'format_error': 1}" in out and f"skip {notes}:2: format_error" in err, (out, err)
+
+
+def test_unknown_format_names_every_format_and_the_option():
+    with pytest.raises(RecordError) as e:
+        detect({"foo": 1})
+    assert e.value.reason == "unknown_format"
+    for name in FORMATS:
+        assert f"{name}: " in str(e.value) and name in str(e.value).split("formats tried: ")[1], name
+    assert "--format MODULE:FUNCTION" in str(e.value)
+
+
+# --- --media-root -----------------------------------------------------------------------------------------------
+
+def test_media_root_resolves_relative_paths(media, tmp_path, capsys):
+    """LLaVA's layout: the JSON in one folder, the images under another given to the trainer (--image_folder)."""
+    conv = [{"from": "human", "value": "<image>\nWhat is this?"}, {"from": "gpt", "value": CAT}]
+    (tmp_path / "ann").mkdir()
+    llava = tmp_path / "ann" / "llava.json"
+    llava.write_text(json.dumps([{"id": "0", "image": "cat.jpg", "conversations": conv}]))
+    own = _own(media, [[{"role": "user", "content": "<image>\nWhat is this?"}, {"role": "assistant", "content": CAT}]],
+               [[("image", "cat.jpg")]], "own_root")
+    assert _run("--manifest", llava, "--out", tmp_path / "a") == 1  # default: the manifest's folder
+    assert f"{tmp_path / 'ann' / 'cat.jpg'} does not exist" in capsys.readouterr().err
+    assert _run("--manifest", llava, "--media-root", media, "--out", tmp_path / "b") == 0
+    assert chat._samples(tmp_path / "b") == own
+    assert _run("--manifest", llava, "--media-root", tmp_path / "nowhere", "--out", tmp_path / "c") == 2
+    assert "--media-root" in capsys.readouterr().err and not (tmp_path / "c").exists()
