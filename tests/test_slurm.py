@@ -392,6 +392,11 @@ class _Answer:
 
 
 @pytest.mark.parametrize("timeline, polls, outcome", [
+    # slurmctld too busy to answer while sacct reads the first allocation's FAILED, then pending again (sacct
+    # still FAILED) and running: waited out to the last allocation's state
+    ([(("RUNNING", 0), ["RUNNING"]), (None, ["FAILED"]), (("PENDING", 1), ["FAILED"]),
+      (("RUNNING", 1), ["REQUEUED", "RUNNING"]), (("COMPLETED", 1), ["REQUEUED", "COMPLETED"])], 6,
+     ("SUCCEEDED", ["REQUEUED", "COMPLETED"])),
     # requeued between two polls, sacct a poll behind slurmctld: the last allocation's FAILED, not the first's end
     ([(("RUNNING", 0), ["RUNNING"]), (None, ["RUNNING"]), (("PENDING", 1), ["REQUEUED"]),
       (("RUNNING", 1), ["REQUEUED", "RUNNING"]), (("FAILED", 1), ["REQUEUED", "RUNNING"]),
