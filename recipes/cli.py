@@ -56,6 +56,19 @@ def _resolve_hub_id(task, executor) -> None:
 class TesseraRunContext(RunContext):
     """nemo-run's RunContext plus Tessera's pre-launch checks and executor sizing."""
 
+    def cli_execute(self, fn, args, entrypoint_type="task"):
+        """nemo-run's, with Tessera's refusals (a bad override, layout, input: ValueError, LookupError, OSError
+        and their kinds, each naming the thing and the fix) raised as nemo-run's RunContextError, which it prints
+        as `Error: ...`; anything else stays its `Unexpected error: ...` (a bug, not the user's input)."""
+        from nemo_run.cli.api import RunContextError
+
+        try:
+            return super().cli_execute(fn, args, entrypoint_type)
+        except RunContextError:
+            raise
+        except (ValueError, LookupError, OSError) as e:
+            raise RunContextError(str(e)) from e
+
     def parse_fn(self, fn, args, **default_kwargs):
         _check_factory(fn, self.factory)
         checks.check_overrides(fn, args)
@@ -114,7 +127,8 @@ class TesseraRunContext(RunContext):
             console.print("[bold cyan]Exiting...[/bold cyan]")
             return
         console.print(f"[bold cyan]Launching {self.name}...[/bold cyan]")
-        with run.Experiment(title=self.name, executor=self.executor) as exp:
+        # no goodbye: nemo-run's 12 lines of how to reconstruct the experiment would follow the run's own summary
+        with run.Experiment(title=self.name, executor=self.executor, enable_goodbye_message=False) as exp:
             exp.add(task, tail_logs=True, plugins=getattr(self, "plugins", None), name=self.name)
             exp.run(detach=False)
         executors.wait_out_requeues(exp)

@@ -203,6 +203,7 @@ def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
     from tessera.recipes.elastic import restart_before_joining
     from tessera.hetero.training.preemption import EXIT_STOPPED
 
+    started = time.monotonic()
     cfg = RunConfig(name, layout, model, data, optim, trainer)
     # an elastic restart is resolved before the world is joined, since on a world that no layout of the run tiles
     # the highest ranks stay out of it and wait as spares (recipes/elastic.py)
@@ -233,8 +234,11 @@ def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
                   f"resumes from it", flush=True)
         raise SystemExit(EXIT_STOPPED)  # not finished: non-zero, so Slurm requeues and `nemo` reports it
     if rank == 0:
+        from tessera.hetero.training.run_summary import run_summary
+
         print(f"done: steps={summary['steps']} first_loss={summary['first_loss']:.4f} "
               f"last_loss={summary['last_loss']:.4f} layout={summary['layout']}", flush=True)
+        print("\n".join(run_summary(summary, run_dir, trainer.export_hf, time.monotonic() - started)), flush=True)
     return summary
 
 

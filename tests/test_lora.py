@@ -217,9 +217,11 @@ def _tp_worker(llm: str = "nemotron_h_tiny_dense"):
 
     import torch.distributed as dist
 
+    from tessera.hetero.plan.layout import HeteroLayout
     from tessera.hetero.runtime.groups import destroy_module_groups
+    from tessera.hetero.training.checkpoint import parameter_counts
     from tessera.hetero.training.lora import apply_lora
-    from tessera.hetero.training.model_build import llm_fields
+    from tessera.hetero.training.model_build import llm_fields, module_configs
     from tessera.hetero.training.seeded_init import full_hf_state
 
     cfg = dataclasses.replace(_model_cfg(vision=None, audio=None), llm=llm)
@@ -241,6 +243,9 @@ def _tp_worker(llm: str = "nemotron_h_tiny_dense"):
         with torch.no_grad():
             plain = lm(tokens, labels)
         adapters = apply_lora(modules, groups, cfg, seed=3)
+        # what the run prints at its start (trainable of total), counted over the ranks: the same in every layout
+        counts = parameter_counts(modules, groups, module_configs(HeteroLayout.parse(spec), fields))
+        one_rank = (sum(p.numel() for p in lm.parameters() if p.requires_grad), sum(p.numel() for p in lm.parameters()))
         with torch.no_grad():
             initial = lm(tokens, labels)  # B = 0: exactly the base model
         _randomise(adapters)
@@ -251,7 +256,8 @@ def _tp_worker(llm: str = "nemotron_h_tiny_dense"):
                 if getattr(p, "sequence_parallel", False):
                     dist.all_reduce(p.grad, group=groups["language"].pgs.tp)
         sp = lm.config.sequence_parallel
-        out[name] = {"plain": plain, "initial": initial, "loss": float(loss), "adapters": adapters, "sp": sp}
+        out[name] = {"plain": plain, "initial": initial, "loss": float(loss), "adapters": adapters, "sp": sp,
+                     "counts": counts, "one_rank": one_rank}
         destroy_module_groups(groups)
     grad_diff = _sharded_grad_diff(out["tp2"]["adapters"], out["tp1"]["adapters"])
     ep = {}
@@ -266,7 +272,8 @@ def _tp_worker(llm: str = "nemotron_h_tiny_dense"):
               "ep_n": len(out["ep2"]["adapters"])}
     return {"initial_is_base": all(torch.equal(r["plain"], r["initial"]) for r in out.values()),
             "loss1": out["tp1"]["loss"], "loss2": out["tp2"]["loss"], "plain": float(out["tp1"]["plain"].sum()),
-            "grad_diff": grad_diff, "n": len(out["tp2"]["adapters"]), "sp": out["tp2"]["sp"], **ep}
+            "grad_diff": grad_diff, "n": len(out["tp2"]["adapters"]), "sp": out["tp2"]["sp"],
+            "counts": {name: r["counts"] for name, r in out.items()}, "one_rank": out["tp1"]["one_rank"], **ep}
 
 
 def _both_llms():
@@ -290,6 +297,9 @@ def test_tp1_and_tp2_give_the_same_lora_loss_and_gradients(tp_runs, llm):
         assert abs(r["loss1"] - r["plain"]) > 1e-3, "the adapters changed nothing"
         assert abs(r["loss1"] - r["loss2"]) <= 1e-5 * abs(r["loss1"]), (r["loss1"], r["loss2"])
         assert r["grad_diff"] <= 1e-5, r["grad_diff"]
+        # trainable / total parameters as the run prints them: each element once, whatever the layout (TP shards,
+        # EP's experts), equal to one rank holding the whole model (dp2: every rank does)
+        assert all(c == r["one_rank"] for c in r["counts"].values()), (r["counts"], r["one_rank"])
         if experts:  # EP2: half the routed experts' adapters per rank, same loss, same gradients
             assert r["ep_experts"] == experts // 2 * pattern.count("E") * 2
             assert r["ep_n"] == r["n"] - experts // 2 * pattern.count("E") * 2
@@ -300,9 +310,11 @@ def test_tp1_and_tp2_give_the_same_lora_loss_and_gradients(tp_runs, llm):
 def _vision_tp_worker():
     """The vision tower with target `vision` at TP1 and TP2 (same base weights, same random adapters): its
     projected output's weighted sum and every adapter gradient."""
+    from tessera.hetero.plan.layout import HeteroLayout
     from tessera.hetero.runtime.groups import destroy_module_groups
+    from tessera.hetero.training.checkpoint import parameter_counts
     from tessera.hetero.training.lora import apply_lora
-    from tessera.hetero.training.model_build import llm_fields
+    from tessera.hetero.training.model_build import llm_fields, module_configs
     from tessera.hetero.training.seeded_init import full_hf_state
 
     cfg = _model_cfg(("vision",), audio=None)

@@ -219,7 +219,8 @@ def test_two_jobs_on_one_run_directory_one_refuses_and_a_finished_run_has_nothin
     run_dir = tmp_path / "run"
     markers = [uuid.uuid4().hex, uuid.uuid4().hex]
     with contextlib.ExitStack() as stack:
-        procs = [stack.enter_context(_job(_cmd(run_dir, 4), tmp_path / f"job{i}.log",
+        # trainer.progress=true: the bar is for a terminal; in these logs (as under nemo-run or Slurm) it never draws
+        procs = [stack.enter_context(_job(_cmd(run_dir, 4, "trainer.progress=true"), tmp_path / f"job{i}.log",
                                           dict(os.environ, OMP_NUM_THREADS="1", **{MARKER: m})))
                  for i, m in enumerate(markers)]
         rcs = [p.wait(timeout=600) for p in procs]
@@ -232,6 +233,14 @@ def test_two_jobs_on_one_run_directory_one_refuses_and_a_finished_run_has_nothin
     assert not any(_survivors(m) for m in markers)
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4], "a step logged twice: both jobs trained"
     assert not lock.exists(), "the finished job left its lock"
+    # the winner ends with its summary (hetero/training/run_summary.py), and no progress bar drew in its log
+    won = logs[rcs.index(0)]
+    summary = won[won.index("done: steps=4 "):].splitlines()
+    assert summary[1].startswith("  loss: train ") and summary[2].startswith("  time: "), summary
+    assert summary[3] == f"  run_dir: {run_dir.resolve()} (metrics.jsonl, loss.png)", summary
+    assert summary[4] == (f"  checkpoints: step_000004 (latest), step_000003, step_000002, step_000001 in "
+                          f"{run_dir.resolve() / 'checkpoints'}"), summary
+    assert "step/s" not in won and "%|" not in won, won[-3000:]
 
     def files():
         return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(run_dir.rglob("*")) if p.is_file()}

@@ -142,7 +142,7 @@ class TrainerConfig:
     async_save: bool = False                # write checkpoints in a helper process while training goes on
     run_dir: str | None = None              # None = runs/<name>-<timestamp>
     resume: bool = True                     # continue from run_dir's last complete checkpoint if any
-    progress: bool = True
+    progress: bool = True                   # a tqdm bar on a terminal (in a log the step lines are the progress)
     tensorboard: bool = True
     timeout_s: int = 300                    # collective timeout: a dead rank ends the job within this
     export_hf: str | None = None            # after the last step, write the model in HF layout here

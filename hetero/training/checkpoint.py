@@ -114,6 +114,23 @@ def _param_specs(key: str, module: torch.nn.Module, g: ModuleGroups, mamba_parts
         yield p, _global_name(key, name, layer_offset, expert_offset), rows, offsets, replica
 
 
+def parameter_counts(modules: dict, groups: dict, configs: dict) -> tuple[int, int]:
+    """(trainable, total) parameters of the whole model, each element counted once over every layout (the owners
+    a checkpoint writes: replica (0, 0) of _param_specs); collective over the world."""
+    counts = torch.zeros(2, dtype=torch.float64)
+    for key, module in modules.items():
+        config = configs.get(key)
+        for p, gkey, _, _, replica in _param_specs(key, module, groups[key], None, getattr(module, "layer_offset", 0),
+                                                   _expert_offset(key, config, groups[key])):
+            if isinstance(p, torch.nn.Parameter) and replica == (0, 0):
+                n = p.numel()
+                if key == LANGUAGE and gkey in VOCAB_ROWS:  # the true vocabulary's rows, not TP's padding
+                    n = n * config.vocab_size / config.padded_vocab_size
+                counts += torch.tensor([n if p.requires_grad else 0, n], dtype=torch.float64)
+    dist.all_reduce(counts)
+    return round(float(counts[0])), round(float(counts[1]))
+
+
 def _flat_slice_tensors(k: str, fs: FlatSlice, shape: torch.Size, rows: tuple[int, int], offsets, replica,
                         vocab: bool) -> list[ShardedTensor]:
     """A ZeRO-1 rank's range of one piece of a parameter as rectangles with global offsets (uneven sharding:

@@ -50,12 +50,12 @@ from tessera.hetero.training.validation import describe_val_sets, resolve_val_se
 
 
 def _export_hf(ckpt_root: Path, out: str) -> None:
-    """Rank 0, after the final checkpoint: hetero/training/hf_export.py in its own one-rank process."""
+    """Rank 0, after the final checkpoint: hetero/training/hf_export.py in its own one-rank process (what it wrote is
+    in the run's summary: hetero/training/run_summary.py)."""
     cmd = [sys.executable, "-m", "tessera.hetero.training.hf_export", str(ckpt_root), out]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode:
         raise RuntimeError(f"HF export failed ({' '.join(cmd)}):\n{res.stderr[-3000:]}")
-    print(f"exported HF checkpoint to {out}", flush=True)
 
 
 def _maybe_fail(step: int, rank: int) -> None:
@@ -234,5 +234,6 @@ def _run_training(cfg, resolved: ResolvedRun, run_dir: Path, stop: StopSignals, 
     destroy_module_groups(run.groups)
     return {"run_dir": str(run_dir), "layout": str(run.layout),
             "steps": stopped[1] if stopped else cfg.trainer.max_steps, "stopped_by": stopped[0] if stopped else None,
+            "start": run.start,
             "first_loss": first_loss, "last_loss": record.get("loss"), "loss_png": str(plot) if plot else None,
             "loop_s": loop_s, "saves": saves, "save_blocked_s": blocked, "val_loss": last_val}

@@ -90,13 +90,14 @@ class RunMetrics:
 
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=first_step + 1)
         self.bar = None
-        if progress:
+        if progress and sys.stderr.isatty():
             from tqdm import tqdm
 
-            # disable=False: TQDM_DISABLE (recipes/train.py) silences the libraries' bars, not this one; a log
-            # file (not a terminal) gets a bar line every 10 s instead of every refresh
+            # disable=False: TQDM_DISABLE (recipes/train.py) silences the libraries' bars, not this one. Only on a
+            # terminal: in a log (nemo-run's, torchrun's, Slurm's: line-prefixed pipes) every redraw, and every
+            # line written above the bar, became another copy of the bar; there the step lines are the progress
             self.bar = tqdm(total=max_steps, initial=first_step, unit="step", dynamic_ncols=True, disable=False,
-                            mininterval=0.5 if sys.stderr.isatty() else 10.0)
+                            mininterval=0.5)
 
     def log(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
