@@ -160,7 +160,10 @@ def _undecoded(ds):
 
 
 def media_bytes(kind: str, source, root: Path) -> tuple[str, str, bytes]:
-    """(kind, extension, bytes) of one media item: a path (relative to `root`) or a Hugging Face cell {bytes, path}."""
+    """(kind, extension, bytes) of one media item: a path (relative to `root`), a Hugging Face cell {bytes, path},
+    or an audio span {path, offset, duration} (seconds; NeMo's manifests), cut here."""
+    if isinstance(source, dict) and "offset" in source:
+        return kind, "wav", audio_span(root / source["path"], source["offset"], source["duration"])
     path = source if isinstance(source, str) else source.get("path")
     data = None if isinstance(source, str) else source.get("bytes")
     if data is None:
@@ -194,3 +197,29 @@ def _sniffed_ext(kind: str, data: bytes) -> str:
         except Exception:
             return "audio"
     return "mp4"
+
+
+def audio_span(file: Path, offset: float, duration: float) -> bytes:
+    """The samples [offset, offset + duration) seconds of an audio file, as a WAV of the file's own sample type (no
+    sample changes: what a reader of that span of the file decodes). A span past the file's end is a RecordError
+    naming both lengths (a few samples of rounding are allowed and clipped)."""
+    import soundfile as sf
+
+    try:
+        info = sf.info(str(file))
+    except FileNotFoundError as e:
+        raise RecordError("missing_media", "audio_filepath", f"an existing file: {file} does not exist") from e
+    except Exception as e:
+        raise RecordError("bad_media", "audio_filepath", f"an audio file soundfile reads: {file} ({e})") from e
+    start, frames = round(offset * info.samplerate), round(duration * info.samplerate)
+    if start + frames > info.frames + info.samplerate // 1000 or frames <= 0:
+        raise RecordError("span_past_end", "offset", f"a span inside the audio: offset {offset} s + duration "
+                          f"{duration} s = {offset + duration:.3f} s, but {file} lasts "
+                          f"{info.frames / info.samplerate:.3f} s", "nemo_asr")
+    frames = min(frames, info.frames - start)
+    subtype = info.subtype if sf.check_format("WAV", info.subtype) else "FLOAT"
+    dtype = {"PCM_16": "int16", "PCM_32": "int32"}.get(subtype, "float32")
+    data, rate = sf.read(str(file), start=start, frames=frames, dtype=dtype, always_2d=True)
+    buf = io.BytesIO()
+    sf.write(buf, data, rate, format="WAV", subtype=subtype)
+    return buf.getvalue()

@@ -9,6 +9,7 @@ the first shard is written.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from pathlib import Path
@@ -124,3 +125,98 @@ def test_media_root_resolves_relative_paths(media, tmp_path, capsys):
     assert chat._samples(tmp_path / "b") == own
     assert _run("--manifest", llava, "--media-root", tmp_path / "nowhere", "--out", tmp_path / "c") == 2
     assert "--media-root" in capsys.readouterr().err and not (tmp_path / "c").exists()
+
+
+# --- the formats of the frameworks users come from, each as published --------------------------------------------
+
+SYS, Q0, A0 = "You are a careful describer.", "Hello?", "Hello! Send a picture."
+
+
+def test_llama_factory_alpaca_and_sharegpt(media, tmp_path):
+    """LLaMA-Factory data/README.md: alpaca (instruction + input joined by a newline, system, history pairs, media
+    lists with one tag each) and sharegpt (conversations, top-level system, images)."""
+    alpaca = _jsonl(tmp_path / "alpaca.json", [
+        {"instruction": "<image>What is this?", "input": "", "output": CAT, "system": SYS, "history": [[Q0, A0]],
+         "images": ["cat.jpg"]},
+        {"instruction": "Transcribe.", "input": "<audio>", "output": "A tone.", "audios": ["tone.wav"]}])
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_text(json.dumps([{"conversations": [{"from": "human", "value": Q0}, {"from": "gpt", "value": A0},
+                                                       {"from": "human", "value": "<image>What is this?"},
+                                                       {"from": "gpt", "value": CAT}],
+                                     "system": SYS, "images": ["cat.jpg"]}]))
+    first = [{"role": "system", "content": SYS}, {"role": "user", "content": Q0}, {"role": "assistant", "content": A0},
+             {"role": "user", "content": "<image>What is this?"}, {"role": "assistant", "content": CAT}]
+    own = _own(media, [first, [{"role": "user", "content": "Transcribe.\n<audio>"},
+                               {"role": "assistant", "content": "A tone."}]],
+               [[("image", "cat.jpg")], [("audio", "tone.wav")]], "own_lf")
+    assert _run("--manifest", alpaca, "--media-root", media, "--out", tmp_path / "a") == 0
+    assert chat._samples(tmp_path / "a") == own
+    assert _run("--manifest", sharegpt, "--media-root", media, "--out", tmp_path / "s") == 0
+    assert chat._samples(tmp_path / "s") == own[:1]
+
+
+def test_cauldron_rows_put_every_image_before_the_first_user_turn(media, tmp_path):
+    """the_cauldron's layout on the Hub: parquet rows of `images` (a list of Image features) and `texts` (a list of
+    {user, assistant, source}); in the split's folder (data/train/) and with the split in the file name."""
+    import datasets
+
+    rows = {"images": [[{"bytes": (media / n).read_bytes(), "path": None} for n in ("cat.jpg", "dog.png")]],
+            "texts": [[{"user": "What are these?", "assistant": DOG, "source": "demo"},
+                       {"user": "Which is first?", "assistant": "The cat.", "source": "demo"}]]}
+    ds = datasets.Dataset.from_dict(rows).cast_column("images", datasets.List(datasets.Image()))
+    (tmp_path / "hub" / "data" / "train").mkdir(parents=True)
+    ds.to_parquet(str(tmp_path / "hub" / "data" / "train" / "0000.parquet"))
+    (tmp_path / "flat").mkdir()
+    ds.to_parquet(str(tmp_path / "flat" / "test-00000-of-00001.parquet"))
+    own = _own(media, [[{"role": "user", "content": "<image><image>\nWhat are these?"},
+                        {"role": "assistant", "content": DOG}, {"role": "user", "content": "Which is first?"},
+                        {"role": "assistant", "content": "The cat."}]],
+               [[("image", "cat.jpg"), ("image", "dog.png")]], "own_cauldron")
+    assert _run("--hf", tmp_path / "hub", "--out", tmp_path / "a") == 0
+    assert chat._samples(tmp_path / "a") == own
+    assert _run("--hf", tmp_path / "flat", "--split", "test", "--out", tmp_path / "b") == 0
+    assert chat._samples(tmp_path / "b") == own
+
+
+def test_nemo_asr_manifest_as_nemos_reader_reads_it(media, tmp_path, capsys):
+    """A NeMo ASR manifest (relative paths against its folder, `offset` + `duration` a span): each sample is the
+    transcript and the audio that NeMo's own item_iter says the line means; a span past the end is a named skip."""
+    import soundfile as sf
+    from nemo.collections.common.parts.preprocessing.manifest import item_iter
+
+    manifest = _jsonl(media / "asr_manifest.json", [
+        {"audio_filepath": "tone.wav", "duration": 0.5, "text": "a whole tone"},
+        {"audio_filepath": "tone.wav", "offset": 0.125, "duration": 0.25, "text": "a span of it"},
+        {"audio_filepath": "tone.wav", "offset": 0.4, "duration": 0.25, "text": "past the end"}])
+    assert _run("--manifest", manifest, "--out", tmp_path / "a") == 0
+    out, err = capsys.readouterr()
+    assert "format nemo_asr: wrote 2 samples" in out and "skipped 1 {'span_past_end': 1}" in out, out
+    assert f"skip {manifest}:3: span_past_end" in err and "0.650 s, but" in err and "lasts 0.500 s" in err, err
+    got = chat._samples(tmp_path / "a")
+    for (conv, [(kind, data)]), item in zip(got, list(item_iter(str(manifest)))[:2]):
+        assert conv == [{"role": "user", "content": "<audio>\nTranscribe or describe the audio."},
+                        {"role": "assistant", "content": item["text"]}] and kind == "audio"
+        rate = sf.info(item["audio_file"]).samplerate
+        start = round((item["offset"] or 0) * rate)
+        want, _ = sf.read(item["audio_file"], start=start, frames=round(item["duration"] * rate), dtype="int16")
+        mine, mine_rate = sf.read(io.BytesIO(data), dtype="int16")
+        assert mine_rate == rate and np.array_equal(mine, want) and len(mine) == (8000 if start == 0 else 4000)
+    assert got[0][1][0][1] == (media / "tone.wav").read_bytes()  # no offset: the file as it is
+
+
+def test_partial_records_are_counted_unknown_format_skips(media, tmp_path, capsys):
+    """A record matching a format only partly is an unknown_format skip, never a crash; media lists longer or
+    shorter than the tags are placeholder_mismatch skips."""
+    lines = [{"audio_filepath": "tone.wav", "duration": 0.5},                      # no text
+             {"instruction": "<image>What?", "images": ["cat.jpg"]},               # no output
+             {"images": ["cat.jpg"]}, {"texts": [{"user": "Hi", "assistant": "Hello"}]},
+             {"caption": "a cat"},                                                  # no media
+             {"instruction": "<image>What?", "output": CAT, "images": ["cat.jpg", "dog.png"]},   # more items than tags
+             {"instruction": "<image><image>?", "output": CAT, "images": ["cat.jpg"]},           # fewer
+             {"conversations": [{"from": "human", "value": "<image>?"}, {"from": "gpt", "value": CAT}], "system": SYS,
+              "images": []},
+             {"instruction": "What?", "output": CAT}]                               # the one usable record
+    manifest = _jsonl(media / "partial.jsonl", lines)
+    assert _run("--manifest", manifest, "--out", tmp_path / "a") == 0
+    out = capsys.readouterr().out
+    assert "skipped 8 {'unknown_format': 5, 'placeholder_mismatch': 3}" in out, out
