@@ -66,7 +66,8 @@ def sample_key(rec, index: int, name: str) -> str:
 def prepare_part(source, part: int, parts: int, out: Path, shard_size: int, tick=lambda: None,
                  user_format=None) -> Prepared:
     """Worker `part` of `parts`: its records of `source` into its own shards in `out`. user_format: a
-    data/formats/user.UserFormat that converts every record instead of the detected format's module."""
+    converter of every record instead of the detected format's module (data/formats/user.UserFormat for --format,
+    data/formats/columns.Columns for --columns and a folder builder's layout): its .name is the format reported."""
     result = Prepared()
 
     def samples():

@@ -60,6 +60,11 @@ class ManifestSource:
     def kind(self) -> str:
         return "JSON array" if self.array is not None else "JSONL"
 
+    def columns(self) -> list[str]:
+        """The keys of the first record (what --columns names)."""
+        first = next((r for _, _, r in self.records() if isinstance(r, dict)), {})
+        return sorted(first)
+
     @property
     def total(self) -> int | None:
         """The number of records when known without reading the file (a JSONL file's is not)."""
@@ -89,9 +94,16 @@ class HFSource:
             (here if here.is_dir() else here.parent) if here.exists() else Path.cwd())
         self.split, self.path = split, path
         self.name = re.sub(r"[^A-Za-z0-9_-]", "_", Path(path).stem if Path(path).exists() else path)
-        self.dataset = _open_hf(path, split)
-        self.kind = f"Hugging Face dataset ({len(self.dataset)} rows of split {split!r})"
+        #: imagefolder / audiofolder / videofolder: the media kind of a folder builder's layout (its rows need a
+        #: column mapping, data/formats/columns.py), else None
+        self.folder_kind = _folder_kind(here) if here.is_dir() else None
+        self.dataset = _open_hf(path, split, self.folder_kind)
+        self.kind = (f"Hugging Face {self.folder_kind}folder" if self.folder_kind else "Hugging Face dataset") + (
+            f" ({len(self.dataset)} rows of split {split!r})")
         self.total = len(self.dataset)
+
+    def columns(self) -> list[str]:
+        return list(self.dataset.column_names)
 
     def records(self, part: int = 0, parts: int = 1):
         rows = part_range(len(self.dataset), part, parts)
@@ -99,7 +111,22 @@ class HFSource:
             yield i, f"{self.path}[{self.split}][{i}]", row
 
 
-def _open_hf(path: str, split: str):
+#: the metadata files of the datasets folder builders (imagefolder, audiofolder, videofolder)
+FOLDER_METADATA = ("metadata.jsonl", "metadata.csv", "metadata.parquet")
+
+
+def _folder_kind(p: Path) -> str | None:
+    """'image' | 'audio' | 'video' when `p` is laid out for a datasets folder builder (media files and a metadata
+    file, in p or in its split folders), by the media files' extensions; else None."""
+    from tessera.data.prepare import KIND_OF_EXT
+
+    if not any(f.name in FOLDER_METADATA for f in p.rglob("metadata.*")):
+        return None
+    kinds = {KIND_OF_EXT.get(f.suffix.lower()) for f in p.rglob("*") if f.is_file()} - {None}
+    return next((k for k in ("image", "audio", "video") if k in kinds), None)
+
+
+def _open_hf(path: str, split: str, folder_kind: str | None = None):
     # a dataset id is read from the local cache only; datasets reads these when imported, which on the command
     # line is here (nothing imports it earlier)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -114,6 +141,13 @@ def _open_hf(path: str, split: str):
                 if split not in ds:
                     raise SourceError(f"--hf {path}: no split {split!r}; it has {sorted(ds)}: pass --split NAME")
                 ds = ds[split]
+        elif folder_kind:  # datasets' own builder resolves file_name (relative to its metadata file), splits
+            builder = datasets.load_dataset_builder(f"{folder_kind}folder", data_dir=str(p))
+            if folder_kind != "image":  # its Audio / Video cells are encoded through torchcodec (not installed),
+                base = _path_cells(builder.BASE_FEATURE)  # even a path: keep the resolved path, undecoded
+                builder._base_feature = lambda: base(decode=False)
+            builder.download_and_prepare()
+            ds = builder.as_dataset(split=split)
         elif p.suffix == ".parquet" or p.is_dir():
             ds = datasets.load_dataset("parquet", data_files={split: _parquet_files(p, split)}, split=split)
         else:
@@ -125,6 +159,16 @@ def _open_hf(path: str, split: str):
                           f"{str(e)[:300]}); give a save_to_disk folder, a parquet file or folder, or the id of a "
                           f"dataset in the local cache") from e
     return _undecoded(ds)
+
+
+def _path_cells(feature_type):
+    """`feature_type` (datasets.Audio / Video) storing a path cell as {bytes: None, path} without torchcodec, which
+    datasets 5 imports to encode any cell; data/media.py decodes the bytes later."""
+    class PathCells(feature_type):
+        def encode_example(self, value):
+            return {"bytes": None, "path": value} if isinstance(value, str) else super().encode_example(value)
+
+    return PathCells
 
 
 def _parquet_files(p: Path, split: str) -> list[str]:

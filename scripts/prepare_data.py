@@ -100,6 +100,18 @@ def _prepare_records(args):
         print(f"[prepare] {e}", file=sys.stderr)
         return 2
     user_format = None
+    if args.columns or (getattr(source, "folder_kind", None) and not args.format):  # checked against the data's columns before writing
+        from tessera.data.formats.columns import Columns, ColumnsError
+
+        try:
+            user_format = (Columns.parse(args.columns, source.columns()) if args.columns
+                           else Columns.for_folder(source.folder_kind, source.columns()))
+        except ColumnsError as e:
+            print(f"[prepare] {e}", file=sys.stderr)
+            return 2
+    if args.format and args.columns:
+        print("[prepare] --format and --columns both convert every record: give one", file=sys.stderr)
+        return 2
     if args.format:  # loaded and tried on the first record before any shard is written
         from tessera.data.formats.user import FormatLoadError, UserFormat, last_line
 
@@ -151,6 +163,10 @@ def main(argv=None) -> int:
     ap.add_argument("--format", metavar="MODULE:FUNCTION", help="--manifest/--hf: your own converter, a function "
                     "from one record to Tessera's {conversation, media} (data/formats/user.py), instead of detecting "
                     "each record's format")
+    ap.add_argument("--columns", metavar="ROLE=COL,...", help="--manifest/--hf: a flat table's columns as a caption "
+                    "/ transcript sample: image=, video= or audio= (one), text=, and prompt= (a column, or the user "
+                    "turn's text); a datasets folder builder's layout takes its media and first text column without "
+                    "it")
     ap.add_argument("--workers", type=int, default=1, help="--manifest/--hf: processes preparing parts at once")
     ap.add_argument("--samples", type=int, default=96, help="--synthetic: number of samples")
     ap.add_argument("--seed", type=int, default=0, help="--synthetic: generator seed")

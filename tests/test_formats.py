@@ -220,3 +220,54 @@ def test_partial_records_are_counted_unknown_format_skips(media, tmp_path, capsy
     assert _run("--manifest", manifest, "--out", tmp_path / "a") == 0
     out = capsys.readouterr().out
     assert "skipped 8 {'unknown_format': 5, 'placeholder_mismatch': 3}" in out, out
+
+
+# --- Hugging Face's folder builders and --columns ----------------------------------------------------------------
+
+def test_folder_builders_as_the_datasets_docs_lay_them_out(media, tmp_path):
+    """imagefolder with split folders and metadata.jsonl (file_name, text), audiofolder with metadata.csv
+    (file_name, transcription): opened by datasets' own builders, each row the caption / transcript sample."""
+    img = tmp_path / "imgs"
+    for split, name, caption in (("train", "cat.jpg", CAT), ("test", "dog.png", DOG)):
+        (img / split).mkdir(parents=True)
+        (img / split / name).write_bytes((media / name).read_bytes())
+        _jsonl(img / split / "metadata.jsonl", [{"file_name": name, "text": caption}])
+    aud = tmp_path / "auds"
+    aud.mkdir()
+    (aud / "tone.wav").write_bytes((media / "tone.wav").read_bytes())
+    (aud / "metadata.csv").write_text("file_name,transcription\ntone.wav,a steady tone\n")
+    prompt = lambda kind: {"image": "<image>\nDescribe the image.", "audio": "<audio>\nTranscribe or describe the "
+                           "audio."}[kind]
+    for folder, split, kind, name, said in ((img, "train", "image", "cat.jpg", CAT), (img, "test", "image", "dog.png",
+                                                                                       DOG),
+                                            (aud, "train", "audio", "tone.wav", "a steady tone")):
+        own = _own(media, [[{"role": "user", "content": prompt(kind)}, {"role": "assistant", "content": said}]],
+                   [[(kind, name)]], f"own_{kind}_{split}")
+        out = tmp_path / f"{folder.name}_{split}"
+        assert _run("--hf", folder, "--split", split, "--out", out) == 0, (folder, split)
+        assert chat._samples(out) == own, (folder, split)
+
+
+def test_columns_map_a_flat_table(media, tmp_path, capsys):
+    """--columns on a CommonVoice-style parquet (audio + sentence, a fixed prompt) and a JSONL whose prompt is a
+    column; a column the data lacks is named before any shard is written."""
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"audio": [{"bytes": (media / "tone.wav").read_bytes(), "path": "tone.wav"}],
+                                     "sentence": ["a steady tone"], "up_votes": [2]})
+    ds.cast_column("audio", datasets.Audio(decode=False)).to_parquet(str(tmp_path / "cv.parquet"))
+    own = _own(media, [[{"role": "user", "content": "<audio>\nWrite down what is said."},
+                        {"role": "assistant", "content": "a steady tone"}]], [[("audio", "tone.wav")]], "own_cv")
+    assert _run("--hf", tmp_path / "cv.parquet", "--columns", "audio=audio,text=sentence,prompt=Write down what is "
+                "said.", "--out", tmp_path / "a") == 0
+    assert chat._samples(tmp_path / "a") == own
+    table = _jsonl(tmp_path / "cord.jsonl", [{"img": "cat.jpg", "ground_truth": CAT, "ask": "What is this?"}])
+    own = _own(media, [[{"role": "user", "content": "<image>\nWhat is this?"}, {"role": "assistant", "content": CAT}]],
+               [[("image", "cat.jpg")]], "own_cord")
+    assert _run("--manifest", table, "--media-root", media, "--columns", "image=img,text=ground_truth,prompt=ask",
+                "--out", tmp_path / "b") == 0
+    assert chat._samples(tmp_path / "b") == own
+    assert _run("--manifest", table, "--columns", "image=img,text=caption", "--out", tmp_path / "c") == 2
+    err = capsys.readouterr().err
+    assert "the data has no column 'caption' (for text=); its columns: ['ask', 'ground_truth', 'img']" in err, err
+    assert not (tmp_path / "c").exists()
