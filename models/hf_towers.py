@@ -16,30 +16,40 @@ from tessera.models.encoder_families.base import family_of
 
 
 def _deterministic(config) -> None:
-    """Dropout, LayerDrop and SpecAugment off (in place): training equal in every layout, as Tessera's encoders."""
+    """Dropout, drop path (stochastic depth), LayerDrop and SpecAugment off (in place, a dual model's sub-configs
+    too): training equal in every layout, as Tessera's encoders."""
     for key, value in list(config.to_dict().items()):
-        if isinstance(value, float) and (key.endswith("dropout") or key.endswith("layerdrop")
+        if isinstance(value, float) and ("dropout" in key or "drop_path" in key or key.endswith("layerdrop")
                                          or key.startswith("mask_time_prob") or key.startswith("mask_feature_prob")):
             setattr(config, key, 0.0)
     if hasattr(config, "apply_spec_augment"):
         config.apply_spec_augment = False
+    for sub in ("vision_config", "audio_config", "encoder"):
+        if hasattr(getattr(config, sub, None), "to_dict"):
+            _deterministic(getattr(config, sub))
 
 
 def load_transformers_model(cfg: dict):
-    """The tower of cfg's directory: its weights, or on the meta device (models/meta_device.meta_build) shapes only."""
+    """The tower of cfg's directory: its weights, or on the meta device (models/meta_device.meta_build) shapes only.
+    A type of the family's table loads as its tower class; any other through AutoModel, then the model's own
+    accessor of its encoder (cfg["submodule"]: a dual model's vision_model, an encoder-decoder's get_encoder())."""
     import transformers
 
-    directory, model_type = cfg["directory"], cfg["model_type"]
+    directory, meta = cfg["directory"], torch.empty(0).is_meta
     cls = getattr(transformers, cfg["tower_class"])
-    config = cls.config_class.from_pretrained(directory)
+    config = (transformers.AutoConfig if cls is transformers.AutoModel else cls.config_class).from_pretrained(directory)
     _deterministic(config)
     if hasattr(config, "vision_use_head"):
         config.vision_use_head = False  # SigLIP's attention-pooling head: no output Tessera uses
-    if torch.empty(0).is_meta:
-        model = cls(config)
+    if meta:
+        model = cls.from_config(config) if cls is transformers.AutoModel else cls(config)
     else:
         model = cls.from_pretrained(directory, config=config, dtype=torch.float32)
-    return model.encoder if model_type == "whisper" else model
+    where = cfg.get("submodule", "")
+    tower = model.get_encoder() if where == "encoder" else getattr(model, where) if where else model
+    if getattr(tower, "pooler", None) is not None:
+        tower.pooler = None  # a pooled output Tessera never reads: its parameters would get no gradient
+    return tower
 
 
 class HFPixels(nn.Module):

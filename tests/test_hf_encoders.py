@@ -6,6 +6,7 @@ length."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -14,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from tessera.models.encoder_families import hf_transformers as hft
+from tessera.models.encoder_families import hf_contract, hf_transformers as hft
 from tessera.models.encoder_families.base import family_of
+from tests.test_hf_any_encoder import build_tiny
 
 
 def _siglip2(out: Path) -> Path:
@@ -82,7 +84,9 @@ def _hubert(out: Path) -> Path:
     return out
 
 
-BUILDERS = {"siglip2": _siglip2, "clip": _clip, "whisper": _whisper, "wav2vec2": _wav2vec2, "hubert": _hubert}
+BUILDERS = {"siglip2": _siglip2, "clip": _clip, "whisper": _whisper, "wav2vec2": _wav2vec2, "hubert": _hubert,
+            # types the code never names (tests/test_hf_any_encoder.py): for the layouts below
+            **{k: functools.partial(build_tiny, k) for k in ("dinov2_with_registers", "sew")}}
 
 
 @pytest.fixture(scope="module")
@@ -201,21 +205,29 @@ def test_name_forms_are_told_apart_by_the_directorys_config_json(dirs, tmp_path)
     assert encoders.encoder_config(f"hf:{dirs['siglip2']}")["family"] == "hf_vision"
 
 
-def test_a_directory_of_another_model_is_refused_naming_it_and_what_is_supported(tmp_path):
+def test_a_directory_hf_dir_cannot_take_is_refused_naming_it_and_why(tmp_path):
+    """Any model type is tried by contract (tests/test_hf_any_encoder.py); one transformers does not know, or one
+    with no processor to feed it, is refused naming DIR, its model type and the reason."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert hft.is_transformers_encoder(f"hf:{tmp_path}")  # (not a release: the contract decides)
     with pytest.raises(hft.HFEncoderError) as e:
-        hft.is_transformers_encoder(f"hf:{tmp_path}")
-    assert str(tmp_path) in str(e.value) and "'bert'" in str(e.value)
-    assert "siglip2" in str(e.value) and "whisper" in str(e.value) and "hf:DIR#modality" in str(e.value)
+        hft.encoder_config_of(f"hf:{tmp_path}")
+    assert f"hf:{tmp_path} (model_type 'bert')" in str(e.value) and "preprocessor_config.json not found" in str(e.value)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_type"}))
+    with pytest.raises(hft.HFEncoderError, match=r"'no_such_type'.*AutoConfig does not build it"):
+        hft.encoder_config_of(f"hf:{tmp_path}#audio")
     with pytest.raises(hft.HFEncoderError, match="config.json not found"):
         hft.is_transformers_encoder(f"hf:{tmp_path / 'missing'}")
 
 
 # (recipe, override, model, layout on 2 ranks): colocated (the tower's two pipeline stages on the LLM's TP ranks)
-# and non-colocated (the encoders on rank 0, the LLM on rank 1); each run is minutes of shared CPU, so one each
+# and non-colocated (the encoders on rank 0, the LLM on rank 1), for table types and for two the code never names
+# (class + register tokens; a squeezed conv stack); each run is minutes of shared CPU, so one each
 TRAIN_CASES = [
     ("nemotron_vl_tiny", "vision", "siglip2", "vision=pp2@0-1;language=tp2@0-1"),
     ("nemotron_omni_tiny", "audio", "whisper", "vision=dp1@0-0;audio=dp1@0-0;language=dp1@1-1"),
+    ("nemotron_vl_tiny", "vision", "dinov2_with_registers", "vision=dp1@0-0;language=dp1@1-1"),
+    ("nemotron_omni_tiny", "audio", "sew", "vision=dp1@0-0;audio=dp1@0-0;language=dp1@1-1"),
 ]
 
 
@@ -276,8 +288,8 @@ def test_planner_counts_the_built_parameters_and_torchs_flops(dirs):
     cfg = hft.encoder_config_of(audio)
     tok, samples = family_of(cfg).tokens(cfg), 24_000
     rows, proj = tok.audio_encoder_rows(samples), 2.0 * (32 * 128 + 128 * llm)
-    counted = hft._meta_flops(cfg, samples)[1] + rows * proj
+    counted = hf_contract.measured_cost(cfg, samples)[1] + rows * proj
     assert media_item_flops(desc["audio"], tok, "audio", samples) == pytest.approx(counted, rel=0.01)
     vcfg = hft.encoder_config_of(vision)
     assert media_item_flops(desc["vision"], family_of(vcfg).tokens(vcfg), "image", 1) == pytest.approx(
-        hft._meta_flops(vcfg)[1] + 16 * proj)
+        hf_contract.measured_cost(vcfg)[1] + 16 * proj)

@@ -1,0 +1,193 @@
+"""What `hf:DIR` asks of a transformers model it has no table entry for, and what it measures of it on the meta device.
+
+The contract (each check names DIR, the model type and what failed):
+    - config.json's model_type is one transformers' AutoConfig builds, and the model is not a causal language model
+    - DIR holds the model's own processor (preprocessor_config.json): an image processor (vision) or a feature
+      extractor (audio) that loads here (a missing package, such as torchvision, is named)
+    - the encoder is the model itself, a dual model's vision tower (`vision_model`), or an encoder-decoder's
+      encoder (`get_encoder()`): the model's own accessors
+    - its forward on the processor's output (pixel_values of one tile; input_values of a clip) returns
+      last_hidden_state [1, tokens, hidden]
+What a forward on the meta device shows (no weights read, nothing computed) is measured rather than listed: the
+hidden size, the class/register tokens before the patches (tokens - patches), the rows per clip (checked against
+the conv stack of its config at several lengths, so the data side can count them without a model), and for the
+planner the parameters, FLOPs (torch's FlopCounterMode) and activation bytes (the tensors autograd saves).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+BF16 = 2  # bytes per activation element the planner prices (hetero/planner/model.py's unit)
+
+
+class HFEncoderError(ValueError):
+    """`hf:DIR` names no transformers encoder Tessera takes."""
+
+
+def refuse(directory, model_type, reason: str):
+    return HFEncoderError(f"hf:{directory} (model_type {model_type!r}) is not an encoder hf:DIR takes: {reason}")
+
+
+def auto_config(directory: Path, model_type: str):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(directory)
+    except (ValueError, KeyError) as e:
+        raise refuse(directory, model_type, f"transformers' AutoConfig does not build it ({e})") from None
+
+
+def processor(directory: Path, model_type: str):
+    """(modality, the model's own image processor or feature extractor) from DIR/preprocessor_config.json."""
+    path = directory / "preprocessor_config.json"
+    if not path.is_file():
+        raise refuse(directory, model_type, f"{path.name} not found: DIR must hold the model's own image processor "
+                                            f"or feature extractor (save_pretrained of it) to feed it as trained")
+    spec = json.loads(path.read_text())
+    from transformers import AutoFeatureExtractor, AutoImageProcessor
+
+    modality = "vision" if "image_processor_type" in spec or "image_mean" in spec else \
+        "audio" if "feature_extractor_type" in spec or "sampling_rate" in spec else None
+    if modality is None:
+        raise refuse(directory, model_type, f"{path.name} describes neither an image processor nor a feature "
+                                            f"extractor")
+    what = "image processor" if modality == "vision" else "feature extractor"
+    try:  # loaded and run once: a package it needs may be imported only when it runs (an OCR step's)
+        loaded = (AutoImageProcessor if modality == "vision" else AutoFeatureExtractor).from_pretrained(directory)
+        if modality == "vision":
+            loaded(images=[np.zeros((64, 64, 3), np.uint8)], return_tensors="np")
+        else:
+            loaded(np.zeros(loaded.sampling_rate // 10, np.float32), sampling_rate=loaded.sampling_rate,
+                   return_tensors="np")
+    except ImportError as e:
+        found = re.search(r"pip install ([\w.-]+)", str(e)) or re.search(r"No module named '([^'.]+)", str(e))
+        package = found.group(1) if found else getattr(e, "name", None) or "a package"
+        kind = spec.get("image_processor_type" if modality == "vision" else "feature_extractor_type")
+        raise refuse(directory, model_type, f"its {what} ({kind}) needs {package}, which is not installed "
+                                            f"(pip install {package})") from None
+    return modality, loaded
+
+
+def submodule(directory: Path, model_type: str, config) -> str:
+    """Where the encoder is in what AutoModel builds: "" (the model), "vision_model" (a dual model's tower) or
+    "encoder" (an encoder-decoder's, by get_encoder()). A causal language model is refused."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                          MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+    if getattr(config, "vision_config", None) is not None:
+        return "vision_model"
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder"
+    # (a text encoder also has a causal-LM head class, BertLMHeadModel: a masked-LM one tells it apart)
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        raise refuse(directory, model_type, "a causal language model (AutoModelForCausalLM builds it), not an "
+                                            "encoder: checked for a vision tower (vision_config), an "
+                                            "encoder-decoder's encoder and an encoder-only model")
+    return ""
+
+
+def layer_count(tower) -> int:
+    """The length of the tower's list of transformer layers: the nn.ModuleList named layer, layers or blocks, an
+    encoder's own first (not a conv stack's, nor the convolutional position embedding's), 1 where it has none."""
+    from torch import nn
+
+    lists = [(parent.rpartition(".")[2] in ("", "encoder"), len(m)) for name, m in tower.named_modules()
+             for parent, _, attr in [name.rpartition(".")]
+             if isinstance(m, nn.ModuleList) and attr in ("layer", "layers", "blocks")]
+    return max(lists, default=(True, 1))[1] or 1
+
+
+def meta_forward(fields: dict, samples: int = 0):
+    """(last_hidden_state's shape, tower) of the tower of `fields` on the meta device, fed one tile or one clip of
+    `samples` samples as its processor would give it. A forward that fails, or returns no [1, tokens, hidden]
+    last_hidden_state, is refused naming it."""
+    import torch
+
+    from tessera.models.hf_towers import load_transformers_model
+    from tessera.models.meta_device import meta_build
+
+    directory, model_type = fields["directory"], fields["model_type"]
+    with meta_build():
+        tower = load_transformers_model(fields)
+    fed = (f"pixel_values [1, 3, {fields['tile']}, {fields['tile']}]" if "tile" in fields
+           else f"input_values [1, {samples}]")
+    try:
+        with torch.no_grad():
+            x = torch.empty(1, 3, fields["tile"], fields["tile"], device="meta") if "tile" in fields \
+                else torch.empty(1, samples, device="meta")
+            out = tower(x)
+    except Exception as e:  # (any model's own error: what it says is the reason)
+        raise refuse(directory, model_type, f"its forward on the processor's {fed} fails: "
+                                            f"{type(e).__name__}: {e}") from None
+    hidden = getattr(out, "last_hidden_state", None)
+    if hidden is None or hidden.dim() != 3 or hidden.shape[0] != 1:
+        got = "no last_hidden_state" if hidden is None else f"last_hidden_state of shape {list(hidden.shape)}"
+        raise refuse(directory, model_type, f"its forward on {fed} gives {got}, not the per-item hidden states "
+                                            f"[1, tokens, hidden] of an encoder")
+    return tuple(hidden.shape), tower
+
+
+def conv_rows(convs, samples: int) -> int:
+    for kernel, stride, padding in convs:
+        samples = (samples + 2 * padding - kernel) // stride + 1
+    return samples
+
+
+def audio_convs(directory: Path, model_type: str, config, fields: dict) -> tuple:
+    """(kernel, stride, padding) per stage of the config's conv stack (conv_kernel / conv_stride), checked on the
+    meta device: the rows of clips of several lengths must be what the stack gives (a model that pools or
+    upsamples differently is refused: the data side could not count its tokens)."""
+    kernels, strides = getattr(config, "conv_kernel", None), getattr(config, "conv_stride", None)
+    if not kernels or not strides:
+        raise refuse(directory, model_type, "its output length for a clip cannot be determined: the config has no "
+                                            "conv_kernel / conv_stride")
+    convs = tuple((int(k), int(s), 0) for k, s in zip(kernels, strides))
+    rate = fields["sample_rate"]
+    for samples in (rate, rate + 1, rate * 3 // 2 + 7):
+        (_, rows, _), _ = meta_forward(fields, samples)
+        if rows != conv_rows(convs, samples):
+            raise refuse(directory, model_type, f"its output length for a clip cannot be determined: "
+                                                f"{samples} samples give {rows} rows, its conv stack "
+                                                f"{conv_rows(convs, samples)}")
+    return convs
+
+
+def measured_cost(cfg: dict, samples: int = 0) -> tuple[int, float, float]:
+    """(parameters, forward FLOPs, activation bytes) of the tower of `cfg` on one item (a tile; a clip of
+    `samples` samples; Whisper's whole window) on the meta device: FLOPs by torch's FlopCounterMode, activations
+    as the bf16 bytes of every non-parameter tensor autograd saves for backward."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tessera.models.hf_towers import HFVisionTower, load_transformers_model
+    from tessera.models.meta_device import meta_build
+
+    with meta_build():
+        tower = HFVisionTower(cfg, "none") if cfg["modality"] == "vision" else load_transformers_model(cfg)
+    params = {id(p) for p in tower.parameters()}
+    saved = [0]
+
+    def pack(t):
+        base = t._base if t._base is not None else t
+        if id(t) not in params and id(base) not in params:
+            saved[0] += t.numel() * BF16
+        return t
+
+    counter = FlopCounterMode(display=False)
+    with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if cfg["modality"] == "vision":
+            pixels = torch.empty(1, 3, cfg["tile"], cfg["tile"], device="meta")
+            inputs = tower.inputs(pixels)
+            if "spatial_shapes" in inputs:  # (read as Python ints to size the position embeddings)
+                inputs["spatial_shapes"] = torch.tensor([[cfg["tile"] // cfg["patch"]] * 2])
+            tower.model(**inputs)
+        elif cfg["model_type"] == "whisper":
+            tower(torch.empty(1, tower.config.num_mel_bins, 2 * tower.config.max_source_positions, device="meta"))
+        else:
+            tower(torch.empty(1, samples, device="meta"))
+    return sum(p.numel() for p in tower.parameters()), float(counter.get_total_flops()), float(saved[0])
