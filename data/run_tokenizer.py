@@ -28,6 +28,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from tessera.data.blend import blend_members, shared_tokenizer
 from tessera.data.templates import CHAT_TEMPLATE, PROCESSOR_TAGS
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # in the order a directory's own is chosen
@@ -81,9 +82,16 @@ def run_tokenizer(tokenizer: str | None, checkpoint: str | None, dataset: str | 
         if (own := own_tokenizer(directory)) is not None:
             return TokenizerChoice(str(own), f"{setting}={directory}")
     where = f", nor has model.checkpoint={checkpoint} one" if checkpoint else ""
-    if dataset and Path(dataset).expanduser().is_file():
-        raise TokenizerMismatch(f"data.path={dataset} is a blend (metadataset YAML), which has no tokenizer of its "
-                                f"own{where}: set data.tokenizer=PATH (e.g. one of its datasets' tokenizer.model)")
+    members = blend_members(dataset)
+    if members is not None:  # a blend: the one tokenizer its datasets carry (data/blend.py)
+        try:
+            shared = shared_tokenizer(members, own_tokenizer)
+        except ValueError as e:
+            raise TokenizerMismatch(f"data.path={dataset}: {e}") from None
+        if shared is not None:
+            return TokenizerChoice(str(shared), f"data.path={dataset} (its datasets' tokenizer)")
+        raise TokenizerMismatch(f"data.path={dataset} is a blend whose datasets carry no tokenizer{where}: set "
+                                f"data.tokenizer=PATH, or prepare them with scripts/prepare_data.py --tokenizer PATH")
     raise TokenizerMismatch(f"data.path={dataset} has no tokenizer ({Path(str(dataset)) / 'tokenizer.model'} is "
                             f"missing, and tokenizer.json too{where}): set data.tokenizer=PATH (the model's "
                             f"SentencePiece .model or tokenizer.json), or re-run scripts/prepare_data.py for this "

@@ -93,7 +93,14 @@ def check_data(data, checkpoint: str | None = None) -> None:
 
 
 def _check_dataset(field: str, value: str) -> None:
-    """A prepared dataset directory or an energon blend YAML, named by the field that gave it."""
+    """A prepared dataset directory or an energon blend YAML, named by the field that gave it; data.path's blend
+    of several (NAME=DIR[:W];..., data/blend.py) member by member."""
+    from tessera.data.blend import is_blend_spec, parse_blend_spec
+
+    if field == "data.path" and is_blend_spec(value):
+        for member in parse_blend_spec(value):
+            _check_dataset(f"data.path ({member.name})", str(member.path))
+        return
     path = Path(value).expanduser()
     other = "drop data.path for synthetic data" if field == "data.path" else "data.val_path=synthetic"
     if not path.exists():
@@ -103,7 +110,7 @@ def _check_dataset(field: str, value: str) -> None:
         if not (path / ".nv-meta").is_dir():
             raise ValueError(f"{field}={value} is not a prepared dataset (no {path / '.nv-meta'}); run "
                              f"`python scripts/prepare_data.py ... --out {value}` or `energon prepare {value}`")
-        if field == "data.path":
+        if field.startswith("data.path"):
             _check_train_split(value, path)
     elif path.suffix not in (".yaml", ".yml"):
         raise ValueError(f"{field}={value} is a file but not an energon metadataset YAML (a blend); give a "

@@ -242,6 +242,22 @@ def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
     return summary
 
 
+def _blend_in_run_dir(cfg: RunConfig, run_dir: Path) -> RunConfig:
+    """data.path="a=DIR;b=DIR:0.3" (several prepared datasets, data/blend.py): rank 0 writes the energon blend as
+    run_dir/blend.yaml, and every rank trains from it (it stays next to the run's checkpoints)."""
+    from dataclasses import replace
+
+    from tessera.data.blend import is_blend_spec, write_blend
+
+    if not is_blend_spec(cfg.data.path):
+        return cfg
+    if dist.get_rank() == 0:
+        path = write_blend(cfg.data.path, run_dir)
+        print(f"data: the blend {cfg.data.path} is {path}", flush=True)
+    dist.barrier()
+    return replace(cfg, data=replace(cfg.data, path=str(run_dir / "blend.yaml")))
+
+
 def _train_held(cfg: RunConfig, restart, run_dir: Path, stop) -> dict:
     """The run, once this job holds run_dir: resolved on this world, then trained (or nothing, when run_dir's
     checkpoint is already at trainer.max_steps)."""
@@ -260,6 +276,7 @@ def _train_held(cfg: RunConfig, restart, run_dir: Path, stop) -> dict:
                   f"give it another trainer.run_dir", flush=True)
             release_spares(resolved.spares, 0)
         return {"run_dir": str(run_dir), "steps": done, "nothing_to_do": True}
+    cfg = _blend_in_run_dir(cfg, run_dir)
     if rank == 0:
         from tessera.recipes.prelaunch import full_size_warnings
 
