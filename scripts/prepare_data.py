@@ -100,7 +100,8 @@ def _prepare_records(args):
         print(f"[prepare] {e}", file=sys.stderr)
         return 2
     user_format = None
-    if args.columns or (getattr(source, "folder_kind", None) and not args.format):  # checked against the data's columns before writing
+    # --columns (or a folder builder's layout) is checked against the data's columns before any shard is written
+    if args.columns or (getattr(source, "folder_kind", None) and not args.format):
         from tessera.data.formats.columns import Columns, ColumnsError
 
         try:

@@ -271,3 +271,27 @@ def test_columns_map_a_flat_table(media, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "the data has no column 'caption' (for text=); its columns: ['ask', 'ground_truth', 'img']" in err, err
     assert not (tmp_path / "c").exists()
+
+
+def test_nemo_speech_llm_manifest_has_nemos_turns(media, tmp_path):
+    """NeMo's spoken-QA manifest (sqa_as_conversation's documented line): the turns of NeMo's own
+    sqa_cut_to_conversation on the same line, the audio where its AudioTurn is, the file or the offset span."""
+    import lhotse
+    import soundfile as sf
+    from nemo.collections.common.data.lhotse.cutset import sqa_cut_to_conversation
+
+    line = {"audio_filepath": "tone.wav", "duration": 0.5, "text": "a tone", "lang": "en", "context": "Listen.",
+            "question": "What is heard?", "answer": "A steady tone.", "system_prompt": SYS}
+    span = dict(line, offset=0.25, duration=0.125, question="And at the end?")
+    manifest = _jsonl(media / "sqa_manifest.json", [line, span])
+    assert _run("--manifest", manifest, "--out", tmp_path / "a") == 0
+    got = chat._samples(tmp_path / "a")
+    for (conv, [(kind, data)]), rec in zip(got, (line, span)):
+        cut = lhotse.Recording.from_file(str(media / "tone.wav")).to_cut()
+        cut.custom = {k: rec[k] for k in ("context", "question", "answer", "system_prompt")}
+        nemo = sqa_cut_to_conversation(cut, audio_locator_tag="<audio>", token_equivalent_duration=0.08)
+        assert conv == [{"role": t.role, "content": getattr(t, "value", None) or t.audio_locator_tag}
+                        for t in nemo.turns] and kind == "audio"
+        rate, start = 16000, round(rec.get("offset", 0) * 16000)
+        want, _ = sf.read(media / "tone.wav", start=start, frames=round(rec["duration"] * rate), dtype="int16")
+        assert np.array_equal(sf.read(io.BytesIO(data), dtype="int16")[0], want)

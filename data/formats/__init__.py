@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tessera.data.formats import alpaca, caption, cauldron, llava, messages, nemo_asr, tessera
+from tessera.data.formats import alpaca, caption, cauldron, llava, messages, nemo_asr, nemo_speech_llm, tessera
 from tessera.data.formats.common import KINDS, PROMPTS, RecordError, caption_chat  # noqa: F401  (the package's API)
 from tessera.data.tokens import _KIND_OF_TAG, _TAG_RE, MEDIA_TAGS  # the tag grammar encode_conversation reads
 
@@ -31,6 +31,7 @@ REGISTRY = {m.NAME: m for m in (
     alpaca,
     cauldron,
     nemo_asr,
+    nemo_speech_llm,
 )}
 FORMATS = tuple(REGISTRY)
 
