@@ -38,16 +38,16 @@ class RecipeDefaults:
 RECIPES = {
     "nemotron_vl_12b": RecipeDefaults(
         llm="nemotron_nano_12b_v2", vision="radio_vit_h", audio=None, gpus=16,
-        workload=Workload(seq_length=16384, global_batch=128, tiles=24, vision_spread=MIXED_SPREAD["vit"]),
+        workload=Workload(seq_length=16384, global_batch=128, tiles=24, vision_spread=MIXED_SPREAD["vision"]),
         layout="vision=tp4,cp2,dp2@0-15;language=tp4,cp2,dp2@0-15"),   # 66.7 GiB predicted, LLM CP head-parallel
     "nemotron_video_12b": RecipeDefaults(
         llm="nemotron_nano_12b_v2", vision="radio_vit_h", audio=None, gpus=16,
-        workload=Workload(seq_length=16384, global_batch=128, frames=32, vision_spread=MIXED_SPREAD["vit"]),
+        workload=Workload(seq_length=16384, global_batch=128, frames=32, vision_spread=MIXED_SPREAD["vision"]),
         layout="vision=tp2,dp8@0-15;language=tp2,dp8@0-15"),           # 70.6 GiB predicted
     "nemotron_omni_30b_a3b": RecipeDefaults(
         llm="nemotron_3_nano_30b_a3b", vision="radio_vit_h", audio="fastconformer_parakeet_0_6b", gpus=32,
         workload=Workload(seq_length=16384, global_batch=128, tiles=16, audio_seconds=120,  # 4 rows per DP rank
-                          vision_spread=MIXED_SPREAD["vit"], audio_spread=MIXED_SPREAD["conformer"]),
+                          vision_spread=MIXED_SPREAD["vision"], audio_spread=MIXED_SPREAD["audio"]),
         # audio cp2: its busiest rank (dp16, 8 rows each) is priced 1.5% faster than at dp32 under balancing
         layout="vision=dp32@0-31;audio=cp2,dp16@0-31;language=dp32,ep8@0-31"),  # 70.6 GiB predicted
 }

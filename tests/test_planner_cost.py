@@ -251,7 +251,7 @@ def test_an_encoder_is_priced_at_its_busiest_dp_rank():
         steps[balanced] = p.step_s
         for key in ("vision", "audio"):
             items = items_of(model[key], r.workload)[0]
-            want = busiest_rank_factor(32, per_dp, per_dp * items, r.workload.spread(model[key].kind), balanced)
+            want = busiest_rank_factor(32, per_dp, per_dp * items, r.workload.spread(key), balanced)
             got = p.modules[key].stages[0].compute / even.modules[key].stages[0].compute
             assert got == pytest.approx(want, rel=1e-9) and want > 1.0, (key, balanced, got, want)
         assert p.modules["language"] == even.modules["language"]

@@ -85,9 +85,9 @@ class Workload:
     audio_spread: tuple[float, float] = (0.0, 0.0)
     balance_encoders: bool = True      # items dealt to encoder DP ranks by cost (data.balance_encoders)
 
-    def spread(self, kind: str) -> tuple[float, float]:
-        """The (row, item) spread of an encoder kind's cost ("vit", "conformer")."""
-        return self.vision_spread if kind == "vit" else self.audio_spread if kind == "conformer" else (0.0, 0.0)
+    def spread(self, key: str) -> tuple[float, float]:
+        """The (row, item) spread of an encoder module's cost ("vision", "audio": the media mix's, any family)."""
+        return {"vision": self.vision_spread, "audio": self.audio_spread}.get(key, (0.0, 0.0))
 
 
 @dataclass(frozen=True)

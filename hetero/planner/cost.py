@@ -98,7 +98,7 @@ def items_of(mod: ModuleDesc, w: Workload) -> tuple[float, float, float, float]:
     sequence's items, hetero/planner/flops.py; the LLM's lm_head left to the last stage)."""
     if mod.kind == "llm":
         return 1.0, float(w.seq_length), float(w.seq_length), sequence_flops(mod, w.seq_length)
-    if mod.kind == "vit":
+    if mod.key == "vision":  # images and video frames, priced by the family's numbers per tile / tubelet
         fused = mod.temporal_patch if (w.tubelets and mod.temporal_patch) else 1
         tubelets = math.ceil(w.frames / fused)
         items = w.tiles + tubelets
@@ -123,7 +123,7 @@ def activation_bytes(mod: ModuleDesc, lay: ModuleLayout, tokens: float, ctx: flo
     layers_of = {"*": mod.attn_layers, "M": mod.mamba_layers}
     per_layer_cp = {ch: b / max(1, layers_of[ch]) for ch, b in cp_extra.items()}
     # vision CP (models/vision_cp.py): each layer keeps the K/V it gathered from the cp ranks for its backward
-    gathered = lay.cp * mod.kv_width * BF16 / tp if lay.cp > 1 and mod.kind == "vit" else 0.0
+    gathered = lay.cp * mod.kv_width * BF16 / tp if lay.cp > 1 and mod.cp_split == "tokens" else 0.0
     if recompute:
         per_mb = tokens * (mod.act_bytes_recompute / sp) / pp
         peak = tokens * max(r / sp + (a + (per_layer_cp.get(ch, 0.0) if cp else 0.0)) / tp + u
@@ -154,7 +154,7 @@ def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, c
         rank_items = per_dp * items / cp
         # the busiest DP rank sets the encoder's pace: the expected maximum over DP ranks for the media mix, with or
         # without items dealt by cost (straggler.py), not the mean
-        busiest = busiest_rank_factor(dp, per_dp, per_dp * items, w.spread(mod.kind), w.balance_encoders)
+        busiest = busiest_rank_factor(dp, per_dp, per_dp * items, w.spread(mod.key), w.balance_encoders)
         fwd_body = rank_items * fwd_item / (tp * pp) * busiest
     mult = 4 if recompute else 3
     speed = cl.peak_tflops * 1e12 * k.eff(mod.kind)
@@ -165,7 +165,7 @@ def module_cost(mod: ModuleDesc, lay: ModuleLayout, samples: int, w: Workload, c
     if cp > 1 and mod.kind == "llm":  # each layer kind on the path the trainer takes (cp_cost.py)
         seq_flops = {"*": per_dp * toks * mod.attn_flops * ctx, "M": per_dp * toks * mod.scan_flops}
         cp_s = llm_cp_seconds(mod, lay, tokens, per_dp, lambda ch: seq_flops[ch] / (tp * cp * pp), cl, k, recompute)
-    elif cp > 1 and mod.kind == "vit":
+    elif cp > 1 and mod.cp_split == "tokens":
         # vision CP: every layer all-gathers its tiles' K/V over the CP group (again when recompute reruns the
         # forward) and all-reduces their gradient in backward; not overlapped with compute
         kv = tokens * cp * mod.kv_width * BF16 / tp

@@ -71,16 +71,16 @@ def media_item_flops(mod: ModuleDesc, tok, kind: str, units: int | tuple) -> flo
     grid, one sequence of all its patches (its cost grows with their square); video frames, or (frames, rows,
     cols), in tubelets of tok.video_temporal frames, one sequence each; audio 16 kHz samples, one clip one
     sequence."""
-    if mod.kind == "vit":
+    if mod.key == "vision":  # tiles / patch grids / tubelets, each one sequence of the family's tokens
         grid = units if kind == "image" else (units[1:] if isinstance(units, tuple) else None)
         patches = grid[0] * grid[1] if isinstance(grid, tuple) else tok.patches_per_tile
         if kind == "image":
             return vit_sequence_flops(mod, patches) * (1 if isinstance(units, tuple) else units)
         frames = units[0] if isinstance(units, tuple) else units
         return vit_sequence_flops(mod, patches, tok.video_temporal) * math.ceil(frames / tok.video_temporal)
-    if mod.kind == "conformer":
+    if mod.key == "audio":  # one clip one sequence of the family's rows
         return sequence_flops(mod, tok.audio_encoder_rows(units), mod.pre_flops_per_second * units / tok.audio_rate)
-    raise ValueError(f"{mod.key} ({mod.kind}) encodes no media items")
+    raise ValueError(f"{mod.key} encodes no media items")
 
 
 class StepFlops:

@@ -60,7 +60,8 @@ class ModuleDesc:
     """One module's cost-relevant facts; `items`/`tokens` come from the workload (see cost.items_of)."""
 
     key: str                      # "language", "vision", "audio"
-    kind: str                     # "llm", "vit", "conformer": which efficiency constant applies
+    kind: str                     # which calibrated efficiency constant (cluster.Constants.eff_<kind>) its kernels
+                                  # run at: "llm", or the encoder family's ("vit", "conformer"); nothing else reads it
     params: int                   # every parameter, projector included for encoders
     replicated_params: int        # held in full by every TP rank (norms, routers, encoder embeddings and projectors)
     expert_params: int            # routed-expert parameters (sharded by ep), part of params
@@ -104,6 +105,8 @@ class ModuleDesc:
     head_dim: int = 0             # LLM: attention head width
     mamba_dims: tuple[int, int] = (0, 0)  # LLM: Mamba head width, state size
     scan_flops: float = 0         # LLM: forward FLOPs per token of all Mamba layers' conv + SSD scan (part of linear)
+    cp_split: str = "items"       # encoders at CP > 1: "tokens" (an item's tokens split, each layer gathering K/V:
+                                  # a family with context_parallel) or "items" (whole items per rank)
     name: str = ""                # registry name (models/configs.py, models/encoders.py); "" for raw config fields
 
 

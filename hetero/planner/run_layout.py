@@ -32,8 +32,8 @@ def workload_for_run(cfg) -> Workload:
             media[f] = float(value)
     # the media mix's spread is not known before the data is read: priced as the bench's mixed set (straggler.py)
     return Workload(seq_length=d.seq_length, global_batch=d.rows_per_microbatch * d.microbatches,
-                    rows_per_microbatch=d.rows_per_microbatch, vision_spread=MIXED_SPREAD["vit"],
-                    audio_spread=MIXED_SPREAD["conformer"], balance_encoders=getattr(d, "balance_encoders", True),
+                    rows_per_microbatch=d.rows_per_microbatch, vision_spread=MIXED_SPREAD["vision"],
+                    audio_spread=MIXED_SPREAD["audio"], balance_encoders=getattr(d, "balance_encoders", True),
                     **media)
 
 

@@ -29,8 +29,9 @@ import math
 from statistics import NormalDist
 
 
-#: (row, item) coefficient of variation of encoder FLOPs per module kind, scripts/bench_balance.py's mixed set
-MIXED_SPREAD = {"vit": (0.14, 0.62), "conformer": (0.83, 0.57)}
+#: (row, item) coefficient of variation of encoder FLOPs per modality (the media mix's, whatever family encodes it),
+#: scripts/bench_balance.py's mixed set
+MIXED_SPREAD = {"vision": (0.14, 0.62), "audio": (0.83, 0.57)}
 
 
 def expected_max_normal(n: int) -> float:

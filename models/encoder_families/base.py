@@ -106,8 +106,10 @@ class EncoderFamily(abc.ABC):
     @abc.abstractmethod
     def planner_fields(self, cfg: dict, llm_hidden: int) -> dict:
         """hetero/planner/model.ModuleDesc's fields (all but `name`) of this encoder plus its projector to
-        `llm_hidden`: parameters, FLOPs and activation bytes per token (kind "vit": per tile token) or per
-        second of audio (kind "conformer"), as that dataclass documents them."""
+        `llm_hidden`: parameters, FLOPs and activation bytes per token (vision: per tile token; audio: per encoder
+        row, with frames_per_second the rows a second of audio gives), as that dataclass documents them. The
+        planner prices the module by these numbers alone; `kind` only names the calibrated efficiency constant
+        its kernels run at (cluster.Constants.eff_<kind>), `cp_split` how CP would split it."""
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -160,7 +160,8 @@ class ViTFamily(EncoderFamily):
             act_edge=BF16 * (3 * p * p * patches + 2 * (proj_in + proj_hidden) * out) / T,
             logits_bytes=0.0, tp_collectives=2 * L, attn_layers=0,
             mamba_layers=0, state_bytes=0, moe_layers=0, topk=0, kv_width=2 * h, tp_divides=(c["heads"],),
-            tokens_per_tile=T, out_per_tile=out, temporal_patch=temporal)
+            tokens_per_tile=T, out_per_tile=out, temporal_patch=temporal,
+            cp_split="tokens" if self.context_parallel else "items")
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def checkpoint_module(self, encoder):
