@@ -349,7 +349,8 @@ def _app_state(slurm_state: str):
     return next((s for prefix, s in SLURM_STATES.items() if slurm_state.startswith(prefix)), AppState.UNKNOWN)
 
 
-def wait_out_requeues(exp, poll_s: float = 2.0, settle_s: float = 60.0) -> dict[str, list[str]]:
+def wait_out_requeues(exp, poll_s: float = 2.0, settle_s: float = 60.0,
+                      unreachable_s: float = 900.0) -> dict[str, list[str]]:
     """Wait until every Slurm job of a launched Experiment has ended its last allocation, and set its state from
     that allocation. Returns {job id: sacct's state of each allocation} (printed when the job was requeued).
 
@@ -360,7 +361,8 @@ def wait_out_requeues(exp, poll_s: float = 2.0, settle_s: float = 60.0) -> dict[
     answer. So slurmctld itself is asked (scontrol: the job's state and its requeue count, Restarts): the job
     is done when slurmctld reads it final on two polls in a row (or has forgotten it) and sacct has caught up:
     one record per allocation (Restarts + 1), the last one final. A cluster without accounting never catches up:
-    after settle_s, slurmctld's final state is the outcome."""
+    after settle_s, slurmctld's final state is the outcome. Neither slurmctld nor sacct answering for
+    unreachable_s (the cluster is down) ends the wait with nemo-run's state, and says so."""
     from torchx.specs import is_terminal
 
     outcomes = {}
@@ -368,10 +370,16 @@ def wait_out_requeues(exp, poll_s: float = 2.0, settle_s: float = 60.0) -> dict[
         if not isinstance(job.executor, run.SlurmExecutor) or not getattr(job, "handle", None):
             continue
         app_id = job.handle.partition("://")[2].split("/")[1]
-        tunnel, finals, final_since = job.executor.tunnel, 0, None
+        tunnel, finals, final_since, answered = job.executor.tunnel, 0, None, time.monotonic()
         while True:
             ctld_state, restarts = slurm_controller_state(tunnel, app_id)
             allocations = slurm_allocations(tunnel, app_id)
+            if ctld_state is not None or allocations:
+                answered = time.monotonic()
+            elif time.monotonic() - answered > unreachable_s:
+                print(f"slurm: neither slurmctld nor sacct answered about job {app_id} for {unreachable_s:.0f} s; "
+                      f"its state is nemo-run's last read, {job.state}", file=sys.stderr, flush=True)
+                break
             ctld_final = ctld_state == "FORGOTTEN" or (ctld_state is not None and is_terminal(_app_state(ctld_state)))
             finals = finals + 1 if ctld_final else 0
             final_since = (final_since or time.monotonic()) if ctld_final else None

@@ -421,3 +421,15 @@ def test_wait_reports_the_last_allocation(timeline, polls, outcome):
     outcomes = executors.wait_out_requeues(SimpleNamespace(jobs=[job]), poll_s=0)
     assert (str(job.state).split(".")[-1], outcomes["job"]) == outcome
     assert ex.tunnel.polls == polls
+
+
+def test_wait_gives_up_on_a_cluster_that_never_answers():
+    """No cluster needed: slurmctld and sacct both down (neither answers) ends the wait after unreachable_s with
+    nemo-run's state, instead of polling forever."""
+    from types import SimpleNamespace
+
+    ex = fdl.build(executors.slurm())
+    ex.tunnel = _ScriptedSlurm([(None, [])])
+    job = SimpleNamespace(id="job", executor=ex, handle="slurm_tunnel://nemo_run/42", state="FAILED")
+    assert executors.wait_out_requeues(SimpleNamespace(jobs=[job]), poll_s=0.01, unreachable_s=0.3) == {"job": []}
+    assert job.state == "FAILED" and ex.tunnel.polls > 1
