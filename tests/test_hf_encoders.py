@@ -271,15 +271,16 @@ def test_recipe_trains_with_one_override_equal_to_one_device(dirs, tmp_path, rec
     assert drift <= 2e-3, f"the {key} tower did not start from {dirs[kind]}'s weights (drift {drift:.3g})"
 
 
-def test_planner_counts_the_built_parameters_and_torchs_flops(dirs):
+@pytest.mark.parametrize("vision_kind,audio_kind", [("siglip2", "wav2vec2"), ("dinov2_with_registers", "sew")])
+def test_planner_counts_the_built_parameters_and_torchs_flops(dirs, vision_kind, audio_kind):
     """The planner's module descriptions (family.planner_fields): parameters = the built encoder + projector's;
-    FLOPs per item = FlopCounterMode's count of the tower's meta forward plus the projector, for wav2vec2 at a
-    clip length the rows x (linear + attn x rows) fit was not solved at."""
+    FLOPs per item = FlopCounterMode's count of the tower's meta forward plus the projector, and activation bytes =
+    what autograd saves in it, for audio at a clip length the rows x (linear + attn x rows) fit was not solved at."""
     from tessera.hetero.planner.flops import media_item_flops
     from tessera.hetero.planner.model import describe_model
     from tessera.models.multimodal import build_media_module
 
-    vision, audio = f"hf:{dirs['siglip2']}", f"hf:{dirs['wav2vec2']}"
+    vision, audio = f"hf:{dirs[vision_kind]}", f"hf:{dirs[audio_kind]}"
     desc = describe_model("nemotron_h_tiny_dense", vision, audio)
     llm = desc["language"].hidden
     for key, name in (("vision", vision), ("audio", audio)):
@@ -288,8 +289,11 @@ def test_planner_counts_the_built_parameters_and_torchs_flops(dirs):
     cfg = hft.encoder_config_of(audio)
     tok, samples = family_of(cfg).tokens(cfg), 24_000
     rows, proj = tok.audio_encoder_rows(samples), 2.0 * (32 * 128 + 128 * llm)
-    counted = hf_contract.measured_cost(cfg, samples)[1] + rows * proj
-    assert media_item_flops(desc["audio"], tok, "audio", samples) == pytest.approx(counted, rel=0.01)
+    _, flops, act = hf_contract.measured_cost(cfg, samples)
+    assert media_item_flops(desc["audio"], tok, "audio", samples) == pytest.approx(flops + rows * proj, rel=0.01)
+    assert rows * (desc["audio"].act_replicated + desc["audio"].act_ctx * rows) == pytest.approx(act, rel=0.02)
     vcfg = hft.encoder_config_of(vision)
+    _, flops, act = hf_contract.measured_cost(vcfg)
     assert media_item_flops(desc["vision"], family_of(vcfg).tokens(vcfg), "image", 1) == pytest.approx(
-        hf_contract.measured_cost(vcfg)[1] + 16 * proj)
+        flops + 16 * proj)
+    assert desc["vision"].tokens_per_tile * desc["vision"].act_replicated == pytest.approx(act) and act > 0
