@@ -83,3 +83,13 @@ def local_checkpoint(spec: str, cache_dir: str | Path | None = None) -> str:
             f"snapshot of {repo}{'@' + revision if revision else ''}{_cached_revisions(cache, repo)}; run "
             f"`hf download {repo}{rev}` where the hub is reachable, with HF_HOME (or HF_HUB_CACHE) pointing at the "
             f"cache this run reads, or give the downloaded directory") from None
+
+
+def hub_id_of(path: str | Path) -> str | None:
+    """The hub id a snapshot directory of the cache is of (`.../models--ORG--NAME/snapshots/COMMIT` -> ORG/NAME), or
+    None for any other directory: what a fine-tune's adapters name as their base (PEFT's base_model_name_or_path),
+    since local_checkpoint turned the user's hub id into this path before launch."""
+    parts = Path(path).expanduser().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3][len("models--"):].replace("--", "/", 1)
+    return None

@@ -402,3 +402,14 @@ def test_nano_vl_tiles_follow_the_release_rule():
     for w, h in sorted(sizes):
         g = choose_grid(w, h, 12, True, 512)
         assert (g.cols, g.rows, g.thumbnail) == _release_tile_grid(w, h, 12, 512, True), (w, h)
+
+
+def test_a_snapshot_of_the_hub_cache_is_named_by_its_hub_id(tmp_path):
+    """What a fine-tune's adapters name as their base (peft_export.adapter_base): the user's hub id, recovered from
+    the snapshot directory local_checkpoint resolved it to; any other directory is no hub id."""
+    from tessera.models.hub_cache import hub_id_of
+
+    snap = tmp_path / "hub" / "models--nvidia--Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16" / "snapshots" / "0123abc"
+    assert hub_id_of(snap) == "nvidia/Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16"
+    assert hub_id_of(tmp_path / "hub" / "models--gpt2" / "snapshots" / "f00") == "gpt2"
+    assert hub_id_of(tmp_path / "release") is None and hub_id_of(tmp_path / "snapshots" / "x") is None

@@ -139,7 +139,9 @@ def test_the_exported_adapters_applied_by_peft_are_the_last_model(trained):
     root, got = trained
     adapters = root / "lora" / "export" / "adapters"
     config = json.loads((adapters / "adapter_config.json").read_text())
-    base = NemotronH_Omni_Reasoning_V3.from_pretrained(str(root / "release"), dtype=torch.float32)
+    # the adapters name their base: the release the run started from (what AutoPeftModel loads first)
+    assert config["base_model_name_or_path"] == str((root / "release").resolve()), config
+    base = NemotronH_Omni_Reasoning_V3.from_pretrained(config["base_model_name_or_path"], dtype=torch.float32)
     model = PeftModel.from_pretrained(base, str(adapters))
     # PEFT holds every exported tensor as written (it refuses unknown target_modules, but a key it cannot place
     # is dropped with a warning, its adapter left at B = 0), and every targeted kind of layer is among them

@@ -103,6 +103,19 @@ def adapter_model(model_cfg, hf_fields: dict) -> str | None:
     return "omni" if release_config(model_cfg, hf_fields, hf_shapes(model_cfg, hf_fields))[0] is not None else None
 
 
+def adapter_base(model_cfg) -> str | None:
+    """What the adapters apply to: the release the run started from, by its hub id when it came from the hub cache
+    (the user's model.checkpoint=ORG/NAME), else its directory; None for a model built from registry names (its
+    base weights are the seed's: the export's merged model is the way to serve it)."""
+    from tessera.models import released
+    from tessera.models.hub_cache import hub_id_of
+
+    source = getattr(model_cfg, "checkpoint", None)
+    if not source or not released.is_released_checkpoint(source):
+        return None
+    return hub_id_of(source) or str(Path(source).expanduser().resolve())
+
+
 def _put(out: dict, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
     # own storage for every tensor: safetensors refuses tensors that share memory (q/k/v share one A)
     out[f"{PREFIX}{module}.lora_A.weight"] = a.contiguous().clone()
@@ -142,9 +155,10 @@ def transformers_adapters(tensors: dict, model: str) -> tuple[dict, list[str], l
     return out, modules, params
 
 
-def write_adapters(out: Path, tensors: dict, lora, model: str | None = None) -> Path:
+def write_adapters(out: Path, tensors: dict, lora, model: str | None = None, base: str | None = None) -> Path:
     """OUT/adapters/: adapter_model.safetensors + adapter_config.json (rank, alpha, targets), the modules named
-    for transformers' `model` (adapter_model; None: the released names)."""
+    for transformers' `model` (adapter_model; None: the released names); `base`: the model they adapt, the
+    release's hub id or path (adapter_base), which AutoPeftModel loads first."""
     from safetensors.torch import save_file
 
     params = []
@@ -160,5 +174,7 @@ def write_adapters(out: Path, tensors: dict, lora, model: str | None = None) -> 
               "bias": "none", "target_modules": modules}
     if params:
         config["target_parameters"] = params
+    if base:
+        config["base_model_name_or_path"] = base
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return path

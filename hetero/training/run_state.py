@@ -19,7 +19,6 @@ from megatron.energon.savable_loader import SavableDataLoaderState
 
 from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
 from tessera.hetero.plan.recompute import parse_recompute
-from tessera.hetero.plan.lora import lora_targets
 from tessera.hetero.plan.resolved_run import ResolvedRun
 from tessera.hetero.runspec.config import RunConfig
 from tessera.hetero.runspec.modules import ModuleSpec, checkpoint_llm_fields, encoder_names, module_specs
@@ -27,7 +26,7 @@ from tessera.hetero.runtime.groups import ModuleGroups, build_module_groups
 from tessera.hetero.training.checkpoint import latest_checkpoint, load_checkpoint, parameter_counts
 from tessera.hetero.training.grad_buckets import overlapped_modules
 from tessera.hetero.training.loader_state import decode_loader_state
-from tessera.hetero.training.lora import apply_lora
+from tessera.hetero.training.lora import apply_lora, lora_settings
 from tessera.hetero.training.lr_schedule import LRSchedule
 from tessera.hetero.training.model_build import (build_rank_modules, check_checkpoint_tensors, llm_fields,
                                                  load_full_state, module_configs)
@@ -176,11 +175,11 @@ def build_run(cfg: RunConfig, resolved: ResolvedRun, run_dir: Path, device: torc
     # LoRA (model.lora.rank > 0): base weights frozen, adapters on the targeted layers; only they get
     # optimizer state and gradients, and checkpoints store them next to the (unchanged) base weights
     apply_lora(modules, groups, cfg.model, cfg.trainer.seed)
-    if cfg.model.lora.rank:  # (every rank: the count is collective; a rank may hold no adapter)
+    lora = lora_settings(cfg.model)
+    if lora is not None:  # (every rank: the count is collective; a rank may hold no adapter)
         trainable, total = parameter_counts(modules, groups, configs)
         if rank == 0:
-            lora = cfg.model.lora
-            print(f"lora: rank {lora.rank} on {', '.join(lora_targets(lora.targets))}: {trainable:,} of {total:,} "
+            print(f"lora: rank {lora.rank} on {', '.join(lora.targets)}: {trainable:,} of {total:,} "
                   f"parameters train ({100 * trainable / total:.2f}%)", flush=True)
     for m in modules.values():
         m.to(device=device).train()
