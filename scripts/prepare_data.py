@@ -13,12 +13,14 @@ A manifest is JSONL or a JSON array; each record's format is detected from its k
 Tessera's own chat record {"conversation": [{"role", "content"}...], "media": [{"kind": "image", "path": p}, ...]}
 whose content holds <image>/<video>/<audio> tags, a caption record {"image"|"video"|"audio": path, "caption":
 text}, LLaVA / ShareGPT ({"conversations": [{"from", "value"}...], "image": path or list}) or OpenAI / TRL
-{"messages": [{"role", "content": str or [{"type": "text"|"image"|..., ...}]}]}; relative paths resolve against
-the manifest's folder (or --media-root DIR: LLaVA's --image_folder). Any other record: --format MODULE:FUNCTION, your
-function from one record to Tessera's own record (data/formats/user.py), loaded and tried on the first record before
-any shard is written. --hf takes a Hugging Face dataset (a save_to_disk folder, a parquet file or folder, or a
+{"messages": [{"role", "content": str or [{"type": "text"|"image"|..., ...}]}]}, LLaMA-Factory alpaca / sharegpt,
+the_cauldron's images + texts, NeMo ASR and spoken-QA manifests (data/formats/: one module each); relative paths
+resolve against the manifest's folder (or --media-root DIR: LLaVA's --image_folder). Any other record: --format
+MODULE:FUNCTION, your function from one record to Tessera's own record (data/formats/user.py), loaded and tried on
+the first record before any shard is written. --hf takes a Hugging Face dataset (a save_to_disk folder, a parquet file or folder, or a
 dataset id in the local cache; data/prepare_sources.py) whose rows are records of those formats (TRL's `images` +
-`messages`, `image` + `conversations`, ...), media columns read undecoded. --workers N prepares N parts at once.
+`messages`, `image` + `conversations`, ...), media columns read undecoded, or a datasets imagefolder / audiofolder
+/ videofolder layout; --columns image=COL,text=COL maps a flat table. --workers N prepares N parts at once.
 Each sample becomes KEY.json ({"conversation", "media": [{"kind", "field", "bytes", "crc32", "probe"}]}: each
 item's header facts, so the global stream reads no media bytes, data/media_meta.py) plus one member per media
 item (KEY.img0.jpg, KEY.vid0.mp4, KEY.aud0.flac). Then `energon prepare` (run in-process) writes

@@ -63,5 +63,6 @@ class Columns:
         said = text(rec.get(self.mapping["text"]), self.mapping["text"], self.name)
         prompt = self.prompt if self.prompt_column is None else text(rec.get(self.prompt_column), self.prompt_column,
                                                                       self.name)
-        turns = [{"role": "user", "content": MEDIA_TAGS[self.kind] + "\n" + prompt}, {"role": "assistant", "content": said}]
+        turns = [{"role": "user", "content": MEDIA_TAGS[self.kind] + "\n" + prompt},
+                 {"role": "assistant", "content": said}]
         return checked(turns, [(self.kind, local(source, self.mapping[self.kind], self.name))], self.name, "text")
