@@ -166,6 +166,9 @@ def test_cauldron_rows_put_every_image_before_the_first_user_turn(media, tmp_pat
     ds = datasets.Dataset.from_dict(rows).cast_column("images", datasets.List(datasets.Image()))
     (tmp_path / "hub" / "data" / "train").mkdir(parents=True)
     ds.to_parquet(str(tmp_path / "hub" / "data" / "train" / "0000.parquet"))
+    (tmp_path / "hub" / "data" / "test").mkdir()
+    datasets.Dataset.from_dict({"images": [[]], "texts": [[{"user": "Hi", "assistant": "Hello"}]]}).to_parquet(
+        str(tmp_path / "hub" / "data" / "test" / "0000.parquet"))
     (tmp_path / "flat").mkdir()
     ds.to_parquet(str(tmp_path / "flat" / "test-00000-of-00001.parquet"))
     own = _own(media, [[{"role": "user", "content": "<image><image>\nWhat are these?"},
@@ -174,6 +177,9 @@ def test_cauldron_rows_put_every_image_before_the_first_user_turn(media, tmp_pat
                [[("image", "cat.jpg"), ("image", "dog.png")]], "own_cauldron")
     assert _run("--hf", tmp_path / "hub", "--out", tmp_path / "a") == 0
     assert chat._samples(tmp_path / "a") == own
+    assert _run("--hf", tmp_path / "hub", "--split", "test", "--out", tmp_path / "t") == 0  # the folder's split
+    assert chat._samples(tmp_path / "t") == [([{"role": "user", "content": "Hi"}, {"role": "assistant",
+                                                                                  "content": "Hello"}], [])]
     assert _run("--hf", tmp_path / "flat", "--split", "test", "--out", tmp_path / "b") == 0
     assert chat._samples(tmp_path / "b") == own
 
@@ -226,7 +232,12 @@ def test_partial_records_are_counted_unknown_format_skips(media, tmp_path, capsy
 
 def test_folder_builders_as_the_datasets_docs_lay_them_out(media, tmp_path):
     """imagefolder with split folders and metadata.jsonl (file_name, text), audiofolder with metadata.csv
-    (file_name, transcription): opened by datasets' own builders, each row the caption / transcript sample."""
+    (file_name, transcription), videofolder with metadata.parquet (file_name, caption): opened by datasets' own
+    builders, each row the caption / transcript sample."""
+    import datasets
+
+    from tessera.data.prepare import encode_mp4
+
     img = tmp_path / "imgs"
     for split, name, caption in (("train", "cat.jpg", CAT), ("test", "dog.png", DOG)):
         (img / split).mkdir(parents=True)
@@ -236,11 +247,18 @@ def test_folder_builders_as_the_datasets_docs_lay_them_out(media, tmp_path):
     aud.mkdir()
     (aud / "tone.wav").write_bytes((media / "tone.wav").read_bytes())
     (aud / "metadata.csv").write_text("file_name,transcription\ntone.wav,a steady tone\n")
+    vid = tmp_path / "vids" / "train"
+    vid.mkdir(parents=True)
+    (vid / "clip.mp4").write_bytes(encode_mp4((np.full((32, 48, 3), 40 * t, np.uint8) for t in range(4)), fps=4))
+    (media / "clip.mp4").write_bytes((vid / "clip.mp4").read_bytes())
+    datasets.Dataset.from_dict({"file_name": ["clip.mp4"], "caption": ["It brightens."]}).to_parquet(
+        str(vid / "metadata.parquet"))
     prompt = lambda kind: {"image": "<image>\nDescribe the image.", "audio": "<audio>\nTranscribe or describe the "
-                           "audio."}[kind]
+                           "audio.", "video": "<video>\nWhat happens in this video?"}[kind]
     for folder, split, kind, name, said in ((img, "train", "image", "cat.jpg", CAT), (img, "test", "image", "dog.png",
                                                                                        DOG),
-                                            (aud, "train", "audio", "tone.wav", "a steady tone")):
+                                            (aud, "train", "audio", "tone.wav", "a steady tone"),
+                                            (vid.parent, "train", "video", "clip.mp4", "It brightens.")):
         own = _own(media, [[{"role": "user", "content": prompt(kind)}, {"role": "assistant", "content": said}]],
                    [[(kind, name)]], f"own_{kind}_{split}")
         out = tmp_path / f"{folder.name}_{split}"
