@@ -69,11 +69,13 @@ class HFPixels(nn.Module):
 class HFVisionTower(nn.Module):
     """Normalised tiles [n, 3, tile, tile] -> the tower's patch features as a grid [n, rows, cols, hidden].
 
-    Pipeline stage `stage` of `pp` keeps its share of the encoder's plain list of layers (models/vision's split,
-    named by their global index), the embeddings on the first stage and the final norm on the last; the stages
-    run through embed / run_stage_layers / head (models/multimodal.MediaModule.forward_stage), which together are
-    the model's own forward: embeddings (CLIP: + pre_layrnorm), the layers without a mask (a tile has no
-    padding), SigLIP's post_layernorm."""
+    Pipeline stage `stage` of `pp` keeps its share of the encoder's plain list of layers (cfg["layer_list"];
+    models/vision's split, named by their global index), the embeddings on the first stage and the final norm
+    (cfg["final_norm"]) on the last; the stages run through embed / run_stage_layers / head
+    (models/multimodal.MediaModule.forward_stage), which together are the model's own forward: embeddings (CLIP: +
+    pre_layrnorm), the layers without a mask (a tile has no padding), the final norm (SigLIP's post_layernorm,
+    DINOv2's layernorm; CLIP's post_layernorm is its pooled output's only: none). For a type outside the table
+    this composition is checked when its config is made (hf_contract.pipeline_stages)."""
 
     cp = 1
 
@@ -88,11 +90,13 @@ class HFVisionTower(nn.Module):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         body = self.body
         if pp > 1:
-            body.encoder.layers = stage_layers(body.encoder.layers, vit_stage_layers(cfg["layers"], pp, stage))
+            owner, _, name = cfg["layer_list"].rpartition(".")  # e.g. encoder.layers (SigLIP), encoder.layer (DINOv2)
+            owner = body.get_submodule(owner)
+            setattr(owner, name, stage_layers(getattr(owner, name), vit_stage_layers(cfg["layers"], pp, stage)))
             if not self.first_stage:
                 body.embeddings = body.pre_layrnorm = None
-            if not self.last_stage:
-                body.post_layernorm = None
+            if not self.last_stage and cfg["final_norm"]:
+                setattr(body, cfg["final_norm"], None)
 
     @property
     def body(self) -> nn.Module:
@@ -135,16 +139,17 @@ class HFVisionTower(nn.Module):
     def run_stage_layers(self, hidden):
         """This stage's layers over [tokens, n, hidden] (megatron's sequence-first order, as models/vision's)."""
         x = hidden.transpose(0, 1)
-        for layer in self.body.encoder.layers:
+        for layer in self.body.get_submodule(self.cfg["layer_list"]):
             x = layer(x, None)
+            x = x[0] if isinstance(x, tuple) else x
         return x.transpose(0, 1)
 
     def head(self, hidden, rows: int, cols: int):
-        """Last stage: [tokens, n, hidden] -> the patch grid [n, rows, cols, hidden] (SigLIP's final norm applied,
-        CLIP's class token dropped; CLIP's post_layernorm is its pooled output's only)."""
+        """Last stage: [tokens, n, hidden] -> the patch grid [n, rows, cols, hidden] (the final norm applied, the
+        class / register tokens dropped)."""
         x = hidden.transpose(0, 1)
-        if not self.cfg["model_type"].startswith("clip"):
-            x = self.body.post_layernorm(x)
+        if self.cfg["final_norm"]:
+            x = getattr(self.body, self.cfg["final_norm"])(x)
         return x[:, self.cfg["prefix_tokens"]:].reshape(x.shape[0], rows, cols, -1)
 
 

@@ -7,6 +7,7 @@ not an encoder, or a directory the data side could not feed, is refused before l
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -66,10 +67,11 @@ def dirs(tmp_path_factory):
     return {kind: build_tiny(kind, root / kind) for kind in (*VISION, *AUDIO)}
 
 
-def test_the_six_types_are_never_named_by_the_code():
+def test_the_types_are_never_named_by_the_code():
+    """No string of the code names them: nothing branches on them (comments may give them as examples)."""
     source = "".join(p.read_text() for p in Path(hft.__file__).parent.glob("hf_*.py"))
     source += Path(hft.__file__).parents[1].joinpath("hf_towers.py").read_text()
-    assert not [k for k in (*VISION, *AUDIO) if f'"{k}' in source or k.replace("-", "_") in source.lower()]
+    assert not [k for k in (*VISION, *AUDIO) if re.search(rf"[\"']{k}", source, flags=re.I)]
 
 
 @pytest.mark.parametrize("kind", list(VISION))
@@ -80,7 +82,7 @@ def test_vision_features_equal_the_models_own_forward_through_its_processor(dirs
 
     cfg = hft.encoder_config_of(f"hf:{dirs[kind]}")
     assert (cfg["family"], cfg["tile"], cfg["patch"], cfg["hidden"], cfg["layers"]) == ("hf_vision", 32, 8, 32, 2)
-    assert cfg["prefix_tokens"] == VISION[kind][1] and not cfg["pipeline"]
+    assert cfg["prefix_tokens"] == VISION[kind][1] and cfg["pipeline"] == (kind != "beit")
     tiles = np.random.default_rng(0).integers(0, 256, (2, 3, 32, 32), dtype=np.uint8)
     ours = family_of(cfg).build(cfg, None).train()(torch.from_numpy(tiles))
     model, proc = AutoModel.from_pretrained(dirs[kind]).eval(), AutoImageProcessor.from_pretrained(dirs[kind])
@@ -109,13 +111,41 @@ def test_audio_features_equal_the_models_own_forward_through_its_feature_extract
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 
 
-def test_a_pipeline_or_context_split_of_an_untabled_tower_is_refused_naming_dp(dirs):
+@pytest.mark.parametrize("kind", ["dinov2", "dinov2_with_registers", "deit"])
+def test_vision_pipeline_stages_compose_to_the_models_forward(dirs, kind):
+    """Where the list of layers is found (and embeddings -> layers -> final norm is the forward, checked when the
+    config is made), two stages of a layer each run as MediaModule.forward_stage runs them == the whole tower."""
+    from tessera.models.hf_towers import HFVisionEncoder
+
+    cfg = hft.encoder_config_of(f"hf:{dirs[kind]}")
+    assert (cfg["layer_list"], cfg["final_norm"]) == ("layers" if kind == "deit" else "encoder.layer", "layernorm")
+    whole, first, last = (HFVisionEncoder(cfg, pp=pp, stage=stage) for pp, stage in ((1, 0), (2, 0), (2, 1)))
+    kept = {re.search(r"layers?\.(\d+)\.", k)[1] for k in last.vit.state_dict() if re.search(r"layers?\.\d", k)}
+    assert kept == {"1"}  # named by their global index
+    assert not any("embeddings" in k for k in last.vit.state_dict())
+    assert not any(k.startswith("model.layernorm.") for k in first.vit.state_dict())  # the final norm: last stage
+    tiles = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (2, 3, 32, 32), dtype=np.uint8))
+    hidden = first.vit.run_stage_layers(first.vit.embed(first.normalize(tiles)).transpose(0, 1))
+    grid = last.vit.head(last.vit.run_stage_layers(hidden), 4, 4)
+    torch.testing.assert_close(grid, whole.grid_tokens(tiles), rtol=0, atol=1e-6)
+
+
+def test_a_split_a_tower_cannot_run_is_refused_naming_the_layout_that_works(dirs):
+    """BEiT's layers take its relative position bias: no stage split, dp only; no untabled type splits tokens."""
     from types import SimpleNamespace
 
-    cfg = hft.encoder_config_of(f"hf:{dirs['dinov2']}")
-    groups = SimpleNamespace(pp=SimpleNamespace(size=lambda: 2, rank=lambda: 0), cp=SimpleNamespace(size=lambda: 1))
+    def groups(**sizes):
+        return SimpleNamespace(**{k: SimpleNamespace(size=lambda n=n: n, rank=lambda: 0) for k, n in sizes.items()})
+
+    beit = hft.encoder_config_of(f"hf:{dirs['beit']}")
     with pytest.raises(ValueError, match=r"runs dp only, not pp2: give model.vision a layout of dp"):
-        family_of(cfg).build(cfg, groups)
+        family_of(beit).build(beit, groups(pp=2, cp=1))
+    dinov2 = hft.encoder_config_of(f"hf:{dirs['dinov2']}")
+    with pytest.raises(ValueError, match=r"runs dp and pp only, not cp2"):
+        family_of(dinov2).build(dinov2, groups(pp=1, cp=2))
+    wavlm = hft.encoder_config_of(f"hf:{dirs['wavlm']}")
+    with pytest.raises(ValueError, match=r"runs dp only, not pp2: give model.audio a layout of dp"):
+        family_of(wavlm).build(wavlm, groups(pp=2, cp=1))
 
 
 def _save(directory: Path, model, processor=None) -> str:

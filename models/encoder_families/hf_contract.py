@@ -132,6 +132,46 @@ def meta_forward(fields: dict, samples: int = 0):
     return tuple(hidden.shape), tower
 
 
+def pipeline_stages(fields: dict, tower) -> tuple[str, str] | None:
+    """(the list of layers, the final norm or "") when the vision tower's forward is embeddings -> those layers ->
+    that norm, so pipeline stages can run it by layers (models/hf_towers.HFVisionTower); None where not (e.g. BEiT:
+    its layers take the relative position bias). The list is found on the meta tower; the composition is checked
+    on a two-layer copy of its config at random weights on the CPU (the structure does not depend on the depth)."""
+    import torch
+    import transformers
+    from torch import nn
+
+    from tessera.models.hf_towers import _deterministic
+
+    lists = [n for n, m in tower.named_modules() if isinstance(m, nn.ModuleList)
+             and n.rpartition(".")[2] in ("layer", "layers", "blocks") and n.rpartition(".")[0] in ("", "encoder")]
+    if len(lists) != 1 or not hasattr(tower, "embeddings"):
+        return None
+    config = transformers.AutoConfig.from_pretrained(fields["directory"])
+    (getattr(config, "vision_config", None) or config).num_hidden_layers = 2
+    _deterministic(config)
+    torch.manual_seed(0)
+    try:
+        model = transformers.AutoModel.from_config(config).eval()
+        small = getattr(model, fields["submodule"]) if fields["submodule"] else model
+        pixels = torch.randn(1, 3, fields["tile"], fields["tile"])
+        with torch.no_grad():
+            want = small(pixels).last_hidden_state
+            x = small.embeddings(pixels)
+            x = small.pre_layrnorm(x) if getattr(small, "pre_layrnorm", None) is not None else x
+            for layer in small.get_submodule(lists[0]):
+                x = layer(x, None)
+                x = x[0] if isinstance(x, tuple) else x
+    except Exception:  # (a layer that needs more than the hidden states: no stage split of it)
+        return None
+    for norm in ("layernorm", "post_layernorm", "norm", ""):
+        module = getattr(small, norm, None) if norm else nn.Identity()
+        if isinstance(module, nn.Module) and module(x).shape == want.shape \
+                and torch.allclose(module(x), want, atol=1e-5, rtol=0):
+            return lists[0], norm
+    return None
+
+
 def conv_rows(convs, samples: int) -> int:
     for kernel, stride, padding in convs:
         samples = (samples + 2 * padding - kernel) // stride + 1

@@ -7,7 +7,7 @@ names one of its encoders as `hf:DIR#vision` / `hf:DIR#audio`; any other model i
 AutoModel builds it, its own processor's output through its forward gives last_hidden_state per item, the
 encoder found by the model's own accessors) and measured on the meta device where no fact below is listed.
 
-Facts per model type, what a forward cannot show (the table; every other type: AutoModel, dp only):
+Facts per model type, what a forward cannot show (the table; every other type: AutoModel):
     vision  siglip, siglip2 (NaFlex), clip and their *_vision_model: the tower class (SigLIP's attention-pooling
             head is not built), CLIP's class token, and their stages for pipeline parallelism
     audio   whisper (the encoder of the encoder-decoder model; mel frames of a fixed window through a stride-2
@@ -23,7 +23,9 @@ with its factors; audio goes through the feature extractor itself (the modules: 
 a tile's patches (pixel shuffle 1); a clip's encoder rows over its valid samples, counted by the conv stack that
 makes them (models/media_tokens.EncoderTokens.audio_convs). The projector takes the tower's hidden size. Dropout,
 drop path, LayerDrop and SpecAugment are switched off at load, so training is deterministic and a layout equals
-one device. Layouts: data parallel; the table's vision towers also pipeline by layers; tp1, cp1.
+one device. Layouts: data parallel; vision towers also pipeline by layers where the list of layers is found and
+embeddings -> layers -> final norm is the model's forward (the table's, and any other whose stages are checked to
+compose to it, hf_contract.pipeline_stages); tp1, cp1.
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ class HFVisionConfig:
     model_type: str       # config.json's model_type
     tower_class: str      # the transformers class loaded from the directory (AutoModel outside VISION_TYPES)
     submodule: str        # the tower inside what tower_class builds ("" itself, "vision_model": a dual model's)
-    pipeline: bool        # its stages are known (VISION_TYPES): pipeline parallel by layers
+    pipeline: bool        # pipeline parallel by layers: the table's types, and others whose stages compose to their
+                          # forward (hf_contract.pipeline_stages)
+    layer_list: str       # the tower's list of layers ("encoder.layers"; DINOv2: "encoder.layer")
+    final_norm: str       # the norm after the layers in last_hidden_state ("" none: CLIP's is the pooled output's)
     hidden: int
     layers: int
     heads: int
@@ -161,6 +166,7 @@ def _vision(directory: Path, model_type: str, config, proc, where: str) -> HFVis
         raise refuse(directory, model_type, f"the processor's {tile}-px output is not a multiple of patch {patch}")
     known = VISION_TYPES.get(model_type)
     cfg = HFVisionConfig(str(directory), model_type, known[0] if known else "AutoModel", where, known is not None,
+                         "encoder.layers", "" if model_type.startswith("clip") else "post_layernorm",
                          getattr(v, "hidden_size", 0), getattr(v, "num_hidden_layers", 0),
                          getattr(v, "num_attention_heads", 1), patch, tile, known[1] if known else 0, 1,
                          float(proc.rescale_factor if proc.do_rescale else 1.0),
@@ -174,6 +180,9 @@ def _vision(directory: Path, model_type: str, config, proc, where: str) -> HFVis
                                                 f"{patches} patches of {patch} px")
         cfg = dataclasses.replace(cfg, hidden=hidden, layers=hf_contract.layer_count(tower),
                                   prefix_tokens=tokens - patches)
+        stages = hf_contract.pipeline_stages(dataclasses.asdict(cfg), tower)
+        cfg = dataclasses.replace(cfg, pipeline=stages is not None, layer_list=(stages or ("", ""))[0],
+                                  final_norm=(stages or ("", ""))[1])
     return cfg
 
 
@@ -295,7 +304,7 @@ class _HFFamily(EncoderFamily):
 @register_family
 class HFVisionFamily(_HFFamily):
     name, modality, Config = "hf_vision", "vision", HFVisionConfig
-    pipeline_parallel = True  # the table's towers: their layers are a plain list (HFVisionTower); others dp only
+    pipeline_parallel = True  # where cfg["pipeline"]: the layers are a plain list (HFVisionTower)
 
     def build(self, cfg, pg_collection, *, recompute="none", core_attention=None):
         from tessera.models.hf_towers import HFVisionEncoder
