@@ -130,6 +130,16 @@ def test_vision_pipeline_stages_compose_to_the_models_forward(dirs, kind):
     torch.testing.assert_close(grid, whole.grid_tokens(tiles), rtol=0, atol=1e-6)
 
 
+def test_measuring_a_model_leaves_the_processs_random_state_alone(dirs, tmp_path):
+    """The checks run models at random weights; a rank's own initialisation after them must not depend on them."""
+    import shutil
+
+    fresh = shutil.copytree(dirs["dinov2"], tmp_path / "dinov2")  # (a new path: not the cached config)
+    before = torch.random.get_rng_state()
+    assert hft.encoder_config_of(f"hf:{fresh}")["pipeline"]
+    assert torch.equal(torch.random.get_rng_state(), before)
+
+
 def test_a_split_a_tower_cannot_run_is_refused_naming_the_layout_that_works(dirs):
     """BEiT's layers take its relative position bias: no stage split, dp only; no untabled type splits tokens."""
     from types import SimpleNamespace

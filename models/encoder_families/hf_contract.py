@@ -150,11 +150,12 @@ def pipeline_stages(fields: dict, tower) -> tuple[str, str] | None:
     config = transformers.AutoConfig.from_pretrained(fields["directory"])
     (getattr(config, "vision_config", None) or config).num_hidden_layers = 2
     _deterministic(config)
-    torch.manual_seed(0)
-    try:
-        model = transformers.AutoModel.from_config(config).eval()
+    try:  # (the process's random state is left as it was: a rank's init must not depend on this check)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = transformers.AutoModel.from_config(config).eval()
+            pixels = torch.randn(1, 3, fields["tile"], fields["tile"])
         small = getattr(model, fields["submodule"]) if fields["submodule"] else model
-        pixels = torch.randn(1, 3, fields["tile"], fields["tile"])
         with torch.no_grad():
             want = small(pixels).last_hidden_state
             x = small.embeddings(pixels)
@@ -166,9 +167,10 @@ def pipeline_stages(fields: dict, tower) -> tuple[str, str] | None:
         return None
     for norm in ("layernorm", "post_layernorm", "norm", ""):
         module = getattr(small, norm, None) if norm else nn.Identity()
-        if isinstance(module, nn.Module) and module(x).shape == want.shape \
-                and torch.allclose(module(x), want, atol=1e-5, rtol=0):
-            return lists[0], norm
+        with torch.no_grad():
+            if isinstance(module, nn.Module) and module(x).shape == want.shape \
+                    and torch.allclose(module(x), want, atol=1e-5, rtol=0):
+                return lists[0], norm
     return None
 
 
