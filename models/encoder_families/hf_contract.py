@@ -233,3 +233,62 @@ def measured_cost(cfg: dict, samples: int = 0) -> tuple[int, float, float]:
         else:
             tower(torch.empty(1, samples, device="meta"))
     return sum(p.numel() for p in tower.parameters()), float(counter.get_total_flops()), float(saved[0])
+
+
+# -- planner: the family's numbers from measured_cost ------------------------------------------------------------
+
+_MEASURED: dict[str, tuple] = {}  # encoder name -> _measured's numbers: measured once per process
+
+
+def _measured(cfg: dict, tok) -> tuple[int, float, float, float, float]:
+    """(tower parameters, FLOPs per row or tile token, FLOPs per row and context row, activation bytes per row or
+    tile token, activation bytes per row and context row); tok: the family's EncoderTokens."""
+    if cfg["name"] in _MEASURED:
+        return _MEASURED[cfg["name"]]
+    _MEASURED[cfg["name"]] = numbers = _measure(cfg, tok)
+    return numbers
+
+
+def _measure(cfg: dict, tok) -> tuple[int, float, float, float, float]:
+    if cfg["modality"] == "vision":
+        params, flops, act = measured_cost(cfg)
+        tokens = (cfg["tile"] // cfg["patch"]) ** 2 + cfg["prefix_tokens"]
+        return params, flops / tokens, 0.0, act / tokens, 0.0
+    if cfg["window_samples"]:  # one pass over the whole window, whatever the clip's length
+        params, flops, act = measured_cost(cfg)
+        rows = tok.audio_encoder_rows(0)
+        return params, flops / rows, 0.0, act / rows, 0.0
+    # rows x (linear + attn x rows), solved from clips of one and two seconds (the convs ride on linear)
+    rate = cfg["sample_rate"]
+    (params, f1, a1), (_, f2, a2) = measured_cost(cfg, rate), measured_cost(cfg, 2 * rate)
+    r1, r2 = tok.audio_encoder_rows(rate), tok.audio_encoder_rows(2 * rate)
+    attn, act_ctx = (f2 / r2 - f1 / r1) / (r2 - r1), (a2 / r2 - a1 / r1) / (r2 - r1)
+    return params, f1 / r1 - attn * r1, attn, a1 / r1 - act_ctx * r1, act_ctx
+
+
+def planner_fields(cfg: dict, llm_hidden: int, tok) -> dict:
+    """hetero/planner/model.ModuleDesc's fields of the tower of `cfg` + its projector, from the measured numbers
+    (tok: the family's EncoderTokens, which count a tile's tokens and a clip's rows)."""
+    h, L = cfg["hidden"], cfg["layers"]
+    params, linear, attn, act, act_ctx = _measured(cfg, tok)
+    proj_hidden = cfg["projector_hidden"] or 4 * h  # models.multimodal's default
+    proj_params = h + h * proj_hidden + proj_hidden * llm_hidden
+    proj_flops = 2.0 * (h * proj_hidden + proj_hidden * llm_hidden)
+    # the measured bytes are all kept per token (no TP: nothing sharded); a layer's share is 1/L of them
+    common = dict(params=int(params + proj_params), replicated_params=int(params + proj_params), expert_params=0,
+                  edge_params=0, layers=L, hidden=h, out_hidden=llm_hidden, head_flops=0.0, act_bytes=0.0,
+                  act_replicated=act, act_unsplit=0.0, act_bytes_recompute=BF16 * h * L,
+                  act_peak=(("L", act / L, 0.0, 0.0),), logits_bytes=0.0, tp_collectives=0, attn_layers=0,
+                  mamba_layers=0, state_bytes=0, moe_layers=0, topk=0, kv_width=2 * h, tp_divides=(1,))
+    if cfg["modality"] == "vision":
+        patches = (cfg["tile"] // cfg["patch"]) ** 2
+        return dict(common, key="vision", kind="vit", linear_flops=linear, attn_flops=attn, embed_flops=0.0,
+                    out_flops=proj_flops, prefix_tokens=cfg["prefix_tokens"], pixel_shuffle=1,
+                    act_edge=BF16 * (3 * patches * cfg["patch"] ** 2 + 2 * (h + proj_hidden) * patches)
+                    / (patches + cfg["prefix_tokens"]),
+                    tokens_per_tile=patches + cfg["prefix_tokens"], out_per_tile=patches, temporal_patch=0)
+    seconds = (cfg["window_samples"] or cfg["sample_rate"]) / cfg["sample_rate"]
+    return dict(common, key="audio", kind="conformer", linear_flops=linear + proj_flops, attn_flops=attn,
+                act_edge=4 * (h + proj_hidden), act_ctx=act_ctx,
+                frames_per_second=tok.audio_encoder_rows(cfg["window_samples"] or cfg["sample_rate"]) / seconds,
+                pre_flops_per_second=0.0)

@@ -206,67 +206,13 @@ def _audio(directory: Path, model_type: str, config, fe, where: str) -> HFAudioC
     return dataclasses.replace(cfg, hidden=hidden, layers=hf_contract.layer_count(tower), convs=convs)
 
 
-# -- planner: parameters, FLOPs and activations measured on a meta-device forward (hf_contract.measured_cost) -----
-
-BF16 = 2  # bytes per activation element the planner prices (hetero/planner/model.py's unit)
-
-
-@functools.lru_cache(maxsize=None)
-def _measured(name: str) -> tuple[int, float, float, float, float]:
-    """(tower parameters, FLOPs per row or tile token, FLOPs per row and context row, activation bytes per row or
-    tile token, activation bytes per row and context row)."""
-    cfg = encoder_config_of(name)
-    if cfg["modality"] == "vision":
-        params, flops, act = hf_contract.measured_cost(cfg)
-        tokens = (cfg["tile"] // cfg["patch"]) ** 2 + cfg["prefix_tokens"]
-        return params, flops / tokens, 0.0, act / tokens, 0.0
-    tok = HF_AUDIO.tokens(cfg)
-    if cfg["window_samples"]:  # one pass over the whole window, whatever the clip's length
-        params, flops, act = hf_contract.measured_cost(cfg)
-        rows = tok.audio_encoder_rows(0)
-        return params, flops / rows, 0.0, act / rows, 0.0
-    # rows x (linear + attn x rows), solved from clips of one and two seconds (the convs ride on linear)
-    rate = cfg["sample_rate"]
-    (params, f1, a1), (_, f2, a2) = hf_contract.measured_cost(cfg, rate), hf_contract.measured_cost(cfg, 2 * rate)
-    r1, r2 = tok.audio_encoder_rows(rate), tok.audio_encoder_rows(2 * rate)
-    attn, act_ctx = (f2 / r2 - f1 / r1) / (r2 - r1), (a2 / r2 - a1 / r1) / (r2 - r1)
-    return params, f1 / r1 - attn * r1, attn, a1 / r1 - act_ctx * r1, act_ctx
-
-
-def _planner_fields(cfg: dict, llm_hidden: int) -> dict:
-    h, L = cfg["hidden"], cfg["layers"]
-    params, linear, attn, act, act_ctx = _measured(cfg["name"])
-    proj_hidden = cfg["projector_hidden"] or 4 * h  # models.multimodal's default
-    proj_params = h + h * proj_hidden + proj_hidden * llm_hidden
-    proj_flops = 2.0 * (h * proj_hidden + proj_hidden * llm_hidden)
-    # the measured bytes are all kept per token (no TP: nothing sharded); a layer's share is 1/L of them
-    common = dict(params=int(params + proj_params), replicated_params=int(params + proj_params), expert_params=0,
-                  edge_params=0, layers=L, hidden=h, out_hidden=llm_hidden, head_flops=0.0, act_bytes=0.0,
-                  act_replicated=act, act_unsplit=0.0, act_bytes_recompute=BF16 * h * L,
-                  act_peak=(("L", act / L, 0.0, 0.0),), logits_bytes=0.0, tp_collectives=0, attn_layers=0,
-                  mamba_layers=0, state_bytes=0, moe_layers=0, topk=0, kv_width=2 * h, tp_divides=(1,))
-    if cfg["modality"] == "vision":
-        patches = (cfg["tile"] // cfg["patch"]) ** 2
-        return dict(common, key="vision", kind="vit", linear_flops=linear, attn_flops=attn, embed_flops=0.0,
-                    out_flops=proj_flops, prefix_tokens=cfg["prefix_tokens"], pixel_shuffle=1,
-                    act_edge=BF16 * (3 * patches * cfg["patch"] ** 2 + 2 * (h + proj_hidden) * patches)
-                    / (patches + cfg["prefix_tokens"]),
-                    tokens_per_tile=patches + cfg["prefix_tokens"], out_per_tile=patches, temporal_patch=0)
-    tok = HF_AUDIO.tokens(cfg)
-    seconds = (cfg["window_samples"] or cfg["sample_rate"]) / cfg["sample_rate"]
-    return dict(common, key="audio", kind="conformer", linear_flops=linear + proj_flops, attn_flops=attn,
-                act_edge=4 * (h + proj_hidden), act_ctx=act_ctx,
-                frames_per_second=tok.audio_encoder_rows(cfg["window_samples"] or cfg["sample_rate"]) / seconds,
-                pre_flops_per_second=0.0)
-
-
 # -- the families -----------------------------------------------------------------------------------------------
 
 class _HFFamily(EncoderFamily):
     """What both modalities share: no TP/CP/PP, a planner from measured FLOPs, the tower's own tensor names."""
 
     def planner_fields(self, cfg, llm_hidden):
-        return _planner_fields(cfg, llm_hidden)
+        return hf_contract.planner_fields(cfg, llm_hidden, self.tokens(cfg))
 
     def import_tensors(self, cfg, hf, module_keys, tp_rank=0, tp=1):
         root = CHECKPOINT_ROOT[self.modality]
@@ -350,5 +296,4 @@ class HFAudioFamily(_HFFamily):
         return encoder.encoder
 
 
-HF_AUDIO = HFAudioFamily()
 FAMILY_OF = {"vision": HFVisionFamily.name, "audio": HFAudioFamily.name}
