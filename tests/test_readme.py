@@ -90,10 +90,14 @@ COMMANDS = [
         covered_by=("tests/test_encoders_multimodal.py::test_tiny_multimodal_forward_backward",)),
     Row(r"model\.audio=parakeet_hf_tiny", "dryrun",
         covered_by=("tests/test_encoders_multimodal.py::test_tiny_multimodal_forward_backward",)),
-    Row(r"model\.vision=hf:/models/siglip2", "standin", why="a downloaded transformers model directory",
+    Row(r"model\.vision=hf:/models/dinov2-with-registers-base", "standin", why="a downloaded transformers model directory",
         covered_by=("tests/test_hf_encoders.py::test_recipe_trains_with_one_override_equal_to_one_device",
-                    "tests/test_hf_encoders.py::"
+                    "tests/test_hf_any_encoder.py::"
                     "test_vision_features_equal_the_models_own_forward_through_its_processor")),
+    Row(r"model\.audio=hf:/models/wavlm-base-plus", "standin", why="a downloaded transformers model directory",
+        covered_by=("tests/test_hf_encoders.py::test_recipe_trains_with_one_override_equal_to_one_device",
+                    "tests/test_hf_any_encoder.py::"
+                    "test_audio_features_equal_the_models_own_forward_through_its_feature_extractor")),
     Row(r"nemotron_vl_tiny layout=\"vision=dp2@0-1;language=tp2@2-3\"", "dryrun",
         covered_by=("tests/test_train_hetero.py::test_loss_and_grad_norm_match_homogeneous_at_every_step",)),
     Row(r"tessera plan --factory nemotron_vl_12b", "run", expect=r"top layouts on 64 x h100"),
