@@ -27,6 +27,9 @@ The model is rebuilt with every module on one rank and dist_checkpointing reshar
                              models/release_config.py), so transformers loads OUT too (its class, or
                              AutoModelForImageTextToText), with `architectures` and the media token ids of the
                              tokenizer OUT ships
+  OUT/processor_config.json  with that config.json (the release's towers) and a tokenizer: transformers'
+                             NemotronH_Omni_Reasoning_V3Processor of the run's patch budget, video grid and
+                             tubelet, mel front end (hetero/training/processor_export.py)
   OUT/language_model/        config.json + model.safetensors: transformers' NemotronHForCausalLM loads it
 A LoRA run (model.lora.rank > 0, hetero/training/lora.py) exports, per model.lora.export:
   merged     the files above with every adapted weight W + (alpha/r) B A (a plain model: no adapters needed)
@@ -87,10 +90,11 @@ def save_weights(tensors: dict, directory: Path, max_shard_size: int | str = MAX
 
 
 def write_hf(out: Path, full: dict, model_cfg, hf_fields: dict, tokenizer: str | None = None,
-             max_shard_size: int | str = MAX_SHARD_SIZE) -> Path:
+             max_shard_size: int | str = MAX_SHARD_SIZE, data: dict | None = None) -> Path:
     """OUT/model.safetensors (or its shards) + config.json or tessera.json, the tokenizer files and
-    generation_config.json (`tokenizer`: the run's, None = none written), + language_model/ loadable by
-    transformers."""
+    generation_config.json (`tokenizer`: the run's, None = none written), processor_config.json of the run's
+    media settings (`data`: its saved data config, None = the defaults) when the towers are the release's, +
+    language_model/ loadable by transformers."""
     from tessera.models import released
 
     out.mkdir(parents=True, exist_ok=True)
@@ -109,6 +113,10 @@ def write_hf(out: Path, full: dict, model_cfg, hf_fields: dict, tokenizer: str |
                                                      indent=2))
         _write_release_config(out, full, model_cfg, hf_fields, tokenizer)
     write_serving_files(out, tokenizer, source, hf_fields)
+    if not from_release:  # a release's own processor files come with its tokenizer's (write_serving_files)
+        from tessera.hetero.training.processor_export import write_processor
+
+        write_processor(out, model_cfg, data)
     lm = out / "language_model"
     lm.mkdir(exist_ok=True)
     save_weights({k[len("language_model."):]: v for k, v in full.items() if k.startswith("language_model.")}, lm,
@@ -261,11 +269,12 @@ def load_trained(checkpoint: str | Path) -> tuple[dict, dict, SimpleNamespace, d
 def export_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_size: int | str = MAX_SHARD_SIZE) -> Path:
     """A Tessera checkpoint (any layout) -> HF layout files in `out`."""
     modules, _, model_cfg, hf_fields, saved = load_trained(checkpoint)
-    return export_modules(modules, Path(out), model_cfg, hf_fields, trained_tokenizer(saved), max_shard_size)
+    return export_modules(modules, Path(out), model_cfg, hf_fields, trained_tokenizer(saved), max_shard_size,
+                          saved.get("data"))
 
 
 def export_modules(modules, out: Path, model_cfg, hf_fields: dict, tokenizer: str | None = None,
-                   max_shard_size: int | str = MAX_SHARD_SIZE) -> Path:
+                   max_shard_size: int | str = MAX_SHARD_SIZE, data: dict | None = None) -> Path:
     """Write the one-rank model's modules in HF layout (LoRA: adapters and/or merged, model.lora.export)."""
     from tessera.hetero.training.lora import lora_settings, merge_lora
     from tessera.hetero.training.peft_export import adapter_model, peft_adapters, write_adapters
@@ -281,7 +290,7 @@ def export_modules(modules, out: Path, model_cfg, hf_fields: dict, tokenizer: st
         merge_lora(modules)
     media = {k: m for k, m in modules.items() if k != "language"}
     return write_hf(out, export_hf(MultimodalModel(modules["language"], media)), model_cfg, hf_fields, tokenizer,
-                    max_shard_size)
+                    max_shard_size, data)
 
 
 if __name__ == "__main__":
