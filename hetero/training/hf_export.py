@@ -277,13 +277,13 @@ def export_modules(modules, out: Path, model_cfg, hf_fields: dict, tokenizer: st
                    max_shard_size: int | str = MAX_SHARD_SIZE, data: dict | None = None) -> Path:
     """Write the one-rank model's modules in HF layout (LoRA: adapters and/or merged, model.lora.export)."""
     from tessera.hetero.training.lora import lora_settings, merge_lora
-    from tessera.hetero.training.peft_export import adapter_model, peft_adapters, write_adapters
+    from tessera.hetero.training.peft_export import adapter_base, adapter_model, peft_adapters, write_adapters
     from tessera.models.multimodal import MultimodalModel
     from tessera.models.multimodal_hf import export_hf
 
     lora = lora_settings(model_cfg)
     if lora is not None and lora.export in ("adapters", "both"):
-        write_adapters(out, peft_adapters(modules), lora, adapter_model(model_cfg, hf_fields))
+        write_adapters(out, peft_adapters(modules), lora, adapter_model(model_cfg, hf_fields), adapter_base(model_cfg))
     if lora is not None and lora.export == "adapters":
         return out
     if lora is not None:
