@@ -38,9 +38,12 @@ VISION = {
                         t.BeitImageProcessorPil(**TILE, do_center_crop=False)), 1),
 }
 AUDIO = {  # SEW: another conv stack, squeezed and upsampled around its layers; Data2Vec-Audio: layer-normed convs
-    "wavlm": lambda t: t.WavLMModel(t.WavLMConfig(**WAVE, num_buckets=16, max_bucket_distance=64, layerdrop=0.5)),
+    # (every one 320 samples a row, as the released models: the tiny omni recipe's clips fit its 128-token rows, so
+    # the recipe trains each by one override: tests/test_hf_encoders.py's TRAIN_CASES)
+    "wavlm": lambda t: t.WavLMModel(t.WavLMConfig(**dict(WAVE, conv_kernel=(10, 8, 8), conv_stride=(5, 8, 8)),
+                                                  num_buckets=16, max_bucket_distance=64, layerdrop=0.5)),
     "data2vec-audio": lambda t: t.Data2VecAudioModel(t.Data2VecAudioConfig(
-        **dict(WAVE, num_conv_pos_embeddings=5, conv_kernel=(8, 4, 3), conv_stride=(4, 3, 2)), mask_time_prob=0.5)),
+        **dict(WAVE, num_conv_pos_embeddings=5, conv_kernel=(8, 8, 10), conv_stride=(4, 8, 10)), mask_time_prob=0.5)),
     # (320 samples a row, as the released models: the tiny recipes' clips then fit their 128-token rows)
     "sew": lambda t: t.SEWModel(t.SEWConfig(**dict(WAVE, conv_kernel=(10, 8, 4), conv_stride=(5, 8, 8)),
                                             squeeze_factor=2)),

@@ -86,7 +86,8 @@ def _hubert(out: Path) -> Path:
 
 BUILDERS = {"siglip2": _siglip2, "clip": _clip, "whisper": _whisper, "wav2vec2": _wav2vec2, "hubert": _hubert,
             # types the code never names (tests/test_hf_any_encoder.py): for the layouts below
-            **{k: functools.partial(build_tiny, k) for k in ("dinov2_with_registers", "sew")}}
+            **{k: functools.partial(build_tiny, k) for k in ("dinov2", "dinov2_with_registers", "deit", "beit",
+                                                             "wavlm", "data2vec-audio", "sew")}}
 
 
 @pytest.fixture(scope="module")
@@ -226,8 +227,11 @@ def test_a_directory_hf_dir_cannot_take_is_refused_naming_it_and_why(tmp_path):
 TRAIN_CASES = [
     ("nemotron_vl_tiny", "vision", "siglip2", "vision=pp2@0-1;language=tp2@0-1"),
     ("nemotron_omni_tiny", "audio", "whisper", "vision=dp1@0-0;audio=dp1@0-0;language=dp1@1-1"),
-    ("nemotron_vl_tiny", "vision", "dinov2_with_registers", "vision=dp1@0-0;language=dp1@1-1"),
-    ("nemotron_omni_tiny", "audio", "sew", "vision=dp1@0-0;audio=dp1@0-0;language=dp1@1-1"),
+    # every type tests/test_hf_any_encoder.py builds, which the code never names, non-colocated
+    *[("nemotron_vl_tiny", "vision", k, "vision=dp1@0-0;language=dp1@1-1")
+      for k in ("dinov2", "dinov2_with_registers", "deit", "beit")],
+    *[("nemotron_omni_tiny", "audio", k, "vision=dp1@0-0;audio=dp1@0-0;language=dp1@1-1")
+      for k in ("wavlm", "data2vec-audio", "sew")],
 ]
 
 
