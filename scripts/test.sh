@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Tessera's test suite on a fresh machine (sets up .venv first). Extra arguments go to pytest.
-#   bash scripts/test.sh            # everything, then the fast mutation check: ~29 min on a 2-core box (2 pytest
+#   bash scripts/test.sh            # everything, then the fast mutation check: ~28-33 min on a 2-core box (2 pytest
 #                                   # workers; + ~6 min to build .venv the first time)
 #   bash scripts/test.sh -k plan    # a subset
 set -euo pipefail
