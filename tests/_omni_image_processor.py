@@ -14,38 +14,15 @@ later real import of transformers' module is unaffected.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import sys
 import types
-from pathlib import Path
-
-_TORCHVISION = ("torchvision", "torchvision.transforms", "torchvision.transforms.v2",
-                "torchvision.transforms.v2.functional")
 
 
-@functools.cache
 def release_image_module() -> types.ModuleType:
-    import transformers.models.nemotron_h_omni as package
+    """transformers' image_processing_nemotron_h_omni, its own source run as described above (the loader is the
+    export's, hetero/training/processor_export.image_processing_module: one way to load it)."""
+    from tessera.hetero.training.processor_export import image_processing_module
 
-    path = Path(package.__file__).parent / "image_processing_nemotron_h_omni.py"
-    name = f"{package.__name__}._image_processing_grid_oracle"
-    saved = {n: sys.modules.get(n) for n in (*_TORCHVISION, name)}
-    stand_ins = {n: types.ModuleType(n) for n in _TORCHVISION}
-    stand_ins["torchvision.transforms.v2"].functional = stand_ins["torchvision.transforms.v2.functional"]
-    try:
-        sys.modules.update(stand_ins)
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # auto_docstring finds the class's source file through it
-        spec.loader.exec_module(module)
-    finally:
-        for n, m in saved.items():
-            if m is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = m
-    return module
+    return image_processing_module()
 
 
 def release_grid(height: int, width: int, n_images: int = 1, **overrides) -> tuple[int, int]:
