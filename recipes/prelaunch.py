@@ -102,7 +102,7 @@ def _check_dataset(field: str, value: str) -> None:
             _check_dataset(f"data.path ({member.name})", str(member.path))
         return
     path = Path(value).expanduser()
-    other = "drop data.path for synthetic data" if field == "data.path" else "data.val_path=synthetic"
+    other = "drop data.path for synthetic data" if field.startswith("data.path") else "data.val_path=synthetic"
     if not path.exists():
         raise ValueError(f"{field}={value} does not exist; prepare a dataset there with "
                          f"`python scripts/prepare_data.py --manifest data.jsonl --out {value}` (or {other})")

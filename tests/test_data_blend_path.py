@@ -74,8 +74,9 @@ def test_the_prelaunch_check_names_a_missing_member(blend, tmp_path):
         return SimpleNamespace(model=ModelConfig(), data=DataConfig(path=path), trainer=TrainerConfig())
 
     prelaunch.check_inputs(task(f"a={blend / 'a'};b={blend / 'b'}:0.5"))
-    with pytest.raises(ValueError, match=rf"data.path \(b\)={tmp_path / 'nope'} does not exist"):
+    with pytest.raises(ValueError, match=rf"data.path \(b\)={tmp_path / 'nope'} does not exist") as e:
         prelaunch.check_inputs(task(f"a={blend / 'a'};b={tmp_path / 'nope'}"))
+    assert "(or drop data.path for synthetic data)" in str(e.value), e.value  # a training member, not a val set
 
 
 def _train_on(spec: str, run_dir: str):

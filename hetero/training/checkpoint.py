@@ -114,9 +114,10 @@ def _param_specs(key: str, module: torch.nn.Module, g: ModuleGroups, mamba_parts
         yield p, _global_name(key, name, layer_offset, expert_offset), rows, offsets, replica
 
 
-def parameter_counts(modules: dict, groups: dict, configs: dict) -> tuple[int, int]:
+def parameter_counts(modules: dict, groups: dict, configs: dict, device=None) -> tuple[int, int]:
     """(trainable, total) parameters of the whole model, each element counted once over every layout (the owners
-    a checkpoint writes: replica (0, 0) of _param_specs); collective over the world."""
+    a checkpoint writes: replica (0, 0) of _param_specs); collective over the world. device: the rank's (NCCL
+    reduces device tensors only)."""
     counts = torch.zeros(2, dtype=torch.float64)
     for key, module in modules.items():
         config = configs.get(key)
@@ -127,6 +128,7 @@ def parameter_counts(modules: dict, groups: dict, configs: dict) -> tuple[int, i
                 if key == LANGUAGE and gkey in VOCAB_ROWS:  # the true vocabulary's rows, not TP's padding
                     n = n * config.vocab_size / config.padded_vocab_size
                 counts += torch.tensor([n if p.requires_grad else 0, n], dtype=torch.float64)
+    counts = counts.to(device or "cpu")
     dist.all_reduce(counts)
     return round(float(counts[0])), round(float(counts[1]))
 

@@ -177,7 +177,7 @@ def build_run(cfg: RunConfig, resolved: ResolvedRun, run_dir: Path, device: torc
     apply_lora(modules, groups, cfg.model, cfg.trainer.seed)
     lora = lora_settings(cfg.model)
     if lora is not None:  # (every rank: the count is collective; a rank may hold no adapter)
-        trainable, total = parameter_counts(modules, groups, configs)
+        trainable, total = parameter_counts(modules, groups, configs, device)
         if rank == 0:
             print(f"lora: rank {lora.rank} on {', '.join(lora.targets)}: {trainable:,} of {total:,} "
                   f"parameters train ({100 * trainable / total:.2f}%)", flush=True)
