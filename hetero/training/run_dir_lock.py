@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -81,16 +82,23 @@ def this_holder() -> Holder:
                   secrets.token_hex(8), time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
+# the states after which slurmctld will not run the job again (a requeued one reads PENDING or REQUEUED)
+_SLURM_FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+                "PREEMPTED")
+
+
 def slurm_job_queued(job_id: str) -> bool | None:
-    """True while Slurm lists the job (pending, running, completing), False once it is gone, None when there is
-    no Slurm to ask."""
+    """True while slurmctld may still run the job, False once it has ended (or has forgotten it), None when there
+    is no Slurm to ask or it did not answer. slurmctld itself (`scontrol show job`), not squeue, whose empty answer
+    also means "too busy to answer" (recipes/executors.slurm_controller_state reads it the same way)."""
     try:
-        res = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
+        res = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if res.returncode and "Invalid job id" not in res.stderr:
-        return None  # squeue itself failed (no controller reachable): cannot tell
-    return bool(res.stdout.strip())
+    if res.returncode:
+        return False if "Invalid job id" in res.stdout + res.stderr else None
+    state = re.search(r"\bJobState=(\S+)", res.stdout)
+    return None if state is None else state.group(1) not in _SLURM_FINAL
 
 
 def holder_gone(holder: Holder, me: Holder, pid_start=_pid_start, slurm_queued=slurm_job_queued) -> str | None:
