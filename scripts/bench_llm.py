@@ -25,11 +25,8 @@ warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
-import torch.distributed as dist
 
-
-from tessera.hetero.runtime.cpu_shims import apply_cpu_shims
-from tessera.hetero.runtime.world import one_rank_world
+from tessera.hetero.runtime.world import process_world
 from tessera.hetero.parallel.kernel_choice import select_kernels
 from tessera.hetero.tools.parity import init_groups
 from tessera.models import configs
@@ -96,9 +93,13 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--iters", type=int, default=3)
     args = parser.parse_args()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    apply_cpu_shims()
-    one_rank_world(backend="gloo")
+    # every entry point's bootstrap (threads, CPU shims, a one-rank world); gloo: the model runs on the CPU
+    with process_world(backend="gloo"):
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # also where a GPU is (process_world: CPU only)
+        run(args)
+
+
+def run(args) -> None:
     pg = init_groups()
     kernels = select_kernels(pg)
     print(f"{kernels.line} threads={torch.get_num_threads()} batch={args.batch} seq={args.seq} "
@@ -116,7 +117,6 @@ def main() -> None:
         ours_ms, ref_ms, diff = bench_mixer(fields, pg, args.batch, args.seq, args.iters)
         shape = f"{fields['mamba_num_heads']}x{fields['mamba_head_dim']}, {fields['ssm_state_size']}"
         print(f"{name:<11} {shape:>17} {ours_ms:>9.1f} {ref_ms:>9.1f} {ref_ms / ours_ms:>8.2f} {diff:>13.1e}")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -266,16 +266,6 @@ def dry(args) -> int:
     return 0
 
 
-def _init(dev):
-    from tessera.hetero.runtime.cpu_shims import apply_cpu_shims
-    from tessera.hetero.runtime.world import one_rank_world
-    from tessera.hetero.tools.parity import init_groups
-
-    apply_cpu_shims()
-    one_rank_world()
-    return init_groups()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry", action="store_true", help="print the plan and the table's rows; no GPU needed")
@@ -290,10 +280,17 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA GPU on this machine (torch.cuda.is_available() is False); "
               "run it on a GPU with the gpu extra installed, or pass --dry", file=sys.stderr)
         return 2
-    from tessera.hetero.runtime.device import bind_local_device
+    from tessera.hetero.runtime.device import current_device
+    from tessera.hetero.runtime.world import process_world
 
-    dev = bind_local_device(0)
-    pgs = _init(dev)
+    with process_world():  # every entry point's bootstrap: CPU shims, cuda:0 bound, a one-rank world
+        return run(args, current_device())
+
+
+def run(args, dev) -> int:
+    from tessera.hetero.tools.parity import init_groups
+
+    pgs = init_groups()
     print(f"gpu_check on {torch.cuda.get_device_name(dev)}, torch {torch.__version__}\n", flush=True)
     rows, failed = [("check", "result", "verdict")], 0
     for name in args.only or CHECKS:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tessera.scripts.gpu_check import _init, _table, layer_flops, layer_tflops, symbols
+from tessera.scripts.gpu_check import _table, layer_flops, layer_tflops, symbols
 
 
 @dataclass(frozen=True)
@@ -105,8 +105,16 @@ def _pct(mfu: float | None, target: float | None) -> str:
 
 
 def layer_rows(models: list[str], dev, seq: int, batch: int, iters: int, dtype: torch.dtype, peak: float | None):
-    """The per-layer table: one row per layer kind of each model."""
-    pgs = _init(dev)
+    """The per-layer table: one row per layer kind of each model, in a one-rank world (process_world)."""
+    from tessera.hetero.runtime.world import process_world
+    from tessera.hetero.tools.parity import init_groups
+
+    with process_world():
+        return _layer_rows(init_groups(), models, dev, seq, batch, iters, dtype, peak)
+
+
+def _layer_rows(pgs, models: list[str], dev, seq: int, batch: int, iters: int, dtype: torch.dtype,
+                peak: float | None):
     rows = [("model", "layer", "GFLOP fwd", "ms fwd+bwd", "TFLOPS", "MFU", "kernels")]
     for model in models:
         line = kernels_line(model, dtype).removeprefix("kernels: ")

@@ -48,17 +48,18 @@ def one_rank_world(timeout_s: float | None = None, backend: str | None = None) -
     return True
 
 
-def join_world(timeout_s: float | None = None, world_size: int | None = None) -> bool:
+def join_world(timeout_s: float | None = None, world_size: int | None = None, backend: str | None = None) -> bool:
     """The launcher's world (torchrun, Slurm: RANK and its peers in the environment), or a one-rank world for a
     plain `python -m`. Returns True if this call created the default group (the caller destroys it).
-    world_size: the launcher's lowest ranks only (an elastic restart with spares: the others never join)."""
+    world_size: the launcher's lowest ranks only (an elastic restart with spares: the others never join).
+    backend: the run's (cpu_shims.default_backend) unless given (a CPU benchmark: gloo even beside a GPU)."""
     if dist.is_initialized():
         return False
     if "RANK" not in os.environ:
-        return one_rank_world(timeout_s)
+        return one_rank_world(timeout_s, backend)
     bind_local_device()  # cuda:LOCAL_RANK (checked against the GPU count) before NCCL binds a device
     subset = {"world_size": world_size, "rank": int(os.environ["RANK"])} if world_size else {}
-    dist.init_process_group(default_backend(), **_timeout(timeout_s), **subset)
+    dist.init_process_group(backend or default_backend(), **_timeout(timeout_s), **subset)
     return True
 
 
@@ -73,12 +74,13 @@ def freeze_live_objects() -> None:
 
 @contextmanager
 def process_world(timeout_s: float | None = None, world_size: int | None = None, *, rank: int | None = None,
-                  store: str | None = None) -> Iterator[bool]:
+                  store: str | None = None, backend: str | None = None) -> Iterator[bool]:
     """Every entry point's bootstrap, in the order each needs: CPU threads (OMP_NUM_THREADS, default one per rank:
     ranks share the machine's cores), megatron-core's CPU shims (hetero/runtime/cpu_shims.py), the rank's device
     bound, then the default group: rank `rank` of `world_size` over the file `store` (the test launcher,
     hetero/tools/spawn.py), else the launcher's world (torchrun, Slurm; its lowest `world_size` ranks when given),
-    else one rank. Yields whether it created the group, and destroys the group it created on exit."""
+    else one rank. `backend`: the run's (NCCL with a GPU, gloo without) unless given (scripts/bench_llm.py, a CPU
+    benchmark: gloo). Yields whether it created the group, and destroys the group it created on exit."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not torch.cuda.is_available():
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -89,11 +91,11 @@ def process_world(timeout_s: float | None = None, world_size: int | None = None,
             raise ValueError("a file-store world needs rank and world_size")
         os.environ["LOCAL_RANK"] = str(rank)  # one node: what torchrun would set
         bind_local_device(rank)  # with GPUs: rank r on cuda:r (raises when world > GPUs), before NCCL
-        dist.init_process_group(default_backend(), init_method=f"file://{store}", rank=rank, world_size=world_size,
-                                **_timeout(timeout_s))
+        dist.init_process_group(backend or default_backend(), init_method=f"file://{store}", rank=rank,
+                                world_size=world_size, **_timeout(timeout_s))
         created = True
     else:
-        created = join_world(timeout_s, world_size)
+        created = join_world(timeout_s, world_size, backend)
     try:
         yield created
     finally:
