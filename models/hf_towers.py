@@ -15,7 +15,7 @@ from torch import nn
 from tessera.models.encoder_families.base import family_of
 
 
-def _deterministic(config) -> None:
+def deterministic(config) -> None:
     """Dropout, drop path (stochastic depth), LayerDrop and SpecAugment off (in place, a dual model's sub-configs
     too): training equal in every layout, as Tessera's encoders."""
     for key, value in list(config.to_dict().items()):
@@ -26,7 +26,7 @@ def _deterministic(config) -> None:
         config.apply_spec_augment = False
     for sub in ("vision_config", "audio_config", "encoder"):
         if hasattr(getattr(config, sub, None), "to_dict"):
-            _deterministic(getattr(config, sub))
+            deterministic(getattr(config, sub))
 
 
 def load_transformers_model(cfg: dict):
@@ -38,7 +38,7 @@ def load_transformers_model(cfg: dict):
     directory, meta = cfg["directory"], torch.empty(0).is_meta
     cls = getattr(transformers, cfg["tower_class"])
     config = (transformers.AutoConfig if cls is transformers.AutoModel else cls.config_class).from_pretrained(directory)
-    _deterministic(config)
+    deterministic(config)
     if hasattr(config, "vision_use_head"):
         config.vision_use_head = False  # SigLIP's attention-pooling head: no output Tessera uses
     if meta:

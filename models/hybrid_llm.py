@@ -17,7 +17,7 @@ sharded by the caller); only the sequence-mixing kernels see other ranks' tokens
 the injected `core_attention` / `mamba_mixer` classes (hetero/parallel/cp_attention_module.py, hetero/parallel/cp_mamba.py,
 picked by hetero/parallel/kernel_choice.py). Everything else here is per token and CP-unaware.
 
-Usage (groups injected; one rank: hetero.training.model_build.single_rank_pgs()):
+Usage (groups injected; one rank: hetero.build.model_build.single_rank_pgs()):
     cfg = models.configs.tiny_hybrid()
     model = HybridLM(cfg, pgs, cross_entropy=vocab_parallel_cross_entropy_for(pgs.tp))  # the default at TP=1
     logits = model(input_ids)            # [b, s, padded_vocab / tp] (vocab-parallel)

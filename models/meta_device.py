@@ -3,7 +3,7 @@
 `torch.device("meta")` alone fails on NeMo's conformer, which computes its subsampled length with
 torch.tensor(...).item(); here tensor factories go to meta except torch.tensor/as_tensor of data, and
 torch.nn.init is a no-op (init on meta tensors is slow and meaningless). Used for the key/shape list of a
-whole model (hetero/training/model_build.hf_shapes) and by the dry run's memory count (hetero/planner/meta_memory).
+whole model (hetero/build/model_build.hf_shapes) and by the dry run's memory count (hetero/planner/meta_memory).
 """
 
 from __future__ import annotations

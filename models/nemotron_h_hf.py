@@ -173,7 +173,7 @@ class PrefixView(Mapping):
 
 # ---- layout helpers: every pair is (split for one rank, merge of all ranks) -----------------------
 
-def _mamba_parts(config: HybridConfig) -> list[int]:
+def mamba_parts(config: HybridConfig) -> list[int]:
     inner = config.mamba_num_heads * config.mamba_head_dim
     bc = config.mamba_num_groups * config.mamba_state_dim
     return [inner, inner, bc, bc, config.mamba_num_heads]  # z, x, B, C, dt
@@ -197,7 +197,7 @@ def _qkv_fuse(q, k, v, config: HybridConfig) -> torch.Tensor:
     return torch.cat([q.view(g, per * d, h), k.view(g, d, h), v.view(g, d, h)], dim=1).reshape(-1, h)
 
 
-def _qkv_unfuse(w, config: HybridConfig):
+def qkv_unfuse(w, config: HybridConfig):
     g, d = config.num_query_groups, config.kv_channels
     per = config.num_attention_heads // g
     q, k, v = w.view(g, (per + 2) * d, -1).split([per * d, d, d], dim=1)
@@ -230,7 +230,7 @@ def _strip_vocab(t: torch.Tensor, config: HybridConfig) -> torch.Tensor:
 
 def mamba_to_megatron(mixer: dict[str, torch.Tensor], config: HybridConfig, tp_rank: int = 0):
     """One NemotronHMamba2Mixer state dict (its own keys) -> this TP rank's Mamba2Mixer state dict."""
-    tp, parts = config.tensor_model_parallel_size, _mamba_parts(config)
+    tp, parts = config.tensor_model_parallel_size, mamba_parts(config)
     conv_parts = parts[1:4]  # conv1d runs over [x | B | C]
     out = {
         "in_proj.weight": _split_parts(mixer["in_proj.weight"], parts, tp_rank, tp),
@@ -318,7 +318,7 @@ def layer_to_hf(symbol: str, shard, src: str, dst: str, config: HybridConfig) ->
         return [shard(r, 0)[key] for r in range(tp)]
 
     if symbol == MAMBA:
-        mx, parts = src + "mixer.", _mamba_parts(config)
+        mx, parts = src + "mixer.", mamba_parts(config)
         hf[dst + "norm.weight"] = first[src + "norm.weight"]
         hf[m + "in_proj.weight"] = _merge_parts(tps(mx + "in_proj.weight"), parts)
         hf[m + "conv1d.weight"] = _merge_parts(tps(mx + "conv1d_weight"), parts[1:4])[:, None]
@@ -329,7 +329,7 @@ def layer_to_hf(symbol: str, shard, src: str, dst: str, config: HybridConfig) ->
         hf[m + "out_proj.weight"] = torch.cat(tps(mx + "out_proj.weight"), dim=1)
     elif symbol == ATTENTION:
         hf[dst + "norm.weight"] = first[src + "input_layernorm.weight"]
-        q, k, v = _qkv_unfuse(torch.cat(tps(src + "self_attention.linear_qkv.weight")), config)
+        q, k, v = qkv_unfuse(torch.cat(tps(src + "self_attention.linear_qkv.weight")), config)
         hf[m + "q_proj.weight"], hf[m + "k_proj.weight"], hf[m + "v_proj.weight"] = q, k, v
         hf[m + "o_proj.weight"] = torch.cat(tps(src + "self_attention.linear_proj.weight"), dim=1)
     elif symbol == MLP_SYMBOL:

@@ -3,7 +3,7 @@ describes exactly its exported tensors — the inverse of models/released.py —
 
     config, why = omni_config(vision_cfg, audio_cfg, llm_hf_fields, shapes)   # shapes: exported key -> shape
 
-A model fine-tuned from a release exports the release's own config.json (hetero/training/hf_export.py); a model
+A model fine-tuned from a release exports the release's own config.json (hetero/export/hf.py); a model
 built from registry names gets this one, so `NemotronH_Omni_Reasoning_V3.from_pretrained(OUT)` loads it too.
 Only what the release's architecture computes the same way can be described: each encoder's family says whether
 it is the release's encoder of its modality (EncoderFamily.release_issue: RADIO with the release's position rule
@@ -11,7 +11,7 @@ and no final norm, transformers' Parakeet with the release's count of embeddings
 those families' fields.
 Widths the registry leaves implicit (the projectors' hidden sizes) are read from the exported tensors.
 The config carries no media token ids: they belong to the run's tokenizer, and the export sets those of the
-tokenizer it ships (hetero/training/hf_export.media_token_ids).
+tokenizer it ships (hetero/export/hf.media_token_ids).
 """
 
 from __future__ import annotations

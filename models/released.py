@@ -40,7 +40,7 @@ _LLM_ONLY_KEYS = ("architectures", "model_type", "torch_dtype", "dtype", "transf
 # Tensors of a release that no module Tessera builds computes with: the multi-token-prediction layers (mtp.*;
 # HybridLM builds none, so they are not trained) and the Parakeet featurizer's mel filterbank and window (the
 # data side computes the mel front end). A run from the release carries them unchanged into its export
-# (hetero/training/hf_export.py), so the release's own loaders take it; the tensor check leaves them out.
+# (hetero/export/hf.py), so the release's own loaders take it; the tensor check leaves them out.
 CARRIED = ("mtp.", "sound_encoder.encoder.feature_extractor.featurizer.")
 
 
@@ -126,13 +126,6 @@ def transformers_config(directory: str | Path):
     """transformers' NemotronH_Omni_Reasoning_V3_Config of the tensors DIR holds, whatever its layout (also for
     Nano V2 VL, whose own file no transformers class reads)."""
     return _omni(read_config(directory))
-
-
-def is_released_checkpoint(directory: str | Path) -> bool:
-    """An HF directory whose config.json defines the model: as released, not a Tessera export (those carry
-    tessera.json with the run's own model config) nor a Tessera checkpoints/ directory."""
-    d = Path(directory).expanduser()
-    return (d / "config.json").is_file() and not (d / "tessera.json").is_file()
 
 
 def _omni(config: dict):

@@ -146,29 +146,33 @@ def _tokenizer_given(tokenizer: str) -> None:
 
 
 def check_checkpoint(model) -> None:
-    if not model.checkpoint:
+    """model.checkpoint is one of the kinds hetero/checkpoint/source.py decides, complete, before any rank starts."""
+    from tessera.hetero.checkpoint.source import HF_LAYOUT, LATEST, RUN, checkpoint_source
+
+    source = checkpoint_source(model.checkpoint)
+    if source is None:
         return
-    path = Path(model.checkpoint).expanduser()
+    path = source.path
     if not path.is_dir():
         raise ValueError(f"model.checkpoint={model.checkpoint} is not a directory; give an HF-layout directory "
                          f"(*.safetensors; `python -m tessera.scripts.convert_hf` writes one) or a Tessera "
                          f"run's checkpoints/ directory")
-    if any(path.glob("*.safetensors")):
+    if source.kind in HF_LAYOUT and any(path.glob("*.safetensors")):
         from tessera.models import released
         from tessera.models.nemotron_h_hf import safetensors_files
 
         safetensors_files(path)  # every shard the index names is present
-        if released.is_released_checkpoint(path):  # its config.json defines the model: parse it now
-            config = released.read_config(path)
+        if source.is_release:  # its config.json defines the model: parse it now
+            config = source.release_config()
             released.llm_fields_of(config)
             for modality in released.modalities_of(config):
                 released.encoder_config_of(released.encoder_name(path, modality))
         return
-    latest = path / "latest"
-    if latest.is_file():
+    if source.kind == RUN:
+        return
+    latest = path / LATEST
+    if latest.is_file():  # a checkpoints/ directory whose last complete step is gone
         step = path / latest.read_text().strip()
-        if step.is_dir():
-            return
         raise ValueError(f"model.checkpoint={model.checkpoint}: `latest` names {step.name}, which is missing; "
                          f"point model.checkpoint at a checkpoints/ directory whose last save completed")
     hint = (f"; did you mean model.checkpoint={path / 'checkpoints'}?" if (path / "checkpoints" / "latest").is_file()

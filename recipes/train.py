@@ -129,10 +129,10 @@ def _run_dir(name: str, trainer: TrainerConfig) -> tuple[Path, bool]:
 
 
 def _hold_run_dir(run_dir: Path):
-    """Rank 0 takes the run directory's lock (hetero/training/run_dir_lock.py) and every rank learns the outcome:
+    """Rank 0 takes the run directory's lock (hetero/rundir/lock.py) and every rank learns the outcome:
     a directory another live job holds ends this job on every rank, before anything is written (EXIT_BUSY).
     Returns rank 0's lock (None elsewhere)."""
-    from tessera.hetero.training.run_dir_lock import EXIT_BUSY, RunDirBusy, RunDirLock
+    from tessera.hetero.rundir.lock import EXIT_BUSY, RunDirBusy, RunDirLock
 
     lock, outcome = None, [None]
     if dist.get_rank() == 0:
@@ -153,7 +153,7 @@ def _hold_run_dir(run_dir: Path):
 def _nothing_to_do(run_dir: Path, trainer: TrainerConfig) -> int | None:
     """The step the run directory's last checkpoint holds when it is already trainer.max_steps or more (a finished
     run launched again, a requeue of a job that had just finished), else None."""
-    from tessera.hetero.runspec.checkpoints import latest_step
+    from tessera.hetero.checkpoint.source import latest_step
 
     step = latest_step(run_dir / "checkpoints") if trainer.resume else None
     return step if step is not None and step >= trainer.max_steps else None
@@ -234,7 +234,7 @@ def _train(model, data, optim, trainer, layout: str, name: str, stop) -> dict:
                   f"resumes from it", flush=True)
         raise SystemExit(EXIT_STOPPED)  # not finished: non-zero, so Slurm requeues and `nemo` reports it
     if rank == 0:
-        from tessera.hetero.training.run_summary import run_summary
+        from tessera.hetero.rundir.summary import run_summary
 
         print(f"done: steps={summary['steps']} first_loss={summary['first_loss']:.4f} "
               f"last_loss={summary['last_loss']:.4f} layout={summary['layout']}", flush=True)

@@ -104,21 +104,21 @@ def make_sets(out: Path, media: str, samples: int, kinds: tuple[str, ...] = tupl
 
     for name, kinds in ((k, KINDS[k]) for k in kinds):
         path = out / media / name
-        if (path / ".nv-meta" / "index.sqlite").exists() and (_nometa(path) / ".nv-meta" / "index.sqlite").exists():
+        if (path / ".nv-meta" / "index.sqlite").exists() and (nometa(path) / ".nv-meta" / "index.sqlite").exists():
             continue
         print(f"  building {media}/{name} ({samples} samples)", file=sys.stderr)
         records = list(_camera_records(samples, kinds) if media == "camera" else
                        synthetic_records(samples, seed=11, prefix=name, kinds=kinds))
-        for where, meta in ((path, True), (_nometa(path), False)):  # the same samples as prepared before issue 31
+        for where, meta in ((path, True), (nometa(path), False)):  # the same samples as prepared before issue 31
             write_shards(iter(records), where, shard_size=8, media_meta=meta)
             energon_prepare(where, media_meta=meta)
         texts = [t["content"] for _, conv, _ in records for t in conv] * 4
         train_sentencepiece(texts + ["user\n", "assistant\n", "system\n"], path / "tokenizer", vocab_size=400)
 
 
-def _nometa(path: Path) -> Path:
+def nometa(path: Path) -> Path:
     """The set prepared without media metadata (every rank's stream reads and probes the media bytes)."""
-    return path.with_name(path.name + "_nometa")
+    return path.with_name(path.name + "nometa")
 
 
 # ---- the two loaders ----------------------------------------------------------------------------------------
@@ -183,7 +183,7 @@ def plain_stream(path: Path, workers: int):
 def one(path: Path, impl: str, workers: int, warmup: int, window: float) -> dict:
     """One configuration in this process: samples/s over at least `window` seconds after `warmup` samples."""
     stream = (plain_stream(path, workers) if impl == "plain" else
-              tessera_stream(_nometa(path), workers, tokenizer=path / "tokenizer.model") if impl == "tessera_nometa" else
+              tessera_stream(nometa(path), workers, tokenizer=path / "tokenizer.model") if impl == "tessera_nometa" else
               tessera_stream(path, workers, defer_upscale=impl == "tessera"))
     t0, n = time.perf_counter(), 0
     for k, _ in stream:

@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from tessera.scripts.bench_loader import _nometa, encoder_tokens, make_sets
+from tessera.scripts.bench_loader import nometa, encoder_tokens, make_sets
 
 LAYOUTS = ["vision=dp8@0-7;audio=dp8@0-7;language=tp2,dp4@0-7", "vision=dp2@0-1;audio=dp2@2-3;language=tp4@4-7"]
 
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         json_per_step = None
         for spec in args.layouts:
             layout = HeteroLayout.parse(spec)
-            for data, where in (("after", path), ("before", _nometa(path))):
+            for data, where in (("after", path), ("before", nometa(path))):
                 per_rank = [rank_reads(where, path / "tokenizer.model", decode_rows(layout, r, args.rows), args.rows,
                                        args.steps) for r in range(layout.world_size)]
                 if data == "after":  # the stream's JSON: what an LLM-only rank reads, measured where it is minimal

@@ -19,18 +19,18 @@ import argparse
 import sys
 from pathlib import Path
 
-from tessera.hetero.training.hf_export import one_rank_world, export_checkpoint, write_hf
+from tessera.hetero.export.hf import export_checkpoint, write_hf
+from tessera.hetero.runtime.world import process_world
 
 
 def init_checkpoint(recipe_name: str, out: str | Path, vocab_size: int = 0, seed: int = 0) -> Path:
     """A recipe's model with fresh weights, written in HF layout (vocab grown to vocab_size if larger)."""
-    from tessera.hetero.training.model_build import llm_fields
-    from tessera.hetero.training.seeded_init import full_hf_state
+    from tessera.hetero.build.model_build import llm_fields
+    from tessera.hetero.build.seeded_init import full_hf_state
     from tessera.recipes.registry import recipe
 
     import fiddle as fdl
 
-    one_rank_world()
     model_cfg = fdl.build(recipe(recipe_name).model)
     hf_fields = llm_fields(model_cfg, vocab_size)
     return write_hf(Path(out), full_hf_state(model_cfg, hf_fields, seed), model_cfg, hf_fields)
@@ -44,8 +44,9 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab-size", type=int, default=0, help="--init: grow the LLM vocabulary to this size")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    out = export_checkpoint(args.checkpoint, args.out) if args.checkpoint else \
-        init_checkpoint(args.init, args.out, args.vocab_size)
+    with process_world(backend="gloo"):  # one CPU rank whatever the machine has
+        out = export_checkpoint(args.checkpoint, args.out) if args.checkpoint else \
+            init_checkpoint(args.init, args.out, args.vocab_size)
     print(f"[convert] wrote {out}/model.safetensors and {out}/language_model/ (transformers NemotronH)")
     return 0
 

@@ -115,9 +115,9 @@ def pytest(dst: Path, env: dict, tests: list[str], timeout: int) -> tuple[int, f
     proc.start()
     proc.join(timeout)
     if proc.is_alive():
-        from tessera.hetero.tools.spawn import _kill_tree  # the checkout's: only psutil, run here in the parent
+        from tessera.hetero.tools.spawn import kill_tree  # the checkout's: only psutil, run here in the parent
 
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
         rc = -1
     else:
         rc = proc.exitcode

@@ -111,7 +111,7 @@ def hub_layout(directory, sound_model_type: str | None = None) -> dict:
 
 # The release's remote code, as files named by its auto_map (+ a module they import relatively, as the release's
 # modeling file imports its helpers). Stand-ins: the release's own code is not available offline; what an export
-# must do with these files is copy them byte for byte (hetero/training/hf_export.py).
+# must do with these files is copy them byte for byte (hetero/export/hf.py).
 _STAND_IN = ('"""Stand-in for the release\'s remote code (scripts/tiny_release.py writes it offline): the classes its '
              'auto_map names, as transformers\' native ones."""\n\n')
 HUB_REMOTE_CODE = {

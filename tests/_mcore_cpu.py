@@ -11,7 +11,7 @@ from tessera.hetero.runtime.cpu_shims import apply_cpu_shims
 def single_rank_world():
     """A one-process gloo world (file store: no port race) and the trainer's groups of size one."""
     from tessera.hetero.runtime.world import one_rank_world
-    from tessera.hetero.training.model_build import single_rank_pgs
+    from tessera.hetero.build.model_build import single_rank_pgs
 
     apply_cpu_shims()
     one_rank_world(backend="gloo")

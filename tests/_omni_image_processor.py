@@ -19,8 +19,8 @@ import types
 
 def release_image_module() -> types.ModuleType:
     """transformers' image_processing_nemotron_h_omni, its own source run as described above (the loader is the
-    export's, hetero/training/processor_export.image_processing_module: one way to load it)."""
-    from tessera.hetero.training.processor_export import image_processing_module
+    export's, hetero/export/processor.image_processing_module: one way to load it)."""
+    from tessera.hetero.export.processor import image_processing_module
 
     return image_processing_module()
 

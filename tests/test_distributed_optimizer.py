@@ -29,7 +29,7 @@ def _optimizer_steps(distributed: bool, steps: int = 4):
     """(bf16 weights after each step, grad norms, optimizer elements on this rank)."""
     from tessera.hetero.plan.layout import HeteroLayout
     from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
-    from tessera.hetero.training.optim import ModuleOptimizers
+    from tessera.hetero.optim.optimizers import ModuleOptimizers
 
     groups = build_module_groups(HeteroLayout.parse("language=dp4,ep2@0-3"))
     pgs = groups["language"].pgs
@@ -58,10 +58,10 @@ def _optimizer_steps(distributed: bool, steps: int = 4):
 
 
 def _optimizer_state_as_saved(module, opt, groups) -> dict:
-    """What a checkpoint of this rank holds of the optimizer (hetero/training/checkpoint._sharded_state):
+    """What a checkpoint of this rank holds of the optimizer (hetero/checkpoint/sharded._sharded_state):
     per stored tensor, whether its data is the live state's own memory (no gathered copy), its elements, and
     its (global shape, offset, shape) where this rank is the writer."""
-    from tessera.hetero.training.checkpoint import _sharded_state
+    from tessera.hetero.checkpoint.sharded import _sharded_state
 
     live = {t.untyped_storage().data_ptr() for st in opt.optimizers["language"].state.values()
             for k, t in st.items() if k != "step"}

@@ -180,7 +180,7 @@ STEPS = 2
 
 
 def _train_blend(root: str) -> None:
-    """Both layouts, one launch, from the same seeded weights (hetero/training/seeded_init.py)."""
+    """Both layouts, one launch, from the same seeded weights (hetero/build/seeded_init.py)."""
     from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 

@@ -1,6 +1,6 @@
 """A registry-name export with the release's towers carries transformers' processor (issue 62, item 4): OUT's
 processor_config.json is what NemotronH_Omni_Reasoning_V3Processor.save_pretrained writes, configured with the
-run's own settings (hetero/training/processor_export.py), so AutoProcessor loads OUT and gives, for an image, a
+run's own settings (hetero/export/processor.py), so AutoProcessor loads OUT and gives, for an image, a
 video and an audio clip of one conversation, the input_ids and the features the trained model saw.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_export_processor.py -x -q -p no:cacheprovider
@@ -85,9 +85,9 @@ def export(tmp_path_factory):
     single_rank_world()
     from tessera.data.tokens import Tokenizer
     from tessera.hetero.runspec.config import ModelConfig
-    from tessera.hetero.training.hf_export import write_hf
-    from tessera.hetero.training.model_build import llm_fields
-    from tessera.hetero.training.seeded_init import full_hf_state
+    from tessera.hetero.export.hf import write_hf
+    from tessera.hetero.build.model_build import llm_fields
+    from tessera.hetero.build.seeded_init import full_hf_state
     from tessera.scripts.tiny_release import release_tokenizer
 
     tmp = tmp_path_factory.mktemp("export")
@@ -111,7 +111,7 @@ def _load(out, monkeypatch):
         from transformers.models.nemotron_h_omni.video_processing_nemotron_h_omni import \
             NemotronH_Omni_Reasoning_V3VideoProcessor
 
-        from tessera.hetero.training.processor_export import image_processor_class
+        from tessera.hetero.export.processor import image_processor_class
 
         with pytest.raises(ValueError, match="torchvision"):  # transformers' own refusal, naming the package
             AutoProcessor.from_pretrained(str(out))
@@ -211,7 +211,7 @@ def test_export_without_the_release_towers_or_a_tokenizer_has_no_processor(tmp_p
     export's is removed."""
     single_rank_world()
     from tessera.hetero.runspec.config import ModelConfig
-    from tessera.hetero.training.processor_export import write_processor
+    from tessera.hetero.export.processor import write_processor
 
     (tmp_path / "processor_config.json").write_text("{}")
     assert not write_processor(tmp_path, ModelConfig(llm="nemotron_h_tiny_moe", **ENCODERS), DATA)

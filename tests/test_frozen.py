@@ -33,7 +33,7 @@ def _model_cfg(lora=False, **freeze):
 def _runs(root: str):
     """Each run: 3 steps from the seed, exported, with the seed's weights (the base) written beside the export.
     Rows of 512 tokens: shorter ones leave the synthetic audio clips out, and the conformer would never run."""
-    from tessera.hetero.training.seeded_init import full_hf_state
+    from tessera.hetero.build.seeded_init import full_hf_state
     from tessera.hetero.runspec.config import DataConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
 

@@ -7,7 +7,7 @@ config.json, safetensors headers over sparse files, no weight written), build ex
 The oracle for the tensor list is transformers: NemotronH_Omni_Reasoning_V3 built on the meta device from the same
 config, under the names save_pretrained writes (for Nano V2 VL, which has no transformers class, that class of its
 tensors less what the release does not store). Tessera's side is the run's own check (every checkpoint tensor one
-the model holds, with its shape, none missing: hetero/training/model_build.check_checkpoint_tensors) on a meta-device
+the model holds, with its shape, none missing: hetero/build/model_build.check_checkpoint_tensors) on a meta-device
 build. Nothing is allocated at full size.
 """
 
@@ -37,7 +37,7 @@ def _run_model(name: str, directory):
 def test_recipe_from_the_release_builds_exactly_its_tensors(release):
     from _mcore_cpu import single_rank_world
 
-    from tessera.hetero.training.model_build import check_checkpoint_tensors
+    from tessera.hetero.build.model_build import check_checkpoint_tensors
     from tessera.hetero.runspec.modules import checkpoint_llm_fields, encoder_names
     from tessera.models import configs
     from tessera.models.nemotron_h_hf import LazyCheckpoint
@@ -57,7 +57,7 @@ def test_a_release_missing_a_tensor_is_named(release, tmp_path):
     """The same check on the same headers with one tensor dropped names it (the check reads the shards' headers)."""
     from _mcore_cpu import single_rank_world
 
-    from tessera.hetero.training.model_build import check_checkpoint_tensors
+    from tessera.hetero.build.model_build import check_checkpoint_tensors
     from tessera.hetero.runspec.modules import checkpoint_llm_fields
     from tessera.models.nemotron_h_hf import LazyCheckpoint
     from tessera.scripts.full_release import write_sparse_shards

@@ -1,4 +1,4 @@
-"""Gradients reduced during backward (trainer.overlap_grad_reduce, hetero/training/grad_buckets.py) on gloo ranks.
+"""Gradients reduced during backward (trainer.overlap_grad_reduce, hetero/optim/grad_buckets.py) on gloo ranks.
 
 (a) The optimizer alone, 4 ranks, two microbatches (two backward calls) per step, buckets of ~64 elements (each
     part cut into several): in `language=dp4,ep2` (dense over DP4, experts over expert-DP2) and `language=tp2,dp2`
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.hetero.tools.spawn import run_on_ranks
-from tessera.hetero.training.grad_buckets import overlapped_modules, split_buckets
+from tessera.hetero.optim.grad_buckets import overlapped_modules, split_buckets
 from tessera.hetero.training.metrics import read_metrics
 
 pytestmark = pytest.mark.multiproc
@@ -46,7 +46,7 @@ def _steps(layout: str, mode: str, overlap: bool, bucket_elements: int):
     """(weights after the last step, grad norms, buckets started in backward per step, buckets)."""
     from tessera.hetero.plan.layout import HeteroLayout
     from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
-    from tessera.hetero.training.optim import ModuleOptimizers
+    from tessera.hetero.optim.optimizers import ModuleOptimizers
 
     groups = build_module_groups(HeteroLayout.parse(layout))
     module = _module(groups["language"].pgs, sp="tp2" in layout)
@@ -71,7 +71,7 @@ def _too_many_gradients() -> str:
     """A weight used by two backward calls of one microbatch, with overlap: the error, or '' if none."""
     from tessera.hetero.plan.layout import HeteroLayout
     from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
-    from tessera.hetero.training.optim import ModuleOptimizers
+    from tessera.hetero.optim.optimizers import ModuleOptimizers
 
     groups = build_module_groups(HeteroLayout.parse("language=dp4@0-3"))
     layer = torch.nn.Linear(3, 3)

@@ -63,7 +63,7 @@ def test_which_errors_are_collective_failures():
                         "20000ms for recv operation to complete")
     assert is_collective_failure(gloo)
     assert is_collective_failure(dist.DistBackendError("NCCL watchdog timeout"))
-    wrapped = RuntimeError("saving checkpoint step 4 failed")  # hetero/training/checkpoint.SaveFailed's shape
+    wrapped = RuntimeError("saving checkpoint step 4 failed")  # hetero/checkpoint/sharded.SaveFailed's shape
     wrapped.__cause__ = gloo
     assert is_collective_failure(wrapped)
     assert not is_collective_failure(ValueError("a bad sample"))

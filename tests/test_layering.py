@@ -1,5 +1,6 @@
-"""Imports point one way: scripts -> recipes -> hetero (runtime, parallel, training, planner, tools) -> data ->
-models -> hetero/plan (pure descriptions), and never in a cycle.
+"""Imports point one way: scripts -> recipes -> hetero (tools -> planner -> training -> export -> build ->
+checkpoint, rundir -> optim -> runtime, parallel) -> runspec, checkpoint/source -> data -> models -> hetero/plan
+(pure descriptions), and never in a cycle. Each hetero/ package is one concern; its __init__ says what it owns.
 
 Every file's imports are read with ast, function-level (lazy) imports included, and so are strings that name a
 Tessera module (what `importlib.import_module(...)` or `python -m ...` would load), so no edge hides. Also: every
@@ -15,10 +16,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("hetero", "models", "data", "recipes", "scripts")
-# lower number = lower layer; an import may only point to the same or a lower layer
-# hetero/runspec (a run's config and its resolution) sits above the pure plan, models and data, below training,
-# the planner, the runtime and recipes
+# lower number = lower layer; an import may only point to the same or a lower layer (the first prefix that
+# matches decides). hetero/runspec (a run's config and its resolution) and what model.checkpoint is
+# (checkpoint/source.py) sit above the pure plan, models and data, below everything that builds or runs.
 LAYERS = [("tessera.hetero.plan", 0), ("tessera.models", 1), ("tessera.data", 2), ("tessera.hetero.runspec", 2.5),
+          ("tessera.hetero.checkpoint.source", 2.5),
+          ("tessera.hetero.runtime", 3), ("tessera.hetero.parallel", 3),  # process groups, boundaries, kernels
+          ("tessera.hetero.optim", 3.1),                                 # gradient sync, optimizers, LR
+          ("tessera.hetero.checkpoint", 3.2), ("tessera.hetero.rundir", 3.2),  # saves, resumes; the run directory
+          ("tessera.hetero.build", 3.3),                                 # one rank's run, constructed
+          ("tessera.hetero.export", 3.4),                                # HF / PEFT / processor files
+          ("tessera.hetero.training", 3.5),                              # the loop and what runs inside it
+          ("tessera.hetero.planner", 3.6), ("tessera.hetero.tools", 3.7),
           ("tessera.hetero", 3), ("tessera.recipes", 4), ("tessera.scripts", 5)]
 MODULE_STRING = re.compile(r"^tessera(\.[A-Za-z_]\w*)+$")
 
@@ -134,7 +143,8 @@ def test_the_checker_sees_lazy_imports_and_module_strings(tmp_path):
 def test_the_planner_only_proposes_training_never_imports_it():
     # the run is resolved in the plan layer (hetero/plan/resolved_run.py); the planner proposes layouts for
     # layout=auto through the recipes. Training, runtime and parallel code never reach for the cost model.
-    below = ("tessera.hetero.training", "tessera.hetero.runtime", "tessera.hetero.parallel")
+    below = ("tessera.hetero.training", "tessera.hetero.runtime", "tessera.hetero.parallel", "tessera.hetero.build",
+             "tessera.hetero.optim", "tessera.hetero.checkpoint", "tessera.hetero.export", "tessera.hetero.rundir")
     bad = [f"{mod} -> {dst} at line {line}" for mod, targets in edges().items() if mod.startswith(below)
            for dst, line in targets if dst.startswith("tessera.hetero.planner")]
     assert not bad, "the planner is above training, runtime and parallel code:\n" + "\n".join(sorted(bad))
@@ -152,3 +162,14 @@ def test_the_run_package_sits_above_plan_and_models_and_below_its_users():
     bad += [f"{m}: {name}" for m in runspec for _, name in imports_of(tessera_modules()[m])
             if name.startswith("torch.distributed")]
     assert not bad, "hetero/runspec reaches up or builds process groups:\n" + "\n".join(bad)
+
+
+def test_every_hetero_package_has_its_layer_and_says_what_it_owns():
+    # a new folder under hetero/ is a new concern: it is placed in LAYERS (not left to the catch-all
+    # `tessera.hetero`) and its __init__ docstring says what it owns and what it may import
+    named = {prefix for prefix, _ in LAYERS}
+    for folder in sorted(p for p in (ROOT / "hetero").iterdir() if p.is_dir() and p.name != "__pycache__"):
+        pkg = f"tessera.hetero.{folder.name}"
+        assert pkg in named, f"{pkg} has no layer in tests/test_layering.py LAYERS"
+        init = folder / "__init__.py"
+        assert init.is_file() and ast.get_docstring(ast.parse(init.read_text())), f"{init} says nothing"

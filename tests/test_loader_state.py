@@ -17,7 +17,7 @@ import torch
 from tessera.data.loader import ChatTaskEncoder, build_loader, close_loader
 
 from tessera.data.tokens import EncoderTokens, Tokenizer
-from tessera.hetero.training.loader_state import decode_loader_state, encode_loader_state
+from tessera.hetero.checkpoint.loader_state import decode_loader_state, encode_loader_state
 
 ENC = EncoderTokens(patch=64)
 SEQ, ROWS = 512, 2

@@ -1,4 +1,4 @@
-"""LoRA (hetero/training/lora.py): merged export = base + (alpha/r) B A, adapters-only export, trainable count
+"""LoRA (hetero/build/lora.py): merged export = base + (alpha/r) B A, adapters-only export, trainable count
 from the targets, TP1 == TP2 with the same adapters, a heterogeneous LoRA run that learns with frozen base
 weights and resumes bitwise (and into another layout), the vision tower's adapters (target `vision`) included."""
 
@@ -72,11 +72,11 @@ def test_cli_overrides_reach_model_lora():
 # ---- export and trainable count (one rank) -----------------------------------------------------------------
 
 def _export_worker(out: str):
-    from tessera.hetero.training.hf_export import _single_rank_model, export_modules
-    from tessera.hetero.training.lora import apply_lora
-    from tessera.hetero.training.model_build import llm_fields, load_full_state
-    from tessera.hetero.training.seeded_init import full_hf_state
-    from tessera.hetero.training.optim import ModuleOptimizers
+    from tessera.hetero.export.hf import _single_rank_model, export_modules
+    from tessera.hetero.build.lora import apply_lora
+    from tessera.hetero.build.model_build import llm_fields, load_full_state
+    from tessera.hetero.build.seeded_init import full_hf_state
+    from tessera.hetero.optim.optimizers import ModuleOptimizers
 
     results = {}
     for name, (targets, llm) in TARGET_SETS.items():
@@ -183,7 +183,7 @@ def _built(cfg, fields, base, spec: str):
     """(this rank's modules with the base weights loaded, their groups) in layout `spec`; destroy the groups after."""
     from tessera.hetero.plan.layout import HeteroLayout
     from tessera.hetero.runtime.groups import build_module_groups
-    from tessera.hetero.training.model_build import build_rank_modules, load_full_state, module_configs
+    from tessera.hetero.build.model_build import build_rank_modules, load_full_state, module_configs
 
     layout = HeteroLayout.parse(spec)
     groups = build_module_groups(layout)
@@ -219,10 +219,10 @@ def _tp_worker(llm: str = "nemotron_h_tiny_dense"):
 
     from tessera.hetero.plan.layout import HeteroLayout
     from tessera.hetero.runtime.groups import destroy_module_groups
-    from tessera.hetero.training.checkpoint import parameter_counts
-    from tessera.hetero.training.lora import apply_lora
-    from tessera.hetero.training.model_build import llm_fields, module_configs
-    from tessera.hetero.training.seeded_init import full_hf_state
+    from tessera.hetero.checkpoint.sharded import parameter_counts
+    from tessera.hetero.build.lora import apply_lora
+    from tessera.hetero.build.model_build import llm_fields, module_configs
+    from tessera.hetero.build.seeded_init import full_hf_state
 
     cfg = dataclasses.replace(_model_cfg(vision=None, audio=None), llm=llm)
     fields = llm_fields(cfg, 0)
@@ -312,10 +312,10 @@ def _vision_tp_worker():
     projected output's weighted sum and every adapter gradient."""
     from tessera.hetero.plan.layout import HeteroLayout
     from tessera.hetero.runtime.groups import destroy_module_groups
-    from tessera.hetero.training.checkpoint import parameter_counts
-    from tessera.hetero.training.lora import apply_lora
-    from tessera.hetero.training.model_build import llm_fields, module_configs
-    from tessera.hetero.training.seeded_init import full_hf_state
+    from tessera.hetero.checkpoint.sharded import parameter_counts
+    from tessera.hetero.build.lora import apply_lora
+    from tessera.hetero.build.model_build import llm_fields, module_configs
+    from tessera.hetero.build.seeded_init import full_hf_state
 
     cfg = _model_cfg(("vision",), audio=None)
     fields = llm_fields(cfg, 0)
@@ -361,7 +361,7 @@ def test_vision_tower_adapters_give_the_same_output_and_gradients_at_tp1_and_tp2
 
 
 def test_a_frozen_tower_cannot_take_vision_adapters():
-    from tessera.hetero.training.lora import target_layers
+    from tessera.hetero.build.lora import target_layers
 
     class Frozen:
         frozen = True
@@ -403,7 +403,7 @@ def _base_weights(export: str):
     """base.safetensors next to the export: the run's initial weights, rebuilt from the seed (1234)."""
     import torch.distributed as dist
 
-    from tessera.hetero.training.seeded_init import full_hf_state
+    from tessera.hetero.build.seeded_init import full_hf_state
 
     fields = json.loads((Path(export) / "tessera.json").read_text())["llm_hf_config"]
     base = full_hf_state(_model_cfg(RUN_TARGETS, audio=None), fields, 1234)  # every rank: a first call is collective
@@ -433,7 +433,7 @@ def _all_runs(root: str):
 
 
 # the run's export has transformers' config.json (RADIO, no audio), so its adapters name the modules of
-# transformers' NemotronH_Omni_Reasoning_V3 (hetero/training/peft_export.py); the released weights they adapt:
+# transformers' NemotronH_Omni_Reasoning_V3 (hetero/export/peft.py); the released weights they adapt:
 TO_RELEASED = ((r"^language_model\.model\.", "language_model.backbone."),
                (r"^multi_modal_projector\.linear_1$", "mlp1.1"), (r"^multi_modal_projector\.linear_2$", "mlp1.3"),
                (r"^vision_model\.encoder\.layer\.", "vision_model.radio_model.model.blocks."),

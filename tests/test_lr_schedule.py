@@ -1,4 +1,4 @@
-"""The LR schedule (hetero/training/lr_schedule.LRSchedule) where it lives, against megatron-core's
+"""The LR schedule (hetero/optim/lr_schedule.LRSchedule) where it lives, against megatron-core's
 OptimizerParamScheduler step by step (issues 33 and 34): warm-up edges, cosine decay, its end and the floor, WSD's
 plateau and decay, in milliseconds.
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from tessera.hetero.training.lr_schedule import LRSchedule
+from tessera.hetero.optim.lr_schedule import LRSchedule
 
 # (warmup steps, max steps, min LR ratio)
 CASES = [(0, 10, 0.1), (3, 10, 0.0), (5, 20, 0.5), (1, 2, 0.1), (0, 1, 0.0), (10, 11, 0.25), (2, 1000, 0.01)]

@@ -143,7 +143,7 @@ def test_a_clip_the_encoder_cannot_take_even_padded_is_skipped_too_short(dataset
 
 def _conformer_on_one_clip(samples: int, min_samples: int) -> tuple[str | None, tuple | None]:
     """(the error, or None; the output shape) of NeMo's conformer in training mode on one clip."""
-    from tessera.hetero.training.model_build import single_rank_pgs
+    from tessera.hetero.build.model_build import single_rank_pgs
     from tessera.models.multimodal import build_media_module
 
     audio = build_media_module("fastconformer_tiny", 32, single_rank_pgs()).train()

@@ -1,4 +1,4 @@
-"""Mixed precision as megatron does it (hetero/training/optim.py): bf16 weights and activations, fp32 main grads
+"""Mixed precision as megatron does it (hetero/optim/optimizers.py): bf16 weights and activations, fp32 main grads
 accumulated across microbatches, fp32 master weights and Adam states, masters rounded into the bf16 weights
 after each step; bf16 checkpoints hold the masters and resume bitwise, in any layout.
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tessera.hetero.training.optim import ModuleOptimizers
+from tessera.hetero.optim.optimizers import ModuleOptimizers
 
 # ---- (a) updates below bf16's resolution: lost in pure bf16, kept by the fp32 masters ---------------------
 
@@ -121,8 +121,8 @@ def _reshard(src_run: str, dst_root: str) -> None:
     from megatron.core import dist_checkpointing
 
     from tessera.hetero.runtime.groups import destroy_module_groups
-    from tessera.hetero.training.run_state import build_run
-    from tessera.hetero.training.checkpoint import latest_checkpoint, save_checkpoint
+    from tessera.hetero.build.run_state import build_run
+    from tessera.hetero.checkpoint.sharded import latest_checkpoint, save_checkpoint
     from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainerConfig
 
     cfg = RunConfig("mp", OTHER_LAYOUT, ModelConfig(vision="radio_vit_tiny", dtype="bfloat16"),

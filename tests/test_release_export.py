@@ -29,9 +29,9 @@ AUDIO_FIELDS = ("family", "n_mels", "hidden", "layers", "heads", "ff_expansion",
 def _export(tmp_path, llm: str, vision: str | None, audio: str | None, tokenizer: str | None = None,
             vocab: int = 0):
     single_rank_world()
-    from tessera.hetero.training.hf_export import write_hf
-    from tessera.hetero.training.model_build import llm_fields
-    from tessera.hetero.training.seeded_init import full_hf_state
+    from tessera.hetero.export.hf import write_hf
+    from tessera.hetero.build.model_build import llm_fields
+    from tessera.hetero.build.seeded_init import full_hf_state
     from tessera.hetero.runspec.config import ModelConfig
 
     cfg = ModelConfig(llm=llm, vision=vision, audio=audio)

@@ -297,8 +297,8 @@ def test_mtp_and_featurizer_tensors_are_carried_into_the_export_unchanged(tmp_pa
     from safetensors.torch import load_file
 
     from test_released_checkpoint import _tessera_model
-    from tessera.hetero.training.hf_export import write_hf
-    from tessera.hetero.training.model_build import check_checkpoint_tensors
+    from tessera.hetero.export.hf import write_hf
+    from tessera.hetero.build.model_build import check_checkpoint_tensors
     from tessera.models.multimodal_hf import export_hf, import_hf
     from tessera.models.nemotron_h_hf import LazyCheckpoint
     from tessera.models.released import is_carried

@@ -74,14 +74,15 @@ def test_the_export_imports_as_the_model_it_was(round_trip):
     from _mcore_cpu import single_rank_world
 
     from test_released_checkpoint import _tessera_model
-    from tessera.hetero.training.model_build import check_checkpoint_tensors
+    from tessera.hetero.build.model_build import check_checkpoint_tensors
     from tessera.models.multimodal_hf import export_hf, import_hf
     from tessera.models.nemotron_h_hf import LazyCheckpoint
-    from tessera.models.released import is_carried, is_released_checkpoint, llm_fields_of, read_config
+    from tessera.hetero.checkpoint.source import checkpoint_source
+    from tessera.models.released import is_carried, llm_fields_of, read_config
     from tessera.hetero.runspec.config import ModelConfig
 
     release, export, _ = round_trip
-    assert is_released_checkpoint(export) and read_config(export) == read_config(release)
+    assert checkpoint_source(export).is_release and read_config(export) == read_config(release)
     fields = llm_fields_of(read_config(export))
     single_rank_world()
     check_checkpoint_tensors(str(export), LazyCheckpoint(export), ModelConfig(checkpoint=str(export)), fields)

@@ -50,7 +50,7 @@ def dataset(tmp_path_factory) -> Path:
 
 
 def test_a_run_from_a_release_uses_its_tokenizer_unless_told(release, dataset):
-    from tessera.hetero.training import run_state
+    from tessera.hetero.build import run_state
 
     assert (release / "tokenizer.json").is_file() and (dataset / "tokenizer.model").is_file()
     cfg = RunConfig(model=ModelConfig(checkpoint=str(release)), data=DataConfig(path=str(dataset)))
@@ -66,7 +66,7 @@ def test_a_run_from_a_release_uses_its_tokenizer_unless_told(release, dataset):
 
 
 def test_the_trainer_resolves_the_release_tokenizer_and_records_it(release, dataset, tmp_path):
-    from tessera.hetero.training.run_state import resolve_inputs
+    from tessera.hetero.build.run_state import resolve_inputs
 
     cfg = RunConfig(model=ModelConfig(checkpoint=str(release)), data=DataConfig(path=str(dataset)))
     run = resolve_inputs(cfg, rank=0)
@@ -106,7 +106,7 @@ def test_a_disagreeing_tokenizer_is_refused_before_launch_naming_both(release, d
 
 
 def test_the_export_reads_the_trained_tokenizer_from_the_saved_config(release, dataset, tmp_path):
-    from tessera.hetero.training.hf_export import trained_tokenizer
+    from tessera.hetero.export.hf import trained_tokenizer
 
     named = {"data": {"path": str(dataset), "tokenizer": str(dataset / "tokenizer.model")},
              "model": {"checkpoint": str(release)}}
@@ -132,7 +132,7 @@ def test_export_of_a_release_ships_its_tokenizer_sharded_and_generates_from_an_i
 
     from tessera.data.templates import IM_START
     from tessera.data.tokens import encode_conversation
-    from tessera.hetero.training.hf_export import write_hf
+    from tessera.hetero.export.hf import write_hf
     from tessera.models.encoders import encoder_config
     from tessera.models.hf_reference import processor_pixels
     from tessera.models.released import encoder_name, llm_fields_of, read_config

@@ -83,7 +83,7 @@ def test_every_released_tensor_is_consumed_and_exported_back(tmp_path, audio):
 def test_wrong_checkpoint_lists_every_mismatch_with_shapes(tmp_path):
     """A checkpoint whose tensors are not the model's: one error naming missing, left-over and wrong-shape
     tensors with their shapes, before anything is loaded."""
-    from tessera.hetero.training.model_build import check_checkpoint_tensors
+    from tessera.hetero.build.model_build import check_checkpoint_tensors
     from tessera.hetero.runspec.config import ModelConfig
 
     single_rank_world()

@@ -1,4 +1,4 @@
-"""One job per run directory (hetero/training/run_dir_lock.py): who may take over a lock (the pure rule, over every
+"""One job per run directory (hetero/rundir/lock.py): who may take over a lock (the pure rule, over every
 kind of holder), the lock file itself (a live holder refuses naming it, a dead one is taken over, a release leaves
 a newer holder's lock alone, an unreadable lock is refused), and several processes racing for one directory. The
 jobs themselves (two launches at once, a SIGKILLed job's lock) are in tests/test_train_fault.py."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera.hetero.training.run_dir_lock import LOCK_NAME, Holder, RunDirBusy, RunDirLock, holder_gone, this_holder
+from tessera.hetero.rundir.lock import LOCK_NAME, Holder, RunDirBusy, RunDirLock, holder_gone, this_holder
 
 
 def _holder(**kw) -> Holder:
@@ -74,7 +74,7 @@ def _live_other() -> Holder:
     """A holder that is another live process on this host (the test's parent: pytest's launcher)."""
     me = this_holder()
     pid = os.getppid()
-    from tessera.hetero.training.run_dir_lock import _pid_start
+    from tessera.hetero.rundir.lock import _pid_start
 
     return dataclasses.replace(me, pid=pid, pid_start=_pid_start(pid), run_id="another", token="other")
 

@@ -1,4 +1,4 @@
-"""What a run tells its user at the end (hetero/training/run_summary.py): losses, time, the run directory and what
+"""What a run tells its user at the end (hetero/rundir/summary.py): losses, time, the run directory and what
 it holds, the checkpoints kept, and every file the export wrote with its size. The lines of a real run under
 torchrun are checked in tests/test_train_fault.py (the double launch's winner)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tessera.hetero.training.run_summary import describe_folder, human_bytes, run_summary
+from tessera.hetero.rundir.summary import describe_folder, human_bytes, run_summary
 
 
 def _run_dir(tmp_path: Path) -> Path:

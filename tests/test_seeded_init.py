@@ -31,8 +31,8 @@ PATTERN = "MEM*E-"
 @pytest.fixture(scope="module")
 def setup():
     single_rank_world()
-    from tessera.hetero.training.model_build import llm_fields
-    from tessera.hetero.training.seeded_init import full_hf_state
+    from tessera.hetero.build.model_build import llm_fields
+    from tessera.hetero.build.seeded_init import full_hf_state
     from tessera.hetero.runspec.config import ModelConfig
 
     cfg = ModelConfig(llm="nemotron_h_tiny_moe", vision="radio_vit_tiny", audio="fastconformer_tiny")
@@ -57,7 +57,7 @@ def _rank_units(layers: int, pp: int, pp_rank: int, experts: int, ep: int, ep_ra
 
 @pytest.mark.parametrize("tp,pp,ep", [(2, 2, 2), (1, 2, 4), (2, 1, 1), (1, 1, 2)])
 def test_each_rank_builds_only_its_units_once_and_gets_the_eager_values(setup, tp, pp, ep):
-    from tessera.hetero.training.seeded_init import SeededState
+    from tessera.hetero.build.seeded_init import SeededState
     from tessera.models.nemotron_h_hf import PrefixView, hf_to_megatron, hybrid_config_from_hf
 
     cfg, fields, full = setup
@@ -83,7 +83,7 @@ def test_each_rank_builds_only_its_units_once_and_gets_the_eager_values(setup, t
 
 
 def test_a_tensor_depends_only_on_the_seed_and_its_unit(setup):
-    from tessera.hetero.training.seeded_init import SeededState
+    from tessera.hetero.build.seeded_init import SeededState
 
     cfg, fields, full = setup
     keys = list(full)
@@ -106,7 +106,7 @@ def test_a_tensor_depends_only_on_the_seed_and_its_unit(setup):
 
 
 def test_the_caller_random_state_is_untouched(setup):
-    from tessera.hetero.training.seeded_init import SeededState
+    from tessera.hetero.build.seeded_init import SeededState
 
     cfg, fields, full = setup
     torch.manual_seed(5)
@@ -241,7 +241,7 @@ def big_fields():
 def test_seeded_init_draws_every_parameter_kind_by_the_references_rules(big_fields):
     """Every LLM tensor of the seeded state is of one kind, drawn as the table says: the rule of transformers and
     megatron where Tessera follows them, its own where it differs (see KINDS)."""
-    from tessera.hetero.training.seeded_init import full_hf_state
+    from tessera.hetero.build.seeded_init import full_hf_state
     from tessera.hetero.runspec.config import ModelConfig
 
     state = full_hf_state(ModelConfig(llm="nemotron_h_tiny_moe", vision=None, audio=None), big_fields, seed=7)
@@ -287,7 +287,7 @@ def test_megatron_mamba_mixer_and_init_methods_are_the_tables_reference(big_fiel
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
     from megatron.core.transformer import TransformerConfig
 
-    from tessera.hetero.training.model_build import single_rank_pgs
+    from tessera.hetero.build.model_build import single_rank_pgs
     from tessera.models.nemotron_h_hf import hybrid_config_from_hf
 
     mamba_mixer = _megatron_mamba_mixer(monkeypatch)

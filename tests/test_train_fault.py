@@ -132,7 +132,7 @@ def test_sigkilled_rank_leaves_no_process_behind(tmp_path):
 
     # the same job again, with trainer.max_steps at the checkpoint it left: it takes the dead job's lock over
     # (this host says the pid is gone), says so, and has nothing to do
-    from tessera.hetero.runspec.checkpoints import latest_step
+    from tessera.hetero.checkpoint.source import latest_step
 
     step = latest_step(run_dir / "checkpoints")
     rc, out, left = _launch(run_dir, {}, step)
@@ -146,13 +146,13 @@ def test_sigkilled_rank_leaves_no_process_behind(tmp_path):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_crash_during_save_keeps_the_last_complete_checkpoint(tmp_path, mode):
     """Rank 0 dies inside the checkpoint writer while saving step 2 (TESSERA_FAIL_IN_SAVE, in
-    hetero/training/checkpoint.py): the dead rank fails the whole job (no hang, no process left), every shard
+    hetero/checkpoint/sharded.py): the dead rank fails the whole job (no hang, no process left), every shard
     of step 2 is on disk, nothing is published. `latest` still names step 1, the half-saved step is never
     taken, and a relaunch resumes from step 1 and finishes with every step in metrics.jsonl exactly once.
     (One scenario for "a dead rank fails the job" and "relaunch resumes": two launches instead of four.)
     async: the same with trainer.async_save, where the shards are written by forked helpers while training goes
     on and the rank dies when the helpers are done, in the publish: nothing half-written is published either."""
-    from tessera.hetero.training.checkpoint import latest_checkpoint
+    from tessera.hetero.checkpoint.sharded import latest_checkpoint
 
     run_dir = tmp_path / "run"
     root = run_dir / "checkpoints"
@@ -233,7 +233,7 @@ def test_two_jobs_on_one_run_directory_one_refuses_and_a_finished_run_has_nothin
     assert not any(_survivors(m) for m in markers)
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4], "a step logged twice: both jobs trained"
     assert not lock.exists(), "the finished job left its lock"
-    # the winner ends with its summary (hetero/training/run_summary.py), and no progress bar drew in its log
+    # the winner ends with its summary (hetero/rundir/summary.py), and no progress bar drew in its log
     won = logs[rcs.index(0)]
     summary = won[won.index("done: steps=4 "):].splitlines()
     assert summary[1].startswith("  loss: train ") and summary[2].startswith("  time: "), summary

@@ -87,8 +87,8 @@ def _reference_losses() -> list[dict]:
 
     from tessera.data.pipeline import build_train_loader, synthetic_dataset, synthetic_root
     from tessera.data.tokens import Tokenizer
-    from tessera.hetero.training.model_build import llm_fields, single_rank_pgs
-    from tessera.hetero.training.seeded_init import full_hf_state
+    from tessera.hetero.build.model_build import llm_fields, single_rank_pgs
+    from tessera.hetero.build.seeded_init import full_hf_state
     from tessera.models.hybrid_llm import HybridLM
     from tessera.models.multimodal import MultimodalModel, build_media_module
     from tessera.models.multimodal_hf import import_hf

@@ -148,7 +148,7 @@ def _save_until_full(mount: str) -> dict:
 
     from tessera.hetero.plan.layout import HeteroLayout
     from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
-    from tessera.hetero.training.checkpoint import SaveFailed, latest_checkpoint, save_checkpoint
+    from tessera.hetero.checkpoint.sharded import SaveFailed, latest_checkpoint, save_checkpoint
 
     groups = build_module_groups(HeteroLayout.parse("language=dp2@0-1"))
     torch.manual_seed(0)

@@ -77,7 +77,8 @@ def _tessera_logits(modules: dict, samples) -> list[torch.Tensor]:
 def _train_and_read(release: str, root: str) -> dict:
     """Both runs with their exports, then each run's last model's logits on the samples."""
     from tessera.hetero.runtime.groups import destroy_module_groups
-    from tessera.hetero.training.hf_export import load_trained
+    from tessera.hetero.export.hf import load_trained
+    from tessera.hetero.runtime.world import process_world
     from tessera.models.hf_reference import omni_samples
     from tessera.hetero.runspec.config import DataConfig, ModelConfig, OptimConfig, TrainerConfig
     from tessera.recipes.train import train
@@ -90,11 +91,12 @@ def _train_and_read(release: str, root: str) -> dict:
         data = DataConfig(seq_length=512, rows_per_microbatch=2, microbatches=1)
         train(ModelConfig(checkpoint=release, lora=lora), data, OptimConfig(lr=1e-2, warmup_steps=0), trainer,
               layout=LAYOUT, name=name)
-        modules, groups, *_ = load_trained(run / "run" / "checkpoints")
-        # numpy, copied into the result: a tensor would go back as shared memory whose file descriptor the parent
-        # may ask for after this process is gone (ConnectionResetError)
-        out[name] = [x.numpy() for x in _tessera_logits(modules, samples)]
-        destroy_module_groups(groups)  # the next run builds its own
+        with process_world(backend="gloo"):  # the export's one rank
+            modules, groups, *_ = load_trained(run / "run" / "checkpoints")
+            # numpy, copied into the result: a tensor would go back as shared memory whose file descriptor the
+            # parent may ask for after this process is gone (ConnectionResetError)
+            out[name] = [x.numpy() for x in _tessera_logits(modules, samples)]
+            destroy_module_groups(groups)  # the next run builds its own
     return out
 
 

@@ -3,7 +3,7 @@ nothing it should not (weights, BatchNorm statistics, train/eval modes), repeats
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_validation.py -x -q
 
-Layouts start from the same seeded weights (hetero/training/seeded_init.py), so their validation losses differ
+Layouts start from the same seeded weights (hetero/build/seeded_init.py), so their validation losses differ
 only by the order of fp32 sums: within 1e-6.
 """
 
@@ -38,7 +38,7 @@ def _validate_layouts(root: str) -> dict:
     import torch.distributed as dist
 
     from tessera.hetero.runtime.groups import destroy_module_groups
-    from tessera.hetero.training.run_state import build_run
+    from tessera.hetero.build.run_state import build_run
     from tessera.hetero.training.step_parts import step_context
     from tessera.hetero.training.validation import resolve_val_sets, validate
     from tessera.recipes.checks import resolve

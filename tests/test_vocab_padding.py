@@ -159,9 +159,9 @@ def _recipe_rank(root: str, vocab: int) -> dict:
     code (model_build, the injected TP-group cross entropy), saved, and loaded again at TP1 (DP2)."""
     from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
     from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
-    from tessera.hetero.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from tessera.hetero.training.seeded_init import full_hf_state
-    from tessera.hetero.training.model_build import (build_rank_modules, llm_fields,
+    from tessera.hetero.checkpoint.sharded import latest_checkpoint, load_checkpoint, save_checkpoint
+    from tessera.hetero.build.seeded_init import full_hf_state
+    from tessera.hetero.build.model_build import (build_rank_modules, llm_fields,
                                                      load_full_state, module_configs)
     from tessera.hetero.runspec.config import ModelConfig
 

@@ -1,6 +1,6 @@
 """A contiguous range of a tensor's row-major elements as rectangular boxes (pure; no torch).
 
-ZeRO-1 (hetero/training/zero.py) gives each rank a contiguous range [a, b) of a parameter's flattened
+ZeRO-1 (hetero/optim/zero.py) gives each rank a contiguous range [a, b) of a parameter's flattened
 elements: an arbitrary slice, not a rectangle. A checkpoint stores tensors as rectangles with offsets
 (dist_checkpointing's ShardedTensor; megatron-core 0.16.1 refuses `flattened_range`), so each rank's range
 is written as the few rectangles that tile it exactly - a partial first row, a block of whole rows, a

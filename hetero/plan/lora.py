@@ -1,14 +1,14 @@
 """LoRA settings as data: the valid target names and the one validation every entry point shares.
 
 Pure (no torch): hetero/runspec/config.py validates `model.lora` with it when the config is made, and
-hetero/training/lora.py again when a saved config (a plain dict) comes back for export.
+hetero/build/lora.py again when a saved config (a plain dict) comes back for export.
 """
 
 from __future__ import annotations
 
 # Megatron-Bridge's target names (the LLM's layers), plus Tessera's Mamba and media-projector layers and the
 # vision tower (`vision`: every ViT layer's linear_qkv, linear_proj, linear_fc1, linear_fc2); what each wraps is
-# in hetero/training/lora.py. The audio tower is not adapted.
+# in hetero/build/lora.py. The audio tower is not adapted.
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj", "projector",
                 "vision")
 #: model.lora.targets when not given: the LLM's layers and the projectors (the encoder towers are opt-in: `vision`)

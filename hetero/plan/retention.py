@@ -2,7 +2,7 @@
 
     KeepPolicy(last=3, every=5000).to_delete([1000, 2000, 3000, 4000, 5000], latest=5000) == [1000, 2000]
 
-hetero/training/checkpoint.py applies it on rank 0 right after a step is published (so the step `latest`
+hetero/checkpoint/sharded.py applies it on rank 0 right after a step is published (so the step `latest`
 names, the newest, is always kept, and a save still being written is a `.partial` directory it never
 touches); recipes/checks.py builds it from trainer.keep_last / trainer.keep_every before anything launches.
 """

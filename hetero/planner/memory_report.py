@@ -2,10 +2,10 @@
 model's prediction (cost.py), per module and in total, for the dry run.
 
 From a module shard's exact parameter count (meta_memory.Shard):
-    params  its bytes in the training dtype (bf16 runs cast every parameter, hetero/training/optim.py)
+    params  its bytes in the training dtype (bf16 runs cast every parameter, hetero/optim/optimizers.py)
     grads   4 B per trainable parameter: the fp32 main grads (bf16) or fp32 grads (fp32 runs)
     optim   fp32 master + exp_avg + exp_avg_sq = 12 B per trainable parameter (fp32 runs: 8 B, no master);
-            ZeRO-1 (optim.use_distributed_optimizer, hetero/training/zero.py) divides the dense part by the
+            ZeRO-1 (optim.use_distributed_optimizer, hetero/optim/zero.py) divides the dense part by the
             module's DP x CP size and routed experts by their expert-DP size (cp * dp / ep): the cost model's
             formula, step_time.optimizer_bytes, so the two columns can differ only by the parameter counts
     act     measured bytes of one microbatch (saved tensors of a meta forward) x the microbatches in flight on

@@ -5,7 +5,7 @@
 One rank per distinct shape does the work: per module and pipeline stage, the rank (tp 0, cp 0, dp 0, that
 stage); every TP and EP rank of a stage holds shards of the same sizes. That rank joins torch's fake world
 (FakeStore), creates every module's process groups (hetero/runtime/groups.py) and builds its modules exactly as
-training does (hetero/training/model_build.build_rank_modules) under `meta_init()`. Per module and stage:
+training does (hetero/build/model_build.build_rank_modules) under `meta_init()`. Per module and stage:
 parameters (numel; routed experts, megatron's `allreduce=False`; TP-sharded, megatron's
 `tensor_model_parallel`; trainable: frozen modules have none, a frozen encoder's projector still trains) and
 the activations of one microbatch, measured by a meta forward under torch.autograd.graph.saved_tensors_hooks:
@@ -293,8 +293,8 @@ def model_config(names: dict[str, str], frozen: set[str] = frozenset(), dtype: s
 
 def _llm_fields(model_cfg) -> dict:
     """The LLM's config fields: its checkpoint's when it has one (as a run builds it), else the registry's."""
-    from tessera.hetero.training.model_build import llm_fields
-    from tessera.hetero.runspec.checkpoints import checkpoint_llm_fields
+    from tessera.hetero.build.model_build import llm_fields
+    from tessera.hetero.checkpoint.source import checkpoint_llm_fields
 
     return checkpoint_llm_fields(getattr(model_cfg, "checkpoint", None)) or llm_fields(model_cfg, 0)
 
@@ -321,7 +321,7 @@ def shards_at(spec: str, model_cfg, rank: int, batch: Batch | None = None, meta:
     from tessera.hetero.runtime.cpu_shims import apply_cpu_shims
     from tessera.hetero.runtime.groups import build_module_groups
     from tessera.hetero.runtime.world import fake_world
-    from tessera.hetero.training.model_build import build_rank_modules, module_configs
+    from tessera.hetero.build.model_build import build_rank_modules, module_configs
 
     apply_cpu_shims()
     layout = HeteroLayout.parse(spec)
@@ -354,13 +354,13 @@ def shards_at(spec: str, model_cfg, rank: int, batch: Batch | None = None, meta:
 
 
 def seeded_init_units(model_cfg) -> dict[tuple, int]:
-    """Elements of every unit the initialisation from a seed builds (hetero/training/seeded_init.py), from a
+    """Elements of every unit the initialisation from a seed builds (hetero/build/seeded_init.py), from a
     meta-device build in a one-rank fake world. Run it in a process of its own (it creates and destroys the
     default process group)."""
     from tessera.hetero.runtime.cpu_shims import apply_cpu_shims
     from tessera.hetero.runtime.world import fake_world
-    from tessera.hetero.training import model_build
-    from tessera.hetero.training.seeded_init import SeededState
+    from tessera.hetero.build import model_build
+    from tessera.hetero.build.seeded_init import SeededState
 
     apply_cpu_shims()
     try:

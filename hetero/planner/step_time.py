@@ -34,7 +34,7 @@ def expert_dp(lay: ModuleLayout) -> int:
 
 def optimizer_params(dense: float, experts: float, lay: ModuleLayout, dp_ranks: int | None = None) -> float:
     """Parameters whose Adam state one rank holds under ZeRO-1 (the distributed optimizer,
-    hetero/training/zero.py): its `dense` ones split over the module's DP x CP ranks (`dp_ranks` when the
+    hetero/optim/zero.py): its `dense` ones split over the module's DP x CP ranks (`dp_ranks` when the
     gradients are reduced over another group) and its routed `experts` over their expert-DP ranks.
     The one formula: the cost model (memory and optimizer time) and the dry run's memory report read it."""
     return dense / (dp_ranks or lay.dp_size * lay.cp) + experts / expert_dp(lay)

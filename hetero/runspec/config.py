@@ -16,7 +16,7 @@ from tessera.hetero.plan.lora import DEFAULT_LORA_TARGETS, lora_targets, validat
 from tessera.hetero.plan.recompute import parse_recompute
 
 
-# the learning-rate schedules (megatron-core's styles; hetero/training/lr_schedule.py runs them)
+# the learning-rate schedules (megatron-core's styles; hetero/optim/lr_schedule.py runs them)
 LR_SCHEDULES = ("cosine", "linear", "constant", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 
@@ -57,7 +57,7 @@ class ModelConfig:
     # MoE LLMs: the expert bias always balances (aux-loss-free); > 0 adds megatron's seq_aux_loss with this
     # coefficient (Megatron-Bridge's Nemotron-H default: 1e-4)
     moe_aux_loss_coeff: float = 0.0
-    lora: LoraConfig = field(default_factory=LoraConfig)  # rank > 0: train adapters only (hetero/training/lora.py)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # rank > 0: train adapters only (hetero/build/lora.py)
     # activation recompute: none|selective|full for every module, or per module "language=full,vision=selective"
     # (hetero/plan/recompute.py; what each mode covers: models/recompute.py)
     recompute: str = "none"
@@ -116,11 +116,11 @@ class OptimConfig:
     eps: float = 1e-8
     clip_grad: float = 1.0                  # global grad-norm clip across all modules; 0 = off
     # ZeRO-1 (megatron/NeMo's use_distributed_optimizer): fp32 masters and Adam states sharded over each
-    # module's DP group (routed experts: expert-DP); bf16 runs (hetero/training/zero.py)
+    # module's DP group (routed experts: expert-DP); bf16 runs (hetero/optim/zero.py)
     use_distributed_optimizer: bool = False
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1               # decay to lr * min_lr_ratio at max_steps
-    # megatron-core's schedules (hetero/training/lr_schedule.py): cosine | linear | constant |
+    # megatron-core's schedules (hetero/optim/lr_schedule.py): cosine | linear | constant |
     # inverse-square-root | WSD (the peak until the last lr_wsd_decay_steps, None = the last 10% of max_steps)
     lr_schedule: str = "cosine"
     lr_wsd_decay_steps: int | None = None
@@ -158,7 +158,7 @@ class TrainerConfig:
     elastic_max_restarts: int = 3           # restarts after a failure (torchrun --max-restarts; a node joining: none)
     # gradients reduced in buckets of about grad_bucket_elements (megatron DDP's 40M default), each started while
     # backward still runs once its gradients are final (megatron's overlap_grad_reduce); bitwise the same sums
-    # either way (hetero/training/grad_buckets.py). Off: every bucket reduced after backward (the full recipes: on)
+    # either way (hetero/optim/grad_buckets.py). Off: every bucket reduced after backward (the full recipes: on)
     overlap_grad_reduce: bool = False
     grad_bucket_elements: int = 40_000_000
 

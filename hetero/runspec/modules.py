@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from tessera.hetero.plan.layout import AUDIO, ENCODER_KEYS, LANGUAGE, VISION
 from tessera.hetero.plan.resolved_run import ResolvedRun, RunModel, resolve_run
-from tessera.hetero.runspec.checkpoints import checkpoint_llm_fields
+from tessera.hetero.checkpoint.source import checkpoint_llm_fields, checkpoint_source
 from tessera.models import configs, encoders, released
 
 
@@ -63,10 +63,10 @@ def released_encoders(model) -> dict[str, str] | None:
     """For `model.checkpoint` = a released-architecture HF directory (config.json, no tessera.json): module key
     -> `hf:<dir>#<key>` for each encoder its config.json describes; those replace model.vision / model.audio
     (the checkpoint defines the model). None for from-scratch runs and Tessera's own checkpoints/exports."""
-    source = getattr(model, "checkpoint", None)
-    if not source or not released.is_released_checkpoint(source):
+    source = checkpoint_source(getattr(model, "checkpoint", None))
+    if source is None or not source.is_release:
         return None
-    return {m: released.encoder_name(source, m) for m in released.modalities_of(released.read_config(source))}
+    return {m: released.encoder_name(source.given, m) for m in released.modalities_of(source.release_config())}
 
 
 def run_model(model, llm_fields: dict | None = None) -> RunModel:

@@ -4,7 +4,7 @@ The plan says what each rank runs and in which order (colocated three-phase step
 cross-module pipeline, LLM 1F1B); this module only carries tensors between the ops:
 
     result = hetero_step(layout, groups, encoders, language, comms, batches, like)
-    ModuleOptimizers.step()                  # (hetero/training/optim.py: gradients reduced, then stepped)
+    ModuleOptimizers.step()                  # (hetero/optim/optimizers.py: gradients reduced, then stepped)
 
 Module stages are supplied by the caller (models stay single-device code): an encoder stage maps its
 input (or its own microbatch data on the first stage) to activations, the LLM's first stage takes each

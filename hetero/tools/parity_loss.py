@@ -23,7 +23,7 @@ from tessera.data.packing import IGNORE
 from tessera.hetero.plan.layout import LANGUAGE
 from tessera.hetero.runtime.groups import destroy_module_groups
 from tessera.hetero.runtime.step_executor import hetero_step
-from tessera.hetero.tools.parity_multimodal import (_reference, packed_batch, release_run, release_samples,
+from tessera.hetero.tools.parity_multimodal import (hf_reference_outputs, packed_batch, release_run, release_samples,
                                                     seq_length_for)
 from tessera.hetero.training.stages import LanguageStage, MediaEncoderStage
 from tessera.hetero.training.step_parts import boundary_batches, step_context
@@ -73,7 +73,7 @@ def first_step_loss(hf_dir: str, layout: str = "", seed: int = OMNI_SEED) -> dic
         out[0] = result.loss.double()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
     if run.rank == 0:
-        out[1] = oracle_loss(_reference(hf_dir, seed), samples, placeholders)[0]
+        out[1] = oracle_loss(hf_reference_outputs(hf_dir, seed), samples, placeholders)[0]
     dist.broadcast(out[1:], src=0)
     if ctx.settle is not None:
         ctx.settle.close()

@@ -21,7 +21,7 @@ placeholder counts are the encoders' own token arithmetic. One sample per row, n
 
 Tessera's side is the trainer's, not a re-implementation: the layout resolved as a run resolves it
 (hetero/runspec/modules.resolve_config), the module groups, this rank's modules built and loaded from
-DIR as a fine-tuning run builds them (hetero/training/model_build: build_rank_modules, check_checkpoint_tensors,
+DIR as a fine-tuning run builds them (hetero/build/model_build: build_rank_modules, check_checkpoint_tensors,
 load_full_state on a LazyCheckpoint), the boundary communicators of hetero/training/loop, the stages of
 hetero/training/stages.py and one hetero_step (hetero/runtime/step_executor.py) on a fixed PackedBatch. The only
 change is at the LLM's last stage: the stage returns its logits instead of the per-token loss (`_LogitsOnly`,
@@ -61,9 +61,9 @@ from tessera.hetero.plan.layout import LANGUAGE
 from tessera.hetero.runtime.device import current_device
 from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
 from tessera.hetero.runtime.step_executor import hetero_step
-from tessera.hetero.training.run_state import RunState
+from tessera.hetero.build.run_state import RunState
 from tessera.hetero.training.step_parts import boundary_batches, step_context
-from tessera.hetero.training.model_build import (build_rank_modules, check_checkpoint_tensors, load_full_state,
+from tessera.hetero.build.model_build import (build_rank_modules, check_checkpoint_tensors, load_full_state,
                                                  module_configs)
 from tessera.hetero.runspec.config import DataConfig, ModelConfig, RunConfig
 from tessera.hetero.runspec.modules import checkpoint_llm_fields, module_specs, resolve_config
@@ -189,7 +189,7 @@ def release_samples(hf_dir: str, seed: int) -> list[OmniSample]:
 
 
 @functools.lru_cache(maxsize=4)
-def _reference(hf_dir: str, seed: int) -> tuple[torch.Tensor, ...]:
+def hf_reference_outputs(hf_dir: str, seed: int) -> tuple[torch.Tensor, ...]:
     """The oracle's logits of the samples (cached: a test compares several layouts in one process): transformers'
     Omni class, or for a Nano V2 VL (no transformers class) the release assembled from transformers' RadioModel
     and NemotronHForCausalLM (models/nano_vl_reference.py)."""
@@ -219,7 +219,7 @@ def _eval_but_batchnorm(module: torch.nn.Module) -> None:
 
 def release_run(hf_dir: str, layout: str, rows: int, seq: int, perturb: dict[str, float] | None = None) -> RunState:
     """This rank's modules of the release at hf_dir in `layout` over one microbatch of `rows` rows of `seq` tokens,
-    built and loaded as a fine-tuning run from DIR builds and loads them (hetero/training/run_state.build_run), in
+    built and loaded as a fine-tuning run from DIR builds and loads them (hetero/build/run_state.build_run), in
     fp32, in eval mode but for BatchNorm (each clip's own statistics, as in a training step); `perturb` scales
     loaded weights by name (a break the comparison must see)."""
     rank, world, device = dist.get_rank(), dist.get_world_size(), current_device()
@@ -279,7 +279,7 @@ def compare_multimodal(hf_dir: str, layout: str = "", perturb: dict[str, float] 
     expected = sum(len(s.tokens) for s in samples) * hf_fields["vocab_size"]
     out = torch.zeros(2, dtype=torch.float64, device=device)  # [max_rel_err, logits compared]
     if rank == 0:
-        out[0], out[1] = _score(gathered, samples, seq, _reference(hf_dir, seed))
+        out[0], out[1] = _score(gathered, samples, seq, hf_reference_outputs(hf_dir, seed))
     dist.broadcast(out, src=0)
     if settle is not None:
         settle.close()

@@ -69,7 +69,7 @@ def _worker(rank, world, store, fn, args, queue, environ):
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def _kill_tree(pid: int) -> None:
+def kill_tree(pid: int) -> None:
     """Kill a process and every descendant (psutil: a pyproject dependency)."""
     import psutil
 
@@ -110,7 +110,7 @@ def run_on_ranks(world: int, fn, *args, timeout: float = 240.0) -> list:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)
             if p.is_alive():
-                _kill_tree(p.pid)  # with its own children (a checkpoint writer's Manager): a kill skips their shutdown
+                kill_tree(p.pid)  # with its own children (a checkpoint writer's Manager): a kill skips their shutdown
         if os.path.exists(store):
             os.unlink(store)
     if errors:

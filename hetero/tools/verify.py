@@ -51,7 +51,7 @@ from tessera.hetero.tools.verify_chain_model import (ChainDims, ParallelEncoder,
                                  reference_documents_alone, reference_forward, sharded_reference_grad,
                                  token_segments)
 from tessera.hetero.tools.verify_chain_moe import LLMS
-from tessera.hetero.training.optim import reduce_gradients
+from tessera.hetero.optim.optimizers import reduce_gradients
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 
@@ -254,7 +254,7 @@ def run_verify(spec: str, seed: int = 1234, dtype=torch.float32, dims: ChainDims
              for k in sorted(layout.encoders)}
     like = torch.empty(0, dtype=dtype, device=dev)
     result = hetero_step(layout, groups, encoders, language, comms, [m[0] for m in micro], like)
-    # the trainer's rule (hetero/training/optim.py): experts over expert-DP, sequence-parallel weights over TP first,
+    # the trainer's rule (hetero/optim/optimizers.py): experts over expert-DP, sequence-parallel weights over TP first,
     # everything else over DP x CP
     reduce_gradients(modules, groups)
 

@@ -1,4 +1,4 @@
-"""The training loop: the rank's run (hetero/training/run_state.build_run) -> loader -> steps -> checkpoints and
+"""The training loop: the rank's run (hetero/build/run_state.build_run) -> loader -> steps -> checkpoints and
 metrics.
 
 Called by recipes/train.py once torch.distributed is up and the run directory is known (every rank).
@@ -38,21 +38,21 @@ from tessera.hetero.runtime.groups import destroy_module_groups
 from tessera.hetero.runtime.progress import ProgressBeacon, mark
 from tessera.hetero.runtime.step_executor import hetero_step
 from tessera.hetero.runtime.world import freeze_live_objects
-from tessera.hetero.training.checkpoint import KeepPolicy, finish_async_saves, latest_checkpoint, save_checkpoint
-from tessera.hetero.training.loader_state import encode_loader_state
+from tessera.hetero.checkpoint.sharded import KeepPolicy, finish_async_saves, latest_checkpoint, save_checkpoint
+from tessera.hetero.checkpoint.loader_state import encode_loader_state
 from tessera.hetero.training.metrics import RunMetrics, peak_memory_gib
 from tessera.hetero.training.preemption import (StopSignals, checkpoint_queue_start_method, shield_checkpoint_queue,
                                                 signal_name)
-from tessera.hetero.training.run_state import RunState, build_run
+from tessera.hetero.build.run_state import RunState, build_run
 from tessera.hetero.training.step_parts import StepContext, boundary_batches, rank_stages, run_loader, step_context
 from tessera.hetero.training.tracking import make_tracker
 from tessera.hetero.training.validation import describe_val_sets, resolve_val_sets, validate
 
 
 def _export_hf(ckpt_root: Path, out: str) -> None:
-    """Rank 0, after the final checkpoint: hetero/training/hf_export.py in its own one-rank process (what it wrote is
-    in the run's summary: hetero/training/run_summary.py)."""
-    cmd = [sys.executable, "-m", "tessera.hetero.training.hf_export", str(ckpt_root), out]
+    """Rank 0, after the final checkpoint: hetero/export/hf.py in its own one-rank process (what it wrote is
+    in the run's summary: hetero/rundir/summary.py)."""
+    cmd = [sys.executable, "-m", "tessera.hetero.export.hf", str(ckpt_root), out]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode:
         raise RuntimeError(f"HF export failed ({' '.join(cmd)}):\n{res.stderr[-3000:]}")
@@ -121,7 +121,7 @@ def _save(run: RunState, step: int, loader, keep: KeepPolicy, queue) -> None:
     finish_async_saves(queue, run.ckpt_root, blocking=True)  # one save in flight at a time
     save_checkpoint(run.ckpt_root, step, run.modules, run.opt, run.groups, run.configs,
                     # all text, so the common state is torch.load(weights_only=True)-safe and the
-                    # loader state is data, never a pickle (hetero/training/loader_state.py)
+                    # loader state is data, never a pickle (hetero/checkpoint/loader_state.py)
                     {"loader": encode_loader_state(loader.save_state_rank()), "layout": str(run.layout),
                      "config": json.dumps(asdict(run.cfg)), "llm_hf_config": json.dumps(run.hf_fields)},
                     keep=keep, queue=queue)

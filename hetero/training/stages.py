@@ -8,7 +8,7 @@ Layout invariance (what makes a heterogeneous run equal a homogeneous one): ever
 on its own, so an item's embedding never depends on which other items share its DP rank (batch padding
 and BatchNorm statistics would otherwise change with the layout); the loss is a sum over this rank's
 tokens divided by the step's *global* token count, so summing gradients over any DP x CP group gives the
-same gradient for every module (hetero/training/optim.py).
+same gradient for every module (hetero/optim/optimizers.py).
 
 Device: batches come from the loader in host memory; `device` (the run's, hetero/training/loop.py) is
 where every tensor a module receives lives. The language stage indexes its rows/positions on the host and

@@ -13,7 +13,7 @@ from tessera.hetero.plan.encoder_balance import ItemAssignment
 from tessera.hetero.plan.layout import LANGUAGE, VISION
 from tessera.hetero.runtime.boundary import BoundaryCommunicator
 from tessera.hetero.runtime.tubelet_settle import TubeletSettle
-from tessera.hetero.training.run_state import RunState
+from tessera.hetero.build.run_state import RunState
 from tessera.hetero.training.stages import LanguageStage, MediaEncoderStage, global_token_count
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tessera.data.loader import close_loader
 from tessera.data.pipeline import SYNTHETIC_VAL_SET, synthetic_root
 from tessera.hetero.runtime.step_executor import hetero_step
-from tessera.hetero.training.run_state import RunState
+from tessera.hetero.build.run_state import RunState
 from tessera.hetero.training.step_parts import StepContext, boundary_batches, rank_stages, run_loader
 
 

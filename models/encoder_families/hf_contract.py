@@ -141,7 +141,7 @@ def pipeline_stages(fields: dict, tower) -> tuple[str, str] | None:
     import transformers
     from torch import nn
 
-    from tessera.models.hf_towers import _deterministic
+    from tessera.models.hf_towers import deterministic
 
     lists = [n for n, m in tower.named_modules() if isinstance(m, nn.ModuleList)
              and n.rpartition(".")[2] in ("layer", "layers", "blocks") and n.rpartition(".")[0] in ("", "encoder")]
@@ -149,7 +149,7 @@ def pipeline_stages(fields: dict, tower) -> tuple[str, str] | None:
         return None
     config = transformers.AutoConfig.from_pretrained(fields["directory"])
     (getattr(config, "vision_config", None) or config).num_hidden_layers = 2
-    _deterministic(config)
+    deterministic(config)
     try:  # (the process's random state is left as it was: a rank's init must not depend on this check)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)

@@ -218,7 +218,7 @@ class _HFFamily(EncoderFamily):
         root = CHECKPOINT_ROOT[self.modality]
         stored = [k[len(root):] for k in hf if k.startswith(root)]
         # (a pipeline stage asks for its own tensors; the whole set is checked against the model's beforehand,
-        # hetero/training/model_build.check_checkpoint_tensors)
+        # hetero/build/model_build.check_checkpoint_tensors)
         keys = stored if module_keys is None else list(module_keys)
         missing = sorted(set(keys) - set(stored))
         if missing:

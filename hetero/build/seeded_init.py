@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 from megatron.core.transformer.spec_utils import build_module
 
-from tessera.hetero.training.model_build import hf_shapes, media_keys, media_module, single_rank_pgs
+from tessera.hetero.build.model_build import hf_shapes, media_keys, media_module, single_rank_pgs
 from tessera.hetero.runspec.modules import module_specs
 from tessera.models.hybrid_llm import MOE, build_hybrid_layer_specs, final_norm_and_output_layer, vocab_embedding
 from tessera.models.multimodal_hf import media_to_hf

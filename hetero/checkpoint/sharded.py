@@ -10,12 +10,12 @@ heterogeneous layout loads into another (TP2 -> TP1, PP changes, colocated -> no
 reads whatever slices each rank now needs. Fused Mamba tensors (in_proj = [z|x|B|C|dt], conv1d = [x|B|C])
 hold one TP slice of *each* part, so they are stored as one sharded tensor per part.
 
-Mixed precision (hetero/training/optim.py): a bf16 run also stores each trainable parameter's fp32 master
+Mixed precision (hetero/optim/optimizers.py): a bf16 run also stores each trainable parameter's fp32 master
 (`optim.master.<key>`) next to its fp32 Adam states, with the parameter's own offsets, pieces and replica ids,
 so masters reshard into any layout exactly like the weights; on load the bf16 parameters are re-derived from
 the masters, and steps after a resume are bitwise those of an uninterrupted run.
 
-ZeRO-1 (hetero/training/zero.py): a rank's optimizer state is a contiguous slice of each parameter's elements,
+ZeRO-1 (hetero/optim/zero.py): a rank's optimizer state is a contiguous slice of each parameter's elements,
 written as the rectangles that tile it (hetero/plan/flat_boxes.py; uneven sharding, which torch_dist stores as
 DCP chunks) - views of the live shards, never gathered - under the same keys and global shapes as the replicated
 optimizer's, so a load in any layout, DP size or optimizer reads the elements it needs, into its own views.
@@ -48,23 +48,23 @@ from tessera.hetero.runtime.groups import ModuleGroups
 from tessera.hetero.plan.flat_boxes import flat_boxes
 from tessera.hetero.plan.layout import LANGUAGE
 from tessera.hetero.plan.retention import KeepPolicy
-from tessera.hetero.runspec.checkpoints import LATEST, latest_checkpoint  # noqa: F401  (its readers import it here too)
-from tessera.hetero.training.zero import FlatSlice
-from tessera.models.nemotron_h_hf import _mamba_parts
+from tessera.hetero.checkpoint.source import LATEST, latest_checkpoint  # noqa: F401  (its readers import it here too)
+from tessera.hetero.optim.zero import FlatSlice
+from tessera.models.nemotron_h_hf import mamba_parts
 
 VOCAB_ROWS = (f"{LANGUAGE}.embedding.weight", f"{LANGUAGE}.output_layer.weight")  # padded to TP
 
 
 def _mamba_local_parts(config, tp: int) -> list[int]:
     """This TP rank's sizes of the fused [z|x|B|C|dt] parts (the HF converter's split, per rank)."""
-    return [s // tp for s in _mamba_parts(config)]
+    return [s // tp for s in mamba_parts(config)]
 
 
 def _piece_rows(name: str, rows: int, mamba_parts: list[int] | None) -> list[tuple[str, int, int]]:
     """(key suffix, first row, last row + 1) of each stored piece of a local tensor with `rows` rows along
     dim 0: fused Mamba tensors split into their parts, anything else one piece."""
     sizes = None
-    # (a LoRA adapter's B of in_proj has the weight's row layout: hetero/training/lora.py)
+    # (a LoRA adapter's B of in_proj has the weight's row layout: hetero/build/lora.py)
     if mamba_parts and (name.endswith("mixer.in_proj.weight") or name.endswith("mixer.in_proj.adapter.lora_B")):
         sizes = mamba_parts
     elif mamba_parts and (name.endswith("mixer.conv1d_weight") or name.endswith("mixer.conv1d_bias")):
@@ -78,7 +78,7 @@ def _piece_rows(name: str, rows: int, mamba_parts: list[int] | None) -> list[tup
 _LOCAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 
 
-def _global_name(key: str, name: str, layer_offset: int, expert_offset: int = 0) -> str:
+def checkpoint_name(key: str, name: str, layer_offset: int, expert_offset: int = 0) -> str:
     """The layout-free key: global layer index (PP) and global expert id (EP: this rank's local expert j is
     expert ep_rank * experts_per_rank + j; at EP1 the key is the local one, so older checkpoints still load)."""
     if key == LANGUAGE and layer_offset:
@@ -88,7 +88,7 @@ def _global_name(key: str, name: str, layer_offset: int, expert_offset: int = 0)
     return f"{key}.{name}"
 
 
-def _expert_offset(key: str, config, g: ModuleGroups) -> int:
+def expert_id_offset(key: str, config, g: ModuleGroups) -> int:
     """Global id of this rank's first routed expert (0 without EP)."""
     experts = getattr(config, "num_moe_experts", None) if key == LANGUAGE else None
     return g.pgs.ep.rank() * (experts // g.pgs.ep.size()) if experts else 0
@@ -111,7 +111,7 @@ def _param_specs(key: str, module: torch.nn.Module, g: ModuleGroups, mamba_parts
         replica = (0, rep) if sharded else (tp_rank, rep)  # exactly one writer per element
         # fused Mamba tensors split at every TP size, so keys never change
         rows = _piece_rows(name, p.shape[0] if p.dim() else 1, mamba_parts)
-        yield p, _global_name(key, name, layer_offset, expert_offset), rows, offsets, replica
+        yield p, checkpoint_name(key, name, layer_offset, expert_offset), rows, offsets, replica
 
 
 def parameter_counts(modules: dict, groups: dict, configs: dict, device=None) -> tuple[int, int]:
@@ -122,7 +122,7 @@ def parameter_counts(modules: dict, groups: dict, configs: dict, device=None) ->
     for key, module in modules.items():
         config = configs.get(key)
         for p, gkey, _, _, replica in _param_specs(key, module, groups[key], None, getattr(module, "layer_offset", 0),
-                                                   _expert_offset(key, config, groups[key])):
+                                                   expert_id_offset(key, config, groups[key])):
             if isinstance(p, torch.nn.Parameter) and replica == (0, 0):
                 n = p.numel()
                 if key == LANGUAGE and gkey in VOCAB_ROWS:  # the true vocabulary's rows, not TP's padding
@@ -166,7 +166,7 @@ def _sharded_state(modules, opt, groups, configs, rank, world, with_rng=True) ->
         extra = {id(p): d for p, d in zip(opt.params[key], space[key])} if key in space else {}
         for p, gkey, rows, offsets, replica in _param_specs(key, module, groups[key], parts,
                                                             getattr(module, "layer_offset", 0),
-                                                            _expert_offset(key, configs.get(key), groups[key])):
+                                                            expert_id_offset(key, configs.get(key), groups[key])):
             tensors = {"model": p.data, **extra.get(id(p), {})}
             # the vocabulary's padded size depends on TP (models/hybrid_llm.py): as megatron does for its
             # embedding and output layer, a load reads the rows both layouts have and leaves the rest zero

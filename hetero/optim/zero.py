@@ -15,11 +15,11 @@ sums, and Adam is elementwise, so every element gets the replicated optimizer's 
 equal it up to the collective's summation order, while optimizer memory falls from 12 to 12/g bytes per
 parameter (fp32 master + exp_avg + exp_avg_sq) plus the 4-byte main grad.
 
-Why not megatron's DistributedOptimizer: hetero/training/optim.py (CUDA-only type checks and buffers).
+Why not megatron's DistributedOptimizer: hetero/optim/optimizers.py (CUDA-only type checks and buffers).
 
 Checkpoints stay in parameter space, as megatron's "fully reshardable" format, without gathering anything:
 `flat_slices(...)` hands the checkpoint each rank's contiguous range of each parameter as a `FlatSlice` (a view
-of the live shard and where it starts in the parameter), which hetero/training/checkpoint.py writes as the
+of the live shard and where it starts in the parameter), which hetero/checkpoint/sharded.py writes as the
 rectangles that tile it (hetero/plan/flat_boxes.py) and loads back in place. A save therefore adds no
 optimizer memory, and a checkpoint still moves between ZeRO and the replicated optimizer and between DP sizes
 (the store reshards by global offsets). Before this, a save all-gathered every part's fp32 master and Adam

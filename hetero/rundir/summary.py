@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tessera.hetero.runspec.checkpoints import latest_checkpoint
+from tessera.hetero.checkpoint.source import latest_checkpoint
 
 
 def human_bytes(n: float) -> str:

@@ -2,10 +2,10 @@
 
     configs, hf_fields = module_configs(model_cfg, layout, vocab_size)
     modules = build_rank_modules(model_cfg, layout, groups, configs)
-    load_full_state(modules, SeededState(model_cfg, hf_fields, seed), groups)   # hetero/training/seeded_init.py
+    load_full_state(modules, SeededState(model_cfg, hf_fields, seed), groups)   # hetero/build/seeded_init.py
 
 Initial weights are defined once, as a Hugging Face (NemotronH_Nano_VL_V2 / Omni) state dict of the whole
-model from the seed, read lazily (hetero/training/seeded_init.py: unit by unit, each rank only the units of
+model from the seed, read lazily (hetero/build/seeded_init.py: unit by unit, each rank only the units of
 its shards), and every rank imports its TP/PP/EP shard of it through the same converters that load released
 checkpoints (models/multimodal_hf.py, models/nemotron_h_hf.py). So any two layouts start from identical
 weights — what loss parity between layouts needs — and fine-tuning a provided checkpoint is the same call

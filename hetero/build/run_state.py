@@ -23,15 +23,16 @@ from tessera.hetero.plan.resolved_run import ResolvedRun
 from tessera.hetero.runspec.config import RunConfig
 from tessera.hetero.runspec.modules import ModuleSpec, checkpoint_llm_fields, encoder_names, module_specs
 from tessera.hetero.runtime.groups import ModuleGroups, build_module_groups
-from tessera.hetero.training.checkpoint import latest_checkpoint, load_checkpoint, parameter_counts
-from tessera.hetero.training.grad_buckets import overlapped_modules
-from tessera.hetero.training.loader_state import decode_loader_state
-from tessera.hetero.training.lora import apply_lora, lora_settings
-from tessera.hetero.training.lr_schedule import LRSchedule
-from tessera.hetero.training.model_build import (build_rank_modules, check_checkpoint_tensors, llm_fields,
+from tessera.hetero.checkpoint.sharded import latest_checkpoint, load_checkpoint, parameter_counts
+from tessera.hetero.checkpoint.source import RUN, checkpoint_source
+from tessera.hetero.optim.grad_buckets import overlapped_modules
+from tessera.hetero.checkpoint.loader_state import decode_loader_state
+from tessera.hetero.build.lora import apply_lora, lora_settings
+from tessera.hetero.optim.lr_schedule import LRSchedule
+from tessera.hetero.build.model_build import (build_rank_modules, check_checkpoint_tensors, llm_fields,
                                                  load_full_state, module_configs)
-from tessera.hetero.training.optim import ModuleOptimizers
-from tessera.hetero.training.seeded_init import SeededState
+from tessera.hetero.optim.optimizers import ModuleOptimizers
+from tessera.hetero.build.seeded_init import SeededState
 from tessera.models.hybrid_llm import HybridConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # model.dtype -> what the run computes in
@@ -131,15 +132,15 @@ def resolve_inputs(cfg: RunConfig, rank: int) -> RunInputs:
 def _initial_weights(cfg: RunConfig, modules: dict, groups: dict, configs: dict, hf_fields: dict) -> None:
     """This rank's modules' first weights: a Tessera checkpoint's, a release's (each rank reads only the tensors
     of its shards), or the seed's (only the units this rank's shards read are built, one at a time)."""
-    source = cfg.model.checkpoint
-    if source and latest_checkpoint(source) is not None:
-        load_checkpoint(latest_checkpoint(source), modules, None, groups, configs)
+    source = checkpoint_source(cfg.model.checkpoint)
+    if source is not None and source.kind == RUN:
+        load_checkpoint(source.step, modules, None, groups, configs)
         return
-    if source:
+    if source is not None:  # an HF layout (the launch refused any other directory: recipes/prelaunch.py)
         from tessera.models.nemotron_h_hf import LazyCheckpoint
 
-        full = LazyCheckpoint(source)
-        check_checkpoint_tensors(source, full, cfg.model, hf_fields)
+        full = LazyCheckpoint(source.given)
+        check_checkpoint_tensors(source.given, full, cfg.model, hf_fields)
     else:
         full = SeededState(cfg.model, hf_fields, cfg.trainer.seed)
     load_full_state(modules, full, groups)

@@ -1,6 +1,6 @@
 """A Tessera checkpoint saved in any layout -> the Hugging Face layout, in one process on CPU.
 
-    .venv/bin/python -m tessera.hetero.training.hf_export CHECKPOINT OUT [--max-shard-size 5GB]
+    .venv/bin/python -m tessera.hetero.export.hf CHECKPOINT OUT [--max-shard-size 5GB]
 
 The model is rebuilt with every module on one rank and dist_checkpointing reshards into it. Writes
   OUT/model.safetensors      the whole model in the NemotronH_Nano_VL_V2 / Omni key layout
@@ -12,7 +12,7 @@ The model is rebuilt with every module on one rank and dist_checkpointing reshar
   OUT/*.py                   from a release in the hub layout, its remote code (the auto_map targets of its
                              configs and the modules they import), copied byte for byte
   OUT/tokenizer.json|.model  the tokenizer the run trained with (its saved config names it,
-                             hetero/training/run_state.resolve_inputs); when
+                             hetero/build/run_state.resolve_inputs); when
                              that is the release's own (model.checkpoint=DIR), DIR's tokenizer files, chat template,
                              processor configs and generation_config.json as they are (data/run_tokenizer.py);
                              else tokenizer_config.json + chat_template.jinja of the turns Tessera trains
@@ -29,14 +29,14 @@ The model is rebuilt with every module on one rank and dist_checkpointing reshar
                              tokenizer OUT ships
   OUT/processor_config.json  with that config.json (the release's towers) and a tokenizer: transformers'
                              NemotronH_Omni_Reasoning_V3Processor of the run's patch budget, video grid and
-                             tubelet, mel front end (hetero/training/processor_export.py)
+                             tubelet, mel front end (hetero/export/processor.py)
   OUT/language_model/        config.json + model.safetensors: transformers' NemotronHForCausalLM loads it
-A LoRA run (model.lora.rank > 0, hetero/training/lora.py) exports, per model.lora.export:
+A LoRA run (model.lora.rank > 0, hetero/build/lora.py) exports, per model.lora.export:
   merged     the files above with every adapted weight W + (alpha/r) B A (a plain model: no adapters needed)
   adapters   OUT/adapters/adapter_model.safetensors + adapter_config.json only: PEFT's files
              (base_model.model.<module>.lora_A.weight [r, in], .lora_B.weight [out, r]) naming the modules of
              the model transformers builds from OUT, so PeftModel.from_pretrained applies them
-             (hetero/training/peft_export.py); a fused megatron linear_qkv becomes q/k/v_proj sharing its A,
+             (hetero/export/peft.py); a fused megatron linear_qkv becomes q/k/v_proj sharing its A,
              each with its rows of B
   both       (default) both of the above
 The training loop runs this module in its own process after the last step (`trainer.export_hf`);
@@ -51,6 +51,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from tessera.hetero.checkpoint.source import RUN, checkpoint_source
+
 
 MAX_SHARD_SIZE = "5GB"  # huggingface_hub's default shard size (save_pretrained's), as the releases are cut
 
@@ -59,19 +61,11 @@ def _fields(model_cfg) -> dict:
     return dataclasses.asdict(model_cfg) if dataclasses.is_dataclass(model_cfg) else dict(vars(model_cfg))
 
 
-def one_rank_world() -> None:
-    from tessera.hetero.runtime.cpu_shims import apply_cpu_shims
-    from tessera.hetero.runtime.world import one_rank_world as make_world
-
-    apply_cpu_shims()
-    make_world(backend="gloo")  # the export runs on the CPU whatever the machine has
-
-
 def _single_rank_model(model_cfg, hf_fields: dict):
     """Every module of the model on rank 0 (dp1), as the training code builds it."""
     from tessera.hetero.runtime.groups import build_module_groups
     from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
-    from tessera.hetero.training.model_build import build_rank_modules, module_configs
+    from tessera.hetero.build.model_build import build_rank_modules, module_configs
     from tessera.hetero.runspec.modules import encoder_names
 
     keys = sorted(encoder_names(model_cfg)) + [LANGUAGE]
@@ -98,23 +92,23 @@ def write_hf(out: Path, full: dict, model_cfg, hf_fields: dict, tokenizer: str |
     from tessera.models import released
 
     out.mkdir(parents=True, exist_ok=True)
-    source = getattr(model_cfg, "checkpoint", None)
-    from_release = bool(source) and released.is_released_checkpoint(source)
+    source = checkpoint_source(getattr(model_cfg, "checkpoint", None))
+    from_release = source is not None and source.is_release
     # the release's tensors no module computes with (released.CARRIED: MTP layers, featurizer), as it has them
-    save_weights({**full, **released.carried_tensors(source)} if from_release else full, out, max_shard_size)
+    save_weights({**full, **released.carried_tensors(source.given)} if from_release else full, out, max_shard_size)
     if from_release:
         # the same architecture as the released checkpoint it was fine-tuned from: its config.json describes
         # these tensors (transformers loads OUT as it loads the release; so does model.checkpoint=OUT)
-        (out / "config.json").write_text((Path(source).expanduser() / "config.json").read_text())
+        (out / "config.json").write_text((source.path / "config.json").read_text())
         (out / "tessera.json").unlink(missing_ok=True)
-        _copy_remote_code(Path(source).expanduser(), out)
+        _copy_remote_code(source.path, out)
     else:
         (out / "tessera.json").write_text(json.dumps({"model": _fields(model_cfg), "llm_hf_config": hf_fields},
                                                      indent=2))
         _write_release_config(out, full, model_cfg, hf_fields, tokenizer)
     write_serving_files(out, tokenizer, source, hf_fields)
     if not from_release:  # a release's own processor files come with its tokenizer's (write_serving_files)
-        from tessera.hetero.training.processor_export import write_processor
+        from tessera.hetero.export.processor import write_processor
 
         write_processor(out, model_cfg, data)
     lm = out / "language_model"
@@ -229,7 +223,7 @@ def media_token_ids(tokenizer: str | None) -> dict[str, int]:
 
 
 def trained_tokenizer(saved: dict) -> str | None:
-    """The tokenizer a run trained with, from its saved config: named there (hetero/training/run_state.resolve_inputs), or for a checkpoint
+    """The tokenizer a run trained with, from its saved config: named there (hetero/build/run_state.resolve_inputs), or for a checkpoint
     saved before it was, chosen by the rule (data/run_tokenizer.run_tokenizer); None when it is gone."""
     from tessera.data.run_tokenizer import TokenizerMismatch, run_tokenizer
 
@@ -244,15 +238,14 @@ def trained_tokenizer(saved: dict) -> str | None:
 def load_trained(checkpoint: str | Path) -> tuple[dict, dict, SimpleNamespace, dict, dict]:
     """(modules, their groups, model config, LLM HF fields, saved run config) of a Tessera checkpoint (any layout;
     a run's checkpoints folder: its latest) on this one rank, LoRA adapters loaded and not merged: the model the
-    run trained, as the export reads it."""
+    run trained, as the export reads it. In the one-rank world its caller made (runtime/world.process_world)."""
     from megatron.core import dist_checkpointing
 
-    from tessera.hetero.training.checkpoint import latest_checkpoint, load_checkpoint
-    from tessera.hetero.training.lora import apply_lora, lora_settings
+    from tessera.hetero.checkpoint.sharded import load_checkpoint
+    from tessera.hetero.build.lora import apply_lora, lora_settings
 
-    one_rank_world()
-    path = Path(checkpoint)
-    path = latest_checkpoint(path) or path
+    source = checkpoint_source(checkpoint)
+    path = source.step if source.kind == RUN else source.path  # a run's checkpoints/ folder: its latest step
     common = dist_checkpointing.load_common_state_dict(str(path))["common"]
     # the run's model config as saved (plain fields; model_build reads them by name)
     saved = json.loads(common["config"])
@@ -276,8 +269,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_size: i
 def export_modules(modules, out: Path, model_cfg, hf_fields: dict, tokenizer: str | None = None,
                    max_shard_size: int | str = MAX_SHARD_SIZE, data: dict | None = None) -> Path:
     """Write the one-rank model's modules in HF layout (LoRA: adapters and/or merged, model.lora.export)."""
-    from tessera.hetero.training.lora import lora_settings, merge_lora
-    from tessera.hetero.training.peft_export import adapter_base, adapter_model, peft_adapters, write_adapters
+    from tessera.hetero.build.lora import lora_settings, merge_lora
+    from tessera.hetero.export.peft import adapter_base, adapter_model, peft_adapters, write_adapters
     from tessera.models.multimodal import MultimodalModel
     from tessera.models.multimodal_hf import export_hf
 
@@ -301,5 +294,8 @@ if __name__ == "__main__":
     ap.add_argument("out")
     ap.add_argument("--max-shard-size", default=MAX_SHARD_SIZE, help="largest weight file, e.g. 5GB or 500MB")
     args = ap.parse_args()
-    export_checkpoint(args.checkpoint, args.out, args.max_shard_size)
+    from tessera.hetero.runtime.world import process_world
+
+    with process_world(backend="gloo"):  # the export runs on the CPU whatever the machine has
+        export_checkpoint(args.checkpoint, args.out, args.max_shard_size)
     sys.exit(0)

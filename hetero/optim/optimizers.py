@@ -8,9 +8,9 @@ Why not megatron's DistributedDataParallel + get_megatron_optimizer (hetero/runt
 their optimizer creates tensors on 'cuda' (optimizer.py:481/907) and clip_grads asserts CUDA tensor types
 (clip_grads.py:167); their grad norm combines only the groups of one model, while modules on disjoint rank
 sets need a norm across modules; and their sharded optimizer state is keyed by parameter identity, which
-our checkpoint's split of fused Mamba projections (hetero/training/checkpoint.py) cannot give. What they
+our checkpoint's split of fused Mamba projections (hetero/checkpoint/sharded.py) cannot give. What they
 would do here is small: bucketed collectives per module, started during backward with overlap_grad_reduce
-(hetero/training/grad_buckets.py, which says why not megatron's DDP), a norm, torch's AdamW.
+(hetero/optim/grad_buckets.py, which says why not megatron's DDP), a norm, torch's AdamW.
 
 Mixed precision (param_dtype=torch.bfloat16), as megatron does it (DDP grad buffers +
 Float16OptimizerWithFloat16Params): parameters and activations are bf16; each trainable parameter gets an
@@ -53,8 +53,8 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from tessera.hetero.runtime.groups import ModuleGroups
-from tessera.hetero.training.grad_buckets import DEFAULT_BUCKET_ELEMENTS, GradBucket, GradReducer, split_buckets
-from tessera.hetero.training.zero import ShardedPart
+from tessera.hetero.optim.grad_buckets import DEFAULT_BUCKET_ELEMENTS, GradBucket, GradReducer, split_buckets
+from tessera.hetero.optim.zero import ShardedPart
 
 
 def _counts_once(p: torch.nn.Parameter, tp_rank: int) -> bool:
@@ -116,10 +116,10 @@ class ModuleOptimizers:
                  overlap_modules=(), bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, backwards_per_step: int = 1):
         """param_dtype: cast the modules to it here; bfloat16 takes fp32 master weights first (the module
         docstring). None leaves the modules as they are (fp32 path). distributed: ZeRO-1, the fp32 masters and
-        Adam states sharded over each reduction group (hetero/training/zero.py); bf16 runs only.
+        Adam states sharded over each reduction group (hetero/optim/zero.py); bf16 runs only.
         bucket_elements: gradients reduced in buckets of about that many elements; those of overlap_modules
         each started as soon as backward made it final, i.e. gave it backwards_per_step (the step's
-        microbatches) gradients (hetero/training/grad_buckets.py); bitwise the same sums as after backward."""
+        microbatches) gradients (hetero/optim/grad_buckets.py); bitwise the same sums as after backward."""
         self.modules, self.groups, self.clip = modules, groups, clip_grad
         self.all_keys = sorted(all_keys or modules)  # every module of the model, hosted here or not
         # dense parameters first, routed experts last (stable): each part is reduced over its own DP group
@@ -216,7 +216,7 @@ class ModuleOptimizers:
 
     def _bucket_sequences(self, bucket_elements: int, overlapped: set[str]) -> list[tuple[list[GradBucket], bool]]:
         """Per module and reduction part, its buckets in launch order and whether they start during backward
-        (the module in `overlapped`; hetero/training/grad_buckets.py): each sums
+        (the module in `overlapped`; hetero/optim/grad_buckets.py): each sums
         its sequence-parallel weights over TP first (megatron: finalize_model_grads), then reduces over the part's
         group: a slice of the flat fp32 main-grad buffer (bf16), a ZeRO-1 part (one per bucket), or the flattened
         fp32 `.grad`s."""

@@ -109,7 +109,7 @@ def _enc(x, path: str):
         return {"$": type(x).__name__,
                 "v": {f.name: _enc(getattr(x, f.name), f"{path}.{f.name}") for f in dataclasses.fields(x)}}
     raise TypeError(f"loader state at {path} holds a {type(x).__module__}.{type(x).__qualname__}, which "
-                    f"hetero/training/loader_state.py does not know how to store as JSON (a new energon state type?)")
+                    f"hetero/checkpoint/loader_state.py does not know how to store as JSON (a new energon state type?)")
 
 
 def _bad(path: str, what: str):

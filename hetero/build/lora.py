@@ -50,8 +50,8 @@ from torch import nn
 
 from tessera.hetero.plan.layout import LANGUAGE
 from tessera.hetero.plan.lora import lora_targets, validate_lora
-from tessera.hetero.training.checkpoint import _expert_offset, _global_name
-from tessera.models.nemotron_h_hf import _mamba_parts
+from tessera.hetero.checkpoint.sharded import checkpoint_name, expert_id_offset
+from tessera.models.nemotron_h_hf import mamba_parts
 
 LLM_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj")
 VIT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # target `vision`: every ViT layer's
@@ -99,7 +99,7 @@ class LoraAdapter(nn.Module):
         if sharded is not None and self.tp > 1:
             sharded[0].tensor_model_parallel, sharded[0].partition_dim, sharded[0].partition_stride = True, sharded[1], 1
         # sequence parallelism: the replicated factor sees only this rank's slice of the sequence, so its gradient
-        # is summed over TP like the norms' (hetero/training/optim.sync_gradients reads the attribute). A routed
+        # is summed over TP like the norms' (hetero/optim/optimizers.sync_gradients reads the attribute). A routed
         # expert's linears do no TP communication (megatron's explicit_expert_comm: the MoE layer's dispatch and
         # combine do), so its replicated factor likewise gets a partial gradient on each TP rank.
         self.sequence_parallel = (sequence_parallel or expert) and self.tp > 1
@@ -219,7 +219,7 @@ def apply_lora(modules: dict[str, nn.Module], groups, model_cfg, seed: int) -> d
     for key, module in modules.items():
         module.requires_grad_(False)
         pgs = groups[key].pgs
-        expert_offset = _expert_offset(key, getattr(module, "config", None), groups[key])
+        expert_offset = expert_id_offset(key, getattr(module, "config", None), groups[key])
         for name, layer, kind in target_layers(key, module, cfg.targets):
             expert = ".experts.local_experts." in name
             tp_group = pgs.expt_tp if expert else pgs.tp
@@ -230,11 +230,11 @@ def apply_lora(modules: dict[str, nn.Module], groups, model_cfg, seed: int) -> d
                 full_in, full_out = layer.weight.shape[1] * tp, layer.weight.shape[0]
             else:
                 full_in, full_out = layer.in_features, layer.out_features
-            parts = _mamba_parts(module.config) if name.endswith("mixer.in_proj") else None
+            parts = mamba_parts(module.config) if name.endswith("mixer.in_proj") else None
             adapter = LoraAdapter(kind, full_in, full_out, cfg.rank, cfg.alpha, tp_group if kind != "plain" else None,
                                   parts, getattr(layer, "sequence_parallel", False) and not expert, expert)
             # (a routed expert by its global id: every EP layout draws the same A)
-            gname = _global_name(key, name, getattr(module, "layer_offset", 0), expert_offset)
+            gname = checkpoint_name(key, name, getattr(module, "layer_offset", 0), expert_offset)
             _init_a(adapter, gname, seed)
             layer.adapter = adapter.to(device=layer.weight.device, dtype=layer.weight.dtype)
             layer._lora_hook = layer.register_forward_hook(_add_delta)

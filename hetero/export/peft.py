@@ -1,4 +1,4 @@
-"""LoRA adapters of the one-rank model as PEFT's files: OUT/adapters/ of hetero/training/hf_export.py.
+"""LoRA adapters of the one-rank model as PEFT's files: OUT/adapters/ of hetero/export/hf.py.
 
     tensors = peft_adapters(modules)        # base_model.model.<released module>.lora_A.weight [r, in], .lora_B [out, r]
     write_adapters(out, tensors, lora, adapter_model(model_cfg, hf_fields))
@@ -31,6 +31,8 @@ import re
 from pathlib import Path
 
 import torch
+
+from tessera.hetero.checkpoint.source import checkpoint_source
 
 PREFIX = "base_model.model."
 # released module name -> transformers' (applied in order; module docstring)
@@ -69,8 +71,8 @@ def _hf_module(key: str, name: str) -> list[str]:
 def peft_adapters(modules) -> dict:
     """PEFT-style tensors of every adapter of the one-rank model under the released module names
     (base_model.model.<module>.lora_A/B.weight); write_adapters names them for the model that loads them."""
-    from tessera.hetero.training.lora import adapted_layers
-    from tessera.models.nemotron_h_hf import _qkv_unfuse
+    from tessera.hetero.build.lora import adapted_layers
+    from tessera.models.nemotron_h_hf import qkv_unfuse
 
     out = {}
     for key, module in modules.items():
@@ -82,7 +84,7 @@ def peft_adapters(modules) -> dict:
                 hf, bs = zip(*vision_adapter_targets(name[len("encoder.vit."):], b, module.cfg))
             else:
                 hf = _hf_module(key, name)
-                bs = _qkv_unfuse(b, module.config) if len(hf) == 3 else (b,)
+                bs = qkv_unfuse(b, module.config) if len(hf) == 3 else (b,)
             for n, part in zip(hf, bs):
                 out[f"{PREFIX}{n}.lora_A.weight"] = a.clone()
                 out[f"{PREFIX}{n}.lora_B.weight"] = part.contiguous().clone()
@@ -91,15 +93,15 @@ def peft_adapters(modules) -> dict:
 
 def adapter_model(model_cfg, hf_fields: dict) -> str | None:
     """Which transformers model the adapter files name modules of: "omni", "llm" or None (module docstring)."""
-    from tessera.hetero.training.model_build import hf_shapes
+    from tessera.hetero.build.model_build import hf_shapes
     from tessera.hetero.runspec.modules import encoder_names, release_config
     from tessera.models import released
 
     if not encoder_names(model_cfg):
         return "llm"
-    source = getattr(model_cfg, "checkpoint", None)
-    if source and released.is_released_checkpoint(source):  # the export carries the release's config.json
-        return "omni" if released.read_config(source).get("model_type") == released.OMNI else None
+    source = checkpoint_source(getattr(model_cfg, "checkpoint", None))
+    if source is not None and source.is_release:  # the export carries the release's config.json
+        return "omni" if source.release_config().get("model_type") == released.OMNI else None
     return "omni" if release_config(model_cfg, hf_fields, hf_shapes(model_cfg, hf_fields))[0] is not None else None
 
 
@@ -107,13 +109,12 @@ def adapter_base(model_cfg) -> str | None:
     """What the adapters apply to: the release the run started from, by its hub id when it came from the hub cache
     (the user's model.checkpoint=ORG/NAME), else its directory; None for a model built from registry names (its
     base weights are the seed's: the export's merged model is the way to serve it)."""
-    from tessera.models import released
     from tessera.models.hub_cache import hub_id_of
 
-    source = getattr(model_cfg, "checkpoint", None)
-    if not source or not released.is_released_checkpoint(source):
+    source = checkpoint_source(getattr(model_cfg, "checkpoint", None))
+    if source is None or not source.is_release:
         return None
-    return hub_id_of(source) or str(Path(source).expanduser().resolve())
+    return hub_id_of(source.path) or str(source.path.resolve())
 
 
 def _put(out: dict, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
