@@ -106,7 +106,7 @@ def write_hf(out: Path, full: dict, model_cfg, hf_fields: dict, tokenizer: str |
         (out / "tessera.json").write_text(json.dumps({"model": _fields(model_cfg), "llm_hf_config": hf_fields},
                                                      indent=2))
         _write_release_config(out, full, model_cfg, hf_fields, tokenizer)
-    write_serving_files(out, tokenizer, source, hf_fields)
+    write_serving_files(out, tokenizer, source.given if source is not None else None, hf_fields)
     if not from_release:  # a release's own processor files come with its tokenizer's (write_serving_files)
         from tessera.hetero.export.processor import write_processor
 
