@@ -141,15 +141,11 @@ def synthetic_dataset(root: Path, samples: int = 96, seed: int = 0,
 
 
 def video_temporal(encoders: dict[str, str]) -> int:
-    """Frames per video tubelet of a model with these encoders: its family's (data/templates.PromptTemplate
-    .video_tubelets: omni, as the release) tubelets of the ViT's temporal_patch frames, else 1 (frame by frame).
-    The one rule for the placeholders (EncoderTokens.video_temporal) and the model build (tubelets=)."""
-    from tessera.models.encoders import encoder_config, family_of
+    """Frames per video tubelet of a model with these encoders: the model's rule (models/encoders.video_temporal),
+    which the placeholders (EncoderTokens.video_temporal) follow as the model build (tubelets=) does."""
+    from tessera.models import encoders as registry
 
-    if "vision" not in encoders or not prompt_template(template_for_encoders(encoders)).video_tubelets:
-        return 1
-    cfg = encoder_config(encoders["vision"])
-    return family_of(cfg).video_temporal_patch(cfg) or 1
+    return registry.video_temporal(encoders)
 
 
 def settles_tubelet_chunks(encoders: dict[str, str], video_pruning: float) -> bool:
@@ -175,8 +171,8 @@ def encoder_tokens(encoders: dict[str, str], max_tiles: int = 2, video_frames: i
     fields = {}
     for module, name in encoders.items():
         cfg = encoder_config(name)
-        if cfg["modality"] != module:
-            raise ValueError(f"encoder {name!r} is a {cfg['modality']} encoder, not a {module!r} one")
+        if cfg.modality != module:
+            raise ValueError(f"encoder {name!r} is a {cfg.modality} encoder, not a {module!r} one")
         t = tokens_config(cfg)
         if module == "vision":
             fields.update(tile=t.tile, patch=t.patch, pixel_shuffle=t.pixel_shuffle)

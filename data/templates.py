@@ -69,15 +69,12 @@ class PromptTemplate:
     """A family's media wrapping per media kind; a kind it lacks is a kind its released model does not take.
     native_resolution: the family's released image processor resizes each image to one native-resolution
     patch grid (omni: NemotronH_Omni_Reasoning_V3ImageProcessor) instead of 512² tiles + a thumbnail (vl);
-    data/pipeline.chat_task_encoder sizes and decodes images accordingly (models/media_tokens.py).
-    video_tubelets: the family's released model embeds a video's frames in tubelets of its ViT's temporal_patch
-    frames (omni: get_video_features) instead of frame by frame (data/pipeline.video_temporal: data side and model
-    build alike)."""
+    data/pipeline.chat_task_encoder sizes and decodes images accordingly (models/media_tokens.py). Whether a
+    video's frames are embedded in tubelets is the model's (models/encoders.video_temporal), not the template's."""
 
     name: str
     media: Mapping[str, MediaWrap] = field(default_factory=dict)
     native_resolution: bool = False
-    video_tubelets: bool = False
 
     @property
     def special_tokens(self) -> tuple[str, ...]:
@@ -92,7 +89,7 @@ TESSERA_VIDEO = MediaWrap(context="<video>")  # vl: not the release's per-frame 
 TEMPLATES: dict[str, PromptTemplate] = {
     "vl": PromptTemplate("vl", {"image": RELEASED_IMAGE, "video": TESSERA_VIDEO}),
     "omni": PromptTemplate("omni", {"image": RELEASED_IMAGE, "video": RELEASED_VIDEO, "audio": RELEASED_AUDIO},
-                           native_resolution=True, video_tubelets=True),
+                           native_resolution=True),
 }
 #: What encode_conversation / ChatTaskEncoder use when not told: the family that takes every media kind.
 DEFAULT_TEMPLATE = "omni"

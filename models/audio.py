@@ -26,12 +26,12 @@ from tessera.models.recompute import megatron_fields, recompute_module
 from tessera.models.vision import SquaredReLU, vit_stage_layers  # ReLU^2: as the vision projector's
 
 
-def mel_preprocessor(cfg: dict):
+def mel_preprocessor(cfg):
     from nemo.collections.asr.modules import AudioToMelSpectrogramPreprocessor
 
     return AudioToMelSpectrogramPreprocessor(
-        sample_rate=cfg["sample_rate"], features=cfg["n_mels"], n_fft=cfg["n_fft"],
-        window_size=cfg["window_size"], window_stride=cfg["window_stride"], normalize="per_feature", dither=0.0, pad_to=0)
+        sample_rate=cfg.sample_rate, features=cfg.n_mels, n_fft=cfg.n_fft,
+        window_size=cfg.window_size, window_stride=cfg.window_stride, normalize="per_feature", dither=0.0, pad_to=0)
 
 
 def mel_features(preprocessor, waves: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +45,7 @@ class MelFeatures(nn.Module):
     """The conformer families' preprocessing (models/encoder_families/conformer.py) on its own: the mel front end
     an encoder of `cfg` runs, e.g. to feed a reference model the same features."""
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg):
         super().__init__()
         self.preprocessor = mel_preprocessor(cfg)
 
@@ -100,7 +100,7 @@ class FastConformerEncoder(nn.Module):
     second sqrt(d) input scaling; transformers: the subsampling replaced by _Received, input scale 1): positions
     and masks are recomputed from the clip's length, which every stage knows."""
 
-    def __init__(self, cfg: dict, recompute: str = "none", pp: int = 1, stage: int = 0):
+    def __init__(self, cfg, recompute: str = "none", pp: int = 1, stage: int = 0):
         super().__init__()
         from nemo.collections.asr.modules import ConformerEncoder
 
@@ -108,10 +108,10 @@ class FastConformerEncoder(nn.Module):
         self.tokens = family_of(cfg).tokens(cfg)
         self.preprocessor = mel_preprocessor(cfg)
         self.encoder = ConformerEncoder(
-            feat_in=cfg["n_mels"], n_layers=cfg["layers"], d_model=cfg["hidden"], n_heads=cfg["heads"],
-            ff_expansion_factor=cfg["ff_expansion"], conv_kernel_size=cfg["conv_kernel"],
-            subsampling="dw_striding", subsampling_factor=cfg["subsampling"],
-            subsampling_conv_channels=cfg["subsampling_channels"], self_attention_model="rel_pos",
+            feat_in=cfg.n_mels, n_layers=cfg.layers, d_model=cfg.hidden, n_heads=cfg.heads,
+            ff_expansion_factor=cfg.ff_expansion, conv_kernel_size=cfg.conv_kernel,
+            subsampling="dw_striding", subsampling_factor=cfg.subsampling,
+            subsampling_conv_channels=cfg.subsampling_channels, self_attention_model="rel_pos",
             # Dropout off: the encoders we load are fine-tuned or frozen inside the VLM, and parity needs it.
             dropout=0.0, dropout_pre_encoder=0.0, dropout_emb=0.0, dropout_att=0.0,
             # NeMo otherwise all-reduces the max audio length over the WORLD group in every forward
@@ -127,11 +127,11 @@ class FastConformerEncoder(nn.Module):
         self.pp, self.stage = pp, stage
         self.first_stage, self.last_stage = stage == 0, stage == pp - 1
         if pp > 1:
-            self.encoder.layers = stage_layers(self.encoder.layers, vit_stage_layers(self.cfg["layers"], pp, stage))
+            self.encoder.layers = stage_layers(self.encoder.layers, vit_stage_layers(self.cfg.layers, pp, stage))
 
     @property
     def out_dim(self) -> int:
-        return self.cfg["hidden"]
+        return self.cfg.hidden
 
     def features(self, waves: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return mel_features(self.preprocessor, waves)
@@ -161,7 +161,7 @@ class FastConformerEncoder(nn.Module):
         keep = [self.tokens.audio_tokens_of_frames(n) for n in feat_len.tolist()]
         for k, n in zip(keep, out_len.tolist()):
             if not n <= k <= out.shape[1]:
-                name = self.cfg.get("name", self.cfg["family"])
+                name = self.cfg.name or self.cfg.family
                 raise RuntimeError(f"{name}: keeping {k} of {out.shape[1]} encoder frames (valid {n}) - the token "
                                    f"rule and the encoder disagree")
         return [out[i, :k] for i, k in enumerate(keep)]
@@ -170,7 +170,7 @@ class FastConformerEncoder(nn.Module):
 class ParakeetHFEncoder(FastConformerEncoder):
     """The same interface on transformers' ParakeetEncoder (NeMo mel front end, HF conformer body)."""
 
-    def __init__(self, cfg: dict, recompute: str = "none", pp: int = 1, stage: int = 0):
+    def __init__(self, cfg, recompute: str = "none", pp: int = 1, stage: int = 0):
         nn.Module.__init__(self)
         from transformers import ParakeetEncoder, ParakeetEncoderConfig
 
@@ -196,16 +196,16 @@ class ParakeetHFEncoder(FastConformerEncoder):
         return out.last_hidden_state, out.attention_mask.sum(-1)
 
 
-def parakeet_hf_config(cfg: dict, config_cls=None):
+def parakeet_hf_config(cfg, config_cls=None):
     """transformers' ParakeetEncoderConfig for a registry entry (dropouts off, as in FastConformerEncoder)."""
     if config_cls is None:
         from transformers import ParakeetEncoderConfig as config_cls
     return config_cls(
-        hidden_size=cfg["hidden"], num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
-        intermediate_size=cfg["hidden"] * cfg["ff_expansion"], num_mel_bins=cfg["n_mels"],
-        conv_kernel_size=cfg["conv_kernel"], subsampling_factor=cfg["subsampling"],
-        subsampling_conv_channels=cfg["subsampling_channels"], attention_bias=cfg["attention_bias"],
-        convolution_bias=cfg["convolution_bias"], scale_input=cfg["scale_input"], dropout=0.0, dropout_positions=0.0,
+        hidden_size=cfg.hidden, num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+        intermediate_size=cfg.hidden * cfg.ff_expansion, num_mel_bins=cfg.n_mels,
+        conv_kernel_size=cfg.conv_kernel, subsampling_factor=cfg.subsampling,
+        subsampling_conv_channels=cfg.subsampling_channels, attention_bias=cfg.attention_bias,
+        convolution_bias=cfg.convolution_bias, scale_input=cfg.scale_input, dropout=0.0, dropout_positions=0.0,
         attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tessera.models.encoder_families.vit import ViTConfig
 from tessera.hetero.plan.zigzag import zigzag_multiple
 
 BATCH, SEQ, SEED = 2, 37, 1234  # SEQ not a multiple of typical chunk sizes: exercises the padding
@@ -124,23 +125,23 @@ def omni_samples(hf_dir: str, seed: int = OMNI_SEED, video_temporal: int = 0) ->
 
     vocab = llm_fields_of(read_config(hf_dir))["vocab_size"]
     image_id, audio_id, _ = omni_token_ids(hf_dir)
-    cfg = {m: encoder_config(encoder_name(hf_dir, m)) for m in _modalities(hf_dir)}
+    cfgs = {m: encoder_config(encoder_name(hf_dir, m)) for m in _modalities(hf_dir)}
     rng = np.random.default_rng(seed)
     text_ids = np.setdiff1d(np.arange(vocab), [image_id, audio_id])
 
     def tiles(n):
-        side = cfg["vision"]["tile"]
+        side = cfgs["vision"].tile
         return rng.integers(0, 256, size=(n, 3, side, side), dtype=np.uint8)
 
     def wave(seconds):
-        a = cfg["audio"]
-        n = _audio_samples(seconds, a["sample_rate"], round(a["window_stride"] * a["sample_rate"]))
+        a = cfgs["audio"]
+        n = _audio_samples(seconds, a.sample_rate, round(a.window_stride * a.sample_rate))
         return (0.1 * rng.standard_normal(n)).astype(np.float32)
 
     plans = {"image": [7, ("image", 2), 9], "audio": [5, ("audio", 1.28), 8],
              "mixed": [6, ("image", 1), 5, ("audio", 0.9), 11],
              "mixed_audio_first": [3, ("audio", 0.7), 4, ("image", 1), 8]}
-    if video_temporal and "vision" in cfg:  # beside audio, not an image: the release prunes every image-token
+    if video_temporal and "vision" in cfgs:  # beside audio, not an image: the release prunes every image-token
         plans["audio_video"] = plans.pop("audio") + [("video", 5), 6]  # position of a sample with video as video
         plans = {k: plans[k] for k in ("image", "audio_video", "mixed", "mixed_audio_first")}  # (four rows still)
     rate = video_pruning_rate(hf_dir)
@@ -154,10 +155,10 @@ def omni_samples(hf_dir: str, seed: int = OMNI_SEED, video_temporal: int = 0) ->
                 continue
             kind, amount = part
             module = "audio" if kind == "audio" else "vision"
-            if module not in cfg:
+            if module not in cfgs:
                 continue  # a checkpoint without this encoder: the sample keeps its text
             item = wave(amount) if kind == "audio" else tiles(amount)
-            rule = tokens_config(cfg[module])
+            rule = tokens_config(cfgs[module])
             if kind == "video":
                 rule = dataclasses.replace(rule, video_temporal=video_temporal, video_pruning=rate)
             count = rule.tokens(kind, len(item))
@@ -207,22 +208,22 @@ def release_video_tokens(tokens: torch.Tensor, chunks, per_tubelet: int) -> torc
     return tokens
 
 
-def release_video_pixels(frames, vcfg: dict) -> torch.Tensor:
+def release_video_pixels(frames, vcfg: ViTConfig) -> torch.Tensor:
     """uint8 frames [F, 3, H, W] -> the forward's pixel_values_videos [1, tubelets, T*3, H, W]: rescaled and
     normalised as the video processor does (processor_pixels without patching), then packed as it packs them,
     T = temporal_patch consecutive frames per tubelet along the channels, the last frame repeated to fill the
     last tubelet."""
     import numpy as np
 
-    mean, std = (torch.tensor(vcfg[k]).view(-1, 1, 1) * 255 for k in ("mean", "std"))
+    mean, std = (torch.tensor(x).view(-1, 1, 1) * 255 for x in (vcfg.mean, vcfg.std))
     x = (torch.as_tensor(np.asarray(frames)).to(torch.float32) - mean) / std
-    t = vcfg["temporal_patch"]
+    t = vcfg.temporal_patch
     if len(x) % t:
         x = torch.cat([x, x[-1:].expand(t - len(x) % t, -1, -1, -1)])
     return x.reshape(1, len(x) // t, t * x.shape[1], *x.shape[-2:])
 
 
-def omni_inputs(sample: OmniSample, vcfg: dict | None, audio_frontend) -> dict:
+def omni_inputs(sample: OmniSample, vcfg: ViTConfig | None, audio_frontend) -> dict:
     """The Omni forward's inputs for one sample (omni_forward_inputs of its tokens, images and clip). A video's
     chunks, at Tessera's nominal counts, are widened to the release's (release_video_tokens) and its frames go in
     as pixel_values_videos (release_video_pixels)."""
@@ -232,7 +233,7 @@ def omni_inputs(sample: OmniSample, vcfg: dict | None, audio_frontend) -> dict:
     for i, (_, kind, item, _, _) in enumerate(sample.media):
         if kind != "video":
             continue
-        frames, p = item[0], vcfg["patch"]
+        frames, p = item[0], vcfg.patch
         tokens = release_video_tokens(tokens, sample.chunks[i],
                                       tokens_config(vcfg).grid_tokens(frames.shape[-2] // p, frames.shape[-1] // p))
         inputs_extra["pixel_values_videos"] = release_video_pixels(frames, vcfg)
@@ -242,7 +243,7 @@ def omni_inputs(sample: OmniSample, vcfg: dict | None, audio_frontend) -> dict:
     return {**inputs, **inputs_extra}
 
 
-def omni_forward_inputs(tokens, images: list, clips: list, vcfg: dict | None, audio_frontend,
+def omni_forward_inputs(tokens, images: list, clips: list, vcfg: ViTConfig | None, audio_frontend,
                         name: str = "sample") -> dict:
     """The Omni forward's inputs for one document: exactly what Tessera's encoders see (every uint8 [H, W]
     image of an item, a tile or a native-resolution image, one image of its (H/patch) x (W/patch) patch grid;
@@ -253,8 +254,8 @@ def omni_forward_inputs(tokens, images: list, clips: list, vcfg: dict | None, au
     inputs = {"input_ids": tokens[None]}
     if images:
         items = [torch.as_tensor(np.asarray(item)) for item in images]  # each [n, 3, H, W]
-        p = vcfg["patch"]
-        inputs["pixel_values"] = torch.cat([processor_pixels(x, p, vcfg["mean"], vcfg["std"]) for x in items])
+        p = vcfg.patch
+        inputs["pixel_values"] = torch.cat([processor_pixels(x, p, vcfg.mean, vcfg.std) for x in items])
         inputs["image_grid_hw"] = torch.tensor([[x.shape[-2] // p, x.shape[-1] // p] for x in items for _ in x])
     if clips:
         if len(clips) > 1:

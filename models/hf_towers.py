@@ -29,14 +29,14 @@ def deterministic(config) -> None:
             deterministic(getattr(config, sub))
 
 
-def load_transformers_model(cfg: dict):
+def load_transformers_model(cfg):
     """The tower of cfg's directory: its weights, or on the meta device (models/meta_device.meta_build) shapes only.
     A type of the family's table loads as its tower class; any other through AutoModel, then the model's own
-    accessor of its encoder (cfg["submodule"]: a dual model's vision_model, an encoder-decoder's get_encoder())."""
+    accessor of its encoder (cfg.submodule: a dual model's vision_model, an encoder-decoder's get_encoder())."""
     import transformers
 
-    directory, meta = cfg["directory"], torch.empty(0).is_meta
-    cls = getattr(transformers, cfg["tower_class"])
+    directory, meta = cfg.directory, torch.empty(0).is_meta
+    cls = getattr(transformers, cfg.tower_class)
     config = (transformers.AutoConfig if cls is transformers.AutoModel else cls.config_class).from_pretrained(directory)
     deterministic(config)
     if hasattr(config, "vision_use_head"):
@@ -45,7 +45,7 @@ def load_transformers_model(cfg: dict):
         model = cls.from_config(config) if cls is transformers.AutoModel else cls(config)
     else:
         model = cls.from_pretrained(directory, config=config, dtype=torch.float32)
-    where = cfg.get("submodule", "")
+    where = cfg.submodule
     tower = model.get_encoder() if where == "encoder" else getattr(model, where) if where else model
     if getattr(tower, "pooler", None) is not None:
         tower.pooler = None  # a pooled output Tessera never reads: its parameters would get no gradient
@@ -55,11 +55,11 @@ def load_transformers_model(cfg: dict):
 class HFPixels(nn.Module):
     """uint8 tiles [n, 3, tile, tile] -> the processor's pixel_values of them: rescaled, normalised (fp32)."""
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg):
         super().__init__()
-        self.rescale = cfg["rescale"]
-        self.register_buffer("mean", torch.tensor(cfg["mean"]).view(1, 3, 1, 1), persistent=False)
-        self.register_buffer("std", torch.tensor(cfg["std"]).view(1, 3, 1, 1), persistent=False)
+        self.rescale = cfg.rescale
+        self.register_buffer("mean", torch.tensor(cfg.mean).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(cfg.std).view(1, 3, 1, 1), persistent=False)
 
     def forward(self, tiles):
         tiles = torch.as_tensor(tiles).to(self.mean.device)
@@ -69,9 +69,9 @@ class HFPixels(nn.Module):
 class HFVisionTower(nn.Module):
     """Normalised tiles [n, 3, tile, tile] -> the tower's patch features as a grid [n, rows, cols, hidden].
 
-    Pipeline stage `stage` of `pp` keeps its share of the encoder's plain list of layers (cfg["layer_list"];
+    Pipeline stage `stage` of `pp` keeps its share of the encoder's plain list of layers (cfg.layer_list;
     models/vision's split, named by their global index), the embeddings on the first stage and the final norm
-    (cfg["final_norm"]) on the last; the stages run through embed / run_stage_layers / head
+    (cfg.final_norm) on the last; the stages run through embed / run_stage_layers / head
     (models/multimodal.MediaModule.forward_stage), which together are the model's own forward: embeddings (CLIP: +
     pre_layrnorm), the layers without a mask (a tile has no padding), the final norm (SigLIP's post_layernorm,
     DINOv2's layernorm; CLIP's post_layernorm is its pooled output's only: none). For a type outside the table
@@ -79,7 +79,7 @@ class HFVisionTower(nn.Module):
 
     cp = 1
 
-    def __init__(self, cfg: dict, recompute: str, pp: int = 1, stage: int = 0):
+    def __init__(self, cfg, recompute: str, pp: int = 1, stage: int = 0):
         from tessera.models.audio import stage_layers
         from tessera.models.vision import vit_stage_layers
 
@@ -90,13 +90,13 @@ class HFVisionTower(nn.Module):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         body = self.body
         if pp > 1:
-            owner, _, name = cfg["layer_list"].rpartition(".")  # e.g. encoder.layers (SigLIP), encoder.layer (DINOv2)
+            owner, _, name = cfg.layer_list.rpartition(".")  # e.g. encoder.layers (SigLIP), encoder.layer (DINOv2)
             owner = body.get_submodule(owner)
-            setattr(owner, name, stage_layers(getattr(owner, name), vit_stage_layers(cfg["layers"], pp, stage)))
+            setattr(owner, name, stage_layers(getattr(owner, name), vit_stage_layers(cfg.layers, pp, stage)))
             if not self.first_stage:
                 body.embeddings = body.pre_layrnorm = None
-            if not self.last_stage and cfg["final_norm"]:
-                setattr(body, cfg["final_norm"], None)
+            if not self.last_stage and cfg.final_norm:
+                setattr(body, cfg.final_norm, None)
 
     @property
     def body(self) -> nn.Module:
@@ -106,10 +106,10 @@ class HFVisionTower(nn.Module):
     def inputs(self, pixels) -> dict:
         """The tower's forward arguments for normalised tiles: pixel_values, and for SigLIP2 the processor's
         patch rows (convert_image_to_patches' (rows, cols, p, p, c) order) and spatial shapes."""
-        if not self.cfg["model_type"].startswith("siglip2"):
+        if not self.cfg.model_type.startswith("siglip2"):
             return {"pixel_values": pixels}
         n, c, h, w = pixels.shape
-        p = self.cfg["patch"]
+        p = self.cfg.patch
         patches = pixels.reshape(n, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1).reshape(n, -1, p * p * c)
         shapes = torch.tensor([[h // p, w // p]] * n, dtype=torch.long, device=pixels.device)
         # no mask: a tile fills its max_num_patches, so the processor's mask is all ones (no padded patch)
@@ -117,15 +117,15 @@ class HFVisionTower(nn.Module):
 
     def forward(self, pixels):
         n, _, h, w = pixels.shape
-        if (h, w) != (self.cfg["tile"],) * 2 and not self.cfg["model_type"].startswith("siglip2"):
+        if (h, w) != (self.cfg.tile,) * 2 and not self.cfg.model_type.startswith("siglip2"):
             # a fixed-size tower's position table holds the processor's grid only (SigLIP2 resizes its own)
-            raise ValueError(f"encoder {self.cfg['name']!r} takes {self.cfg['tile']}-px tiles, got {w}x{h} images: "
+            raise ValueError(f"encoder {self.cfg.name!r} takes {self.cfg.tile}-px tiles, got {w}x{h} images: "
                              f"use it with tiled images (the vl recipes), not native-resolution ones (omni)")
         if self.pp > 1:
-            raise RuntimeError(f"encoder {self.cfg['name']!r} is pipeline stage {self.stage} of {self.pp}: run it "
+            raise RuntimeError(f"encoder {self.cfg.name!r} is pipeline stage {self.stage} of {self.pp}: run it "
                                f"through embed / run_stage_layers / head")
-        hidden = self.model(**self.inputs(pixels)).last_hidden_state[:, self.cfg["prefix_tokens"]:]
-        p = self.cfg["patch"]
+        hidden = self.model(**self.inputs(pixels)).last_hidden_state[:, self.cfg.prefix_tokens:]
+        p = self.cfg.patch
         return hidden.reshape(n, h // p, w // p, -1)
 
     def embed(self, pixels):
@@ -139,7 +139,7 @@ class HFVisionTower(nn.Module):
     def run_stage_layers(self, hidden):
         """This stage's layers over [tokens, n, hidden] (megatron's sequence-first order, as models/vision's)."""
         x = hidden.transpose(0, 1)
-        for layer in self.body.get_submodule(self.cfg["layer_list"]):
+        for layer in self.body.get_submodule(self.cfg.layer_list):
             x = layer(x, None)
             x = x[0] if isinstance(x, tuple) else x
         return x.transpose(0, 1)
@@ -148,21 +148,21 @@ class HFVisionTower(nn.Module):
         """Last stage: [tokens, n, hidden] -> the patch grid [n, rows, cols, hidden] (the final norm applied, the
         class / register tokens dropped)."""
         x = hidden.transpose(0, 1)
-        if self.cfg["final_norm"]:
-            x = getattr(self.body, self.cfg["final_norm"])(x)
-        return x[:, self.cfg["prefix_tokens"]:].reshape(x.shape[0], rows, cols, -1)
+        if self.cfg.final_norm:
+            x = getattr(self.body, self.cfg.final_norm)(x)
+        return x[:, self.cfg.prefix_tokens:].reshape(x.shape[0], rows, cols, -1)
 
 
 class HFVisionEncoder(nn.Module):
     """uint8 tiles [n, 3, tile, tile] -> tokens [n * patches, hidden] (models/vision.VisionEncoder's interface)."""
 
-    def __init__(self, cfg: dict, recompute: str = "none", pp: int = 1, stage: int = 0):
+    def __init__(self, cfg, recompute: str = "none", pp: int = 1, stage: int = 0):
         super().__init__()
         self.cfg, self.pixels, self.vit = cfg, HFPixels(cfg), HFVisionTower(cfg, recompute, pp, stage)
 
     @property
     def out_dim(self) -> int:
-        return self.cfg["hidden"]
+        return self.cfg.hidden
 
     def normalize(self, tiles):
         """Normalised pixels in the tower's dtype (the run's: bf16 on GPUs)."""
@@ -178,23 +178,23 @@ class HFVisionEncoder(nn.Module):
 class HFAudioFeatures:
     """The model's own feature extractor on a list of waveforms -> (encoder input [b, ...], valid samples [b])."""
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg):
         from transformers import AutoFeatureExtractor
 
-        self.cfg, self.extractor = cfg, AutoFeatureExtractor.from_pretrained(cfg["directory"])
+        self.cfg, self.extractor = cfg, AutoFeatureExtractor.from_pretrained(cfg.directory)
 
     def __call__(self, waves: list):
         import numpy as np
 
         device = torch.as_tensor(waves[0]).device
         arrays = [torch.as_tensor(w, dtype=torch.float32).cpu().numpy() for w in waves]
-        window = self.cfg["window_samples"]
+        window = self.cfg.window_samples
         lengths = torch.tensor([min(len(a), window) if window else len(a) for a in arrays], device=device)
-        if self.cfg["model_type"] == "whisper":
-            out = self.extractor(arrays, sampling_rate=self.cfg["sample_rate"], return_tensors="np")
+        if self.cfg.model_type == "whisper":
+            out = self.extractor(arrays, sampling_rate=self.cfg.sample_rate, return_tensors="np")
             return torch.from_numpy(np.asarray(out["input_features"])).to(device), lengths
         # wav2vec2 / HuBERT: normalised per clip, each clip its own pass (padding would change group norm)
-        out = [self.extractor(a, sampling_rate=self.cfg["sample_rate"], return_tensors="np")["input_values"][0]
+        out = [self.extractor(a, sampling_rate=self.cfg.sample_rate, return_tensors="np")["input_values"][0]
                for a in arrays]
         batch = torch.zeros(len(out), int(lengths.max()), device=device)
         for i, a in enumerate(out):
@@ -207,7 +207,7 @@ class HFAudioEncoder(nn.Module):
 
     pp, stage, first_stage, last_stage = 1, 0, True, True
 
-    def __init__(self, cfg: dict, recompute: str = "none"):
+    def __init__(self, cfg, recompute: str = "none"):
         super().__init__()
         self.cfg, self.tokens = cfg, family_of(cfg).tokens(cfg)
         self.extract = HFAudioFeatures(cfg)
@@ -217,7 +217,7 @@ class HFAudioEncoder(nn.Module):
 
     @property
     def out_dim(self) -> int:
-        return self.cfg["hidden"]
+        return self.cfg.hidden
 
     def features(self, waves):
         return self.extract(waves)
@@ -226,14 +226,14 @@ class HFAudioEncoder(nn.Module):
         """Encoder rows [b, rows, hidden] and the rows each clip's samples cover."""
         keep = torch.tensor([self.tokens.audio_tokens(int(n)) for n in lengths], device=feats.device)
         feats = feats.to(next(self.encoder.parameters()).dtype)  # the run's dtype (bf16 on GPUs)
-        if self.cfg["model_type"] == "whisper":
+        if self.cfg.model_type == "whisper":
             return self.encoder(feats).last_hidden_state, keep
         rows = [self.encoder(feats[i:i + 1, :int(n)]).last_hidden_state[0] for i, n in enumerate(lengths)]
         out = feats.new_zeros(len(rows), max(len(r) for r in rows), self.out_dim)
         return torch.stack([torch.cat([r, out[0, len(r):]]) for r in rows]) if rows else out, keep
 
     def encode_received(self, hidden, lengths):
-        raise ValueError(f"encoder {self.cfg['name']!r} runs on one pipeline stage (pp1)")
+        raise ValueError(f"encoder {self.cfg.name!r} runs on one pipeline stage (pp1)")
 
     def keep(self, out, out_len, feat_len=None):
         return [o[:int(n)] for o, n in zip(out, out_len)]

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tessera.models.audio import SoundProjector
+from tessera.models.encoder_families.base import EncoderIdentity
 from tessera.models.encoders import encoder_config, family_of
 from tessera.models.tiling import TileSource
 from tessera.models.video import VideoEncoder, evs_prune, evs_tubelet_counts
@@ -43,7 +44,7 @@ def _pixels(item, device: torch.device) -> torch.Tensor:
 class MediaModule(nn.Module):
     """One module key's encoder (+ video path for vision) and projector; items in, [n, llm_hidden] out."""
 
-    def __init__(self, cfg: dict, encoder: nn.Module, projector: nn.Module, video: VideoEncoder | None = None,
+    def __init__(self, cfg: EncoderIdentity, encoder: nn.Module, projector: nn.Module, video: VideoEncoder | None = None,
                  frozen: bool = False):
         super().__init__()
         self.cfg, self.encoder, self.projector, self.video = cfg, encoder, projector, video
@@ -72,12 +73,12 @@ class MediaModule(nn.Module):
 
         if kind == "image":
             n, _, h, w = item.shape  # an array, a tensor or a TileSource
-            return n * tokens_config(self.cfg).grid_tokens(h // self.cfg["patch"], w // self.cfg["patch"])
+            return n * tokens_config(self.cfg).grid_tokens(h // self.cfg.patch, w // self.cfg.patch)
         if kind == "video":
             return self.video.num_tokens(*item[0].shape[:1], *item[0].shape[2:])  # frames, height, width
         if kind == "audio":
             return tokens_config(self.cfg).audio_tokens(len(item))
-        raise ValueError(f"module {self.cfg['modality']!r} cannot encode media of kind {kind!r}")
+        raise ValueError(f"module {self.cfg.modality!r} cannot encode media of kind {kind!r}")
 
     @property
     def device(self) -> torch.device:
@@ -88,8 +89,8 @@ class MediaModule(nn.Module):
     def path(self) -> str:
         """How this module runs (hetero/plan/encoder_cp.encoder_path), from its tower's own cp and pp; an
         item-parallel CP encoder (item_cp) is an `items` module to itself: its stage deals the items."""
-        tower = self.encoder.vit if self.cfg["modality"] == "vision" else self.encoder
-        return encoder_path(self.cfg["modality"], getattr(tower, "cp", 1), tower.pp)
+        tower = self.encoder.vit if self.cfg.modality == "vision" else self.encoder
+        return encoder_path(self.cfg.modality, getattr(tower, "cp", 1), tower.pp)
 
     @property
     def pipelined(self) -> bool:
@@ -100,13 +101,13 @@ class MediaModule(nn.Module):
         """(tiles, tokens per tile) of each item between pipeline stages: vision, prefix + patches per tile; audio,
         one clip of the conformer's output rows (EncoderTokens.audio_encoder_rows)."""
         out = []
-        if self.cfg["modality"] == "audio":
+        if self.cfg.modality == "audio":
             for kind, wave in items:
                 if kind != "audio":
                     raise ValueError(f"audio module got a {kind!r} item")
                 out.append((1, self.encoder.tokens.audio_encoder_rows(len(wave))))
             return out
-        p, prefix = self.cfg["patch"], self.cfg["prefix_tokens"]
+        p, prefix = self.cfg.patch, self.cfg.prefix_tokens
         for kind, item in items:
             if kind not in ("image", "video"):
                 raise ValueError(f"vision module got a {kind!r} item")
@@ -119,7 +120,7 @@ class MediaModule(nn.Module):
     def stage_shape(self, items: list) -> tuple[int, int]:
         """Shape of the activation between vision pipeline stages for `items`: [sum of tiles x tokens, hidden]
         ([0, hidden] when there are none: the stages still exchange the empty message the schedule holds)."""
-        return sum(n * s for n, s in self.stage_tokens(items)), self.cfg["hidden"]
+        return sum(n * s for n, s in self.stage_tokens(items)), self.cfg.hidden
 
     def forward_stage(self, items: list, x: torch.Tensor | None = None) -> torch.Tensor:
         """One vision pipeline stage over `items`, each encoded on its own (as forward does, item by item).
@@ -130,7 +131,7 @@ class MediaModule(nn.Module):
         projected [tokens, llm_hidden] of the items, concatenated; another stage its layers' output. Video
         frames (or tubelets, VideoEncoder.tiles) go through as tiles, the last stage projects and prunes them as
         MediaModule.project does. Audio: each clip's conformer rows (_forward_audio_stage)."""
-        modality = self.cfg["modality"]
+        modality = self.cfg.modality
         stage = self.encoder.vit if modality == "vision" else self.encoder
         self.tubelet_kept = []  # (set again by project on the last stage)
         if stage.first_stage != (x is None):
@@ -157,8 +158,8 @@ class MediaModule(nn.Module):
                 if not vit.last_stage:
                     outs.append(hidden.transpose(0, 1).reshape(n * s, -1))
                     continue
-                rows, cols = pixels.shape[-2] // self.cfg["patch"], pixels.shape[-1] // self.cfg["patch"]
-                grid = pixel_shuffle(vit.head(hidden, rows, cols), self.cfg["pixel_shuffle"])
+                rows, cols = pixels.shape[-2] // self.cfg.patch, pixels.shape[-1] // self.cfg.patch
+                grid = pixel_shuffle(vit.head(hidden, rows, cols), self.cfg.pixel_shuffle)
             outs.append(grid if kind == "video" else grid.flatten(0, 2))
         if vit.last_stage and outs:
             outs = [self.project([kind for kind, _ in items], outs)]
@@ -203,7 +204,7 @@ class MediaModule(nn.Module):
         rows in order — what the boundary plan expects of this encoder CP rank. Every CP rank of the rows calls
         it (the tower's attention gathers over them). Video frames (or tubelets) go through as tiles (EVS pruning is
         refused at build under cp > 1)."""
-        vit, p = self.encoder.vit, self.cfg["patch"]
+        vit, p = self.encoder.vit, self.cfg.patch
         grids, tiles = [], []
         for items in rows:
             row = []
@@ -217,7 +218,7 @@ class MediaModule(nn.Module):
             grids.append(row)
         if not tiles:  # no item in any row: every CP rank of the rows sees the same, so none runs the layers
             return next(self.projector.parameters()).new_zeros(0, self.llm_hidden)
-        plan = plan_vision_cp(grids, self.cfg["pixel_shuffle"], self.cfg["prefix_tokens"], vit.cp)
+        plan = plan_vision_cp(grids, self.cfg.pixel_shuffle, self.cfg.prefix_tokens, vit.cp)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
             feats = encode_parts(vit, tiles, plan)
         return self.projector(feats)
@@ -226,7 +227,7 @@ class MediaModule(nn.Module):
         # decoded items arrive as host arrays: each goes to the module's device once, in its stored dtype
         # (uint8 tiles/frames: 4x less to copy than after normalisation)
         dev = self.device
-        if self.cfg["modality"] == "audio":
+        if self.cfg.modality == "audio":
             for kind, _ in items:
                 if kind != "audio":
                     raise ValueError(f"audio module got a {kind!r} item")
@@ -244,7 +245,7 @@ class MediaModule(nn.Module):
     def forward(self, items: list) -> torch.Tensor:
         entry = {"pipeline": "forward_stage", "token_cp": "forward_cp"}.get(self.path)
         if entry is not None:
-            raise RuntimeError(f"this {self.cfg['modality']} module runs as {self.path} "
+            raise RuntimeError(f"this {self.cfg.modality} module runs as {self.path} "
                                f"(hetero/plan/encoder_cp.encoder_path): run it through {entry}")
         if not items:
             return next(self.projector.parameters()).new_zeros(0, self.llm_hidden)
@@ -290,10 +291,10 @@ def build_media_module(name: str, llm_hidden: int, pg_collection, projector_hidd
     (models/recompute.py; a frozen encoder runs without grad, so it never recomputes). core_attention: the vision
     tower's core attention class (a context-parallel one under cp > 1, injected by the runtime)."""
     cfg = encoder_config(name, **overrides)
-    projector_hidden = projector_hidden or cfg["projector_hidden"]
+    projector_hidden = projector_hidden or cfg.projector_hidden
     # the family builds the encoder with its modality's interface (models/encoder_families/base.EncoderFamily.build)
     encoder = family_of(cfg).build(cfg, pg_collection, recompute=recompute, core_attention=core_attention)
-    if cfg["modality"] == "vision":
+    if cfg.modality == "vision":
         # a pipeline stage of the tower: the projector lives on its last stage only
         projector = Projector(encoder.out_dim, projector_hidden or 4 * encoder.out_dim, llm_hidden) \
             if encoder.vit.last_stage else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tessera.models.encoder_families.base import family_of
+from tessera.models.encoder_families.base import EncoderIdentity, family_of
 from tessera.models.encoder_families.conformer import SOUND_ROOT  # noqa: F401 (the sound encoder's layout root)
 from tessera.models.encoder_families.fastconformer import nemo_to_parakeet_name  # noqa: F401
 from tessera.models.encoder_families.radio import (RADIO_FINAL_NORM, RADIO_ROOT, RADIO_TOWER,  # noqa: F401
@@ -22,30 +22,30 @@ from tessera.models.encoder_families.siglip import SIGLIP_ROOT  # noqa: F401
 PROJECTOR_ROOT = {"vision": "mlp1.", "audio": "sound_projection."}
 
 
-def vision_adapter_targets(name: str, b: torch.Tensor, cfg: dict) -> list[tuple[str, torch.Tensor]]:
+def vision_adapter_targets(name: str, b: torch.Tensor, cfg: EncoderIdentity) -> list[tuple[str, torch.Tensor]]:
     """(HF module, rows of B) of a LoRA adapter on the ViT layer linear `layers.N.<megatron suffix>` (one-rank
     B [out, r]), for PEFT's adapter files: the family's lora_targets."""
     return family_of(cfg).lora_targets(cfg, name, b)
 
 
-def vision_from_hf(hf: dict, cfg: dict, tp_rank: int = 0, tp: int = 1) -> dict[str, torch.Tensor]:
+def vision_from_hf(hf: dict, cfg: EncoderIdentity, tp_rank: int = 0, tp: int = 1) -> dict[str, torch.Tensor]:
     """One TP rank's VisionTransformer state dict from HF-layout tensors (the family's import_tensors)."""
     return family_of(cfg).import_tensors(cfg, hf, None, tp_rank, tp)
 
 
-def vision_to_hf(shards: list[dict], cfg: dict) -> dict[str, torch.Tensor]:
+def vision_to_hf(shards: list[dict], cfg: EncoderIdentity) -> dict[str, torch.Tensor]:
     """Merge per-TP-rank VisionTransformer state dicts (index = tp rank) into HF-layout tensors."""
     return family_of(cfg).export_tensors(cfg, shards)
 
 
 def sound_to_hf(encoder_sd: dict, family: str) -> dict[str, torch.Tensor]:
     """State dict of the inner conformer of a `family` encoder -> sound_encoder.encoder.*"""
-    return family_of(family).export_tensors({"family": family}, [encoder_sd])
+    return family_of(family).export_tensors(None, [encoder_sd])  # (a conformer's names need no config)
 
 
 def sound_from_hf(hf: dict, encoder_keys, family: str) -> dict[str, torch.Tensor]:
     """The inner conformer's state dict for `encoder_keys` (its own names) from sound_encoder.encoder.*"""
-    return family_of(family).import_tensors({"family": family}, hf, encoder_keys)
+    return family_of(family).import_tensors(None, hf, encoder_keys)
 
 
 def encoder_from_hf(hf, mod, tp_rank: int = 0, tp: int = 1) -> None:

@@ -16,43 +16,43 @@ tokenizer it ships (hetero/export/hf.media_token_ids).
 
 from __future__ import annotations
 
-from tessera.models.encoder_families.base import family_of
+from tessera.models.encoder_families.base import EncoderIdentity, family_of
 
 MLP1_HIDDEN, SOUND_HIDDEN = "mlp1.1.weight", "sound_projection.linear1.weight"
 
 
-def _vision(v: dict, shapes: dict) -> tuple[dict | None, str]:
+def _vision(v: EncoderIdentity, shapes: dict) -> tuple[dict | None, str]:
     why = family_of(v).release_issue(v)
     if why:
         return None, why
-    summary = list(v["summary_idxs"] or (0,))
+    summary = list(v.summary_idxs or (0,))
     cls = max(summary) + 1  # the prefix tokens are one table; the release splits it into cls + registers
     return dict(
-        patch_size=v["patch"], hidden_size=v["hidden"], num_hidden_layers=v["layers"],
-        num_attention_heads=v["heads"], mlp_ratio=v["ffn"] / v["hidden"], layer_norm_eps=v["eps"],
+        patch_size=v.patch, hidden_size=v.hidden, num_hidden_layers=v.layers,
+        num_attention_heads=v.heads, mlp_ratio=v.ffn / v.hidden, layer_norm_eps=v.eps,
         hidden_act="gelu", qkv_bias=True, use_swiglu_ffn=False, num_cls_tokens=cls,
-        num_registers=v["prefix_tokens"] - cls, max_img_size=v["pos_grid"] * v["patch"],
-        norm_mean=list(v["mean"]), norm_std=list(v["std"]), video_temporal_patch_size=v["temporal_patch"] or None,
-        layerscale_value=v["layer_scale"], summary_idxs=summary,
+        num_registers=v.prefix_tokens - cls, max_img_size=v.pos_grid * v.patch,
+        norm_mean=list(v.mean), norm_std=list(v.std), video_temporal_patch_size=v.temporal_patch or None,
+        layerscale_value=v.layer_scale, summary_idxs=summary,
     ), ""
 
 
-def _audio(a: dict, shapes: dict) -> tuple[dict | None, str]:
+def _audio(a: EncoderIdentity, shapes: dict) -> tuple[dict | None, str]:
     why = family_of(a).release_issue(a)
     if why:
         return None, why
     return dict(
-        hidden_size=a["hidden"], num_hidden_layers=a["layers"], num_attention_heads=a["heads"],
-        intermediate_size=a["hidden"] * a["ff_expansion"], num_mel_bins=a["n_mels"],
-        subsampling_factor=a["subsampling"], subsampling_conv_channels=a["subsampling_channels"],
-        conv_kernel_size=a["conv_kernel"], attention_bias=a["attention_bias"],
-        convolution_bias=a["convolution_bias"], scale_input=a["scale_input"], hidden_act="silu",
+        hidden_size=a.hidden, num_hidden_layers=a.layers, num_attention_heads=a.heads,
+        intermediate_size=a.hidden * a.ff_expansion, num_mel_bins=a.n_mels,
+        subsampling_factor=a.subsampling, subsampling_conv_channels=a.subsampling_channels,
+        conv_kernel_size=a.conv_kernel, attention_bias=a.attention_bias,
+        convolution_bias=a.convolution_bias, scale_input=a.scale_input, hidden_act="silu",
         subsampling_conv_kernel_size=3, subsampling_conv_stride=2,
         projection_hidden_size=shapes[SOUND_HIDDEN][0], projection_bias=False,
     ), ""
 
 
-def omni_config(vision: dict | None, audio: dict | None, text_fields: dict,
+def omni_config(vision: EncoderIdentity | None, audio: EncoderIdentity | None, text_fields: dict,
                 shapes: dict[str, tuple[int, ...]], video_pruning: float = 0.0) -> tuple[dict | None, str]:
     """(NemotronH_Omni_Reasoning_V3_Config kwargs, "") or (None, why this model has no such config)."""
     if vision is None:
@@ -65,6 +65,6 @@ def omni_config(vision: dict | None, audio: dict | None, text_fields: dict,
         a, why = _audio(audio, shapes)
         if a is None:
             return None, why
-    return dict(vision_config=v, audio_config=a, text_config=dict(text_fields), vision_hidden_size=vision["hidden"],
-                downsample_ratio=1 / vision["pixel_shuffle"], projector_hidden_size=shapes[MLP1_HIDDEN][0],
-                video_temporal_patch_size=vision["temporal_patch"] or None, video_pruning_rate=video_pruning), ""
+    return dict(vision_config=v, audio_config=a, text_config=dict(text_fields), vision_hidden_size=vision.hidden,
+                downsample_ratio=1 / vision.pixel_shuffle, projector_hidden_size=shapes[MLP1_HIDDEN][0],
+                video_temporal_patch_size=vision.temporal_patch or None, video_pruning_rate=video_pruning), ""

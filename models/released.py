@@ -176,7 +176,8 @@ def encoder_name(directory: str | Path, modality: str) -> str:
 
 
 def encoder_config_of(name: str) -> dict:
-    """The encoder config (models/encoders.py fields) that `hf:<dir>#<modality>` names (a fresh copy)."""
+    """The fields of the encoder config that `hf:<dir>#<modality>` names (a fresh copy): its family's Config
+    fields, `family`, `modality` and `name`, which models/encoders.encoder_config checks and types."""
     return copy.deepcopy(_derived(name))
 
 
@@ -190,9 +191,8 @@ def _derived(name: str) -> dict:
         raise CheckpointConfigError(f"encoder {name!r}: {directory}/config.json has no {modality} encoder "
                                     f"(it has {modalities_of(config) or 'none'})")
     omni = _omni(config)
-    cfg = _vision(omni, directory, config) if modality == "vision" else _audio(omni)
-    cfg["name"] = name
-    return cfg
+    fields = _vision(omni, directory, config) if modality == "vision" else _audio(omni)
+    return {**fields, "name": name}
 
 
 def _stores(directory: str, key: str) -> bool:

@@ -55,14 +55,14 @@ class VideoEncoder(nn.Module):
 
     def __init__(self, image_encoder: VisionEncoder, tubelets: bool = False, pruning_rate: float = 0.0):
         super().__init__()
-        if tubelets and not image_encoder.cfg.get("temporal_patch"):  # (on a later pipeline stage: not built here)
-            raise ValueError(f"encoder {image_encoder.cfg.get('name')} has no tubelet embedder (temporal_patch=0)")
+        if tubelets and not getattr(image_encoder.cfg, "temporal_patch", 0):  # (on a later pipeline stage: not built here)
+            raise ValueError(f"encoder {image_encoder.cfg.name} has no tubelet embedder (temporal_patch=0)")
         evs_kept_tokens(1, 1, pruning_rate)  # validate early
         self.image_encoder, self.tubelets, self.pruning_rate = image_encoder, tubelets, pruning_rate
 
     @property
     def temporal(self) -> int:
-        return self.image_encoder.cfg["temporal_patch"] if self.tubelets else 1
+        return self.image_encoder.cfg.temporal_patch if self.tubelets else 1
 
     def num_tokens(self, frames: int, height: int | None = None, width: int | None = None) -> int:
         """Embeddings of a clip of `frames` frames of height x width pixels (None: one tile each): the data
@@ -71,7 +71,7 @@ class VideoEncoder(nn.Module):
 
         cfg = self.image_encoder.cfg
         rule = dataclasses.replace(tokens_config(cfg), video_temporal=self.temporal, video_pruning=self.pruning_rate)
-        p = cfg["patch"]
+        p = cfg.patch
         return rule.video_tokens(frames if height is None else (frames, height // p, width // p))
 
     def tiles(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -88,7 +88,7 @@ class VideoEncoder(nn.Module):
 
     def grid_tokens(self, frames: torch.Tensor) -> torch.Tensor:
         enc = self.image_encoder
-        return pixel_shuffle(enc.vit(self.tiles(enc.normalize(frames))), enc.cfg["pixel_shuffle"])
+        return pixel_shuffle(enc.vit(self.tiles(enc.normalize(frames))), enc.cfg.pixel_shuffle)
 
     def forward(self, frames: torch.Tensor) -> torch.Tensor:
         """The clip's token grid [F', h, w, out_dim], not yet pruned: EVS scores the projected embeddings, as the

@@ -108,13 +108,13 @@ class BidirectionalCoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 
-def vit_transformer_config(cfg: dict, tp: int = 1, dtype: torch.dtype = torch.float32,
+def vit_transformer_config(cfg, tp: int = 1, dtype: torch.dtype = torch.float32,
                            recompute: str = "none") -> TransformerConfig:
     """recompute: "none" | "selective" | "full" (models/recompute.py), as megatron's recompute fields."""
     return TransformerConfig(
-        num_layers=cfg["layers"], hidden_size=cfg["hidden"], num_attention_heads=cfg["heads"],
-        ffn_hidden_size=cfg["ffn"], normalization="LayerNorm", layernorm_epsilon=cfg["eps"],
-        add_bias_linear=True, add_qkv_bias=True, gated_linear_unit=False, activation_func=ACTIVATIONS[cfg["act"]],
+        num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
+        ffn_hidden_size=cfg.ffn, normalization="LayerNorm", layernorm_epsilon=cfg.eps,
+        add_bias_linear=True, add_qkv_bias=True, gated_linear_unit=False, activation_func=ACTIVATIONS[cfg.act],
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
         tensor_model_parallel_size=tp, params_dtype=dtype, pipeline_dtype=dtype, **megatron_fields(recompute),
@@ -147,15 +147,15 @@ class LayerScaleBiasDropoutAdd(nn.Module):
         return scaled_bda
 
 
-def vit_layer_spec(cfg: dict, dtype: torch.dtype = torch.float32, core_attention=None) -> ModuleSpec:
-    """Pre-norm attention + pre-norm MLP, both from megatron's local backend; with cfg["layer_scale"] set, both
+def vit_layer_spec(cfg, dtype: torch.dtype = torch.float32, core_attention=None) -> ModuleSpec:
+    """Pre-norm attention + pre-norm MLP, both from megatron's local backend; with cfg.layer_scale set, both
     residual adds scale their branch per channel (LayerScaleBiasDropoutAdd, initialised to that value).
     core_attention: the core attention class (BidirectionalCoreAttention; a context-parallel one is injected)."""
     backend = LocalSpecProvider()
     column, row = backend.column_parallel_linear(), backend.row_parallel_linear()
-    scale = cfg["layer_scale"]
+    scale = cfg.layer_scale
     bda = get_bias_dropout_add if scale is None else ModuleSpec(
-        module=LayerScaleBiasDropoutAdd, params={"hidden_size": cfg["hidden"], "init_value": scale, "dtype": dtype})
+        module=LayerScaleBiasDropoutAdd, params={"hidden_size": cfg.hidden, "init_value": scale, "dtype": dtype})
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -201,12 +201,12 @@ class VisionTransformer(MegatronModule):
     Stage 0 holds the embedder, position table, prefix tokens (and video embedder), every stage its layers
     (vit_stage_layers), the last stage the final norm; `embed`, `run_stage_layers` and `head` are the pieces."""
 
-    def __init__(self, cfg: dict, pg_collection, dtype: torch.dtype = torch.float32, recompute: str = "none",
+    def __init__(self, cfg, pg_collection, dtype: torch.dtype = torch.float32, recompute: str = "none",
                  core_attention=None):
         config = vit_transformer_config(cfg, pg_collection.tp.size(), dtype, recompute)
         super().__init__(config=config)
         self.cfg = cfg
-        d, p = cfg["hidden"], cfg["patch"]
+        d, p = cfg.hidden, cfg.patch
         pp_group = getattr(pg_collection, "pp", None)
         self.pp = pp_group.size() if pp_group is not None else 1
         self.stage = pp_group.rank() if pp_group is not None else 0
@@ -219,15 +219,15 @@ class VisionTransformer(MegatronModule):
         if self.cp > 1 and self.pp > 1:
             raise ValueError(f"vision encoder cp{self.cp} x pp{self.pp}: context parallelism runs the tower as one "
                              f"pipeline stage; use cp or pp for the vision encoder, not both")
-        self.layer_ids = vit_stage_layers(cfg["layers"], self.pp, self.stage)
+        self.layer_ids = vit_stage_layers(cfg.layers, self.pp, self.stage)
         self.embedder = self.pos_embed = self.prefix = self.video_embedder = self.final_norm = None
         if self.first_stage:
             self.embedder = nn.Linear(3 * p * p, d, bias=family_of(cfg).patch_bias, dtype=dtype)
-            self.pos_embed = nn.Parameter(0.02 * torch.randn(1, cfg["pos_grid"] ** 2, d, dtype=dtype))
-            self.prefix = nn.Parameter(0.02 * torch.randn(cfg["prefix_tokens"], d, dtype=dtype)) \
-                if cfg["prefix_tokens"] else None
+            self.pos_embed = nn.Parameter(0.02 * torch.randn(1, cfg.pos_grid ** 2, d, dtype=dtype))
+            self.prefix = nn.Parameter(0.02 * torch.randn(cfg.prefix_tokens, d, dtype=dtype)) \
+                if cfg.prefix_tokens else None
             # Video tubelets: one linear over temporal_patch frames' patches, a Conv3D(kernel=stride) in effect.
-            t = cfg.get("temporal_patch", 0)
+            t = cfg.temporal_patch
             self.video_embedder = nn.Linear(t * 3 * p * p, d, bias=False, dtype=dtype) if t else None
         spec = vit_layer_spec(cfg, dtype, core_attention)
         built = [(i, build_module(spec, config=config, layer_number=i + 1, pg_collection=pg_collection))
@@ -238,8 +238,8 @@ class VisionTransformer(MegatronModule):
             nn.ModuleDict({str(i): m for i, m in built})
         # RadioModel ends at its last block; a final LayerNorm exists for SigLIP (post_layernorm) and, for RADIO,
         # only where NemotronH_Omni_Reasoning_V3 builds `vision_final_layernorm` (LLM with MTP layers).
-        if self.last_stage and cfg["final_norm"]:
-            self.final_norm = nn.LayerNorm(d, eps=cfg["eps"], dtype=dtype)
+        if self.last_stage and cfg.final_norm:
+            self.final_norm = nn.LayerNorm(d, eps=cfg.eps, dtype=dtype)
 
     def position_embedding(self, rows: int, cols: int) -> torch.Tensor:
         """The learned table resampled to a rows x cols patch grid: [1, rows*cols, hidden].
@@ -251,13 +251,13 @@ class VisionTransformer(MegatronModule):
         transformers has no training-mode branch (NVlabs' random crop/scale CPE is not applied), so neither
         do we: train and eval use this deterministic rule.
         "plain" (SigLIP): resize straight to (rows, cols), as transformers' interpolate_pos_encoding."""
-        g = self.cfg["pos_grid"]
+        g = self.cfg.pos_grid
         if (rows, cols) == (g, g):
             return self.pos_embed
-        cpe = self.cfg["pos_resize"] == "cpe"
+        cpe = self.cfg.pos_resize == "cpe"
         size = (max(rows, cols),) * 2 if cpe else (rows, cols)
         table = self.pos_embed.reshape(1, g, g, -1).permute(0, 3, 1, 2)
-        table = F.interpolate(table.float(), size=size, mode=self.cfg["pos_interp"], align_corners=False)
+        table = F.interpolate(table.float(), size=size, mode=self.cfg.pos_interp, align_corners=False)
         table = table[:, :, :rows, :cols]  # the CPE window (a no-op for "plain")
         return table.to(self.pos_embed.dtype).permute(0, 2, 3, 1).reshape(1, rows * cols, -1)
 
@@ -271,7 +271,7 @@ class VisionTransformer(MegatronModule):
         position embedding, prefix tokens); c = 3, or t*3 for video tubelets (patch_embedder)."""
         if not self.first_stage:
             raise RuntimeError(f"vision pipeline stage {self.stage} has no embedding (stage 0 has)")
-        p = self.cfg["patch"]
+        p = self.cfg.patch
         rows, cols = pixels.shape[-2] // p, pixels.shape[-1] // p
         if pixels.shape[-2] % p or pixels.shape[-1] % p:
             raise ValueError(f"image {tuple(pixels.shape[-2:])} is not a multiple of the patch size {p}")
@@ -291,7 +291,7 @@ class VisionTransformer(MegatronModule):
         """Last stage: the layers' output [s, n, hidden] -> patch features [n, rows, cols, hidden]."""
         if not self.last_stage:
             raise RuntimeError(f"vision pipeline stage {self.stage} is not the last ({self.pp} stages)")
-        out = hidden.transpose(0, 1)[:, self.cfg["prefix_tokens"]:]
+        out = hidden.transpose(0, 1)[:, self.cfg.prefix_tokens:]
         if self.final_norm is not None:  # per token, so after dropping the prefix is the same as before it
             out = self.final_norm(out)   # (the Omni model normalises RadioModel's `features`)
         return out.reshape(out.shape[0], rows, cols, -1)
@@ -300,7 +300,7 @@ class VisionTransformer(MegatronModule):
         """The whole tower (one pipeline stage only): embed -> layers -> head."""
         if self.pp != 1:
             raise RuntimeError("a vision pipeline stage runs through MediaModule.forward_stage, not forward")
-        p = self.cfg["patch"]
+        p = self.cfg.patch
         x = self.embed(pixels)
         hidden = self.run_stage_layers(x.transpose(0, 1).contiguous())  # megatron layers take [s, b, h]
         return self.head(hidden, pixels.shape[-2] // p, pixels.shape[-1] // p)
@@ -352,11 +352,11 @@ class VisionEncoder(nn.Module):
     def __init__(self, vit: VisionTransformer):
         super().__init__()
         self.vit, self.cfg = vit, vit.cfg
-        self.pixels = PixelNormalize(self.cfg["mean"], self.cfg["std"])
+        self.pixels = PixelNormalize(self.cfg.mean, self.cfg.std)
 
     @property
     def out_dim(self) -> int:
-        return self.cfg["hidden"] * self.cfg["pixel_shuffle"] ** 2
+        return self.cfg.hidden * self.cfg.pixel_shuffle ** 2
 
     def normalize(self, tiles: torch.Tensor) -> torch.Tensor:
         """uint8 tiles (on any device: moved to the encoder's as uint8) -> normalised pixels in the ViT's dtype."""
@@ -364,7 +364,7 @@ class VisionEncoder(nn.Module):
 
     def grid_tokens(self, tiles: torch.Tensor) -> torch.Tensor:
         """[n, h', w', out_dim]: the shuffled token grid (video pruning needs the per-frame grid)."""
-        return pixel_shuffle(self.vit(self.normalize(tiles)), self.cfg["pixel_shuffle"])
+        return pixel_shuffle(self.vit(self.normalize(tiles)), self.cfg.pixel_shuffle)
 
     def forward(self, tiles: torch.Tensor) -> torch.Tensor:
         return self.grid_tokens(tiles).flatten(0, 2)

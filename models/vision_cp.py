@@ -25,7 +25,7 @@ def encode_parts(vit: VisionTransformer, tiles: list[torch.Tensor], plan: Vision
     Every rank of the CP group must call it (the layers gather keys/values), also one with no tokens."""
     if vit.pp != 1:
         raise RuntimeError("a context-parallel vision encoder runs as one pipeline stage")
-    rank, p, d = vit.cp_rank, vit.cfg["patch"], vit.cfg["hidden"]
+    rank, p, d = vit.cp_rank, vit.cfg.patch, vit.cfg.hidden
     if plan.cp != vit.cp:
         raise ValueError(f"plan for cp{plan.cp}, encoder on cp{vit.cp}")
     dev = vit.embedder.weight.device

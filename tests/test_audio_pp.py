@@ -62,7 +62,7 @@ def test_audio_stages_equal_the_one_stage_encoder(name, pp, layers):
     assert names == set(full), sorted(set(full) - names)  # every tensor on exactly the stages that need it
     layers = [sorted({int(m.group(1)) for k in st.state_dict() if (m := re.match(r"encoder\.encoder\.layers\.(\d+)\.", k))})
               for st in stages]
-    assert sum(layers, []) == list(range(whole.cfg["layers"])) and all(layers)
+    assert sum(layers, []) == list(range(whole.cfg.layers)) and all(layers)
 
     x = None
     for stage in stages:

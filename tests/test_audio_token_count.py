@@ -120,7 +120,7 @@ def audio_module(release):
     root = PROJECTOR_ROOT["audio"]
     mod.projector.load_state_dict({k[len(root):]: v for k, v in hf.items() if k.startswith(root)})
     inner = mod.encoder.encoder
-    inner.load_state_dict(sound_from_hf(hf, inner.state_dict().keys(), mod.cfg["family"]), strict=True)
+    inner.load_state_dict(sound_from_hf(hf, inner.state_dict().keys(), mod.cfg.family), strict=True)
     return mod
 
 

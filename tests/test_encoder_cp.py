@@ -158,7 +158,7 @@ def test_cp_tower_equals_one_device(name):
     one-device ones (prefix tokens, position table, layer scales, projector, video embedder included)."""
     from tessera.models.encoders import encoder_config
 
-    tile = encoder_config(name)["tile"]
+    tile = encoder_config(name).tile
     rows = _rows(tile)
     module, hf, ref, ref_grads = _single(name, rows)
     configs = [(2, 2), (1, 4)]

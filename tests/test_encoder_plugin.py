@@ -90,7 +90,7 @@ def runs(tmp_path_factory):
 def test_the_readme_family_is_registered_with_its_entry(readme_family):
     cfg = encoder_config("my_vit_tiny")
     assert isinstance(family_of(cfg), readme_family["MyViT"])
-    assert cfg["family"] == "my_vit" and cfg["modality"] == "vision"
+    assert cfg.family == "my_vit" and cfg.modality == "vision"
     assert family_of(cfg).tensor_parallel and family_of(cfg).tokens(cfg).tokens_per_tile == 4  # (32/8/2)^2
 
 

@@ -78,32 +78,32 @@ def _vit_params(cfg) -> int:
     """The ViT's parameters from its config: patch embedder (+ bias for SigLIP's conv), position table,
     prefix tokens, video tubelet embedder, per layer 2 LayerNorms + QKV/proj/FC1/FC2 with biases (+ 2 layer
     scales for RADIO), final norm where the config has one."""
-    d, p, f = cfg["hidden"], cfg["patch"], cfg["ffn"]
+    d, p, f = cfg.hidden, cfg.patch, cfg.ffn
     layer = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
-    layer += 2 * d * (cfg["layer_scale"] is not None)
-    return (3 * p * p * d + d * (cfg["family"] == "siglip") + cfg["pos_grid"] ** 2 * d + cfg["prefix_tokens"] * d
-            + cfg["temporal_patch"] * 3 * p * p * d + cfg["layers"] * layer + 2 * d * cfg["final_norm"])
+    layer += 2 * d * (cfg.layer_scale is not None)
+    return (3 * p * p * d + d * (cfg.family == "siglip") + cfg.pos_grid ** 2 * d + cfg.prefix_tokens * d
+            + cfg.temporal_patch * 3 * p * p * d + cfg.layers * layer + 2 * d * cfg.final_norm)
 
 
 def _reference_params(cfg) -> int:
     """Encoder parameter count from an outside implementation where there is one: transformers'
     SiglipVisionModel (no pooling head) for SigLIP, transformers' ParakeetEncoder for both conformer
     families (NeMo's ConformerEncoder is the same architecture); transformers' RadioModel for RADIO."""
-    if cfg["family"] == "radio":
+    if cfg.family == "radio":
         from _hf_oracles import radio_config_fields
         from transformers import RadioConfig, RadioModel
 
         with torch.device("meta"):
             return _params(RadioModel(RadioConfig(**radio_config_fields(cfg))))
-    if cfg["family"] == "siglip":
+    if cfg.family == "siglip":
         from transformers import SiglipVisionConfig, SiglipVisionModel
 
-        hf = SiglipVisionConfig(hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"], num_hidden_layers=cfg["layers"],
-                                num_attention_heads=cfg["heads"], patch_size=cfg["patch"],
-                                image_size=cfg["pos_grid"] * cfg["patch"], layer_norm_eps=cfg["eps"], vision_use_head=False)
+        hf = SiglipVisionConfig(hidden_size=cfg.hidden, intermediate_size=cfg.ffn, num_hidden_layers=cfg.layers,
+                                num_attention_heads=cfg.heads, patch_size=cfg.patch,
+                                image_size=cfg.pos_grid * cfg.patch, layer_norm_eps=cfg.eps, vision_use_head=False)
         with torch.device("meta"):
             return _params(SiglipVisionModel(hf))
-    if cfg["modality"] == "audio":
+    if cfg.modality == "audio":
         from transformers import ParakeetEncoder
 
         from tessera.models.audio import parakeet_hf_config
@@ -125,21 +125,21 @@ def test_every_registered_encoder_builds(name):
     pg, llm = single_rank_world(), 2688
     cfg = encoder_config(name)
     tiny = name.endswith("_tiny")
-    if cfg["modality"] == "vision":
+    if cfg.modality == "vision":
         ctx = torch.device("cpu" if tiny else "meta")
         with ctx:
             mod = build_media_module(name, llm, pg)
-            tiles = torch.randint(0, 256, (2, 3, cfg["tile"], cfg["tile"]), dtype=torch.uint8)
+            tiles = torch.randint(0, 256, (2, 3, cfg.tile, cfg.tile), dtype=torch.uint8)
             with torch.no_grad():
                 feats = mod.encoder(tiles)
                 out = mod.projector(feats)
         enc = _params(mod.encoder)
         announced = tokens_config(cfg).image_tokens(2)
-        assert announced == mod.num_tokens("image", np.zeros((2, 3, cfg["tile"], cfg["tile"]), np.uint8))
-        assert announced == 2 * (cfg["tile"] // cfg["patch"] // cfg["pixel_shuffle"]) ** 2
-        assert feats.shape == (announced, cfg["hidden"] * cfg["pixel_shuffle"] ** 2) == (announced, mod.encoder.out_dim)
+        assert announced == mod.num_tokens("image", np.zeros((2, 3, cfg.tile, cfg.tile), np.uint8))
+        assert announced == 2 * (cfg.tile // cfg.patch // cfg.pixel_shuffle) ** 2
+        assert feats.shape == (announced, cfg.hidden * cfg.pixel_shuffle ** 2) == (announced, mod.encoder.out_dim)
         if name == "radio_vit_h":
-            assert cfg["hidden"] * cfg["pixel_shuffle"] ** 2 == 5120  # Nano VL's mlp1 input width
+            assert cfg.hidden * cfg.pixel_shuffle ** 2 == 5120  # Nano VL's mlp1 input width
     else:
         mod = build_media_module(name, llm, pg, **({} if tiny else {"layers": 1}))
         waves = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i, n in enumerate((16000, 8037))]
@@ -148,21 +148,21 @@ def test_every_registered_encoder_builds(name):
             out = mod([("audio", w) for w in waves])
         announced = sum(tokens_config(cfg).audio_tokens(len(w)) for w in waves)
         assert announced == sum(mod.num_tokens("audio", w) for w in waves) == 13 + 7  # 1 s -> 13, 0.5 s -> 7
-        assert feats.shape == (announced, cfg["hidden"])
+        assert feats.shape == (announced, cfg.hidden)
         if tiny:
             enc = _params(mod.encoder)
         else:
             one = _params(mod.encoder)
             two = _params(build_media_module(name, llm, pg, layers=2).encoder)
-            enc = one + (cfg["layers"] - 1) * (two - one)
+            enc = one + (cfg.layers - 1) * (two - one)
     assert out.shape == (announced, llm)
-    if tiny or cfg["modality"] == "audio":
+    if tiny or cfg.modality == "audio":
         assert bool(torch.isfinite(feats).all()) and bool(torch.isfinite(out).all())
         assert feats.std() > 0  # a real encoding, not a constant
     proj, width = _params(mod.projector), mod.encoder.out_dim
     assert proj == width + width * 4 * width + 4 * width * llm  # RMSNorm + Linear(w, 4w) + Linear(4w, llm)
     assert enc == _reference_params(cfg), (enc, _reference_params(cfg))
-    if cfg["modality"] == "vision":
+    if cfg.modality == "vision":
         assert enc == _vit_params(cfg)
     print(f"\n{name}: encoder {enc / 1e6:.2f}M params, projector to {llm} {proj / 1e6:.2f}M")
     expected = {"radio_vit_h": (620e6, 680e6), "siglip_so400m": (400e6, 430e6),
@@ -176,8 +176,8 @@ def _batch(vision_name, audio_name, key_prefix="s"):
     """Two rows: row 0 = image (2 tiles) + audio, row 1 = video (3 frames) + text only."""
     torch.manual_seed(0)
     v, a = encoder_config(vision_name), encoder_config(audio_name)
-    tile = v["tile"]
-    tpt = (tile // v["patch"] // v["pixel_shuffle"]) ** 2
+    tile = v.tile
+    tpt = (tile // v.patch // v.pixel_shuffle) ** 2
     rng = np.random.default_rng(0)
     image = rng.integers(0, 256, (2, 3, tile, tile), dtype=np.uint8)
     frames = rng.integers(0, 256, (3, 3, tile, tile), dtype=np.uint8)

@@ -44,7 +44,7 @@ def reference_radio(hf: dict, cfg: dict, pixels: torch.Tensor, model=None) -> to
     as [n, rows, cols, hidden]."""
     model = model or radio_model(hf, cfg)
     n, _, h, w = pixels.shape
-    return model(pixels).features.reshape(n, h // cfg["patch"], w // cfg["patch"], -1)
+    return model(pixels).features.reshape(n, h // cfg.patch, w // cfg.patch, -1)
 
 
 def radio_grad(model, key: str) -> torch.Tensor:
@@ -66,20 +66,20 @@ def radio_grad(model, key: str) -> torch.Tensor:
 def reference_siglip(hf: dict, cfg: dict, pixels: torch.Tensor) -> torch.Tensor:
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
-    hf_cfg = SiglipVisionConfig(hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
-                                num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
-                                image_size=cfg["pos_grid"] * cfg["patch"], patch_size=cfg["patch"],
-                                layer_norm_eps=cfg["eps"], vision_use_head=False)
+    hf_cfg = SiglipVisionConfig(hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+                                num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                                image_size=cfg.pos_grid * cfg.patch, patch_size=cfg.patch,
+                                layer_norm_eps=cfg.eps, vision_use_head=False)
     model = SiglipVisionModel(hf_cfg).eval()
     model.load_state_dict({k[len(SIGLIP_ROOT):]: v for k, v in hf.items()}, strict=True)
     with torch.no_grad():
         out = model(pixel_values=pixels).last_hidden_state
-    side = pixels.shape[-1] // cfg["patch"]
+    side = pixels.shape[-1] // cfg.patch
     return out.reshape(len(pixels), side, side, -1)
 
 
 def _reference(hf, cfg, pixels):
-    return (reference_radio if cfg["family"] == "radio" else reference_siglip)(hf, cfg, pixels)
+    return (reference_radio if cfg.family == "radio" else reference_siglip)(hf, cfg, pixels)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def towers():
         cfg = encoder_config(name)
         hf = _random_hf(cfg, seed)
         # RADIO at a non-square grid unlike its 8x8 table (exercises interpolation); SigLIP at its native grid.
-        size = (3 * 16, 5 * 16) if name.startswith("radio") else (cfg["tile"], cfg["tile"])
+        size = (3 * 16, 5 * 16) if name.startswith("radio") else (cfg.tile, cfg.tile)
         pixels = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(seed))
         cases[name] = (cfg, hf, pixels)
     return cases
@@ -107,7 +107,7 @@ def test_vit_matches_reference_tp1(towers, name):
     print(f"{name} TP=1 rel err {err:.2e}")
     assert got.shape == ref.shape and err < TOL
     with torch.no_grad():  # the check can fail: one swapped head in the fused QKV must show
-        vit.layers[0].self_attention.linear_qkv.weight[: cfg["hidden"] // cfg["heads"]].mul_(-1)
+        vit.layers[0].self_attention.linear_qkv.weight[: cfg.hidden // cfg.heads].mul_(-1)
         assert _rel(vit(pixels), ref) > 1e-3
 
 
@@ -130,11 +130,11 @@ def test_radio_matches_transformers_radio_model(radio_pair, grid):
     grid and the resampled position tables are bit-identical."""
     cfg, hf, vit, oracle = radio_pair
     rows, cols = grid
-    pixels = torch.randn(2, 3, rows * cfg["patch"], cols * cfg["patch"], generator=torch.Generator().manual_seed(7))
+    pixels = torch.randn(2, 3, rows * cfg.patch, cols * cfg.patch, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         got, ref = vit(pixels), reference_radio(hf, cfg, pixels, oracle)
         # black pixels: the bias-free patch projection gives 0, so the embeddings are the position table
-        pos_ref = oracle.embeddings(torch.zeros_like(pixels[:1]))[0, cfg["prefix_tokens"]:]
+        pos_ref = oracle.embeddings(torch.zeros_like(pixels[:1]))[0, cfg.prefix_tokens:]
         pos_got = vit.position_embedding(rows, cols)[0]
     err = _rel(got, ref)
     print(f"radio {rows}x{cols} vs RadioModel rel err {err:.2e}, "
@@ -147,7 +147,7 @@ def test_radio_packed_images_match_transformers(radio_pair):
     """NemotronH Omni's call: the patches of images of different grids concatenated, with image_grid_hw.
     Tessera encodes each image on its own; the per-image features must be RadioModel's packed ones."""
     cfg, hf, vit, oracle = radio_pair
-    p, grids = cfg["patch"], [(3, 5), (2, 12), (4, 4)]
+    p, grids = cfg.patch, [(3, 5), (2, 12), (4, 4)]
     gen = torch.Generator().manual_seed(3)
     images = [torch.randn(1, 3, r * p, c * p, generator=gen) for r, c in grids]
     with torch.no_grad():
@@ -182,7 +182,7 @@ def _torch(d):
 def test_vit_tp2_matches_reference_and_shards_merge_exactly(towers):
     ranks = run_on_ranks(2, _tp2_forward_backward, towers)
     for name, (cfg, hf, pixels) in towers.items():
-        oracle = radio_model(hf, cfg) if cfg["family"] == "radio" else None
+        oracle = radio_model(hf, cfg) if cfg.family == "radio" else None
         if oracle is not None:
             ref = reference_radio(hf, cfg, pixels, oracle)
             ref.square().sum().backward()
@@ -194,7 +194,7 @@ def test_vit_tp2_matches_reference_and_shards_merge_exactly(towers):
             assert err < TOL
         merged = vision_to_hf([_torch(r[name][1]) for r in ranks], cfg)
         assert merged.keys() == hf.keys() and all(torch.equal(merged[k], hf[k]) for k in hf)
-        if cfg["family"] == "radio":  # weight grads of the sharded layers, merged, equal autograd on the reference
+        if cfg.family == "radio":  # weight grads of the sharded layers, merged, equal autograd on the reference
             grad_hf = vision_to_hf([_torch(r[name][2]) for r in ranks], cfg)
             for key in (f"{RADIO_ROOT}blocks.1.attn.qkv.weight", f"{RADIO_ROOT}blocks.0.mlp.fc2.weight",
                         f"{RADIO_ROOT}patch_generator.pos_embed", f"{RADIO_ROOT}blocks.0.layer_scale1.lambda1",
@@ -208,7 +208,7 @@ def test_vit_tp2_matches_reference_and_shards_merge_exactly(towers):
 def test_hf_round_trip_is_exact(towers):
     for name, (cfg, hf, _) in towers.items():
         assert all(k.startswith(SIGLIP_ROOT) for k in hf)  # "vision_model.": no final norm outside the tower
-        if cfg["family"] == "radio":  # RadioModel's buffer summary_idxs and layer scales, no final norm
+        if cfg.family == "radio":  # RadioModel's buffer summary_idxs and layer scales, no final norm
             assert f"{RADIO_TOWER}summary_idxs" in hf and f"{RADIO_ROOT}blocks.1.layer_scale2.lambda1" in hf
             assert not any(k.startswith(RADIO_ROOT + "norm.") for k in hf)
         vit = VisionTransformer(cfg, single_rank_world())
@@ -216,7 +216,7 @@ def test_hf_round_trip_is_exact(towers):
         again = vision_to_hf([vit.state_dict()], cfg)
         assert again.keys() == hf.keys() and all(torch.equal(again[k], hf[k]) for k in hf)
         shards = [vision_from_hf(hf, cfg, r, 2) for r in range(2)]
-        assert shards[0]["layers.0.mlp.linear_fc1.weight"].shape[0] == cfg["ffn"] // 2
+        assert shards[0]["layers.0.mlp.linear_fc1.weight"].shape[0] == cfg.ffn // 2
         merged = vision_to_hf(shards, cfg)
         assert all(torch.equal(merged[k], hf[k]) for k in hf)
 
@@ -236,10 +236,10 @@ def test_pixel_shuffle_groups_2x2_blocks_row_offset_first():
 def test_token_counts_equal_data_side(name):
     cfg = encoder_config(name)
     enc = VisionEncoder(VisionTransformer(cfg, single_rank_world())).eval()
-    tiles = torch.randint(0, 256, (3, 3, cfg["tile"], cfg["tile"]), dtype=torch.uint8)
+    tiles = torch.randint(0, 256, (3, 3, cfg.tile, cfg.tile), dtype=torch.uint8)
     with torch.no_grad():
         out = enc(tiles)
-    assert out.shape == (tokens_config(cfg).image_tokens(3), 4 * cfg["hidden"])
+    assert out.shape == (tokens_config(cfg).image_tokens(3), 4 * cfg.hidden)
     for full in ("radio_vit_h", "siglip_so400m"):  # the real sizes: 256 tokens per tile, like the data default
         c = encoder_config(full)
-        assert (c["tile"] // c["patch"] // c["pixel_shuffle"]) ** 2 == tokens_config(c).tokens_per_tile == 256
+        assert (c.tile // c.patch // c.pixel_shuffle) ** 2 == tokens_config(c).tokens_per_tile == 256

@@ -32,8 +32,8 @@ def _tower(released: dict) -> dict:
 
 
 def _tessera_vision(cfg: dict, released: dict):
-    mod = build_media_module(cfg["name"], LLM_HIDDEN, single_rank_world(),
-                             **{k: cfg[k] for k in ("final_norm", "summary_idxs", "input_conditioner")})
+    mod = build_media_module(cfg.name, LLM_HIDDEN, single_rank_world(),
+                             **{k: getattr(cfg, k) for k in ("final_norm", "summary_idxs", "input_conditioner")})
     root = PROJECTOR_ROOT["vision"]
     mod.projector.load_state_dict({k[len(root):]: v for k, v in released.items() if k.startswith(root)})
     _load_params(mod.encoder.vit, vision_from_hf(released, cfg))
@@ -58,12 +58,12 @@ def test_omni_image_features_and_exact_tower_round_trip(mtp):
     assert sorted(again) == sorted(tower)
     assert [k for k in tower if not (again[k].dtype == tower[k].dtype and torch.equal(again[k], tower[k]))] == []
 
-    p, gen = cfg["patch"], torch.Generator().manual_seed(2)
+    p, gen = cfg.patch, torch.Generator().manual_seed(2)
     images = [torch.randn(1, 3, r * p, c * p, generator=gen) for r, c in GRIDS]
     with torch.no_grad():
         ref = torch.cat(omni.get_image_features(torch.cat([patchify(x, p)[0] for x in images]),
                                                 image_grid_hw=torch.tensor(GRIDS)).pooler_output)
-        got = torch.cat([mod.projector(pixel_shuffle(mod.encoder.vit(x), cfg["pixel_shuffle"]).flatten(0, 2))
+        got = torch.cat([mod.projector(pixel_shuffle(mod.encoder.vit(x), cfg.pixel_shuffle).flatten(0, 2))
                          for x in images])
     err = ((got - ref).abs().max() / ref.abs().max()).item()
     print(f"omni image features (mtp={mtp}) vs transformers rel err {err:.2e}")
@@ -86,7 +86,7 @@ def test_final_norm_is_read_under_the_released_name():
     _load_params(ours, vision_from_hf(released, cfg))
     for name in ("weight", "bias"):
         assert torch.equal(getattr(ours.final_norm, name), getattr(theirs, name)), name
-    assert not torch.equal(ours.final_norm.weight, torch.ones(cfg["hidden"]))  # the stored values, not the init
+    assert not torch.equal(ours.final_norm.weight, torch.ones(cfg.hidden))  # the stored values, not the init
     without = {k: v for k, v in released.items() if not k.startswith(RADIO_FINAL_NORM)}
     with pytest.raises(KeyError, match=re.escape(RADIO_FINAL_NORM) + r".* is missing .* set final_norm=False"):
         vision_from_hf(without, cfg)
@@ -145,4 +145,4 @@ def test_buffers_and_leftovers_are_checked_by_name():
         vision_from_hf(without, cfg)
     for extra in (f"{RADIO_ROOT}norm.weight", f"{RADIO_FINAL_NORM}weight", "vision_final_layernorm.bias"):
         with pytest.raises(KeyError, match=re.escape(extra) + r".* have no place"):
-            vision_from_hf(dict(hf, **{extra: torch.ones(cfg["hidden"])}), cfg)
+            vision_from_hf(dict(hf, **{extra: torch.ones(cfg.hidden)}), cfg)

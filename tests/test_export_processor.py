@@ -145,12 +145,12 @@ def test_export_processor_gives_the_ids_and_features_the_run_trained_on(export, 
     ip, vp, fe = processor.image_processor, processor.video_processor, processor.feature_extractor
     assert (ip.patch_size, ip.downsample_ratio, ip.min_num_patches, ip.max_num_patches, ip.max_model_len) == \
         (16, 0.5, 16, 64, DATA["seq_length"])
-    assert list(ip.image_mean) == list(vision["mean"]) and list(ip.image_std) == list(vision["std"])
+    assert list(ip.image_mean) == list(vision.mean) and list(ip.image_std) == list(vision.std)
     assert (vp.patch_size, vp.downsample_ratio, vp.video_target_num_patches, vp.temporal_patch_size,
             processor.video_temporal_patch_dim) == (16, 0.5, 16, 2, 2)
-    assert list(vp.norm_mean) == list(vision["mean"]) and list(vp.norm_std) == list(vision["std"])
+    assert list(vp.norm_mean) == list(vision.mean) and list(vp.norm_std) == list(vision.std)
     assert (fe.feature_size, fe.sampling_rate, fe.hop_length, fe.n_fft, fe.win_length) == \
-        (audio["n_mels"], 16000, 160, 512, 400)
+        (audio.n_mels, 16000, 160, 512, 400)
     assert (processor.audio_sampling_rate, processor.audio_subsampling_factor, processor.audio_hop_length) == \
         (16000, 8, 160)
 
@@ -189,7 +189,7 @@ def test_export_processor_gives_the_ids_and_features_the_run_trained_on(export, 
     assert (ids == processor.audio_token_id).sum() == te.enc.audio_tokens_of_frames(te.enc.audio_mel_frames(SAMPLES))
 
     # video: the frames the run decoded, normalised by the encoder's mean/std, two frames a tubelet
-    mean, std = (torch.tensor(x, dtype=torch.float32).view(1, 3, 1, 1) for x in (vision["mean"], vision["std"]))
+    mean, std = (torch.tensor(x, dtype=torch.float32).view(1, 3, 1, 1) for x in (vision.mean, vision.std))
     want = ((torch.from_numpy(np.asarray(frames)).float() / 255 - mean) / std).reshape(1, -1, 6, SIDE, SIDE)
     torch.testing.assert_close(got["pixel_values_videos"], want, rtol=0, atol=1e-6)
     # audio: the encoder's own mel front end on the decoded wave, its valid frames

@@ -84,8 +84,8 @@ def test_vision_features_equal_the_models_own_forward_through_its_processor(dirs
     from transformers import AutoImageProcessor, AutoModel
 
     cfg = hft.encoder_config_of(f"hf:{dirs[kind]}")
-    assert (cfg["family"], cfg["tile"], cfg["patch"], cfg["hidden"], cfg["layers"]) == ("hf_vision", 32, 8, 32, 2)
-    assert cfg["prefix_tokens"] == VISION[kind][1] and cfg["pipeline"] == (kind != "beit")
+    assert (cfg.family, cfg.tile, cfg.patch, cfg.hidden, cfg.layers) == ("hf_vision", 32, 8, 32, 2)
+    assert cfg.prefix_tokens == VISION[kind][1] and cfg.pipeline == (kind != "beit")
     tiles = np.random.default_rng(0).integers(0, 256, (2, 3, 32, 32), dtype=np.uint8)
     ours = family_of(cfg).build(cfg, None).train()(torch.from_numpy(tiles))
     model, proc = AutoModel.from_pretrained(dirs[kind]).eval(), AutoImageProcessor.from_pretrained(dirs[kind])
@@ -102,7 +102,7 @@ def test_audio_features_equal_the_models_own_forward_through_its_feature_extract
 
     cfg = hft.encoder_config_of(f"hf:{dirs[kind]}")
     family = family_of(cfg)
-    assert (cfg["family"], cfg["hidden"], cfg["layers"]) == ("hf_audio", 32, 2)
+    assert (cfg.family, cfg.hidden, cfg.layers) == ("hf_audio", 32, 2)
     waves = [np.random.default_rng(1).standard_normal(n).astype(np.float32) * 0.1 for n in (5_923, 21_000)]
     ours = family.build(cfg, None).train()([torch.from_numpy(w) for w in waves])
     model, fe = AutoModel.from_pretrained(dirs[kind]).eval(), AutoFeatureExtractor.from_pretrained(dirs[kind])
@@ -121,7 +121,7 @@ def test_vision_pipeline_stages_compose_to_the_models_forward(dirs, kind):
     from tessera.models.hf_towers import HFVisionEncoder
 
     cfg = hft.encoder_config_of(f"hf:{dirs[kind]}")
-    assert (cfg["layer_list"], cfg["final_norm"]) == ("layers" if kind == "deit" else "encoder.layer", "layernorm")
+    assert (cfg.layer_list, cfg.final_norm) == ("layers" if kind == "deit" else "encoder.layer", "layernorm")
     whole, first, last = (HFVisionEncoder(cfg, pp=pp, stage=stage) for pp, stage in ((1, 0), (2, 0), (2, 1)))
     kept = {re.search(r"layers?\.(\d+)\.", k)[1] for k in last.vit.state_dict() if re.search(r"layers?\.\d", k)}
     assert kept == {"1"}  # named by their global index
@@ -139,7 +139,7 @@ def test_measuring_a_model_leaves_the_processs_random_state_alone(dirs, tmp_path
 
     fresh = shutil.copytree(dirs["dinov2"], tmp_path / "dinov2")  # (a new path: not the cached config)
     before = torch.random.get_rng_state()
-    assert hft.encoder_config_of(f"hf:{fresh}")["pipeline"]
+    assert hft.encoder_config_of(f"hf:{fresh}").pipeline
     assert torch.equal(torch.random.get_rng_state(), before)
 
 

@@ -127,7 +127,7 @@ def test_vision_features_equal_the_models_own_forward_through_its_processor(dirs
     """Built as training builds it (train mode: dropout is off, so it is deterministic), on two random tiles."""
     name = f"hf:{dirs[kind]}"
     cfg = hft.encoder_config_of(name)
-    assert (cfg["family"], cfg["modality"], cfg["tile"], cfg["patch"]) == ("hf_vision", "vision", 64, 16)
+    assert (cfg.family, cfg.modality, cfg.tile, cfg.patch) == ("hf_vision", "vision", 64, 16)
     family = family_of(cfg)
     tiles = np.random.default_rng(0).integers(0, 256, (2, 3, 64, 64), dtype=np.uint8)
     encoder = family.build(cfg, None)
@@ -203,7 +203,7 @@ def test_name_forms_are_told_apart_by_the_directorys_config_json(dirs, tmp_path)
         hft.is_transformers_encoder(f"hf:{release}")
     with pytest.raises(hft.HFEncoderError, match=r"holds a audio encoder \(whisper\), not a vision one"):
         hft.encoder_config_of(f"hf:{dirs['whisper']}#vision")
-    assert encoders.encoder_config(f"hf:{dirs['siglip2']}")["family"] == "hf_vision"
+    assert encoders.encoder_config(f"hf:{dirs['siglip2']}").family == "hf_vision"
 
 
 def test_a_directory_hf_dir_cannot_take_is_refused_naming_it_and_why(tmp_path):

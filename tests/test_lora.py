@@ -32,7 +32,7 @@ TARGET_SETS = {"all": (None, "nemotron_h_tiny_dense"), "subset": (("linear_qkv",
                "moe_all": (None, "nemotron_h_tiny_moe"),
                # the vision tower too: PEFT names and qkv row order of RADIO's blocks.N.{attn.qkv, attn.proj, mlp.fc*}
                "vision": (("linear_qkv", "vision", "projector"), "nemotron_h_tiny_dense")}
-VIT_LAYERS = encoder_config("radio_vit_tiny")["layers"]
+VIT_LAYERS = encoder_config("radio_vit_tiny").layers
 
 
 def _model_cfg(targets=None, vision="radio_vit_tiny", audio="fastconformer_tiny", llm="nemotron_h_tiny_dense"):

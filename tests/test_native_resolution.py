@@ -276,8 +276,8 @@ def test_the_model_encodes_a_native_image_as_the_release_does(tokenizer):
 
     cfg = encoder_config("radio_vit_tiny")
     omni, released = tiny_omni(cfg, None, seed=5)
-    mod = build_media_module(cfg["name"], configs.TINY_DENSE["hidden_size"], single_rank_world(),
-                             **{k: cfg[k] for k in ("final_norm", "summary_idxs", "input_conditioner")})
+    mod = build_media_module(cfg.name, configs.TINY_DENSE["hidden_size"], single_rank_world(),
+                             **{k: getattr(cfg, k) for k in ("final_norm", "summary_idxs", "input_conditioner")})
     root = PROJECTOR_ROOT["vision"]
     mod.projector.load_state_dict({k[len(root):]: v for k, v in released.items() if k.startswith(root)})
     _load_params(mod.encoder.vit, vision_from_hf(released, cfg))
@@ -294,7 +294,7 @@ def test_the_model_encodes_a_native_image_as_the_release_does(tokenizer):
             == announced
         with torch.no_grad():
             got = mod([("image", item)])
-            pixels = processor_pixels(torch.as_tensor(item), cfg["patch"], cfg["mean"], cfg["std"])
+            pixels = processor_pixels(torch.as_tensor(item), cfg.patch, cfg.mean, cfg.std)
             ref = omni.get_image_features(pixels, image_grid_hw=torch.tensor([grid])).pooler_output[0]
         err = ((got - ref).abs().max() / ref.abs().max()).item()
         assert got.shape[0] == announced and got.shape == ref.shape and err <= 1e-5, (name, err)

@@ -154,7 +154,7 @@ def test_vit_recompute_is_exact_and_keeps_fewer_activations(pg):
 
     cfg = encoder_config("radio_vit_tiny")
     pixels = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
-    weight = torch.randn(2, 4, 4, cfg["hidden"], generator=torch.Generator().manual_seed(2))
+    weight = torch.randn(2, 4, 4, cfg.hidden, generator=torch.Generator().manual_seed(2))
     res = _compare(lambda mode: VisionTransformer(cfg, pg, recompute=mode), lambda m: (m(pixels) * weight).sum(),
                    exact=False)
     (none, _), (sel, calls_sel), (full, calls_full) = (res[m] for m in MODES)

@@ -62,7 +62,7 @@ def test_registry_model_exports_as_a_release_transformers_loads_exactly(tmp_path
             assert model.config.audio_config is None
             continue
         want, got = encoder_config(name), encoder_config_of(encoder_name(out, modality))
-        assert {f: got[f] for f in fields} == {f: want[f] for f in fields}, modality
+        assert {f: got[f] for f in fields} == {f: getattr(want, f) for f in fields}, modality
 
 
 @pytest.mark.parametrize("vision,audio,why", [("radio_vit_tiny", "fastconformer_tiny", "fastconformer"),

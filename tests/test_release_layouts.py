@@ -7,6 +7,7 @@ Hugging Face cache (models/hub_cache.py). Exact logits on the hub layout: tests/
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -34,9 +35,7 @@ def native_and_hub(tmp_path_factory):
 def _encoders(directory) -> dict:
     out = {}
     for m in modalities_of(read_config(directory)):
-        cfg = encoder_config(encoder_name(directory, m))
-        cfg.pop("name")  # the directory's own
-        out[m] = cfg
+        out[m] = dataclasses.replace(encoder_config(encoder_name(directory, m)), name="")  # (the directory's own)
     return out
 
 
@@ -82,7 +81,7 @@ def test_transformers_native_class_reads_the_hub_file_as_tessera_does(native_and
     ids = media_token_ids(read_config(hub))
     assert (ref.image_token_id, ref.video_token_id, ref.audio_token_id) == (ids["image"], ids["video"], ids["audio"])
     assert ref.text_config.hybrid_override_pattern == llm_fields_of(read_config(hub))["hybrid_override_pattern"]
-    assert ref.audio_config.hidden_size == _encoders(hub)["audio"]["hidden"]
+    assert ref.audio_config.hidden_size == _encoders(hub)["audio"].hidden
 
 
 # ---- Nemotron Nano V2 VL as downloaded (NemotronH_Nano_VL_V2: no transformers class) --------------------------
@@ -95,13 +94,13 @@ def test_nano_vl_hub_config_gives_every_module_its_shape(tmp_path):
     assert {k: llm[k] for k in DENSE_TEXT} == DENSE_TEXT
     v = encoder_config(encoder_name(tmp_path, "vision"))
     # vit_small_patch16_224: 384 wide, 12 layers, 6 heads, MLP 1536; cpe_max_size 256 / 16-px patches = 16
-    assert (v["family"], v["hidden"], v["layers"], v["heads"], v["ffn"], v["patch"], v["pos_grid"]) == (
+    assert (v.family, v.hidden, v.layers, v.heads, v.ffn, v.patch, v.pos_grid) == (
         "radio", 384, 12, 6, 1536, 16, 16)
-    assert (v["prefix_tokens"], v["pixel_shuffle"], v["temporal_patch"], v["projector_hidden"], v["tile"]) == (
+    assert (v.prefix_tokens, v.pixel_shuffle, v.temporal_patch, v.projector_hidden, v.tile) == (
         NANO_VL_PREFIX_TOKENS, 2, 0, 96, 64)
-    assert (v["mean"], v["std"], v["final_norm"]) == ((0.48, 0.46, 0.41), (0.27, 0.26, 0.28), False)
+    assert (v.mean, v.std, v.final_norm) == ((0.48, 0.46, 0.41), (0.27, 0.26, 0.28), False)
     # neither RadioModel buffer nor a layer scale is in these weights, so the model holds none
-    assert (v["summary_idxs"], v["input_conditioner"], v["layer_scale"]) == (None, False, None)
+    assert (v.summary_idxs, v.input_conditioner, v.layer_scale) == (None, False, None)
 
 
 @pytest.mark.parametrize("over, match", [

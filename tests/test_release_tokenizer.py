@@ -161,8 +161,8 @@ def test_export_of_a_release_ships_its_tokenizer_sharded_and_generates_from_an_i
         str(release)).to_dict()
 
     vcfg = encoder_config(encoder_name(out, "vision"))
-    grid, shuffle = 4, vcfg["pixel_shuffle"]
-    image = torch.randint(0, 256, (1, 3, grid * vcfg["patch"], grid * vcfg["patch"]), dtype=torch.uint8,
+    grid, shuffle = 4, vcfg.pixel_shuffle
+    image = torch.randint(0, 256, (1, 3, grid * vcfg.patch, grid * vcfg.patch), dtype=torch.uint8,
                           generator=torch.Generator().manual_seed(0))
     n = grid * grid // shuffle**2
     text, prompt = _image_prompt(tokenizer, n)
@@ -175,7 +175,7 @@ def test_export_of_a_release_ships_its_tokenizer_sharded_and_generates_from_an_i
     assert prompt.count(model.config.image_token_id) == n
 
     inputs = dict(input_ids=torch.tensor([prompt]), image_grid_hw=torch.tensor([[grid, grid]]),
-                  pixel_values=processor_pixels(image, vcfg["patch"], vcfg["mean"], vcfg["std"]))
+                  pixel_values=processor_pixels(image, vcfg.patch, vcfg.mean, vcfg.std))
     generated = model.eval().generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert generated.shape == (1, len(prompt) + 4) and generated[0, :len(prompt)].tolist() == prompt
     reference = NemotronH_Omni_Reasoning_V3.from_pretrained(str(release)).eval()

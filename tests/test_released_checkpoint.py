@@ -28,12 +28,12 @@ def test_config_json_gives_every_module_its_shape(tmp_path):
     llm = llm_fields_of(config)
     assert {k: llm[k] for k in TEXT} == TEXT and "model_type" not in llm
     v = encoder_config(encoder_name(tmp_path, "vision"))
-    assert (v["family"], v["hidden"], v["layers"], v["heads"], v["ffn"], v["patch"], v["pos_grid"],
-            v["prefix_tokens"], v["pixel_shuffle"], v["temporal_patch"], v["projector_hidden"]) == (
+    assert (v.family, v.hidden, v.layers, v.heads, v.ffn, v.patch, v.pos_grid,
+            v.prefix_tokens, v.pixel_shuffle, v.temporal_patch, v.projector_hidden) == (
         "radio", 48, 2, 4, 96, 8, 10, 3, 2, 2, 72)
     a = encoder_config(encoder_name(tmp_path, "audio"))
-    assert (a["family"], a["hidden"], a["layers"], a["heads"], a["ff_expansion"], a["n_mels"], a["subsampling"],
-            a["attention_bias"], a["scale_input"], a["projector_hidden"]) == (
+    assert (a.family, a.hidden, a.layers, a.heads, a.ff_expansion, a.n_mels, a.subsampling,
+            a.attention_bias, a.scale_input, a.projector_hidden) == (
         "parakeet_hf", 24, 1, 2, 2, 16, 8, False, False, 40)
 
 

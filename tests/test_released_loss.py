@@ -248,7 +248,7 @@ def _oracle_inputs(doc, vcfg, audio_encoder) -> dict:
                                    [item for _, item in doc.get("audio", [])], vcfg, audio_encoder, doc["key"])
     (frames, _), = videos  # a clip's document holds nothing else (module docstring)
     (chunks,) = doc["chunks"]
-    per_tubelet = tokens_config(vcfg).grid_tokens(frames.shape[-2] // vcfg["patch"], frames.shape[-1] // vcfg["patch"])
+    per_tubelet = tokens_config(vcfg).grid_tokens(frames.shape[-2] // vcfg.patch, frames.shape[-1] // vcfg.patch)
     tokens = release_video_tokens(doc["tokens"], chunks, per_tubelet)
     inputs = omni_forward_inputs(tokens, [], [], vcfg, audio_encoder, doc["key"])
     return {**inputs, "pixel_values_videos": release_video_pixels(frames, vcfg)}

@@ -64,8 +64,8 @@ def test_tubelet_video_equals_the_releases_video_features(frames, rate, size):
 
     cfg = encoder_config("radio_vit_tiny")
     omni, released = tiny_omni(cfg, None, seed=11)
-    mod = build_media_module(cfg["name"], configs.TINY_DENSE["hidden_size"], single_rank_world(), tubelets=True,
-                             pruning_rate=rate, **{k: cfg[k] for k in ("final_norm", "summary_idxs",
+    mod = build_media_module(cfg.name, configs.TINY_DENSE["hidden_size"], single_rank_world(), tubelets=True,
+                             pruning_rate=rate, **{k: getattr(cfg, k) for k in ("final_norm", "summary_idxs",
                                                                         "input_conditioner")})
     root = PROJECTOR_ROOT["vision"]
     mod.projector.load_state_dict({k[len(root):]: v for k, v in released.items() if k.startswith(root)})
@@ -147,6 +147,7 @@ def test_decoded_frames_are_the_release_processors_pixels(size):
 
     from tessera.data.media import decode_video
     from tessera.data.prepare import encode_mp4
+    from tessera.models.encoders import encoder_config
     from tessera.models.hf_reference import release_video_pixels
     from tessera.models.media_tokens import video_frame_grid
 
@@ -158,7 +159,8 @@ def test_decoded_frames_are_the_release_processors_pixels(size):
     mean, std = 0.5, 0.25
     ref = NemotronH_Omni_Reasoning_V3VideoProcessor(norm_mean=[mean] * 3, norm_std=[std] * 3)(
         videos=[torch.as_tensor(source)], do_sample_frames=False)["pixel_values_videos"]
-    ours = release_video_pixels(ours, dict(mean=[mean] * 3, std=[std] * 3, temporal_patch=2))
+    ours = release_video_pixels(ours, encoder_config("radio_vit_tiny", mean=(mean,) * 3, std=(std,) * 3,
+                                                     temporal_patch=2))
     assert ref.shape == ours.shape == (1, 2, 6, rows * 16, cols * 16)
     levels = (ours - ref).abs() * std * 255
     assert float(levels.max()) <= 1.25 and float(levels.mean()) <= 0.35, (float(levels.max()), float(levels.mean()))

@@ -100,19 +100,19 @@ def release_processor(model_cfg, data: dict | None, tokenizer):
     ratio = 1 / enc.pixel_shuffle
     low, high = enc.patch_budget
     image = image_processor_class()(patch_size=enc.patch, downsample_ratio=ratio, min_num_patches=low,
-                                    max_num_patches=high, max_model_len=seq_length, image_mean=list(v["mean"]),
-                                    image_std=list(v["std"]))
+                                    max_num_patches=high, max_model_len=seq_length, image_mean=list(v.mean),
+                                    image_std=list(v.std))
     video = NemotronH_Omni_Reasoning_V3VideoProcessor(
         patch_size=enc.patch, downsample_ratio=ratio, video_target_num_patches=enc.patches_per_tile,
-        temporal_patch_size=enc.video_temporal, norm_mean=list(v["mean"]), norm_std=list(v["std"]))
+        temporal_patch_size=enc.video_temporal, norm_mean=list(v.mean), norm_std=list(v.std))
     # transformers' processor is not built (nor loaded) without a feature extractor: a model with no audio tower
     # gets the release's (its defaults), which the model never runs
     audio, kwargs = ParakeetFeatureExtractor(), {}
     if getattr(model_cfg, "audio", None):
         a = encoder_config(model_cfg.audio)
-        audio = ParakeetFeatureExtractor(feature_size=a["n_mels"], sampling_rate=enc.audio_rate,
+        audio = ParakeetFeatureExtractor(feature_size=a.n_mels, sampling_rate=enc.audio_rate,
                                          hop_length=enc.audio_hop, n_fft=enc.audio_n_fft,
-                                         win_length=round(a["window_size"] * enc.audio_rate))
+                                         win_length=round(a.window_size * enc.audio_rate))
         kwargs = dict(audio_sampling_rate=enc.audio_rate, audio_subsampling_factor=enc.audio_subsampling,
                       audio_hop_length=enc.audio_hop)
 

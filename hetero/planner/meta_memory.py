@@ -226,8 +226,8 @@ def _forward(key: str, module: nn.Module, batch: Batch, cfg_dtype: torch.dtype):
                                                 else 1)))  # stages pass 1/tp of the sequence under SP
         return module(None, labels)
     frozen = getattr(module, "frozen", False)
-    if module.cfg["modality"] == "vision":
-        tile, cp = module.cfg["tile"], module.encoder.vit.cp
+    if module.cfg.modality == "vision":
+        tile, cp = module.cfg.tile, module.encoder.vit.cp
         tiles = torch.zeros(batch.vision_tiles * cp, 3, tile, tile, dtype=torch.uint8, **meta)
         if cp > 1:  # one row of the CP group's tiles; this rank computes its part, gathering K/V (fake world)
             return module.forward_cp([[("image", tiles)]])
@@ -239,15 +239,15 @@ def _forward(key: str, module: nn.Module, batch: Batch, cfg_dtype: torch.dtype):
         with torch.set_grad_enabled(not frozen):
             return module.projector(module.encoder(tiles))
     cfg, clips, enc = module.cfg, batch.audio_clips, module.encoder
-    frames = int(batch.audio_clip_seconds / cfg["window_stride"]) + 1
-    feats = torch.zeros(clips, cfg["n_mels"], frames, dtype=cfg_dtype, **meta)
+    frames = int(batch.audio_clip_seconds / cfg.window_stride) + 1
+    feats = torch.zeros(clips, cfg.n_mels, frames, dtype=cfg_dtype, **meta)
     lengths = torch.full((clips,), frames, dtype=torch.long, **meta)
     with torch.set_grad_enabled(not frozen):
         if enc.first_stage:
             out, _ = enc.encode_features(feats, lengths)
         else:  # a later conformer stage: the previous stage's rows (one clip's STFT frames, subsampled)
             rows = enc.tokens.audio_subsampled(frames + 1)
-            out, _ = enc.encode_received(torch.zeros(clips, rows, cfg["hidden"], dtype=cfg_dtype,
+            out, _ = enc.encode_received(torch.zeros(clips, rows, cfg.hidden, dtype=cfg_dtype,
                                                      requires_grad=not frozen, **meta), lengths)
     return module.projector(out) if enc.last_stage else out
 
@@ -255,7 +255,7 @@ def _forward(key: str, module: nn.Module, batch: Batch, cfg_dtype: torch.dtype):
 def measure_activations(key: str, module: nn.Module, batch: Batch, shard: Shard, dtype: torch.dtype) -> None:
     """shard.act / act_full / act_peak_layer from one meta forward (module docstring); on failure act stays None
     and act_note says where it failed."""
-    if key != LANGUAGE and not (batch.vision_tiles if module.cfg["modality"] == "vision" else batch.audio_clips):
+    if key != LANGUAGE and not (batch.vision_tiles if module.cfg.modality == "vision" else batch.audio_clips):
         shard.act = shard.act_full = 0.0
         shard.act_note = "measured (no items in the workload)"
         return

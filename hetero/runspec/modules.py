@@ -48,7 +48,7 @@ def module_specs(model, optim=None) -> dict[str, ModuleSpec]:
         if not encoders.is_known(name):
             raise ValueError(f"unknown encoder model.{key}={name!r}; registered {key} encoders "
                              f"(models/encoders.py): {_names(key)}")
-        modality = encoders.encoder_config(name)["modality"]
+        modality = encoders.encoder_config(name).modality
         if modality != key:
             raise ValueError(f"model.{key}={name!r} is an encoder of modality {modality!r}; {key} encoders: "
                              f"{_names(key)}")
@@ -75,7 +75,7 @@ def run_model(model, llm_fields: dict | None = None) -> RunModel:
     specs = module_specs(model)
     llm = llm_fields or checkpoint_llm_fields(getattr(model, "checkpoint", None)) or configs.REGISTRY[model.llm]
     cfgs = {k: encoders.encoder_config(s.name) for k, s in specs.items() if k != LANGUAGE}
-    heads = {k: c["heads"] for k, c in cfgs.items() if "heads" in c}
+    heads = {k: c.heads for k, c in cfgs.items() if hasattr(c, "heads")}
     heads[LANGUAGE] = llm["num_attention_heads"]
     return RunModel(keys=tuple(specs), heads=heads, kv_heads={LANGUAGE: llm["num_key_value_heads"]},
                     encoder_tp={k: s.tensor_parallel for k, s in specs.items() if k != LANGUAGE},

@@ -15,9 +15,10 @@ planner, the layout checks, checkpoint import/export and the release-config chec
         def planner_fields(self, cfg, llm_hidden): ...
         ...
 
-A config as callers see it is a plain dict: the Config's fields plus `family`, `modality` and `name`
-(models/encoders.encoder_config); every method below takes that dict. Methods are plain instance methods of the
-one instance register_family keeps (families hold no state). README "Add an encoder" shows a complete family.
+A config as callers see it is the family's Config with the encoder's identity added (EncoderIdentity: `family`,
+`modality`, `name`; models/encoders.encoder_config): a dataclass from registration to build, read by attribute;
+every method below takes one. Methods are plain instance methods of the one instance register_family keeps
+(families hold no state). README "Add an encoder" shows a complete family.
 
 This file imports no torch: families import their modules (megatron, NeMo, transformers) inside their methods,
 so the data side and the planner can ask a family its token count or cost without loading a model stack.
@@ -31,6 +32,28 @@ from typing import ClassVar
 
 BF16 = 2  # bytes per activation element in planner_fields (hetero/planner/model.py's unit)
 MODALITIES = ("vision", "audio")  # the encoder module keys (hetero/plan/layout.ENCODER_KEYS) a family can serve
+
+
+@dataclasses.dataclass
+class EncoderIdentity:
+    """Which encoder a config is, added to its family's Config fields (keyword-only, so they follow the Config's
+    own fields whatever defaults those have)."""
+
+    family: str = dataclasses.field(kw_only=True)     # the registered family's name
+    modality: str = dataclasses.field(kw_only=True)   # "vision" or "audio": the module key it serves
+    name: str = dataclasses.field(default="", kw_only=True)  # the registry entry or `hf:` name it was looked up by
+
+    def __reduce__(self):  # the class is made per family (EncoderFamily.config): pickled as family + fields
+        return _config_of, (self.family, dataclasses.asdict(self))
+
+
+def _config_of(family: str, fields: dict):
+    fields = dict(fields)
+    fields.pop("family"), fields.pop("modality")
+    return family_of(family).config(**fields)
+
+
+_CONFIG_CLASSES: dict[type, type] = {}  # family class -> its Config with EncoderIdentity
 
 
 class EncoderFamily(abc.ABC):
@@ -57,10 +80,20 @@ class EncoderFamily(abc.ABC):
     pipeline_parallel: ClassVar[bool] = False
 
     # -- config ----------------------------------------------------------------------------------------------
-    def config(self, **fields):
-        """A Config of this family from `fields` (a TypeError from the dataclass names a missing or unknown
-        field); an override of a registry entry goes through here too, so a typo is refused."""
-        return self.Config(**fields)
+    def config(self, name: str = "", **fields):
+        """The config of encoder `name` of this family from `fields`, the Config's (a TypeError from the dataclass
+        names a missing or unknown field): an instance of the Config with EncoderIdentity's fields set."""
+        return self.config_class()(**fields, family=self.name, modality=self.modality, name=name)
+
+    def config_class(self) -> type:
+        """The Config subclass that also holds EncoderIdentity (made once per family class; its repr reads as the
+        Config's)."""
+        cls = _CONFIG_CLASSES.get(type(self))
+        if cls is None:
+            cls = _CONFIG_CLASSES[type(self)] = dataclasses.make_dataclass(
+                self.Config.__name__, [], bases=(EncoderIdentity, self.Config))
+            cls.__module__ = self.Config.__module__
+        return cls
 
     def field_names(self) -> tuple[str, ...]:
         """The Config's field names (what a registry entry and a checkpoint-derived config must both set)."""
@@ -68,7 +101,7 @@ class EncoderFamily(abc.ABC):
 
     # -- model -----------------------------------------------------------------------------------------------
     @abc.abstractmethod
-    def build(self, cfg: dict, pg_collection, *, recompute: str = "none", core_attention=None):
+    def build(self, cfg: EncoderIdentity, pg_collection, *, recompute: str = "none", core_attention=None):
         """The encoder module of `cfg` on this rank: an nn.Module, without projector (models/multimodal adds the
         module key's projector on the encoder's `out_dim`).
 
@@ -86,25 +119,25 @@ class EncoderFamily(abc.ABC):
                   keep(out, out_len, feat_len), forward(list of float waveforms) -> list of [tokens_i, out_dim]"""
 
     @abc.abstractmethod
-    def preprocessor(self, cfg: dict):
+    def preprocessor(self, cfg: EncoderIdentity):
         """How raw media becomes this encoder's input, as a module of its own (what a reference model outside
         Tessera is fed with too): vision, uint8 tiles [n, 3, H, W] -> normalised pixels; audio, a list of float
         waveforms at cfg's sample rate -> (features [b, ..., frames], valid frames [b])."""
 
     # -- data side -------------------------------------------------------------------------------------------
     @abc.abstractmethod
-    def tokens(self, cfg: dict):
+    def tokens(self, cfg: EncoderIdentity):
         """models/media_tokens.EncoderTokens with this encoder's fields set (vision: tile, patch, pixel_shuffle;
         audio: audio_rate, audio_hop, audio_n_fft, audio_subsampling, audio_token_frames): the one count of
         embeddings per item, which the data side sizes placeholders with and the built module must produce."""
 
-    def video_temporal_patch(self, cfg: dict) -> int:
+    def video_temporal_patch(self, cfg: EncoderIdentity) -> int:
         """Frames a video tubelet of this vision encoder fuses (0: no tubelet embedder)."""
         return 0
 
     # -- planner ---------------------------------------------------------------------------------------------
     @abc.abstractmethod
-    def planner_fields(self, cfg: dict, llm_hidden: int) -> dict:
+    def planner_fields(self, cfg: EncoderIdentity, llm_hidden: int) -> dict:
         """hetero/planner/model.ModuleDesc's fields (all but `name`) of this encoder plus its projector to
         `llm_hidden`: parameters, FLOPs and activation bytes per token (vision: per tile token; audio: per encoder
         row, with frames_per_second the rows a second of audio gives), as that dataclass documents them. The
@@ -118,7 +151,7 @@ class EncoderFamily(abc.ABC):
         the inner conformer); the rest of the encoder holds no parameters."""
 
     @abc.abstractmethod
-    def import_tensors(self, cfg: dict, hf, module_keys, tp_rank: int = 0, tp: int = 1) -> dict:
+    def import_tensors(self, cfg: EncoderIdentity, hf, module_keys, tp_rank: int = 0, tp: int = 1) -> dict:
         """One TP rank's state dict of checkpoint_module from the checkpoint's tensors `hf` (a mapping from full
         names, e.g. a LazyCheckpoint: read only what is used). module_keys: that module's parameter names (a
         pipeline stage's few; None where the config alone fixes them, as for a whole ViT tower); a family may
@@ -126,17 +159,17 @@ class EncoderFamily(abc.ABC):
         missing, or an encoder tensor left unread, raises KeyError naming it."""
 
     @abc.abstractmethod
-    def export_tensors(self, cfg: dict, shards: list[dict]) -> dict:
+    def export_tensors(self, cfg: EncoderIdentity, shards: list[dict]) -> dict:
         """The checkpoint's tensors (full names) of this encoder from checkpoint_module's state dicts, one per
         TP rank in rank order (parameters only); import_tensors(export_tensors(shards)) is the shards again."""
 
-    def lora_targets(self, cfg: dict, name: str, b) -> list[tuple[str, object]]:
+    def lora_targets(self, cfg: EncoderIdentity, name: str, b) -> list[tuple[str, object]]:
         """(checkpoint module, rows of B) of a LoRA adapter on `name` (a linear of checkpoint_module, one-rank
         B [out, r]), for PEFT adapter files: where export_tensors puts that linear's weight."""
         raise ValueError(f"encoder family {self.name!r} does not map LoRA adapters to checkpoint modules; "
                          f"freeze this encoder or leave it out of model.lora")
 
-    def release_issue(self, cfg: dict) -> str:
+    def release_issue(self, cfg: EncoderIdentity) -> str:
         """Why this encoder is not the one transformers' NemotronH_Omni_Reasoning_V3 runs for its modality
         (so a from-scratch export gets no release config.json, models/release_config.py), or "" when it is."""
         return f"{self.modality} family {self.name!r} is not the released Omni model's {self.modality} encoder"
@@ -163,6 +196,9 @@ def register_family(family):
         raise ValueError(f"encoder family {cls.name!r}: modality {cls.modality!r} is not one of {MODALITIES}")
     if not dataclasses.is_dataclass(cls.Config):
         raise TypeError(f"encoder family {cls.name!r}: Config must be a dataclass (its architecture fields)")
+    taken = sorted({f.name for f in dataclasses.fields(cls.Config)} & {"family", "modality", "name"})
+    if taken:
+        raise TypeError(f"encoder family {cls.name!r}: Config fields {taken} are EncoderIdentity's; rename them")
     known = FAMILIES.get(cls.name)
     if known is not None and type(known).__qualname__ != cls.__qualname__:
         raise ValueError(f"encoder family {cls.name!r} is already registered ({type(known).__qualname__}); "
@@ -172,8 +208,8 @@ def register_family(family):
 
 
 def family_of(cfg_or_name) -> EncoderFamily:
-    """The family of an encoder config dict (its `family`) or of a family name."""
-    name = cfg_or_name["family"] if isinstance(cfg_or_name, dict) else cfg_or_name
+    """The family of an encoder config (its `family`) or of a family name."""
+    name = cfg_or_name if isinstance(cfg_or_name, str) else cfg_or_name.family
     if name not in FAMILIES:
         raise KeyError(f"unknown encoder family {name!r}; registered families: {', '.join(sorted(FAMILIES))} "
                        f"(a new family: subclass models/encoder_families/base.EncoderFamily and call "

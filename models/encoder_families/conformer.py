@@ -74,15 +74,15 @@ class ConformerFamily(EncoderFamily):
     def tokens(self, cfg):
         from tessera.models.media_tokens import EncoderTokens
 
-        return EncoderTokens(audio_rate=cfg["sample_rate"], audio_hop=round(cfg["window_stride"] * cfg["sample_rate"]),
-                             audio_n_fft=cfg["n_fft"], audio_subsampling=cfg["subsampling"],
+        return EncoderTokens(audio_rate=cfg.sample_rate, audio_hop=round(cfg.window_stride * cfg.sample_rate),
+                             audio_n_fft=cfg.n_fft, audio_subsampling=cfg.subsampling,
                              audio_token_frames=self.token_frames)
 
     def planner_fields(self, cfg, llm_hidden):
         c = cfg
-        h, L, K, sub, C = c["hidden"], c["layers"], c["conv_kernel"], c["subsampling"], c["subsampling_channels"]
-        F, f = c["n_mels"], h * c["ff_expansion"]
-        mel_fps = 1.0 / c["window_stride"]
+        h, L, K, sub, C = c.hidden, c.layers, c.conv_kernel, c.subsampling, c.subsampling_channels
+        F, f = c.n_mels, h * c.ff_expansion
+        mel_fps = 1.0 / c.window_stride
         fps = mel_fps / sub
         # dw-striding: conv(1->C, 3x3, s2) then log2(sub)-1 x [depthwise 3x3 s2 + pointwise C->C], then linear
         stages = sub.bit_length() - 1
@@ -90,12 +90,12 @@ class ConformerFamily(EncoderFamily):
         for i in range(stages):
             area /= 4
             pre += 2 * area * C * 9 if i == 0 else 2 * area * C * (9 + C)
-        pre += 2 * fps * (C * F // sub) * h + 2 * mel_fps * F * (c["n_fft"] // 2 + 1)  # + the mel filterbank
+        pre += 2 * fps * (C * F // sub) * h + 2 * mel_fps * F * (c.n_fft // 2 + 1)  # + the mel filterbank
         # two half FFNs, 5 LayerNorms, conv module (pointwise 2h, depthwise, BatchNorm, pointwise), rel-pos MHSA
         # (q, k, v, out with biases, bias-free pos projection, pos_bias_u/v)
         layer_params = 2 * (2 * h * f + f + h) + 10 * h + (2 * h * h + 2 * h + K * h + h + 2 * h + h * h + h) \
             + (4 * h * h + 4 * h + h * h + 2 * h)
-        proj_hidden = c["projector_hidden"] or 4 * h  # models.multimodal: sound projector hidden = 4x the width
+        proj_hidden = c.projector_hidden or 4 * h  # models.multimodal: sound projector hidden = 4x the width
         proj_params = h + h * proj_hidden + proj_hidden * llm_hidden
         sub_params = 9 * C + C + (stages - 1) * (9 * C + C + C * C + C) + C * F // sub * h + h
         per_frame = (L * 2 * (2 * 2 * h * f + 4 * h * h + 2 * h * h + 2 * h * h + K * h + h * h)
@@ -109,9 +109,9 @@ class ConformerFamily(EncoderFamily):
             edge_params=0, layers=L, hidden=h, out_hidden=llm_hidden, linear_flops=per_frame,
             attn_flops=8.0 * h * L, head_flops=0.0, act_bytes=0.0, act_replicated=L * layer, act_unsplit=0.0,
             act_bytes_recompute=BF16 * h * L, act_peak=(("L", layer, 0.0, 0.0),),
-            act_edge=pre_act * sub + 4 * (h + proj_hidden), act_ctx=L * (4 * c["heads"] + 1.0), logits_bytes=0.0,
+            act_edge=pre_act * sub + 4 * (h + proj_hidden), act_ctx=L * (4 * c.heads + 1.0), logits_bytes=0.0,
             tp_collectives=4 * L, attn_layers=0, mamba_layers=0, state_bytes=0, moe_layers=0, topk=0,
-            kv_width=2 * h, tp_divides=(c["heads"],), frames_per_second=fps, pre_flops_per_second=pre)
+            kv_width=2 * h, tp_divides=(c.heads,), frames_per_second=fps, pre_flops_per_second=pre)
 
     def checkpoint_module(self, encoder):
         return encoder.encoder

@@ -102,8 +102,8 @@ def layer_count(tower) -> int:
     return max(lists, default=(True, 1))[1] or 1
 
 
-def meta_forward(fields: dict, samples: int = 0):
-    """(last_hidden_state's shape, tower) of the tower of `fields` on the meta device, fed one tile or one clip of
+def meta_forward(cfg, samples: int = 0):
+    """(last_hidden_state's shape, tower) of the tower of `cfg` on the meta device, fed one tile or one clip of
     `samples` samples as its processor would give it. A forward that fails, or returns no [1, tokens, hidden]
     last_hidden_state, is refused naming it."""
     import torch
@@ -111,14 +111,15 @@ def meta_forward(fields: dict, samples: int = 0):
     from tessera.models.hf_towers import load_transformers_model
     from tessera.models.meta_device import meta_build
 
-    directory, model_type = fields["directory"], fields["model_type"]
+    directory, model_type = cfg.directory, cfg.model_type
     with meta_build():
-        tower = load_transformers_model(fields)
-    fed = (f"pixel_values [1, 3, {fields['tile']}, {fields['tile']}]" if "tile" in fields
+        tower = load_transformers_model(cfg)
+    vision = hasattr(cfg, "tile")  # (also asked while hf_transformers derives the config, before it is typed)
+    fed = (f"pixel_values [1, 3, {cfg.tile}, {cfg.tile}]" if vision
            else f"input_values [1, {samples}]")
     try:
         with torch.no_grad():
-            x = torch.empty(1, 3, fields["tile"], fields["tile"], device="meta") if "tile" in fields \
+            x = torch.empty(1, 3, cfg.tile, cfg.tile, device="meta") if vision \
                 else torch.empty(1, samples, device="meta")
             out = tower(x)
     except Exception as e:  # (any model's own error: what it says is the reason)
@@ -132,7 +133,7 @@ def meta_forward(fields: dict, samples: int = 0):
     return tuple(hidden.shape), tower
 
 
-def pipeline_stages(fields: dict, tower) -> tuple[str, str] | None:
+def pipeline_stages(cfg, tower) -> tuple[str, str] | None:
     """(the list of layers, the final norm or "") when the vision tower's forward is embeddings -> those layers ->
     that norm, so pipeline stages can run it by layers (models/hf_towers.HFVisionTower); None where not (e.g. BEiT:
     its layers take the relative position bias). The list is found on the meta tower; the composition is checked
@@ -147,15 +148,15 @@ def pipeline_stages(fields: dict, tower) -> tuple[str, str] | None:
              and n.rpartition(".")[2] in ("layer", "layers", "blocks") and n.rpartition(".")[0] in ("", "encoder")]
     if len(lists) != 1 or not hasattr(tower, "embeddings"):
         return None
-    config = transformers.AutoConfig.from_pretrained(fields["directory"])
+    config = transformers.AutoConfig.from_pretrained(cfg.directory)
     (getattr(config, "vision_config", None) or config).num_hidden_layers = 2
     deterministic(config)
     try:  # (the process's random state is left as it was: a rank's init must not depend on this check)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = transformers.AutoModel.from_config(config).eval()
-            pixels = torch.randn(1, 3, fields["tile"], fields["tile"])
-        small = getattr(model, fields["submodule"]) if fields["submodule"] else model
+            pixels = torch.randn(1, 3, cfg.tile, cfg.tile)
+        small = getattr(model, cfg.submodule) if cfg.submodule else model
         with torch.no_grad():
             want = small(pixels).last_hidden_state
             x = small.embeddings(pixels)
@@ -180,7 +181,7 @@ def conv_rows(convs, samples: int) -> int:
     return samples
 
 
-def audio_convs(directory: Path, model_type: str, config, fields: dict) -> tuple:
+def audio_convs(directory: Path, model_type: str, config, cfg) -> tuple:
     """(kernel, stride, padding) per stage of the config's conv stack (conv_kernel / conv_stride), checked on the
     meta device: the rows of clips of several lengths must be what the stack gives (a model that pools or
     upsamples differently is refused: the data side could not count its tokens)."""
@@ -189,9 +190,9 @@ def audio_convs(directory: Path, model_type: str, config, fields: dict) -> tuple
         raise refuse(directory, model_type, "its output length for a clip cannot be determined: the config has no "
                                             "conv_kernel / conv_stride")
     convs = tuple((int(k), int(s), 0) for k, s in zip(kernels, strides))
-    rate = fields["sample_rate"]
+    rate = cfg.sample_rate
     for samples in (rate, rate + 1, rate * 3 // 2 + 7):
-        (_, rows, _), _ = meta_forward(fields, samples)
+        (_, rows, _), _ = meta_forward(cfg, samples)
         if rows != conv_rows(convs, samples):
             raise refuse(directory, model_type, f"its output length for a clip cannot be determined: "
                                                 f"{samples} samples give {rows} rows, its conv stack "
@@ -199,7 +200,7 @@ def audio_convs(directory: Path, model_type: str, config, fields: dict) -> tuple
     return convs
 
 
-def measured_cost(cfg: dict, samples: int = 0) -> tuple[int, float, float]:
+def measured_cost(cfg, samples: int = 0) -> tuple[int, float, float]:
     """(parameters, forward FLOPs, activation bytes) of the tower of `cfg` on one item (a tile; a clip of
     `samples` samples; Whisper's whole window) on the meta device: FLOPs by torch's FlopCounterMode, activations
     as the bf16 bytes of every non-parameter tensor autograd saves for backward."""
@@ -210,7 +211,7 @@ def measured_cost(cfg: dict, samples: int = 0) -> tuple[int, float, float]:
     from tessera.models.meta_device import meta_build
 
     with meta_build():
-        tower = HFVisionTower(cfg, "none") if cfg["modality"] == "vision" else load_transformers_model(cfg)
+        tower = HFVisionTower(cfg, "none") if cfg.modality == "vision" else load_transformers_model(cfg)
     params = {id(p) for p in tower.parameters()}
     saved = [0]
 
@@ -222,13 +223,13 @@ def measured_cost(cfg: dict, samples: int = 0) -> tuple[int, float, float]:
 
     counter = FlopCounterMode(display=False)
     with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        if cfg["modality"] == "vision":
-            pixels = torch.empty(1, 3, cfg["tile"], cfg["tile"], device="meta")
+        if cfg.modality == "vision":
+            pixels = torch.empty(1, 3, cfg.tile, cfg.tile, device="meta")
             inputs = tower.inputs(pixels)
             if "spatial_shapes" in inputs:  # (read as Python ints to size the position embeddings)
-                inputs["spatial_shapes"] = torch.tensor([[cfg["tile"] // cfg["patch"]] * 2])
+                inputs["spatial_shapes"] = torch.tensor([[cfg.tile // cfg.patch] * 2])
             tower.model(**inputs)
-        elif cfg["model_type"] == "whisper":
+        elif cfg.model_type == "whisper":
             tower(torch.empty(1, tower.config.num_mel_bins, 2 * tower.config.max_source_positions, device="meta"))
         else:
             tower(torch.empty(1, samples, device="meta"))
@@ -240,38 +241,38 @@ def measured_cost(cfg: dict, samples: int = 0) -> tuple[int, float, float]:
 _MEASURED: dict[str, tuple] = {}  # encoder name -> _measured's numbers: measured once per process
 
 
-def _measured(cfg: dict, tok) -> tuple[int, float, float, float, float]:
+def _measured(cfg, tok) -> tuple[int, float, float, float, float]:
     """(tower parameters, FLOPs per row or tile token, FLOPs per row and context row, activation bytes per row or
     tile token, activation bytes per row and context row); tok: the family's EncoderTokens."""
-    if cfg["name"] in _MEASURED:
-        return _MEASURED[cfg["name"]]
-    _MEASURED[cfg["name"]] = numbers = _measure(cfg, tok)
+    if cfg.name in _MEASURED:
+        return _MEASURED[cfg.name]
+    _MEASURED[cfg.name] = numbers = _measure(cfg, tok)
     return numbers
 
 
-def _measure(cfg: dict, tok) -> tuple[int, float, float, float, float]:
-    if cfg["modality"] == "vision":
+def _measure(cfg, tok) -> tuple[int, float, float, float, float]:
+    if cfg.modality == "vision":
         params, flops, act = measured_cost(cfg)
-        tokens = (cfg["tile"] // cfg["patch"]) ** 2 + cfg["prefix_tokens"]
+        tokens = (cfg.tile // cfg.patch) ** 2 + cfg.prefix_tokens
         return params, flops / tokens, 0.0, act / tokens, 0.0
-    if cfg["window_samples"]:  # one pass over the whole window, whatever the clip's length
+    if cfg.window_samples:  # one pass over the whole window, whatever the clip's length
         params, flops, act = measured_cost(cfg)
         rows = tok.audio_encoder_rows(0)
         return params, flops / rows, 0.0, act / rows, 0.0
     # rows x (linear + attn x rows), solved from clips of one and two seconds (the convs ride on linear)
-    rate = cfg["sample_rate"]
+    rate = cfg.sample_rate
     (params, f1, a1), (_, f2, a2) = measured_cost(cfg, rate), measured_cost(cfg, 2 * rate)
     r1, r2 = tok.audio_encoder_rows(rate), tok.audio_encoder_rows(2 * rate)
     attn, act_ctx = (f2 / r2 - f1 / r1) / (r2 - r1), (a2 / r2 - a1 / r1) / (r2 - r1)
     return params, f1 / r1 - attn * r1, attn, a1 / r1 - act_ctx * r1, act_ctx
 
 
-def planner_fields(cfg: dict, llm_hidden: int, tok) -> dict:
+def planner_fields(cfg, llm_hidden: int, tok) -> dict:
     """hetero/planner/model.ModuleDesc's fields of the tower of `cfg` + its projector, from the measured numbers
     (tok: the family's EncoderTokens, which count a tile's tokens and a clip's rows)."""
-    h, L = cfg["hidden"], cfg["layers"]
+    h, L = cfg.hidden, cfg.layers
     params, linear, attn, act, act_ctx = _measured(cfg, tok)
-    proj_hidden = cfg["projector_hidden"] or 4 * h  # models.multimodal's default
+    proj_hidden = cfg.projector_hidden or 4 * h  # models.multimodal's default
     proj_params = h + h * proj_hidden + proj_hidden * llm_hidden
     proj_flops = 2.0 * (h * proj_hidden + proj_hidden * llm_hidden)
     # the measured bytes are all kept per token (no TP: nothing sharded); a layer's share is 1/L of them
@@ -280,15 +281,15 @@ def planner_fields(cfg: dict, llm_hidden: int, tok) -> dict:
                   act_replicated=act, act_unsplit=0.0, act_bytes_recompute=BF16 * h * L,
                   act_peak=(("L", act / L, 0.0, 0.0),), logits_bytes=0.0, tp_collectives=0, attn_layers=0,
                   mamba_layers=0, state_bytes=0, moe_layers=0, topk=0, kv_width=2 * h, tp_divides=(1,))
-    if cfg["modality"] == "vision":
-        patches = (cfg["tile"] // cfg["patch"]) ** 2
+    if cfg.modality == "vision":
+        patches = (cfg.tile // cfg.patch) ** 2
         return dict(common, key="vision", kind="vit", linear_flops=linear, attn_flops=attn, embed_flops=0.0,
-                    out_flops=proj_flops, prefix_tokens=cfg["prefix_tokens"], pixel_shuffle=1,
-                    act_edge=BF16 * (3 * patches * cfg["patch"] ** 2 + 2 * (h + proj_hidden) * patches)
-                    / (patches + cfg["prefix_tokens"]),
-                    tokens_per_tile=patches + cfg["prefix_tokens"], out_per_tile=patches, temporal_patch=0)
-    seconds = (cfg["window_samples"] or cfg["sample_rate"]) / cfg["sample_rate"]
+                    out_flops=proj_flops, prefix_tokens=cfg.prefix_tokens, pixel_shuffle=1,
+                    act_edge=BF16 * (3 * patches * cfg.patch ** 2 + 2 * (h + proj_hidden) * patches)
+                    / (patches + cfg.prefix_tokens),
+                    tokens_per_tile=patches + cfg.prefix_tokens, out_per_tile=patches, temporal_patch=0)
+    seconds = (cfg.window_samples or cfg.sample_rate) / cfg.sample_rate
     return dict(common, key="audio", kind="conformer", linear_flops=linear + proj_flops, attn_flops=attn,
                 act_edge=4 * (h + proj_hidden), act_ctx=act_ctx,
-                frames_per_second=tok.audio_encoder_rows(cfg["window_samples"] or cfg["sample_rate"]) / seconds,
+                frames_per_second=tok.audio_encoder_rows(cfg.window_samples or cfg.sample_rate) / seconds,
                 pre_flops_per_second=0.0)

@@ -37,7 +37,7 @@ import math
 from pathlib import Path
 
 from tessera.models.encoder_families import hf_contract
-from tessera.models.encoder_families.base import EncoderFamily, register_family
+from tessera.models.encoder_families.base import FAMILIES, EncoderFamily, register_family
 from tessera.models.encoder_families.hf_contract import HFEncoderError, refuse
 from tessera.models.release_layouts import layout_of
 from tessera.models.released import PREFIX  # `hf:`, both forms' prefix
@@ -121,7 +121,7 @@ def is_transformers_encoder(name: str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _derived(name: str) -> tuple[str, dict]:
+def _derived(name: str) -> tuple[str, HFVisionConfig | HFAudioConfig]:
     directory, modality = _split(name)
     model_type = _config_json(directory).get("model_type")
     config = hf_contract.auto_config(directory, model_type)
@@ -133,13 +133,14 @@ def _derived(name: str) -> tuple[str, dict]:
     if modality and modality != own:
         raise HFEncoderError(f"{name!r}: {directory} holds a {own} encoder ({model_type}), not a {modality} one")
     build = _vision if own == "vision" else _audio
-    return own, dataclasses.asdict(build(directory.resolve(), model_type, config, proc, where))
+    return own, build(directory.resolve(), model_type, config, proc, where)
 
 
-def encoder_config_of(name: str) -> dict:
-    """The config dict (models/encoders.py's form: fields + family, modality, name) of `hf:DIR`."""
-    modality, fields = _derived(name)
-    return {**fields, "family": FAMILY_OF[modality], "modality": modality, "name": name}
+def encoder_config_of(name: str):
+    """The config (models/encoders.py's form: its family's Config with family, modality, name) of `hf:DIR`."""
+    modality, raw = _derived(name)
+    return FAMILIES[FAMILY_OF[modality]].config(name, **{f.name: getattr(raw, f.name)
+                                                         for f in dataclasses.fields(raw)})
 
 
 def _tile(directory: Path, model_type: str, proc, patch: int) -> int:
@@ -173,14 +174,14 @@ def _vision(directory: Path, model_type: str, config, proc, where: str) -> HFVis
                          tuple(proc.image_mean) if proc.do_normalize else (0.0,) * 3,
                          tuple(proc.image_std) if proc.do_normalize else (1.0,) * 3, None)
     if known is None:  # hidden size, layers and leading class/register tokens from a meta forward of one tile
-        (_, tokens, hidden), tower = hf_contract.meta_forward(dataclasses.asdict(cfg))
+        (_, tokens, hidden), tower = hf_contract.meta_forward(cfg)
         patches = (tile // patch) ** 2
         if tokens < patches:
             raise refuse(directory, model_type, f"a {tile}-px tile gives {tokens} tokens, fewer than its "
                                                 f"{patches} patches of {patch} px")
         cfg = dataclasses.replace(cfg, hidden=hidden, layers=hf_contract.layer_count(tower),
                                   prefix_tokens=tokens - patches)
-        stages = hf_contract.pipeline_stages(dataclasses.asdict(cfg), tower)
+        stages = hf_contract.pipeline_stages(cfg, tower)
         cfg = dataclasses.replace(cfg, pipeline=stages is not None, layer_list=(stages or ("", ""))[0],
                                   final_norm=(stages or ("", ""))[1])
     return cfg
@@ -201,8 +202,8 @@ def _audio(directory: Path, model_type: str, config, fe, where: str) -> HFAudioC
     if model_type in AUDIO_TYPES:
         return dataclasses.replace(cfg, convs=tuple((k, s, 0) for k, s in zip(config.conv_kernel,
                                                                               config.conv_stride)))
-    convs = hf_contract.audio_convs(directory, model_type, config, dataclasses.asdict(cfg))
-    (_, _, hidden), tower = hf_contract.meta_forward(dataclasses.asdict(cfg), fe.sampling_rate)
+    convs = hf_contract.audio_convs(directory, model_type, config, cfg)
+    (_, _, hidden), tower = hf_contract.meta_forward(cfg, fe.sampling_rate)
     return dataclasses.replace(cfg, hidden=hidden, layers=hf_contract.layer_count(tower), convs=convs)
 
 
@@ -222,7 +223,7 @@ class _HFFamily(EncoderFamily):
         keys = stored if module_keys is None else list(module_keys)
         missing = sorted(set(keys) - set(stored))
         if missing:
-            raise KeyError(f"encoder {cfg['name']!r}: the checkpoint lacks {[root + k for k in missing[:8]]}")
+            raise KeyError(f"encoder {cfg.name!r}: the checkpoint lacks {[root + k for k in missing[:8]]}")
         return {k: hf[root + k] for k in keys}
 
     def export_tensors(self, cfg, shards):
@@ -230,17 +231,17 @@ class _HFFamily(EncoderFamily):
         return {root + k: v.detach().clone() for k, v in shards[0].items()}
 
     def release_issue(self, cfg):
-        return (f"{self.modality} encoder {cfg['name']!r} is a transformers {cfg['model_type']} model, not the "
+        return (f"{self.modality} encoder {cfg.name!r} is a transformers {cfg.model_type} model, not the "
                 f"released Omni model's {self.modality} encoder")
 
     def stage(self, cfg, pg_collection, core_attention) -> tuple[int, int]:
         """(pp, stage) of this rank; a split the tower cannot run (token CP; audio PP) is refused, naming the fix."""
         sizes = {k: getattr(pg_collection, k).size() for k in ("cp", "pp") if getattr(pg_collection, k, None)}
-        pipeline = self.pipeline_parallel and cfg.get("pipeline", True)  # (stages known: the table's types)
+        pipeline = self.pipeline_parallel and getattr(cfg, "pipeline", True)  # (stages known: the table's types)
         refused = [f"{k}{n}" for k, n in sizes.items() if n > 1 and (k == "cp" or not pipeline)]
         if refused or core_attention is not None:
             allowed = "dp and pp" if pipeline else "dp"
-            raise ValueError(f"encoder {cfg['name']!r} (transformers {cfg['model_type']}) runs {allowed} only, not "
+            raise ValueError(f"encoder {cfg.name!r} (transformers {cfg.model_type}) runs {allowed} only, not "
                              f"{', '.join(refused) or 'context parallel'}: give model.{self.modality} a layout of "
                              f"{allowed} (e.g. {self.modality}=dp2@0-1)")
         pp_group = getattr(pg_collection, "pp", None)
@@ -250,7 +251,7 @@ class _HFFamily(EncoderFamily):
 @register_family
 class HFVisionFamily(_HFFamily):
     name, modality, Config = "hf_vision", "vision", HFVisionConfig
-    pipeline_parallel = True  # where cfg["pipeline"]: the layers are a plain list (HFVisionTower)
+    pipeline_parallel = True  # where cfg.pipeline: the layers are a plain list (HFVisionTower)
 
     def build(self, cfg, pg_collection, *, recompute="none", core_attention=None):
         from tessera.models.hf_towers import HFVisionEncoder
@@ -265,7 +266,7 @@ class HFVisionFamily(_HFFamily):
     def tokens(self, cfg):
         from tessera.models.media_tokens import EncoderTokens
 
-        return EncoderTokens(tile=cfg["tile"], patch=cfg["patch"], pixel_shuffle=1)
+        return EncoderTokens(tile=cfg.tile, patch=cfg.patch, pixel_shuffle=1)
 
     def checkpoint_module(self, encoder):
         return encoder.vit
@@ -289,8 +290,8 @@ class HFAudioFamily(_HFFamily):
     def tokens(self, cfg):
         from tessera.models.media_tokens import EncoderTokens
 
-        return EncoderTokens(audio_rate=cfg["sample_rate"], audio_convs=tuple(map(tuple, cfg["convs"])),
-                             audio_window=cfg["window_samples"])
+        return EncoderTokens(audio_rate=cfg.sample_rate, audio_convs=tuple(map(tuple, cfg.convs)),
+                             audio_window=cfg.window_samples)
 
     def checkpoint_module(self, encoder):
         return encoder.encoder

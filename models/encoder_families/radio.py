@@ -71,16 +71,16 @@ _RADIO_BUFFERS = {
 }
 
 
-def radio_buffers(cfg: dict) -> dict:
+def radio_buffers(cfg: ViTConfig) -> dict:
     """The RADIO tower's non-parameter checkpoint tensors as transformers' RadioModel builds them from its config:
     summary_idxs (int64) and, where the layout stores it, input_conditioner.norm_{mean,std} (float32 [3, 1, 1])."""
     import torch
 
     out = {}
-    if cfg["summary_idxs"] is not None:
-        out[RADIO_TOWER + "summary_idxs"] = torch.tensor(cfg["summary_idxs"], dtype=torch.long)
-    if cfg["input_conditioner"]:
-        for name, values in (("norm_mean", cfg["mean"]), ("norm_std", cfg["std"])):
+    if cfg.summary_idxs is not None:
+        out[RADIO_TOWER + "summary_idxs"] = torch.tensor(cfg.summary_idxs, dtype=torch.long)
+    if cfg.input_conditioner:
+        for name, values in (("norm_mean", cfg.mean), ("norm_std", cfg.std)):
             out[f"{RADIO_TOWER}input_conditioner.{name}"] = torch.tensor(values, dtype=torch.float32).view(-1, 1, 1)
     return out
 
@@ -100,11 +100,11 @@ class RadioFamily(ViTFamily):
     def embed_keys(self, cfg):
         g = RADIO_ROOT + "patch_generator."
         keys = {"embedder.weight": g + "embedder.weight", "pos_embed": g + "pos_embed"}
-        if cfg["prefix_tokens"]:
+        if cfg.prefix_tokens:
             keys["prefix"] = g + "cls_token.token"
-        if cfg["temporal_patch"]:
+        if cfg.temporal_patch:
             keys["video_embedder.weight"] = g + "video_embedder.weight"
-        if cfg["final_norm"]:
+        if cfg.final_norm:
             keys.update({f"final_norm.{k}": RADIO_FINAL_NORM + k for k in ("weight", "bias")})
         return keys
 
@@ -123,7 +123,7 @@ class RadioFamily(ViTFamily):
             key = RADIO_TOWER + name
             if (key in take.hf) != (key in want):
                 raise KeyError(f"{key} is {'in' if key in take.hf else 'missing from'} the checkpoint, but "
-                               f"{take.owner} has {field}={cfg[field]!r}: set {field} to match the checkpoint")
+                               f"{take.owner} has {field}={getattr(cfg, field)!r}: set {field} to match the checkpoint")
             if key in want:
                 got = take(key)
                 if got.dtype != want[key].dtype or got.shape != want[key].shape or not torch.equal(got, want[key]):
@@ -134,10 +134,10 @@ class RadioFamily(ViTFamily):
         return radio_buffers(cfg)
 
     def release_issue(self, cfg):
-        if cfg["pos_interp"] != "bilinear" or cfg["pos_resize"] != "cpe" or cfg["act"] != "gelu" \
-                or cfg["final_norm"]:
+        if cfg.pos_interp != "bilinear" or cfg.pos_resize != "cpe" or cfg.act != "gelu" \
+                or cfg.final_norm:
             return ("this RADIO differs from the release's (position rule, activation or final norm: "
-                    f"{cfg['pos_interp']}/{cfg['pos_resize']}, {cfg['act']}, final_norm={cfg['final_norm']})")
-        if cfg["layer_scale"] is None:
+                    f"{cfg.pos_interp}/{cfg.pos_resize}, {cfg.act}, final_norm={cfg.final_norm})")
+        if cfg.layer_scale is None:
             return "a RADIO without layer scales: the release's RadioLayer always has them"
         return ""

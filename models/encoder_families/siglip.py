@@ -41,19 +41,19 @@ class SiglipFamily(ViTFamily):
         e = SIGLIP_ROOT + "embeddings."
         keys = {"embedder.weight": e + "patch_embedding.weight", "embedder.bias": e + "patch_embedding.bias",
                 "pos_embed": e + "position_embedding.weight"}
-        if cfg["final_norm"]:
+        if cfg.final_norm:
             keys.update({"final_norm.weight": SIGLIP_ROOT + "post_layernorm.weight",
                          "final_norm.bias": SIGLIP_ROOT + "post_layernorm.bias"})
         return keys
 
     def import_embed(self, cfg, out):
         # Conv2d [D, 3, p, p] and table [N, D] -> our linear [D, 3pp] and [1, N, D]
-        out["embedder.weight"] = out["embedder.weight"].reshape(cfg["hidden"], 3 * cfg["patch"] ** 2)
+        out["embedder.weight"] = out["embedder.weight"].reshape(cfg.hidden, 3 * cfg.patch ** 2)
         out["pos_embed"] = out["pos_embed"][None]
 
     def export_embed(self, cfg, out):
-        e, p = SIGLIP_ROOT + "embeddings.", cfg["patch"]
-        out[e + "patch_embedding.weight"] = out[e + "patch_embedding.weight"].reshape(cfg["hidden"], 3, p, p)
+        e, p = SIGLIP_ROOT + "embeddings.", cfg.patch
+        out[e + "patch_embedding.weight"] = out[e + "patch_embedding.weight"].reshape(cfg.hidden, 3, p, p)
         out[e + "position_embedding.weight"] = out[e + "position_embedding.weight"][0]
 
     def release_issue(self, cfg):

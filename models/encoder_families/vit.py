@@ -62,8 +62,8 @@ def qkv_major(t, heads: int):
 class TensorReader:
     """Checkpoint tensors read by name; remembers what was read so that a tensor nobody reads can be named."""
 
-    def __init__(self, hf, cfg: dict, missing_hint=lambda key: ""):
-        self.hf, self.read, self.owner = hf, set(), f"encoder {cfg.get('name', cfg['family'])!r}"
+    def __init__(self, hf, cfg: ViTConfig, missing_hint=lambda key: ""):
+        self.hf, self.read, self.owner = hf, set(), f"encoder {cfg.name or cfg.family!r}"
         self.missing_hint = missing_hint
 
     def __call__(self, key: str):
@@ -91,19 +91,19 @@ class ViTFamily(EncoderFamily):
         """The checkpoint prefix of layer i."""
 
     @abc.abstractmethod
-    def embed_keys(self, cfg: dict) -> dict[str, str]:
+    def embed_keys(self, cfg: ViTConfig) -> dict[str, str]:
         """Our names -> checkpoint names of the tower's tensors outside its layers, those this config has."""
 
-    def import_embed(self, cfg: dict, out: dict) -> None:
+    def import_embed(self, cfg: ViTConfig, out: dict) -> None:
         """Reshape the embed tensors read as stored into ours, in place (a Conv2d patch embedding, ...)."""
 
-    def export_embed(self, cfg: dict, out: dict) -> None:
+    def export_embed(self, cfg: ViTConfig, out: dict) -> None:
         """The inverse of import_embed on the checkpoint tensors, in place."""
 
-    def extra_import(self, cfg: dict, take: TensorReader) -> None:
+    def extra_import(self, cfg: ViTConfig, take: TensorReader) -> None:
         """Read and check the tower's non-parameter tensors (buffers the config fixes)."""
 
-    def extra_export(self, cfg: dict) -> dict:
+    def extra_export(self, cfg: ViTConfig) -> dict:
         """The tower's non-parameter tensors as the config fixes them."""
         return {}
 
@@ -120,31 +120,31 @@ class ViTFamily(EncoderFamily):
     def preprocessor(self, cfg):
         from tessera.models.vision import PixelNormalize
 
-        return PixelNormalize(cfg["mean"], cfg["std"])
+        return PixelNormalize(cfg.mean, cfg.std)
 
     def tokens(self, cfg):
         from tessera.models.media_tokens import EncoderTokens
 
-        return EncoderTokens(tile=cfg["tile"], patch=cfg["patch"], pixel_shuffle=cfg["pixel_shuffle"])
+        return EncoderTokens(tile=cfg.tile, patch=cfg.patch, pixel_shuffle=cfg.pixel_shuffle)
 
     def video_temporal_patch(self, cfg):
-        return cfg.get("temporal_patch") or 0
+        return cfg.temporal_patch or 0
 
     def planner_fields(self, cfg, llm_hidden):
         c = cfg
-        h, L, ffn, p, s = c["hidden"], c["layers"], c["ffn"], c["patch"], c["pixel_shuffle"]
+        h, L, ffn, p, s = c.hidden, c.layers, c.ffn, c.patch, c.pixel_shuffle
         tokens = self.tokens(c)  # the data side's token arithmetic (models/media_tokens.EncoderTokens)
         patches, out = tokens.patches_per_tile, tokens.tokens_per_tile
-        T = patches + c["prefix_tokens"]
-        proj_in, proj_hidden = s * s * h, c["projector_hidden"] or 4 * s * s * h  # models.multimodal's default
+        T = patches + c.prefix_tokens
+        proj_in, proj_hidden = s * s * h, c.projector_hidden or 4 * s * s * h  # models.multimodal's default
         proj_params = proj_in + proj_in * proj_hidden + proj_hidden * llm_hidden
-        scale = c["layer_scale"] is not None
+        scale = c.layer_scale is not None
         temporal = self.video_temporal_patch(c)
         # TP splits qkv/proj/fc1/fc2 weights and the column-parallel (qkv, fc1) biases; the rest is replicated
         sharded = 4 * h * h + 2 * h * ffn + 3 * h + ffn
         layer_params = sharded + h + h + 4 * h + 2 * h * scale  # + proj/fc2 biases, 2 LayerNorms, layer scales
-        embed_params = (3 * p * p * h + h * self.patch_bias + c["pos_grid"] ** 2 * h + c["prefix_tokens"] * h
-                        + temporal * 3 * p * p * h + 2 * h * c["final_norm"])
+        embed_params = (3 * p * p * h + h * self.patch_bias + c.pos_grid ** 2 * h + c.prefix_tokens * h
+                        + temporal * 3 * p * p * h + 2 * h * c.final_norm)
         params = L * layer_params + embed_params + proj_params
         # per internal token the layers; the patch embed per patch and frame, the projector per output token
         # (flops.vit_sequence_flops puts them together for any grid)
@@ -154,12 +154,12 @@ class ViTFamily(EncoderFamily):
             key="vision", kind="vit", params=int(params), replicated_params=int(params - L * sharded),
             expert_params=0, edge_params=0, layers=L, hidden=h, out_hidden=llm_hidden, linear_flops=per_token,
             embed_flops=2.0 * 3 * p * p * h, out_flops=2.0 * (proj_in * proj_hidden + proj_hidden * llm_hidden),
-            prefix_tokens=c["prefix_tokens"], pixel_shuffle=s,
+            prefix_tokens=c.prefix_tokens, pixel_shuffle=s,
             attn_flops=4.0 * h * L, head_flops=0.0, act_bytes=L * act, act_replicated=L * rep, act_unsplit=0.0,
             act_bytes_recompute=BF16 * h * L, act_peak=(("L", rep, act, 0.0),),
             act_edge=BF16 * (3 * p * p * patches + 2 * (proj_in + proj_hidden) * out) / T,
             logits_bytes=0.0, tp_collectives=2 * L, attn_layers=0,
-            mamba_layers=0, state_bytes=0, moe_layers=0, topk=0, kv_width=2 * h, tp_divides=(c["heads"],),
+            mamba_layers=0, state_bytes=0, moe_layers=0, topk=0, kv_width=2 * h, tp_divides=(c.heads,),
             tokens_per_tile=T, out_per_tile=out, temporal_patch=temporal,
             cp_split="tokens" if self.context_parallel else "items")
 
@@ -177,13 +177,13 @@ class ViTFamily(EncoderFamily):
         KeyError naming it); module_keys is not needed (the config fixes the tower's tensors)."""
         import torch
 
-        heads = cfg["heads"]
+        heads = cfg.heads
         take, out = TensorReader(hf, cfg, self.missing_hint), {}
         for ours, theirs in self.embed_keys(cfg).items():
             out[ours] = take(theirs)
         self.import_embed(cfg, out)
         self.extra_import(cfg, take)
-        for i in range(cfg["layers"]):
+        for i in range(cfg.layers):
             root, mine = self.layer_root(i), f"layers.{i}."
             for kind in ("weight", "bias"):
                 qkv = torch.cat([take(k) for k in self._qkv_names(root, kind)])
@@ -193,23 +193,23 @@ class ViTFamily(EncoderFamily):
                     if split == "col" or (split == "row" and kind == "weight"):
                         t = t.chunk(tp, dim=0 if split == "col" else 1)[tp_rank]
                     out[f"{mine}{ours}.{kind}"] = t
-            if cfg["layer_scale"] is not None:  # [hidden], replicated on every TP rank
+            if cfg.layer_scale is not None:  # [hidden], replicated on every TP rank
                 for ours, theirs in zip(LAYER_SCALES, self.layer_scales):
                     out[mine + ours] = take(root + theirs)
         left = sorted(k for k in hf if k.startswith(self.tower_roots) and k not in take.read)
         if left:
             raise KeyError(f"checkpoint tensors {left[:8]}{' ...' if len(left) > 8 else ''} have no place in "
-                           f"{take.owner} (final_norm={cfg['final_norm']}, layer_scale={cfg['layer_scale']})")
+                           f"{take.owner} (final_norm={cfg.final_norm}, layer_scale={cfg.layer_scale})")
         return {k: v.clone() for k, v in out.items()}
 
     def export_tensors(self, cfg, shards):
         import torch
 
-        heads, first = cfg["heads"], shards[0]
+        heads, first = cfg.heads, shards[0]
         out = {theirs: first[ours] for ours, theirs in self.embed_keys(cfg).items()}
         self.export_embed(cfg, out)
         out.update(self.extra_export(cfg))
-        for i in range(cfg["layers"]):
+        for i in range(cfg.layers):
             root, mine = self.layer_root(i), f"layers.{i}."
             for kind in ("weight", "bias"):
                 qkv = qkv_major(torch.cat([s[f"{mine}self_attention.linear_qkv.{kind}"] for s in shards]), heads)
@@ -222,7 +222,7 @@ class ViTFamily(EncoderFamily):
                     else:
                         t = parts[0]
                     out[f"{root}{self.layer_names[ours]}.{kind}"] = t
-            if cfg["layer_scale"] is not None:  # replicated: every rank holds the same tensor
+            if cfg.layer_scale is not None:  # replicated: every rank holds the same tensor
                 for ours, theirs in zip(LAYER_SCALES, self.layer_scales):
                     out[root + theirs] = first[mine + ours]
         return {k: v.detach().clone().contiguous() for k, v in out.items()}
@@ -234,5 +234,5 @@ class ViTFamily(EncoderFamily):
         root = self.layer_root(int(i))
         if suffix == "self_attention.linear_qkv":
             names = [n.rpartition(".")[0] for n in self._qkv_names(root, "weight")]
-            return list(zip(names, qkv_major(b, cfg["heads"]).chunk(len(names))))
+            return list(zip(names, qkv_major(b, cfg.heads).chunk(len(names))))
         return [(root + self.layer_names[suffix], b)]
