@@ -32,8 +32,8 @@ from tessera.data.templates import (DEFAULT_TEMPLATE, IM_END, IM_START, SPECIAL_
 MEDIA_TAGS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
 #: Which encoder module produces the embeddings of a media kind (module keys as in hetero/plan/layout.py).
 MODULE_OF_KIND = {"image": VISION, "video": VISION, "audio": AUDIO}
-_TAG_RE = re.compile("(" + "|".join(re.escape(t) for t in MEDIA_TAGS.values()) + ")")
-_KIND_OF_TAG = {t: k for k, t in MEDIA_TAGS.items()}
+MEDIA_TAG_RE = re.compile("(" + "|".join(re.escape(t) for t in MEDIA_TAGS.values()) + ")")
+KIND_OF_TAG = {t: k for k, t in MEDIA_TAGS.items()}
 
 
 class PromptError(ValueError):
@@ -202,11 +202,11 @@ def encode_conversation(tok: Tokenizer, turns: list[dict], media_kinds: list[str
         learn = role == "assistant"
         add(tok.template(IM_START, f"{role}\n"), False)
         text = ""  # text not yet tokenized: a chunk label is tokenized with the text before it, as one string
-        for part in _TAG_RE.split(content):
-            if part not in _KIND_OF_TAG:
+        for part in MEDIA_TAG_RE.split(content):
+            if part not in KIND_OF_TAG:
                 text += part
                 continue
-            kind = _KIND_OF_TAG[part]
+            kind = KIND_OF_TAG[part]
             wrap, item, chunks = next_media(queues, kind, part, template)
             for c, (label, count) in enumerate(chunks):
                 # a target text and a label (never a target) are tokenized apart

@@ -47,7 +47,8 @@ def checkpoint_model(r, checkpoint: str, frozen: tuple[str, ...]):
     """(cost model's ModelDesc, meta-device model config) of recipe defaults `r` with model.checkpoint=checkpoint:
     the checkpoint's LLM and encoders, as a run from it builds them (hetero/planner/run_layout.model_for_run)."""
     from tessera.hetero.planner.meta_memory import model_config
-    from tessera.hetero.runspec.modules import checkpoint_llm_fields, encoder_names
+    from tessera.hetero.checkpoint.source import checkpoint_llm_fields
+    from tessera.hetero.runspec.modules import encoder_names
 
     run_model = model_config({LANGUAGE: r.llm, "vision": r.vision, "audio": r.audio}, set(frozen),
                              checkpoint=str(Path(checkpoint).expanduser().resolve()))

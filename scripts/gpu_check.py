@@ -57,12 +57,12 @@ def llm_config(name: str, pattern: str, dtype=torch.bfloat16):
 
 def layer_flops(name: str, symbol: str, seq: int, batch: int) -> float:
     """Forward model FLOPs of one `symbol` layer of model `name` over batch rows of seq tokens: the planner's
-    count (hetero/planner/model._llm_blocks per token, causal attention at half the square; what the trainer
+    count (hetero/planner/model.llm_blocks per token, causal attention at half the square; what the trainer
     logs as TFLOPS/GPU and MFU, checked against FlopCounterMode by tests/test_flops.py)."""
-    from tessera.hetero.planner.model import _llm_blocks
+    from tessera.hetero.planner.model import llm_blocks
     from tessera.models.configs import hf_fields
 
-    block = _llm_blocks(hf_fields(name))[symbol]
+    block = llm_blocks(hf_fields(name))[symbol]
     return batch * seq * (block["flops"] + block["attn"] * seq)
 
 
@@ -249,20 +249,20 @@ def layer_tflops(pgs, dev, name: str, symbol: str, seq: int, batch: int, iters: 
 
 # ---- driver -------------------------------------------------------------------------------------------
 
-def _table(rows: list[tuple]) -> str:
+def text_table(rows: list[tuple]) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows)
 
 
 def dry(args) -> int:
     print("gpu_check plan (--dry: nothing runs)\n")
-    print(_table([("check", "compares")] + [(c, __doc__.split(c, 1)[1].split("\n")[0].strip()) for c in CHECKS]))
+    print(text_table([("check", "compares")] + [(c, __doc__.split(c, 1)[1].split("\n")[0].strip()) for c in CHECKS]))
     print(f"\nper-layer forward+backward TFLOPS, bf16, seq={args.seq} batch={args.batch}:")
     rows = [("model", "layer", "GFLOP fwd", "ms", "TFLOPS")]
     for name in MODELS:
         for sym in symbols(name):
             rows.append((name, sym, f"{layer_flops(name, sym, args.seq, args.batch) / 1e9:.1f}", "-", "-"))
-    print(_table(rows))
+    print(text_table(rows))
     return 0
 
 
@@ -301,7 +301,7 @@ def run(args, dev) -> int:
         failed += verdict != "PASS"
         rows.append((name, result, verdict))
         print(f"{name}: {verdict} {result}", flush=True)
-    print("\n" + _table(rows) + "\n", flush=True)
+    print("\n" + text_table(rows) + "\n", flush=True)
     from tessera.hetero.planner.flops import peak_tflops
 
     peak = peak_tflops(torch.cuda.get_device_name(dev), "bfloat16")  # the trainer's MFU denominator
@@ -316,7 +316,7 @@ def run(args, dev) -> int:
                 trows.append((model, sym, "-", "-", f"{type(e).__name__}: {str(e)[:120]}", "-"))
             torch.cuda.empty_cache()
     print(f"per-layer forward+backward TFLOPS, bf16, seq={args.seq} batch={args.batch}:")
-    print(_table(trows), flush=True)
+    print(text_table(trows), flush=True)
     print(f"\ngpu_check: {'PASS' if not failed else f'FAIL ({failed} check(s))'}", flush=True)
     return 1 if failed else 0
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tessera.scripts.gpu_check import _table, layer_flops, layer_tflops, symbols
+from tessera.scripts.gpu_check import text_table, layer_flops, layer_tflops, symbols
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry:
         for name in args.recipes:
             print(" ".join(step_command(runs[name], f"/tmp/gpu_step_{name}", seq, steps, dtype)))
-        print(_table([("model", "layer", "GFLOP fwd")] + [(m, s, f"{layer_flops(m, s, seq, 1) / 1e9:.1f}")
+        print(text_table([("model", "layer", "GFLOP fwd")] + [(m, s, f"{layer_flops(m, s, seq, 1) / 1e9:.1f}")
                                                           for m in models for s in symbols(m)]))
         return 0
     if not smoke and not torch.cuda.is_available():
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     if not args.skip_layers:
         print(f"per layer, forward+backward, {dtype}, seq={seq} batch=1:", flush=True)
-        print(_table(layer_rows(models, dev, seq, 1, args.iters, getattr(torch, dtype), peak)) + "\n", flush=True)
+        print(text_table(layer_rows(models, dev, seq, 1, args.iters, getattr(torch, dtype), peak)) + "\n", flush=True)
     rows, failed = [("recipe", "LLM slice", "steps timed", "s/step", "TFLOPS/GPU", "MFU", "peak GiB", "kernels")], 0
     for name in args.recipes:
         try:
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((name, runs[name].llm, "-", "-", "-", "-", "-", f"{type(e).__name__}: {str(e)[:300]}"))
         print(f"{name}: {rows[-1][1:]}", flush=True)
     print(f"\nwhole step through the trainer, {dtype}, seq={seq}, 1 row/step, median of steps >= {args.warmup}:")
-    print(_table(rows), flush=True)
+    print(text_table(rows), flush=True)
     return 1 if failed else 0
 
 

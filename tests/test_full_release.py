@@ -38,7 +38,8 @@ def test_recipe_from_the_release_builds_exactly_its_tensors(release):
     from _mcore_cpu import single_rank_world
 
     from tessera.hetero.build.model_build import check_checkpoint_tensors
-    from tessera.hetero.runspec.modules import checkpoint_llm_fields, encoder_names
+    from tessera.hetero.checkpoint.source import checkpoint_llm_fields
+    from tessera.hetero.runspec.modules import encoder_names
     from tessera.models import configs
     from tessera.models.nemotron_h_hf import LazyCheckpoint
 
@@ -58,7 +59,7 @@ def test_a_release_missing_a_tensor_is_named(release, tmp_path):
     from _mcore_cpu import single_rank_world
 
     from tessera.hetero.build.model_build import check_checkpoint_tensors
-    from tessera.hetero.runspec.modules import checkpoint_llm_fields
+    from tessera.hetero.checkpoint.source import checkpoint_llm_fields
     from tessera.models.nemotron_h_hf import LazyCheckpoint
     from tessera.scripts.full_release import write_sparse_shards
 

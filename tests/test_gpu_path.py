@@ -310,8 +310,8 @@ def test_local_rank_is_checked_against_the_gpus(monkeypatch):
 def test_launchers_bind_the_device_before_the_process_group():
     """Every real world (hetero/runtime/world.py: process_world, join_world, one_rank_world) calls
     bind_local_device before init_process_group; every entry point (the trainer, verify, parity, spawn's ranks,
-    the recipe check, the LLM bench, the GPU check and step, the export) joins through process_world, the one bootstrap, and
-    creates no group itself."""
+    the recipe check, the LLM bench, the GPU check and step, the export) joins through process_world, the one
+    bootstrap, and creates no group itself."""
     import ast
 
     for path in ("hetero/runtime/world.py",):
@@ -323,8 +323,8 @@ def test_launchers_bind_the_device_before_the_process_group():
                 # bound on the path that reaches init: after any early return
                 assert text.rfind("bind_local_device(", 0, init) > text.rfind("return", 0, init), (path, fn.name)
     for path in ("recipes/train.py", "hetero/tools/parity.py", "hetero/tools/verify.py", "hetero/tools/spawn.py",
-                 "recipes/verify.py", "scripts/bench_llm.py", "scripts/gpu_check.py", "scripts/gpu_step.py", "hetero/export/hf.py",
-                 "scripts/convert_hf.py"):
+                 "recipes/verify.py", "scripts/bench_llm.py", "scripts/gpu_check.py", "scripts/gpu_step.py",
+                 "hetero/export/hf.py", "scripts/convert_hf.py"):
         text = (ROOT / path).read_text()
         assert "process_world(" in text, path
         for own in ("init_process_group(", "join_world(", "one_rank_world(", "apply_cpu_shims("):

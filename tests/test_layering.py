@@ -173,3 +173,54 @@ def test_every_hetero_package_has_its_layer_and_says_what_it_owns():
         assert pkg in named, f"{pkg} has no layer in tests/test_layering.py LAYERS"
         init = folder / "__init__.py"
         assert init.is_file() and ast.get_docstring(ast.parse(init.read_text())), f"{init} says nothing"
+
+
+def test_the_readme_walks_follow_the_imports():
+    # the README's code map walks `model.checkpoint` and `model.vision` from the command line to the work: each
+    # file on a walk must reach the next through its imports (a moved or renamed file breaks the walk here, not
+    # in a newcomer's afternoon), a walk has at most 8 files and never returns to one; the side files named in
+    # parentheses must exist
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("**Two walks**"):]
+    block = block[block.index("\n\n") + 2:]  # the list after the walks' introduction
+    walks = re.split(r"^- ", block[:block.index("\n\n")], flags=re.M)[1:]
+    assert len(walks) == 2, "the README's code map has its two walks"
+    graph = {m: {d for d, _ in ts} for m, ts in edges().items()}
+
+    def reaches(a: str, b: str) -> bool:
+        seen, todo = set(), [a]
+        while todo:
+            m = todo.pop()
+            if m == b:
+                return True
+            if m not in seen:
+                seen.add(m)
+                todo += graph.get(m, ())
+        return False
+
+    for walk in walks:
+        flat = " ".join(walk.split())
+        depth, main = 0, ""
+        for ch in flat:  # the walk itself: what is outside parentheses
+            depth += ch == "("
+            main += ch if depth == 0 else ""
+            depth -= ch == ")"
+        files = re.findall(r"`([\w/]+\.py)`", main)
+        side = set(re.findall(r"`([\w/]+\.py)`", flat)) - set(files)
+        assert 2 <= len(files) <= 8 and len(set(files)) == len(files), (flat[:60], files)
+        mods = ["tessera." + f[:-3].replace("/", ".") for f in files]
+        for a, b in zip(mods, mods[1:]):
+            assert reaches(a, b), f"README walk: {a} does not reach {b} through its imports"
+        for f in side:
+            assert (ROOT / f).is_file() or (ROOT / "models" / "encoder_families" / f).is_file(), f
+
+
+def test_no_private_name_is_imported_across_files():
+    # a name with a leading underscore is its file's own: another file that needs it asks for a public one
+    bad = []
+    for path in source_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tessera."):
+                bad += [f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, "private names imported from another file:\n" + "\n".join(bad)

@@ -20,7 +20,7 @@ from collections import Counter
 
 from tessera.data.formats import alpaca, caption, cauldron, llava, messages, nemo_asr, nemo_speech_llm, tessera
 from tessera.data.formats.common import KINDS, PROMPTS, RecordError, caption_chat  # noqa: F401  (the package's API)
-from tessera.data.tokens import _KIND_OF_TAG, _TAG_RE, MEDIA_TAGS  # the tag grammar encode_conversation reads
+from tessera.data.tokens import KIND_OF_TAG, MEDIA_TAG_RE, MEDIA_TAGS  # the tag grammar encode_conversation reads
 
 #: detection order: the first whose detect() says yes
 REGISTRY = {m.NAME: m for m in (
@@ -60,7 +60,7 @@ def checked(turns, media, fmt: str, field: str):
     if not any(t["role"] == "assistant" and t["content"].strip() for t in turns):
         raise RecordError("no_assistant_turn", field, "at least one assistant turn with text (the training target)",
                           fmt)
-    tags = Counter(_KIND_OF_TAG[t] for t in _TAG_RE.findall("".join(t["content"] for t in turns)))
+    tags = Counter(KIND_OF_TAG[t] for t in MEDIA_TAG_RE.findall("".join(t["content"] for t in turns)))
     found = Counter(k for k, _ in media)
     for kind in KINDS:
         if tags[kind] != found[kind]:

@@ -67,22 +67,23 @@ def media_module(spec, model_cfg, llm_hidden: int, pgs, recompute: str = "none")
                               core_attention=TileCPCoreAttention if cp is not None and cp.size() > 1 else None)
 
 
-def hf_shapes(model_cfg, hf_fields: dict) -> dict[str, tuple[int, ...]]:
-    """The HF-layout key -> shape of the whole model, from a build on the meta device (no memory, no init)."""
-    pgs = single_rank_pgs()
+def hf_shapes(model_cfg, hf_fields: dict, specs: dict | None = None) -> dict[str, tuple[int, ...]]:
+    """The HF-layout key -> shape of the whole model, from a build on the meta device (no memory, no init).
+    `specs`: the run's module specs (hetero/runspec/modules.module_specs), resolved from model_cfg when None."""
+    pgs, specs = single_rank_pgs(), specs or module_specs(model_cfg)
     with meta_build():
         llm = HybridLM(hybrid_config_from_hf(hf_fields), pgs)
         media = {k: media_module(spec, model_cfg, llm.config.hidden_size, pgs)
-                 for k, spec in module_specs(model_cfg).items() if k != LANGUAGE}
+                 for k, spec in specs.items() if k != LANGUAGE}
         return {k: tuple(v.shape) for k, v in export_hf(MultimodalModel(llm, media)).items()}
 
 
-def media_keys(model_cfg, hf_fields: dict) -> dict[str, list[str]]:
+def media_keys(model_cfg, hf_fields: dict, specs: dict | None = None) -> dict[str, list[str]]:
     """Per media module key, the HF-layout keys of its tensors (a meta-device build)."""
     pgs, hidden = single_rank_pgs(), hybrid_config_from_hf(hf_fields).hidden_size
     with meta_build():
         return {k: list(media_to_hf(k, media_module(spec, model_cfg, hidden, pgs)))
-                for k, spec in module_specs(model_cfg).items() if k != LANGUAGE}
+                for k, spec in (specs or module_specs(model_cfg)).items() if k != LANGUAGE}
 
 
 def check_checkpoint_tensors(source: str, full: dict[str, torch.Tensor], model_cfg, hf_fields: dict) -> None:
@@ -111,9 +112,10 @@ def module_configs(layout: HeteroLayout, hf_fields: dict, aux_loss_coeff: float 
 
 
 def build_rank_modules(model_cfg, layout: HeteroLayout, groups: dict[str, ModuleGroups],
-                       configs: dict) -> dict[str, torch.nn.Module]:
-    """The modules (or pipeline stage of the LLM) this rank hosts, empty-initialised."""
-    specs, out = module_specs(model_cfg), {}  # validated once: names, frozen
+                       configs: dict, specs: dict | None = None) -> dict[str, torch.nn.Module]:
+    """The modules (or pipeline stage of the LLM) this rank hosts, empty-initialised. `specs`: the run's module
+    specs (build_run resolves them once), resolved from model_cfg when None (tools, tests)."""
+    specs, out = specs or module_specs(model_cfg), {}
     # activation recompute per module (model.recompute; getattr: configs saved before the field existed)
     modes = parse_recompute(getattr(model_cfg, "recompute", "none"))
     hidden = configs[LANGUAGE].hidden_size

@@ -21,10 +21,10 @@ from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
 from tessera.hetero.plan.recompute import parse_recompute
 from tessera.hetero.plan.resolved_run import ResolvedRun
 from tessera.hetero.runspec.config import RunConfig
-from tessera.hetero.runspec.modules import ModuleSpec, checkpoint_llm_fields, encoder_names, module_specs
+from tessera.hetero.runspec.modules import ModuleSpec, encoder_names, module_specs
 from tessera.hetero.runtime.groups import ModuleGroups, build_module_groups
 from tessera.hetero.checkpoint.sharded import latest_checkpoint, load_checkpoint, parameter_counts
-from tessera.hetero.checkpoint.source import RUN, checkpoint_source
+from tessera.hetero.checkpoint.source import RUN, CheckpointSource, checkpoint_source
 from tessera.hetero.optim.grad_buckets import overlapped_modules
 from tessera.hetero.checkpoint.loader_state import decode_loader_state
 from tessera.hetero.build.lora import apply_lora, lora_settings
@@ -56,6 +56,7 @@ class RunInputs:
     tok_path: str
     hf_fields: dict[str, Any]  # the LLM's NemotronH config fields (the checkpoint's when fine-tuning)
     chat_template: str | None  # the release's, which the conversations are written in (None: the project's)
+    source: CheckpointSource | None  # what model.checkpoint is (hetero/checkpoint/source.py); None: from scratch
 
 
 @dataclass(frozen=True)
@@ -122,17 +123,18 @@ def resolve_inputs(cfg: RunConfig, rank: int) -> RunInputs:
 
     data_path, choice = _dataset(cfg, rank)
     tok = Tokenizer(choice.path)
-    hf_fields = checkpoint_llm_fields(cfg.model.checkpoint) or llm_fields(cfg.model, tok.vocab_size)
+    source = checkpoint_source(cfg.model.checkpoint)  # what model.checkpoint is, decided once for the run
+    hf_fields = (source.llm_fields() if source is not None else None) or llm_fields(cfg.model, tok.vocab_size)
     check_agreement(tok, cfg.model.checkpoint, hf_fields["vocab_size"], choice.source)
     # the saved config names the tokenizer the run trained with, so its export ships that one (hf_export.py)
     return RunInputs(replace(cfg, data=replace(cfg.data, tokenizer=choice.path)), data_path, choice.path, hf_fields,
-                     run_chat_template(cfg.data.chat_template, cfg.model.checkpoint))
+                     run_chat_template(cfg.data.chat_template, cfg.model.checkpoint), source)
 
 
-def _initial_weights(cfg: RunConfig, modules: dict, groups: dict, configs: dict, hf_fields: dict) -> None:
+def _initial_weights(cfg: RunConfig, source: CheckpointSource | None, specs: dict, modules: dict, groups: dict,
+                     configs: dict, hf_fields: dict) -> None:
     """This rank's modules' first weights: a Tessera checkpoint's, a release's (each rank reads only the tensors
     of its shards), or the seed's (only the units this rank's shards read are built, one at a time)."""
-    source = checkpoint_source(cfg.model.checkpoint)
     if source is not None and source.kind == RUN:
         load_checkpoint(source.step, modules, None, groups, configs)
         return
@@ -142,7 +144,7 @@ def _initial_weights(cfg: RunConfig, modules: dict, groups: dict, configs: dict,
         full = LazyCheckpoint(source.given)
         check_checkpoint_tensors(source.given, full, cfg.model, hf_fields)
     else:
-        full = SeededState(cfg.model, hf_fields, cfg.trainer.seed)
+        full = SeededState(cfg.model, hf_fields, cfg.trainer.seed, specs=specs)
     load_full_state(modules, full, groups)
 
 
@@ -171,8 +173,8 @@ def build_run(cfg: RunConfig, resolved: ResolvedRun, run_dir: Path, device: torc
     specs, dtype = module_specs(cfg.model, cfg.optim), DTYPES[cfg.model.dtype]
     groups = build_module_groups(resolved.layout)
     configs = module_configs(resolved.layout, hf_fields, cfg.model.moe_aux_loss_coeff)
-    modules = build_rank_modules(cfg.model, resolved.layout, groups, configs)
-    _initial_weights(cfg, modules, groups, configs, hf_fields)
+    modules = build_rank_modules(cfg.model, resolved.layout, groups, configs, specs)
+    _initial_weights(cfg, inputs.source, specs, modules, groups, configs, hf_fields)
     # LoRA (model.lora.rank > 0): base weights frozen, adapters on the targeted layers; only they get
     # optimizer state and gradients, and checkpoints store them next to the (unchanged) base weights
     apply_lora(modules, groups, cfg.model, cfg.trainer.seed)

@@ -68,12 +68,13 @@ class SeededState(Mapping):
     a tensor's unit is built on first access and kept until a tensor of another unit is read.
     `built` lists the units built, in order (each rank's loading builds each of its units once)."""
 
-    def __init__(self, model_cfg, hf_fields: dict, seed: int, pgs=None):
+    def __init__(self, model_cfg, hf_fields: dict, seed: int, pgs=None, specs: dict | None = None):
         self.model_cfg, self.seed = model_cfg, seed
+        self.specs = specs or module_specs(model_cfg)  # the run's (build_run), resolved once
         self.pgs = pgs or single_rank_pgs()
         self.config = hybrid_config_from_hf(hf_fields)  # TP1/PP1/EP1: units are built whole
-        self._shapes = hf_shapes(model_cfg, hf_fields)
-        owner = {k: ("media", key) for key, keys in media_keys(model_cfg, hf_fields).items() for k in keys}
+        self._shapes = hf_shapes(model_cfg, hf_fields, self.specs)
+        owner = {k: ("media", key) for key, keys in media_keys(model_cfg, hf_fields, self.specs).items() for k in keys}
         self._unit = {k: owner.get(k) or llm_unit(k[len(LLM):]) for k in self._shapes}
         self._cached: tuple[tuple | None, dict] = (None, {})
         self.built: list[tuple] = []
@@ -125,7 +126,7 @@ class SeededState(Mapping):
             kind = unit[0]
             if kind == "media":
                 key = unit[1]
-                spec = module_specs(self.model_cfg)[key]
+                spec = self.specs[key]
                 return media_to_hf(key, media_module(spec, self.model_cfg, self.config.hidden_size, self.pgs))
             config, tp = self.config, self.pgs.tp
             if kind == "embedding":

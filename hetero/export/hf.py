@@ -223,8 +223,9 @@ def media_token_ids(tokenizer: str | None) -> dict[str, int]:
 
 
 def trained_tokenizer(saved: dict) -> str | None:
-    """The tokenizer a run trained with, from its saved config: named there (hetero/build/run_state.resolve_inputs), or for a checkpoint
-    saved before it was, chosen by the rule (data/run_tokenizer.run_tokenizer); None when it is gone."""
+    """The tokenizer a run trained with, from its saved config: named there (hetero/build/run_state.resolve_inputs),
+    or for a checkpoint saved before it was, chosen by the rule (data/run_tokenizer.run_tokenizer); None when it is
+    gone."""
     from tessera.data.run_tokenizer import TokenizerMismatch, run_tokenizer
 
     data, model = saved.get("data") or {}, saved.get("model") or {}

@@ -130,7 +130,7 @@ class ModelDesc:
         return [m for m in self.modules if m.key != "language"]
 
 
-def _llm_blocks(c: dict) -> dict[str, dict[str, float]]:
+def llm_blocks(c: dict) -> dict[str, dict[str, float]]:
     """Per layer kind: params (rep_params of them replicated over TP), linear FLOPs/token, attention
     FLOPs/token/ctx, activation bytes/token (act: TP-sharded at tp=1, rep: replicated, unsplit: MoE routed rows)."""
     h, hd, q, kv = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
@@ -167,7 +167,7 @@ def describe_llm(name: str | dict) -> ModuleDesc:
     """A registered LLM by name, or any NemotronH config fields (a checkpoint's)."""
     c = configs.hf_fields(name) if isinstance(name, str) else name
     h, V, pattern, hd = c["hidden_size"], c["vocab_size"], c["hybrid_override_pattern"], c["head_dim"]
-    blocks = _llm_blocks(c)
+    blocks = llm_blocks(c)
     total = lambda field: sum(blocks[ch].get(field, 0) for ch in pattern)  # noqa: E731
     edge = 2 * V * h  # untied embedding + lm_head
     attn_layers, mamba_layers = pattern.count("*"), pattern.count("M")

@@ -18,7 +18,8 @@ from tessera.hetero.planner.cluster import Workload, cluster
 from tessera.hetero.planner.model import describe_model
 from tessera.hetero.planner.search import format_table, price_layout, search
 from tessera.hetero.planner.straggler import MIXED_SPREAD
-from tessera.hetero.runspec.modules import checkpoint_llm_fields, encoder_names, resolve_config
+from tessera.hetero.checkpoint.source import checkpoint_llm_fields
+from tessera.hetero.runspec.modules import encoder_names, resolve_config
 
 
 def workload_for_run(cfg) -> Workload:

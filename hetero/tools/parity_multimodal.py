@@ -66,7 +66,8 @@ from tessera.hetero.training.step_parts import boundary_batches, step_context
 from tessera.hetero.build.model_build import (build_rank_modules, check_checkpoint_tensors, load_full_state,
                                                  module_configs)
 from tessera.hetero.runspec.config import DataConfig, ModelConfig, RunConfig
-from tessera.hetero.runspec.modules import checkpoint_llm_fields, module_specs, resolve_config
+from tessera.hetero.checkpoint.source import checkpoint_llm_fields
+from tessera.hetero.runspec.modules import module_specs, resolve_config
 from tessera.hetero.training.stages import LanguageStage, MediaEncoderStage
 from tessera.models.hf_reference import (OMNI_SEED, OmniSample, omni_reference_logits, omni_samples,
                                          omni_token_ids, video_pruning_rate)
