@@ -1,8 +1,8 @@
 """What the cost model knows about a model: per module, parameters, FLOPs, activation bytes and sizes.
 
-Derived from the same plain dicts that build the models (models/configs.py for the LLM in Hugging Face
-NemotronH field names, models/encoders.py for encoders), so a planner number and a built model can never
-describe different architectures. Nothing here imports torch.
+Derived from the same configs that build the models (models/configs.py for the LLM, dicts of Hugging Face
+NemotronH field names; models/encoders.py for encoders, their families' dataclasses), so a planner number and a
+built model can never describe different architectures. Nothing here imports torch.
 
 Every module processes *items* of `tokens` tokens each: the LLM one packed sequence per sample, a ViT one
 512² tile (or video frame), a FastConformer one audio clip. Forward FLOPs per item are
