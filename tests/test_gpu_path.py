@@ -324,7 +324,7 @@ def test_launchers_bind_the_device_before_the_process_group():
                 assert text.rfind("bind_local_device(", 0, init) > text.rfind("return", 0, init), (path, fn.name)
     for path in ("recipes/train.py", "hetero/tools/parity.py", "hetero/tools/verify.py", "hetero/tools/spawn.py",
                  "recipes/verify.py", "scripts/bench_llm.py", "scripts/gpu_check.py", "scripts/gpu_step.py",
-                 "hetero/export/hf.py", "scripts/convert_hf.py"):
+                 "hetero/export/hf.py", "scripts/convert_hf.py", "scripts/bench_progress.py"):
         text = (ROOT / path).read_text()
         assert "process_world(" in text, path
         for own in ("init_process_group(", "join_world(", "one_rank_world(", "apply_cpu_shims("):
