@@ -53,7 +53,7 @@ def _pieces(n: int = 100_000) -> tuple[float, float]:
     from tessera.hetero.runtime.progress import ProgressBeacon, mark
     from tessera.hetero.runtime.world import process_world
 
-    with process_world(backend="gloo"):
+    with process_world(backend="gloo", alone=True):
         phases = ["forward", "boundary", "backward", "pipeline"]
         t = time.perf_counter()
         for i in range(n):

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab-size", type=int, default=0, help="--init: grow the LLM vocabulary to this size")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    with process_world(backend="gloo"):  # one CPU rank whatever the machine has
+    with process_world(backend="gloo", alone=True):  # one CPU rank whatever the machine or the job has
         out = export_checkpoint(args.checkpoint, args.out) if args.checkpoint else \
             init_checkpoint(args.init, args.out, args.vocab_size)
     print(f"[convert] wrote {out}/model.safetensors and {out}/language_model/ (transformers NemotronH)")

@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tessera.data.loader import close_loader
 from tessera.data.pipeline import build_train_loader, encoder_tokens, synthetic_dataset, video_temporal
 from tessera.hetero.planner.flops import StepFlops, media_item_flops, peak_tflops
-from tessera.hetero.planner.model import _llm_blocks, describe_model
+from tessera.hetero.planner.model import llm_blocks, describe_model
 from tessera.models import configs
 
 SEQ, ROWS = 256, 4
@@ -86,7 +86,7 @@ def test_step_flops_match_flop_counter(dataset, llm, encoders):
     c = fields
     di, n, g, Q = c["mamba_num_heads"] * c["mamba_head_dim"], c["ssm_state_size"], c["n_groups"], c["chunk_size"]
     ssd = g * n * Q + di * Q + 4 * di * n  # the formula's fused scan, left out like the oracle's (docstring)
-    assert _llm_blocks(c)["M"]["scan"] - 2 * (di + 2 * g * n) * c["conv_kernel"] == ssd
+    assert llm_blocks(c)["M"]["scan"] - 2 * (di + 2 * g * n) * c["conv_kernel"] == ssd
     got["language"] -= ROWS * SEQ * c["hybrid_override_pattern"].count("M") * ssd
     print(f"\n{llm} {sorted(encoders.values())} media {sorted(kinds)}: " + ", ".join(
         f"{k} {got[k] / 1e6:.2f} vs {want[k] / 1e6:.2f} MFLOP" for k in sorted(want)))

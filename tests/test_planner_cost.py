@@ -9,7 +9,7 @@ from tessera.hetero.plan.layout import HeteroLayout
 from tessera.hetero.planner import Constants, Workload, cluster, describe_model, predict
 from tessera.hetero.planner.comm import boundary_rows
 from tessera.hetero.planner.cost import GIB, items_of
-from tessera.hetero.planner.model import _llm_blocks, describe_llm
+from tessera.hetero.planner.model import llm_blocks, describe_llm
 from tessera.models import configs
 
 
@@ -20,7 +20,7 @@ def test_llm_parameters_match_the_published_sizes(name):
 
 def test_block_flops_by_hand():
     c = configs.hf_fields("nemotron_h_tiny_dense")  # h 64, ffn 96, 4 heads x 16, 2 KV heads
-    b = _llm_blocks(c)
+    b = llm_blocks(c)
     assert b["-"]["flops"] == 2 * 2 * 64 * 96                         # up + down projection
     assert b["*"]["flops"] == 2 * 64 * (4 + 2 * 2) * 16 + 2 * 4 * 16 * 64  # qkv + output projection
     assert b["*"]["attn"] == 2 * 4 * 16                                # 2*2*q*hd per position, causal half

@@ -91,7 +91,7 @@ def _train_and_read(release: str, root: str) -> dict:
         data = DataConfig(seq_length=512, rows_per_microbatch=2, microbatches=1)
         train(ModelConfig(checkpoint=release, lora=lora), data, OptimConfig(lr=1e-2, warmup_steps=0), trainer,
               layout=LAYOUT, name=name)
-        with process_world(backend="gloo"):  # the export's one rank
+        with process_world(backend="gloo", alone=True):  # the export's one rank
             modules, groups, *_ = load_trained(run / "run" / "checkpoints")
             # numpy, copied into the result: a tensor would go back as shared memory whose file descriptor the
             # parent may ask for after this process is gone (ConnectionResetError)

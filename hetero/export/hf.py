@@ -297,6 +297,7 @@ if __name__ == "__main__":
     args = ap.parse_args()
     from tessera.hetero.runtime.world import process_world
 
-    with process_world(backend="gloo"):  # the export runs on the CPU whatever the machine has
+    # one CPU rank whatever the machine has, also when a training rank starts it (its RANK is in our environment)
+    with process_world(backend="gloo", alone=True):
         export_checkpoint(args.checkpoint, args.out, args.max_shard_size)
     sys.exit(0)

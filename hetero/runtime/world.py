@@ -74,16 +74,20 @@ def freeze_live_objects() -> None:
 
 @contextmanager
 def process_world(timeout_s: float | None = None, world_size: int | None = None, *, rank: int | None = None,
-                  store: str | None = None, backend: str | None = None) -> Iterator[bool]:
+                  store: str | None = None, backend: str | None = None, alone: bool = False) -> Iterator[bool]:
     """Every entry point's bootstrap, in the order each needs: CPU threads (OMP_NUM_THREADS, default one per rank:
     ranks share the machine's cores), megatron-core's CPU shims (hetero/runtime/cpu_shims.py), the rank's device
     bound, then the default group: rank `rank` of `world_size` over the file `store` (the test launcher,
     hetero/tools/spawn.py), else the launcher's world (torchrun, Slurm; its lowest `world_size` ranks when given),
     else one rank. `backend`: the run's (NCCL with a GPU, gloo without) unless given (scripts/bench_llm.py, a CPU
-    benchmark: gloo). Yields whether it created the group, and destroys the group it created on exit."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if not torch.cuda.is_available():
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    benchmark: gloo). `alone`: one rank whatever the environment says, with the machine's threads: a tool that
+    is one process (the export, convert_hf), also when a rank or a job step starts it with the launcher's RANK
+    and MASTER_ADDR in its environment. Yields whether it created the group, and destroys the group it created on
+    exit."""
+    if not alone:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        if not torch.cuda.is_available():
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     apply_cpu_shims()
     freeze_live_objects()
     if store is not None:
@@ -94,6 +98,8 @@ def process_world(timeout_s: float | None = None, world_size: int | None = None,
         dist.init_process_group(backend or default_backend(), init_method=f"file://{store}", rank=rank,
                                 world_size=world_size, **_timeout(timeout_s))
         created = True
+    elif alone:
+        created = one_rank_world(timeout_s, backend)
     else:
         created = join_world(timeout_s, world_size, backend)
     try:
