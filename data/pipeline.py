@@ -140,14 +140,6 @@ def synthetic_dataset(root: Path, samples: int = 96, seed: int = 0,
     return path, path / "tokenizer.model"
 
 
-def video_temporal(encoders: dict[str, str]) -> int:
-    """Frames per video tubelet of a model with these encoders: the model's rule (models/encoders.video_temporal),
-    which the placeholders (EncoderTokens.video_temporal) follow as the model build (tubelets=) does."""
-    from tessera.models import encoders as registry
-
-    return registry.video_temporal(encoders)
-
-
 def settles_tubelet_chunks(encoders: dict[str, str], video_pruning: float) -> bool:
     """Whether a model's EVS-pruned clips are written in per-tubelet chunks at nominal counts, which the trainer
     settles once the encoder has chosen (data/tokens.media_placeholders, hetero/runtime/tubelet_settle.py): EVS
@@ -166,7 +158,7 @@ def encoder_tokens(encoders: dict[str, str], max_tiles: int = 2, video_frames: i
     patch budget (None: from max_tiles, models/media_tokens.EncoderTokens) as given.
 
     encoders maps module key ("vision", "audio") to a registry name; each config must be of that modality."""
-    from tessera.models.encoders import encoder_config, tokens_config
+    from tessera.models.encoders import encoder_config, tokens_config, video_temporal
 
     fields = {}
     for module, name in encoders.items():

@@ -15,7 +15,7 @@ prompt's per-tubelet labels are the data side's (data/templates.tubelet_chunks).
                only after encoding (evs_tubelet_counts): the omni family's per-tubelet chunks are settled to it
                by the trainer (hetero/runtime/tubelet_settle.py).
 With the defaults (no tubelets, rate 0) the count is frames * tokens_per_tile; models/media_tokens.video_tokens
-is the one count rule (the omni family's tubelets: data/pipeline.video_temporal).
+is the one count rule (the omni family's tubelets: models/encoders.video_temporal).
 """
 
 from __future__ import annotations

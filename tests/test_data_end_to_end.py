@@ -67,7 +67,7 @@ def _model(vocab: int):
     torch.manual_seed(0)
     cfg = dict(configs.TINY_DENSE, vocab_size=vocab)
     llm = HybridLM(hybrid_config_from_hf(cfg), pg)
-    from tessera.data.pipeline import video_temporal  # the omni family's video in tubelets, as the trainer builds it
+    from tessera.models.encoders import video_temporal  # the omni family's video in tubelets, as the trainer builds it
 
     tubelets = {"vision": video_temporal(ENCODERS) > 1}
     return MultimodalModel(llm, {m: build_media_module(name, cfg["hidden_size"], pg, tubelets=tubelets.get(m, False))

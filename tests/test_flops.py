@@ -19,7 +19,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from tessera.data.loader import close_loader
-from tessera.data.pipeline import build_train_loader, encoder_tokens, synthetic_dataset, video_temporal
+from tessera.data.pipeline import build_train_loader, encoder_tokens, synthetic_dataset
+from tessera.models.encoders import video_temporal
 from tessera.hetero.planner.flops import StepFlops, media_item_flops, peak_tflops
 from tessera.hetero.planner.model import llm_blocks, describe_model
 from tessera.models import configs

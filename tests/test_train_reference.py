@@ -101,7 +101,7 @@ def _reference_losses() -> list[dict]:
     # the whole model on one device with the run's initial weights (the seed's state, HF layout)
     pgs = single_rank_pgs()
     llm = HybridLM(hybrid_config_from_hf(fields), pgs, cross_entropy=_plain_ce)
-    from tessera.data.pipeline import video_temporal  # the omni family's video in tubelets, as the trainer builds it
+    from tessera.models.encoders import video_temporal  # the omni family's video in tubelets, as the trainer builds it
 
     tubelets = video_temporal(ENCODERS) > 1
     media = {k: build_media_module(n, llm.config.hidden_size, pgs, tubelets=tubelets and k == "vision")

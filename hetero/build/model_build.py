@@ -25,6 +25,7 @@ from tessera.hetero.plan.layout import LANGUAGE, HeteroLayout
 from tessera.hetero.plan.recompute import parse_recompute
 from tessera.hetero.parallel.vocab_parallel_ce import vocab_parallel_cross_entropy_for
 from tessera.models.configs import REGISTRY as LLM_REGISTRY, hf_fields as llm_hf_fields
+from tessera.models.encoders import video_temporal
 from tessera.models.hybrid_llm import HybridLM
 from tessera.models.meta_device import meta_build
 from tessera.models.multimodal import MultimodalModel, build_media_module
@@ -32,7 +33,6 @@ from tessera.models.multimodal_hf import PROJECTOR_ROOT, encoder_from_hf, export
 from tessera.models.nemotron_h_hf import PrefixView, hybrid_config_from_hf, load_into
 from tessera.models.released import is_carried
 from tessera.hetero.runspec.modules import encoder_names, module_specs
-from tessera.data.pipeline import video_temporal
 
 _single_rank_pgs: ProcessGroupCollection | None = None
 
@@ -60,7 +60,7 @@ def single_rank_pgs() -> ProcessGroupCollection:
 
 def media_module(spec, model_cfg, llm_hidden: int, pgs, recompute: str = "none"):
     # a context-parallel vision tower gathers each tile's keys/values over its CP group; video in tubelets when
-    # the model's family encodes it so (data/pipeline.video_temporal: the placeholders follow the same rule)
+    # the model's family encodes it so (models/encoders.video_temporal: the placeholders follow the same rule)
     cp = getattr(pgs, "cp", None)
     return build_media_module(spec.name, llm_hidden, pgs, frozen=spec.freeze, pruning_rate=model_cfg.video_pruning,
                               recompute=recompute, tubelets=video_temporal(encoder_names(model_cfg)) > 1,

@@ -34,7 +34,7 @@ which normalises each clip with its own statistics as Tessera's training step do
 Rank 0 prints `parity: PASS max_rel_err=...` (<= --tol, default 1e-4) or `parity: FAIL ...` (exit 1).
 
 Video: when the trainer's model build encodes DIR's video as the release does (tubelets of the ViT's temporal
-patch, the omni family: data/pipeline.video_temporal), the audio sample also holds a 5-frame clip after its audio
+patch, the omni family: models/encoders.video_temporal), the audio sample also holds a 5-frame clip after its audio
 ("audio_video") in the release's per-tubelet <img> ... </img> chunks, pruned by EVS at the config's
 video_pruning_rate: Tessera's chunks are written at nominal counts and settled at the vision boundary to the
 counts its EVS chose (hetero/runtime/tubelet_settle.py, as in training); transformers gets every tubelet's tokens
@@ -56,7 +56,6 @@ import torch
 import torch.distributed as dist
 
 from tessera.data.packing import IGNORE, PackedBatch
-from tessera.data.pipeline import video_temporal
 from tessera.hetero.plan.layout import LANGUAGE
 from tessera.hetero.runtime.device import current_device
 from tessera.hetero.runtime.groups import build_module_groups, destroy_module_groups
@@ -72,9 +71,10 @@ from tessera.hetero.training.stages import LanguageStage, MediaEncoderStage
 from tessera.models.hf_reference import (OMNI_SEED, OmniSample, omni_reference_logits, omni_samples,
                                          omni_token_ids, video_pruning_rate)
 from tessera.models.nemotron_h_hf import LazyCheckpoint
+from tessera.models.encoders import video_temporal
 
 VIDEO_NOTE = ("video: compared when the model encodes it as the release does (tubelets of the ViT's temporal "
-              "patch, EVS at the config's video_pruning_rate: data/pipeline.video_temporal; the omni family)")
+              "patch, EVS at the config's video_pruning_rate: models/encoders.video_temporal; the omni family)")
 VL_VIDEO_NOTE = ("video: compared, frame by frame as the Nano V2 VL release encodes it (one tile a frame, each in "
                  "its own <img> ... </img> chunk)")
 # row length rounded up to it: zigzag CP needs a multiple of 2*cp, sequence parallelism (MoE LLMs with TP) one of
