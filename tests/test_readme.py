@@ -47,8 +47,11 @@ COMMANDS = [
     Row(r"^bash scripts/main\.sh", "standin", why="minutes: 20 steps on 4 ranks then its checks",
         covered_by=("tests/test_readme.py::test_readme_command_resolves",
                     "tests/test_train_hetero.py::test_loss_and_grad_norm_match_homogeneous_at_every_step")),
-    Row(r"^bash scripts/test\.sh", "standin", why="the suite itself: .ci/run runs it",
+    Row(r"^bash scripts/test\.sh$", "standin", why="the suite itself: .ci/run runs it",
         covered_by=("tests/test_readme.py::test_every_readme_command_has_one_row",)),
+    Row(r"^bash scripts/test\.sh --quick$", "standin", why="a part of the suite itself (2 minutes): its tests run in CI",
+        covered_by=("tests/test_quick_tier.py::test_quick_is_the_marker_test_sh_selects", "tests/test_quick_tier.py::"
+                    "test_a_test_that_starts_a_process_directly_or_through_its_file_is_not_quick")),
     Row(r"finetune --help", "run", expect=r"nemotron_omni_tiny(.|\n)*Registered executors"),
     Row(r"nemotron_vl_tiny trainer\.max_steps=20 run\.executor=local", "dryrun",
         covered_by=("tests/test_train_hetero.py::test_loss_and_grad_norm_match_homogeneous_at_every_step",
